@@ -1,0 +1,185 @@
+"""The job's state in etcd: the one place that knows the key layout.
+
+Every key lives under ``/tm-launch/<run id>/`` (the KV's prefix), so one job can neither read nor
+change another's keys. Two subtrees:
+
+``state/`` what the planner reads, in one range request::
+
+    state/plan                  the current generation's Plan (JSON), replaced only by CAS
+    state/nodes/<node>          NodeInfo, attached to the node's lease: gone when the node dies
+    state/failed/<node>         cordoned nodes (durable; `ctl uncordon` removes)
+    state/drain/<node>          planned-migration requests (`ctl drain`, degraded alarms)
+    state/reports/<gen>/<node>  failures a node reported in generation <gen>
+    state/done/<gen>/<node>     nodes whose workers finished in generation <gen>
+    state/live                  present once the job's workers use the live API
+
+``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
+``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role).
+
+Consistency: a plan changes only through compare-and-swap on ``state/plan``, one key, so a node
+killed while publishing leaves either the old plan or the new one, never half of each. Everything
+a crashing node may leave behind (a report, a history entry) is either harmless or re-derived.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from tm_launch.plan import NodeInfo, Plan
+from tm_launch.planner import View
+
+from .kv import KV, Entry, Lease
+
+
+def run_prefix(run_id: str) -> str:
+    return f"/tm-launch/{run_id}/"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One consistent read of ``state/`` plus the revision to watch from."""
+
+    view: View
+    plan_entry: Entry | None
+    revision: int
+    spares_alive: int
+
+
+class Membership:
+    def __init__(self, kv: KV):
+        self.kv = kv
+
+    # -- registration ---------------------------------------------------------------------
+    def register(self, info: NodeInfo, ttl: float) -> Lease:
+        lease = self.kv.grant(ttl)
+        if not self.kv.create(f"state/nodes/{info.id}", info.to_json(), lease=lease):
+            lease.revoke()
+            raise ValueError(
+                f"node id '{info.id}' is already registered in this job; pick another --node-id "
+                "or wait for the old node's lease to expire"
+            )
+        return lease
+
+    def leave(self, node: str) -> None:
+        self.kv.delete(f"state/nodes/{node}")
+
+    # -- reading ----------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        revision = self.kv.current_revision()
+        entries = {e.key: e for e in self.kv.get_prefix("state/")}
+        plan_entry = entries.get("state/plan")
+        plan = Plan.from_json(plan_entry.value) if plan_entry else None
+        alive, failed, drains, reports, done = {}, {}, {}, {}, set()
+        gen = plan.generation if plan else -1
+        for key, entry in entries.items():
+            parts = key.split("/")
+            kind = parts[1] if len(parts) > 1 else ""
+            try:
+                if kind == "nodes" and len(parts) == 3:
+                    alive[parts[2]] = NodeInfo.from_json(entry.value)
+                elif kind == "failed" and len(parts) == 3:
+                    failed[parts[2]] = json.loads(entry.value).get("reason", "cordoned")
+                elif kind == "drain" and len(parts) == 3:
+                    drains[parts[2]] = json.loads(entry.value).get("reason", "drain requested")
+                elif kind == "reports" and len(parts) == 4 and parts[2] == str(gen):
+                    reports[parts[3]] = json.loads(entry.value)["reason"]
+                elif kind == "done" and len(parts) == 4 and parts[2] == str(gen):
+                    done.add(parts[3])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a garbage value under our keys is ignored, never fatal
+        view = View(
+            plan=plan, alive=alive, failed=failed, reports=reports, drains=drains,
+            done=frozenset(done), live="state/live" in entries,
+        )
+        active = set(plan.nodes) if plan else set()
+        spares_alive = len([n for n in alive if n not in active and n not in failed])
+        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive)
+
+    def wait(self, revision: int, timeout: float) -> bool:
+        """Block until something under ``state/`` changes after ``revision`` (or timeout)."""
+        return self.kv.wait("state/", revision, timeout)
+
+    # -- writing ----------------------------------------------------------------------------
+    def publish(self, plan: Plan, expected: Entry | None) -> bool:
+        """Compare-and-swap the next plan in; False when someone else published first."""
+        if expected is None:
+            ok = self.kv.create("state/plan", plan.to_json())
+        else:
+            ok = self.kv.replace("state/plan", plan.to_json(), expected.revision)
+        if ok:
+            self.kv.put(f"log/history/{plan.generation:08d}", plan.to_json())
+        return ok
+
+    def report_failure(self, generation: int, node: str, reason: str) -> None:
+        self.kv.put(f"state/reports/{generation}/{node}", json.dumps({"reason": reason, "time": time.time()}))
+
+    def mark_done(self, generation: int, node: str) -> None:
+        self.kv.put(f"state/done/{generation}/{node}", json.dumps({"time": time.time()}))
+
+    def cordon(self, node: str, reason: str) -> None:
+        self.kv.put(f"state/failed/{node}", json.dumps({"reason": reason, "time": time.time()}))
+
+    def uncordon(self, node: str) -> bool:
+        existed = self.kv.get(f"state/failed/{node}") is not None
+        self.kv.delete(f"state/failed/{node}")
+        self.kv.delete(f"state/drain/{node}")
+        return existed
+
+    def request_drain(self, node: str, reason: str) -> None:
+        self.kv.put(f"state/drain/{node}", json.dumps({"reason": reason, "time": time.time()}))
+
+    def clear_drain(self, node: str) -> None:
+        self.kv.delete(f"state/drain/{node}")
+
+    def set_live(self) -> None:
+        self.kv.create("state/live", "1")
+
+    # -- operator log -------------------------------------------------------------------------
+    def event(self, node: str, kind: str, **fields) -> dict:
+        record = {"time": time.time(), "node": node, "kind": kind, **fields}
+        self.kv.put(f"log/events/{time.time_ns():020d}-{node}", json.dumps(record, sort_keys=True))
+        return record
+
+    def events(self) -> list[dict]:
+        out = []
+        for e in self.kv.get_prefix("log/events/"):
+            try:
+                out.append(json.loads(e.value))
+            except ValueError:
+                continue
+        return out
+
+    def alarm(self, node: str, name: str, record: dict) -> None:
+        self.kv.put(f"log/alarms/{node}/{name}", json.dumps(record, sort_keys=True))
+
+    def alarms(self) -> list[dict]:
+        out = []
+        for e in self.kv.get_prefix("log/alarms/"):
+            try:
+                out.append(json.loads(e.value))
+            except ValueError:
+                continue
+        return out
+
+    def progress(self, node: str, record: dict, lease: Lease | None) -> None:
+        self.kv.put(f"log/progress/{node}", json.dumps(record, sort_keys=True), lease=lease)
+
+    def all_progress(self) -> dict[str, dict]:
+        out = {}
+        for e in self.kv.get_prefix("log/progress/"):
+            try:
+                out[e.key.rsplit("/", 1)[-1]] = json.loads(e.value)
+            except ValueError:
+                continue
+        return out
+
+    def history(self) -> list[Plan]:
+        plans = []
+        for e in self.kv.get_prefix("log/history/"):
+            try:
+                plans.append(Plan.from_json(e.value))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return plans

@@ -1,0 +1,464 @@
+"""The per-node agent: register, follow the generations, run and watch this node's workers.
+
+One loop, woken by any change under the job's ``state/`` keys or every ``--monitor-interval``:
+
+1. read the job's state (one etcd range read) and, if the plan moved on, act on it:
+   start workers (fresh or sandboxed), forward the new generation to live workers, or stop;
+2. watch local workers (exits, hangs) and health alarms, and report what it finds to etcd;
+3. run the pure planner on the same view and try to publish its plan by compare-and-swap.
+
+Every agent plans; the CAS makes exactly one plan per generation. A lease-keeper thread keeps
+this node registered; when the lease is lost the agent stops its workers (fencing) and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from health.alarms import DEGRADED, FATAL, Alarm
+from health.config import HealthConfig
+from rendezvous.kv import KV, KVError
+from rendezvous.membership import Membership
+
+from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
+from .planner import Limits, View, next_plan, spares
+from .workers import OutputSpec, WorkerSet, describe_exit
+
+log = logging.getLogger("tm_launch.agent")
+
+
+@dataclass
+class AgentConfig:
+    node_id: str
+    addr: str
+    nproc: int
+    limits: Limits
+    cmd: list[str]
+    run_id: str
+    role: str = "default"
+    lease_ttl: float = 5.0
+    monitor_interval: float = 0.1
+    join_timeout: float = 600.0
+    last_call: float = 1.0
+    spares_wanted: int = 0
+    live_enabled: bool = True
+    collective_timeout: float = 120.0
+    sandbox_steps: int = 2
+    output: OutputSpec | None = None
+    health: HealthConfig | None = None
+    event_log: str | None = None
+
+
+class Fenced(Exception):
+    """This node lost its lease: it no longer owns any rank."""
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, kv: KV):
+        self.cfg = cfg
+        self.kv = kv
+        self.members = Membership(kv)
+        self.store = dist.TCPStore(cfg.addr, 0, None, True, wait_for_workers=False)
+        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id)
+        self.plan: Plan | None = None  # the last generation this agent acted on
+        self.lease = None
+        self.lost_lease = threading.Event()
+        self.alarms: queue.Queue[Alarm] = queue.Queue()
+        self.reported_gen = -1
+        self.done_gen = -1
+        self.live_seen = False
+        self.min_reached_at: float | None = None
+        self.started = time.time()
+        self.last_progress = 0.0
+        self.timings: dict[int, dict] = {}
+        self.monitor = None
+        self._hang_seen: dict[int, list] = {}  # local rank -> [last step seen, when it changed]
+
+    # -- logging --------------------------------------------------------------------------------
+    def say(self, message: str, kind: str = "info", **fields) -> None:
+        print(f"[tm-launch {self.cfg.node_id}] {message}", file=sys.stderr, flush=True)
+        record = {"time": time.time(), "node": self.cfg.node_id, "kind": kind, "message": message, **fields}
+        if self.cfg.event_log:
+            with open(self.cfg.event_log, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        if kind != "info":
+            try:
+                self.members.event(self.cfg.node_id, kind, message=message, **fields)
+            except KVError:
+                pass
+
+    # -- start ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        snap = self.members.snapshot()
+        if snap.view.plan and snap.view.plan.finished:
+            raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({snap.view.plan.state}); start the job with a new --rdzv-id")
+        info = NodeInfo(
+            id=self.cfg.node_id, host=socket.gethostname(), addr=self.cfg.addr, store_port=self.store.port,
+            nproc=self.cfg.nproc, pid=os.getpid(), joined=time.time(),
+        )
+        try:
+            self.lease = self.members.register(info, self.cfg.lease_ttl)
+        except ValueError as e:
+            raise SystemExit(f"tm-launch: error: {e}") from None
+        threading.Thread(target=self._keep_lease, daemon=True).start()
+        self._start_health()
+        self.say(f"joined run '{self.cfg.run_id}' ({self.cfg.nproc} worker(s) per node, nnodes {self.cfg.limits.min_nodes}:{self.cfg.limits.max_nodes})", kind="joined")
+        try:
+            return self._loop()
+        except Fenced as e:
+            self.workers.stop(grace=0)
+            self.say(f"lost membership: {e}; stopped this node's workers (fencing)", kind="fenced")
+            return 1
+        except KeyboardInterrupt:
+            self.workers.stop()
+            return 130
+        finally:
+            if self.monitor is not None:
+                self.monitor.stop()
+            self.workers.stop(grace=2)
+            try:
+                if self.lease is not None and not self.lost_lease.is_set():
+                    self.lease.revoke()
+            except KVError:
+                pass
+
+    def _keep_lease(self) -> None:
+        interval = max(self.cfg.lease_ttl / 3.0, 0.1)
+        unreachable_since = None
+        while not self.lost_lease.is_set():
+            time.sleep(interval)
+            try:
+                if not self.lease.refresh():
+                    self.lost_lease.set()
+                    return
+                unreachable_since = None
+            except KVError as e:
+                if unreachable_since is None:
+                    unreachable_since = time.time()
+                    print(f"[tm-launch {self.cfg.node_id}] etcd unreachable, retrying: {e}", file=sys.stderr, flush=True)
+
+    def _start_health(self) -> None:
+        cfg = self.cfg.health
+        if cfg is None or not cfg.nvml:
+            return
+        from health.nvml_monitor import NvmlMonitor, gpus_for_local_ranks
+
+        gpus = gpus_for_local_ranks(self.cfg.nproc, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.monitor = NvmlMonitor(self.cfg.node_id, gpus, cfg, self.alarms.put)
+        if not self.monitor.start():
+            self.monitor = None
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _loop(self) -> int:
+        while True:
+            if self.lost_lease.is_set():
+                raise Fenced("lease expired")
+            try:
+                snap = self.members.snapshot()
+            except KVError as e:
+                self._etcd_down(e)
+                continue
+            view = snap.view
+            if view.plan is not None and (self.plan is None or view.plan.generation != self.plan.generation):
+                code = self._follow(view.plan, view)
+                if code is not None:
+                    return code
+            if view.plan is None:
+                self._check_join_timeout(view)
+            self._watch_workers(view)
+            self._watch_alarms()
+            self._publish_progress()
+            decision = next_plan(self._with_last_call(view), self.cfg.limits)
+            if decision is not None:
+                try:
+                    if self.members.publish(decision, snap.plan_entry):
+                        self._announce(decision, view)
+                        continue
+                except KVError as e:
+                    self._etcd_down(e)
+                    continue
+            try:
+                self.members.wait(snap.revision, self.cfg.monitor_interval)
+            except KVError as e:
+                self._etcd_down(e)
+
+    def _etcd_down(self, error: Exception) -> None:
+        print(f"[tm-launch {self.cfg.node_id}] etcd: {error}; retrying", file=sys.stderr, flush=True)
+        time.sleep(min(1.0, self.cfg.lease_ttl / 3))
+
+    def _with_last_call(self, view: View) -> View:
+        if view.plan is not None:
+            return view
+        n = len(spares(view))
+        if n >= self.cfg.limits.min_nodes:
+            self.min_reached_at = self.min_reached_at or time.time()
+        else:
+            self.min_reached_at = None
+        passed = self.min_reached_at is not None and time.time() - self.min_reached_at >= self.cfg.last_call
+        return View(**{**view.__dict__, "last_call_passed": passed})
+
+    def _check_join_timeout(self, view: View) -> None:
+        waited = time.time() - self.started
+        if waited > self.cfg.join_timeout:
+            raise SystemExit(
+                f"tm-launch: error: waited {waited:.0f}s for {self.cfg.limits.min_nodes} node(s) to join run "
+                f"'{self.cfg.run_id}', {len(view.alive)} joined; start the other nodes or lower --nnodes"
+            )
+
+    def _announce(self, plan: Plan, view: View) -> None:
+        if plan.state == SUCCEEDED:
+            return
+        if plan.state == FAILED:
+            self.say(f"generation {plan.generation}: job failed: {plan.reason}", kind="job_failed", generation=plan.generation)
+            return
+        moves = ", ".join(f"{new} takes the ranks of {old}" for new, old in plan.replaced.items()) or "no spare used"
+        mode = "live (survivors keep their processes)" if plan.live else "restart (all workers start afresh)"
+        self.say(
+            f"published generation {plan.generation}: {plan.cause}; {moves}; {mode}",
+            kind="plan", generation=plan.generation, cause=plan.cause, replaced=plan.replaced,
+            removed=list(plan.removed), live=plan.live, planned=plan.planned, nodes=list(plan.nodes),
+        )
+
+    # -- acting on a plan -----------------------------------------------------------------------
+    def _follow(self, plan: Plan, view: View) -> int | None:
+        """Do what generation ``plan`` asks of this node; an exit code when the agent is done."""
+        me = self.cfg.node_id
+        previous, self.plan = self.plan, plan
+        if plan.state == SUCCEEDED:
+            self._stop_workers("job finished")
+            self.say(f"job finished successfully (generation {plan.generation})")
+            return 0
+        if plan.state == FAILED:
+            self._stop_workers("job failed")
+            self.say(f"job failed: {plan.reason}")
+            return 1
+        if previous is None and me in plan.nodes:
+            self.say(f"generation {plan.generation}: active, group rank {plan.group_rank(me)}, ranks {plan.ranks(me)} of {plan.world_size}")
+        if me in plan.removed:
+            return self._leave(plan)
+        if me not in plan.nodes:
+            self._be_spare(plan, view)
+            return None
+        if not plan.live or not self.cfg.live_enabled:
+            self._stop_workers(f"generation {plan.generation} restarts every worker")
+            self._start_workers(plan, sandbox=False)
+        elif me in plan.joiners and not (self.workers and self.workers.kind == "sandbox"):
+            self._stop_workers("restarting this node's workers as joiners")
+            self._start_workers(plan, sandbox=True)
+        if me in plan.joiners and previous is not None and me not in (previous.nodes if previous else ()):
+            self.say(f"generation {plan.generation}: promoted from spare to group rank {plan.group_rank(me)} (ranks {plan.ranks(me)})", kind="promoted", generation=plan.generation)
+        self._direct(plan)
+        self._warn_spares(view, plan)
+        return None
+
+    def _leave(self, plan: Plan) -> int:
+        me = self.cfg.node_id
+        planned = plan.planned and plan.live and self.workers
+        if planned:
+            self._direct(plan)  # the leavers' workers hand over at the switch step, then exit
+            deadline = time.time() + max(60.0, self.cfg.collective_timeout)
+            while self.workers.poll() and any(c is None for c in self.workers.poll().values()) and time.time() < deadline:
+                time.sleep(0.05)
+        self._stop_workers("this node left the job")
+        successor = next((new for new, old in plan.replaced.items() if old == me), None)
+        how = f"replaced by {successor}" if successor else "removed"
+        if plan.planned:
+            self.say(f"generation {plan.generation}: drained, {how}; exiting", kind="left", generation=plan.generation)
+            return 0
+        self.say(f"generation {plan.generation}: {how} after a failure ({plan.cause}); exiting", kind="left", generation=plan.generation)
+        return 1
+
+    def _be_spare(self, plan: Plan, view: View) -> None:
+        if self.plan is not None and (view.live or self.live_seen) and self.cfg.live_enabled and not self.workers:
+            self.say(f"spare: warming up {self.cfg.nproc} worker(s) in the sandbox (world size {plan.world_size})", kind="sandbox")
+            self._start_workers(plan, sandbox=True)
+        elif not self.workers:
+            self.say(f"spare: waiting (generation {plan.generation} has {len(plan.nodes)} active node(s))")
+        self._direct(plan)
+
+    def _warn_spares(self, view: View, plan: Plan) -> None:
+        have = len(spares(View(**{**view.__dict__, "plan": plan})))
+        if have < self.cfg.spares_wanted and plan.nodes and plan.nodes[0] == self.cfg.node_id:
+            self.say(f"warning: the job wants {self.cfg.spares_wanted} spare node(s) and has {have}", kind="warning")
+
+    def _direct(self, plan: Plan) -> None:
+        """Hand generation ``plan`` to this node's workers through the local store."""
+        me = self.cfg.node_id
+        joiner_ranks = [r for n in plan.joiners for r in plan.ranks(n)]
+        directive = {
+            "generation": plan.generation, "active": me in plan.nodes, "ranks": plan.ranks(me),
+            "world_size": plan.world_size, "store": plan.store, "joiner_ranks": joiner_ranks,
+            "all_fresh": set(plan.joiners) >= set(plan.nodes), "planned": plan.planned, "live": plan.live,
+            "stop": plan.finished,
+        }
+        self.store.set(f"node/plan/{plan.generation}", json.dumps(directive))
+        current = self.store.add("node/latest", 0)
+        if plan.generation > current:
+            self.store.add("node/latest", plan.generation - current)
+
+    def _env(self, plan: Plan, local_rank: int, sandbox: bool) -> dict[str, str]:
+        me = self.cfg.node_id
+        ranks = plan.ranks(me) or list(range(self.cfg.nproc))
+        group_rank = plan.group_rank(me)
+        env = dict(os.environ)
+        env.update({
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(ranks[local_rank]),
+            "GROUP_RANK": str(group_rank if group_rank is not None else -1),
+            "ROLE_RANK": str(ranks[local_rank]),
+            "ROLE_NAME": self.cfg.role,
+            "LOCAL_WORLD_SIZE": str(self.cfg.nproc),
+            "WORLD_SIZE": str(plan.world_size),
+            "GROUP_WORLD_SIZE": str(len(plan.nodes)),
+            "ROLE_WORLD_SIZE": str(plan.world_size),
+            "MASTER_ADDR": str(plan.store.get("addr", "")),
+            "MASTER_PORT": str(plan.store.get("port", "")),
+            # Every generation is a new worker group: its number keeps torch's per-attempt
+            # store prefix (/worker/attempt_N) fresh even when no restart was consumed.
+            "TORCHELASTIC_RESTART_COUNT": str(plan.generation),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.cfg.limits.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.cfg.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TM_NODE_ID": me,
+            "TM_LOCAL_ADDR": self.cfg.addr,
+            "TM_GENERATION": str(plan.generation),
+            "TM_SANDBOX": "1" if sandbox else "0",
+            "TM_SANDBOX_STEPS": str(self.cfg.sandbox_steps),
+            "TM_COLLECTIVE_TIMEOUT": str(self.cfg.collective_timeout),
+        })
+        if self.cfg.live_enabled:
+            env["TM_AGENT_STORE"] = f"{self.cfg.addr}:{self.store.port}"
+        else:
+            env.pop("TM_AGENT_STORE", None)
+        return env
+
+    def _start_workers(self, plan: Plan, sandbox: bool) -> None:
+        self._direct(plan)
+        envs = {lr: self._env(plan, lr, sandbox) for lr in range(self.cfg.nproc)}
+        self.workers.start(envs, plan.generation, "sandbox" if sandbox else "fresh")
+        self.reported_gen = -1
+
+    def _stop_workers(self, why: str) -> None:
+        if self.workers:
+            self.workers.stop()
+
+    # -- watching ---------------------------------------------------------------------------------
+    def _watch_workers(self, view: View) -> None:
+        plan = self.plan
+        if plan is None or not self.workers:
+            return
+        self._note_live()
+        me = self.cfg.node_id
+        failed = self.workers.failed()
+        active = me in plan.nodes and not plan.finished
+        if failed and self.reported_gen != plan.generation:
+            local_rank, code = failed
+            why = f"worker {local_rank} (pid {self.workers.pids()[local_rank]}) {describe_exit(code)}"
+            self.workers.stop(grace=0)
+            if active:
+                self.reported_gen = plan.generation
+                self.say(f"generation {plan.generation}: {why}; reporting the failure", kind="worker_failed", generation=plan.generation, local_rank=local_rank, exit_code=code)
+                self.members.report_failure(plan.generation, me, why)
+            else:
+                self.say(f"spare: sandbox {why}; it will be started again", kind="spare_failed")
+            return
+        if active and self.done_gen != plan.generation and self.workers.all_succeeded():
+            self.done_gen = plan.generation
+            self.members.mark_done(plan.generation, me)
+            self.say(f"generation {plan.generation}: this node's workers finished; waiting for the others")
+        if active:
+            self._watch_hangs(plan)
+
+    def _note_live(self) -> None:
+        if self.live_seen:
+            return
+        for lr in self.workers.workers:
+            if self.store.check([f"worker/{lr}/live"]):
+                self.live_seen = True
+                self.members.set_live()
+                return
+
+    def _statuses(self) -> dict[int, dict]:
+        out = {}
+        for lr in self.workers.workers:
+            key = f"worker/{lr}/status"
+            if self.store.check([key]):
+                try:
+                    out[lr] = json.loads(self.store.get(key))
+                except ValueError:
+                    continue
+        return out
+
+    def _watch_hangs(self, plan: Plan) -> None:
+        """Kill a worker whose steps stopped advancing: survivors then fail fast and recover."""
+        cfg = self.cfg.health
+        if cfg is None or not self.live_seen:
+            return
+        from health.hang import hang_timeout
+
+        now = time.time()
+        for lr, status in self._statuses().items():
+            if status.get("state") not in ("running",):
+                continue
+            seen = self._hang_seen.setdefault(lr, [None, now])
+            if status.get("step") != seen[0]:
+                self._hang_seen[lr] = [status.get("step"), now]
+                continue
+            recent = [status["step_time"]] if status.get("step_time") else []
+            limit = hang_timeout(cfg, recent, status.get("step") or 0, False)
+            if now - seen[1] > limit:
+                self.say(
+                    f"generation {plan.generation}: worker {lr} made no progress for {now - seen[1]:.1f}s "
+                    f"(limit {limit:.1f}s): killing it", kind="hang", local_rank=lr,
+                )
+                self.workers.kill(lr)
+                self._hang_seen.pop(lr, None)
+
+    def _watch_alarms(self) -> None:
+        while True:
+            try:
+                alarm = self.alarms.get_nowait()
+            except queue.Empty:
+                return
+            record = alarm.to_json()
+            self.members.alarm(self.cfg.node_id, f"{alarm.signal}-gpu{alarm.gpu}", record)
+            self.say(f"alarm {alarm.severity}: {alarm.message}", kind="alarm", alarm=record)
+            plan = self.plan
+            if plan is None or self.cfg.node_id not in plan.nodes:
+                if alarm.severity == FATAL:
+                    self.members.cordon(self.cfg.node_id, f"{alarm.signal}: {alarm.message}")
+                continue
+            if alarm.severity == FATAL:
+                self.members.cordon(self.cfg.node_id, f"{alarm.signal}: {alarm.message}")
+                self.workers.stop(grace=0)
+            elif alarm.severity == DEGRADED:
+                self.members.request_drain(self.cfg.node_id, f"{alarm.signal}: {alarm.message}")
+
+    def _publish_progress(self) -> None:
+        now = time.time()
+        if now - self.last_progress < 1.0 or self.plan is None:
+            return
+        self.last_progress = now
+        statuses = self._statuses() if self.workers else {}
+        role = "active" if self.cfg.node_id in self.plan.nodes else "spare"
+        record = {
+            "node": self.cfg.node_id, "role": role, "generation": self.plan.generation,
+            "workers": {str(lr): {k: s.get(k) for k in ("step", "state", "rank", "step_time")} for lr, s in statuses.items()},
+            "time": now,
+        }
+        try:
+            self.members.progress(self.cfg.node_id, record, self.lease)
+        except KVError:
+            pass

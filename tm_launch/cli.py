@@ -1,0 +1,155 @@
+"""``tm-launch``: torchrun's command line, tm-launch's agent behind the etcd backends.
+
+``--rdzv-backend c10d`` and ``static`` (torchrun's default) are handed to torchrun itself, so
+they behave exactly as under torchrun. ``etcd-v3``, ``etcd`` and ``etcd-v2`` (and
+``--standalone``, which starts a private etcd) run tm-launch's agent: spares, generations and
+live substitution. ``tm-launch ctl ...`` is the operator interface (see ``tm_launch.ctl``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import uuid
+from urllib.parse import urlparse
+
+from .options import LIVE_BACKENDS, UsageError, parse_args, parse_nnodes
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"tm-launch: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["ctl"]:
+        from .ctl import main as ctl_main
+
+        return ctl_main(argv[1:])
+    logging.basicConfig(level=logging.WARNING, format="[tm-launch] %(levelname)s %(message)s")
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        return _fail(str(e))
+    if args.rdzv_backend not in LIVE_BACKENDS and not args.standalone:
+        return _torchrun(args)
+    try:
+        return _launch(args)
+    except UsageError as e:
+        return _fail(str(e))
+
+
+def _torchrun(args) -> int:
+    """torchrun's own code path for its own backends: same behaviour, same exit codes."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    try:
+        run(args)
+    except ChildFailedError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    return 0
+
+
+def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
+    """EtcdOptions from --rdzv-endpoint and --rdzv-conf (cacert, cert, key, user, password_file, timeout)."""
+    from torch.distributed.run import _parse_rendezvous_config
+
+    from rendezvous.kv import EtcdOptions
+    from rendezvous.membership import run_prefix
+
+    values = dict(conf) if isinstance(conf, dict) else _parse_rendezvous_config(conf or "")
+    known = {"cacert", "cert", "key", "user", "password_file", "timeout", "read_timeout", "protocol", "join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt"}
+    for key in values:
+        if key not in known:
+            raise UsageError(f"--rdzv-conf: unknown key '{key}' (known: cacert, cert, key, user, password_file, timeout)")
+    password = None
+    if values.get("password_file"):
+        try:
+            with open(values["password_file"]) as f:
+                password = f.read().strip()
+        except OSError as e:
+            raise UsageError(f"--rdzv-conf password_file: cannot read {values['password_file']}: {e.strerror}") from None
+    elif os.environ.get("TM_ETCD_PASSWORD"):
+        password = os.environ["TM_ETCD_PASSWORD"]
+    endpoints = tuple(e.strip() for e in (endpoint or "localhost:2379").split(",") if e.strip())
+    if values.get("cacert") or values.get("protocol") == "https":
+        endpoints = tuple(e if "://" in e else f"https://{e}" for e in endpoints)
+    return EtcdOptions(
+        endpoints=endpoints, prefix=run_prefix(run_id), cacert=values.get("cacert"), cert=values.get("cert"),
+        key=values.get("key"), user=values.get("user"), password=password,
+        timeout=float(values.get("timeout", values.get("read_timeout", 5.0))),
+    )
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}").hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _launch(args) -> int:
+    from torch.distributed.elastic.multiprocessing.api import Std, to_map
+    from torch.distributed.run import config_from_args
+
+    from rendezvous.kv import KVError, connect
+
+    from .agent import Agent, AgentConfig
+    from .planner import Limits
+    from .workers import OutputSpec
+
+    server = None
+    if args.standalone:
+        from rendezvous.etcd_server import EtcdServer
+
+        server = EtcdServer().start()
+        args.rdzv_backend = "etcd-v3"
+        args.rdzv_endpoint = server.endpoint
+        if args.rdzv_id in (None, "", "none"):
+            args.rdzv_id = f"standalone-{uuid.uuid4().hex[:8]}"
+        print(f"[tm-launch] --standalone: private etcd at {server.endpoint}", file=sys.stderr, flush=True)
+    try:
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+        run_id = str(args.rdzv_id)
+        options = etcd_options(args.rdzv_endpoint, run_id, args.rdzv_conf)
+        config, cmd, cmd_args = config_from_args(args)
+        api = "v3" if args.rdzv_backend == "etcd-v3" else "v2"
+        try:
+            kv = connect(api, options)
+        except KVError as e:
+            return _fail(str(e), code=1)
+        nproc = config.nproc_per_node
+        if args.local_addr:
+            addr = args.local_addr
+        elif all(_is_loopback(e) for e in options.endpoints):
+            addr = "127.0.0.1"
+        else:
+            addr = socket.getfqdn()
+        output = OutputSpec(
+            log_dir=args.log_dir,
+            redirects={k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()},
+            tee={k: int(v) for k, v in to_map(Std.from_str(args.tee), nproc).items()},
+            shown=set(map(int, args.local_ranks_filter.split(","))) if args.local_ranks_filter else None,
+            role=args.role,
+        )
+        entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u"]
+        cfg = AgentConfig(
+            node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+            addr=addr, nproc=nproc,
+            limits=Limits(min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, max_restarts=args.max_restarts),
+            cmd=entry + list(cmd_args), run_id=run_id, role=args.role, lease_ttl=args.lease_ttl,
+            monitor_interval=args.monitor_interval, join_timeout=args.join_timeout, last_call=args.last_call,
+            spares_wanted=args.spares, live_enabled=not args.no_live, collective_timeout=args.collective_timeout,
+            sandbox_steps=args.sandbox_steps, output=output, health=args.health, event_log=args.event_log,
+        )
+        return Agent(cfg, kv).run()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""``tm-launch ctl``: what an operator asks of a running job.
+
+    tm-launch ctl --rdzv-endpoint E --rdzv-id ID status [--json]
+    tm-launch ctl --rdzv-endpoint E --rdzv-id ID events [--follow]
+    tm-launch ctl --rdzv-endpoint E --rdzv-id ID drain NODE
+    tm-launch ctl --rdzv-endpoint E --rdzv-id ID cordon NODE | uncordon NODE
+
+Connection options mean what they mean for the launcher (and may come from ``--config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import yaml
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tm-launch ctl", description="Inspect and steer a running tm-launch job.")
+    p.add_argument("--config", help="the job's YAML config (rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint")
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, choices=["etcd-v3", "etcd", "etcd-v2"])
+    p.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="membership, generation, alarms")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    e = sub.add_parser("events", help="the job's event log")
+    e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    e.add_argument("--json", action="store_true", help="one JSON object per line")
+    for name, text in (("drain", "move NODE's ranks to a spare (planned, two-phase)"), ("cordon", "mark NODE failed: it is replaced and never chosen again"), ("uncordon", "return a cordoned or drained NODE to the spare pool")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("node")
+    return p
+
+
+def _connect(args):
+    from rendezvous.kv import connect
+    from rendezvous.membership import Membership
+
+    from .cli import etcd_options
+
+    conf = {}
+    if args.config:
+        with open(args.config) as f:
+            conf = yaml.safe_load(f) or {}
+    endpoint = args.rdzv_endpoint or conf.get("rdzv_endpoint")
+    run_id = args.rdzv_id or conf.get("rdzv_id")
+    backend = args.rdzv_backend or conf.get("rdzv_backend") or "etcd-v3"
+    if not endpoint or not run_id:
+        raise ValueError("give --rdzv-endpoint and --rdzv-id (or --config with rdzv_endpoint and rdzv_id)")
+    options = etcd_options(endpoint, str(run_id), args.rdzv_conf or conf.get("rdzv_conf"))
+    return Membership(connect("v3" if backend == "etcd-v3" else "v2", options)), str(run_id)
+
+
+def status(members, run_id: str) -> dict:
+    snap = members.snapshot()
+    view, plan = snap.view, snap.view.plan
+    progress = members.all_progress()
+    ids = set(view.alive) | set(view.failed) | set(plan.nodes if plan else ()) | set(progress)
+    nodes = []
+    for node in sorted(ids, key=lambda n: (plan.group_rank(n) if plan and plan.group_rank(n) is not None else 10**9, n)):
+        active = bool(plan and node in plan.nodes)
+        if node in view.failed:
+            role = "failed"
+        elif active and node in view.drains:
+            role = "draining"
+        elif active:
+            role = "active" if node in view.alive else "lost"
+        elif node in view.alive:
+            role = "spare"
+        else:
+            role = "gone"
+        nodes.append({
+            "id": node, "role": role, "ranks": plan.ranks(node) if plan else [],
+            "alive": node in view.alive, "reason": view.failed.get(node) or view.drains.get(node),
+            "progress": progress.get(node, {}).get("workers", {}),
+        })
+    return {
+        "run_id": run_id,
+        "generation": plan.generation if plan else None,
+        "state": plan.state if plan else "forming",
+        "world_size": plan.world_size if plan else 0,
+        "live": view.live,
+        "restarts": plan.restarts if plan else 0,
+        "cause": plan.cause if plan else "",
+        "spares_left": snap.spares_alive,
+        "nodes": nodes,
+        "alarms": members.alarms(),
+    }
+
+
+def _print_status(s: dict) -> None:
+    print(f"run {s['run_id']}: generation {s['generation']}, {s['state']}, world size {s['world_size']}, "
+          f"{'live' if s['live'] else 'restart'} mode, {s['restarts']} restart(s), {s['spares_left']} spare(s) left")
+    if s["cause"]:
+        print(f"last change: {s['cause']}")
+    print(f"{'NODE':<24} {'ROLE':<9} {'RANKS':<16} STEP")
+    for n in s["nodes"]:
+        steps = sorted({str(w.get('step')) for w in n["progress"].values()}) or ["-"]
+        ranks = ",".join(map(str, n["ranks"])) or "-"
+        extra = f"  ({n['reason']})" if n["reason"] else ""
+        print(f"{n['id']:<24} {n['role']:<9} {ranks:<16} {'/'.join(steps)}{extra}")
+    for a in s["alarms"]:
+        print(f"alarm {a.get('severity')}: node {a.get('node')} gpu {a.get('gpu')} {a.get('signal')}={a.get('value')}: {a.get('message')}")
+
+
+def _format_event(e: dict) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
+    return f"{when} {e.get('node', '?'):<20} {e.get('kind', ''):<14} {e.get('message', '')}"
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from rendezvous.kv import KVError
+
+    try:
+        members, run_id = _connect(args)
+        if args.command == "status":
+            s = status(members, run_id)
+            print(json.dumps(s, indent=2, sort_keys=True)) if args.json else _print_status(s)
+        elif args.command == "events":
+            seen = 0
+            while True:
+                events = members.events()
+                for e in events[seen:]:
+                    print(json.dumps(e, sort_keys=True) if args.json else _format_event(e), flush=True)
+                seen = len(events)
+                if not args.follow:
+                    break
+                time.sleep(0.5)
+        elif args.command == "drain":
+            members.request_drain(args.node, "operator: tm-launch ctl drain")
+            print(f"drain requested for {args.node}: its ranks move to a spare at a step boundary")
+        elif args.command == "cordon":
+            members.cordon(args.node, "operator: tm-launch ctl cordon")
+            print(f"{args.node} cordoned: it is replaced if active and never chosen as a spare")
+        elif args.command == "uncordon":
+            existed = members.uncordon(args.node)
+            print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
+    except (KVError, ValueError, OSError) as e:
+        print(f"tm-launch ctl: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

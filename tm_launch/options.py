@@ -1,0 +1,203 @@
+"""Command line and YAML: torchrun's parser, plus tm-launch's own options, plus ``--config``.
+
+One source of truth: torchrun's ``get_args_parser()`` defines every torchrun option (and its
+``PET_*`` variable); tm-launch adds its options to the same parser, and the YAML file may set
+any of them by its destination name (``nproc_per_node: 2``, ``rdzv_backend: etcd-v3``,
+``spares: 1``, ``health: {hang_timeout: 60}``). Precedence: command line > ``PET_*`` variable >
+YAML > built-in default. Mistakes raise ``UsageError`` with one line saying what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import re
+import shutil
+from typing import Any
+
+import yaml
+
+from health.config import HealthConfig
+
+LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Options a config file may not set: they name the script, not the job.
+NOT_IN_YAML = {"help", "config", "training_script", "training_script_args"}
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit code 2, no traceback."""
+
+
+def _health_flag(name: str) -> str:
+    return "--health-" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "tm-launch"
+    parser.description = (
+        "tm-launch: a drop-in for torchrun with spare nodes, health alarms and live in-place "
+        "rank substitution. Every torchrun option keeps its meaning. `tm-launch ctl --help` "
+        "lists the operator commands."
+    )
+    own = parser.add_argument_group("tm-launch")
+    own.add_argument("--config", metavar="FILE.yaml", help="YAML file setting any option below or above by its name (e.g. nproc_per_node: 2, spares: 1).")
+    own.add_argument("--spares", type=int, default=0, help="Spare nodes the job wants to keep warm; a warning is printed when it has fewer. Nodes that join beyond --nnodes MAX are spares.")
+    own.add_argument("--lease-ttl", type=float, default=5.0, help="Seconds before a node that stopped refreshing its etcd lease counts as lost (default 5).")
+    own.add_argument("--node-id", default=None, help="Name of this node in the job (default: HOSTNAME-PID). `tm-launch ctl drain NODE` uses it.")
+    own.add_argument("--join-timeout", type=float, default=600.0, help="Seconds to wait for the first generation to form before giving up (default 600).")
+    own.add_argument("--last-call", type=float, default=1.0, help="With --nnodes MIN:MAX, seconds to wait for more nodes once MIN are present (default 1).")
+    own.add_argument("--collective-timeout", type=float, default=120.0, help="Live mode: seconds a collective may block before a rank gives up on its peers (default 120).")
+    own.add_argument("--sandbox-steps", type=int, default=2, help="Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2).")
+    own.add_argument("--no-live", action="store_true", help="Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().")
+    own.add_argument("--event-log", metavar="FILE", default=None, help="Append this agent's events as JSON lines to FILE.")
+    health = parser.add_argument_group("health monitor (YAML section `health:`)")
+    for f in dataclasses.fields(HealthConfig):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        health.add_argument(_health_flag(f.name), dest=f"health__{f.name}", default=None, metavar=kind.upper(), help=f.metadata.get("help", ""))
+    return parser
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _convert(action: argparse.Action, key: str, value: Any, where: str) -> Any:
+    """Check a YAML value against what the command line would accept for the same option."""
+    if action.nargs == 0:  # store_true flags and torchrun's env flags
+        if not isinstance(value, bool):
+            raise UsageError(f"{where}: '{key}' must be true or false, not {value!r}")
+        return value
+    if key == "rdzv_conf" and isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, (dict, list)):
+        raise UsageError(f"{where}: '{key}' must be a single value, not {type(value).__name__}")
+    if action.type is not None:
+        try:
+            value = action.type(str(value) if action.type is not int or isinstance(value, str) else value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{where}: '{key}' has the wrong type: {value!r}") from None
+    elif value is not None:
+        value = str(value)
+    if action.choices and value not in action.choices:
+        raise UsageError(f"{where}: '{key}' must be one of {', '.join(map(str, action.choices))}, not {value!r}")
+    return value
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]:
+    """Read a YAML file into (option defaults, health section), validated against the parser."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"--config {path}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: the top level must be a mapping of option: value")
+    actions = {a.dest: a for a in parser._actions if a.dest not in NOT_IN_YAML and not a.dest.startswith("health__")}
+    options, health = {}, {}
+    for key, value in data.items():
+        key = str(key).replace("-", "_")
+        if key == "health":
+            if not isinstance(value, dict):
+                raise UsageError(f"{path}: 'health' must be a mapping")
+            health = value
+            continue
+        if key not in actions:
+            raise UsageError(f"{path}: unknown key '{key}'{_suggest(key, list(actions) + ['health'])}")
+        options[key] = _convert(actions[key], key, value, path)
+    return options, health
+
+
+def _env_set(action: argparse.Action) -> bool:
+    """True when torchrun's PET_<NAME> variable already sets this option (it beats YAML)."""
+    return any(os.environ.get("PET_" + s.lstrip("-").upper().replace("-", "_")) for s in action.option_strings)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    health_yaml: dict = {}
+    if known.config:
+        options, health_yaml = load_config(known.config, parser)
+        by_dest = {a.dest: a for a in parser._actions}
+        parser.set_defaults(**{k: v for k, v in options.items() if not _env_set(by_dest[k])})
+    args = parser.parse_args(argv)
+    health_cli = {k[len("health__"):]: v for k, v in vars(args).items() if k.startswith("health__") and v is not None}
+    for k in list(vars(args)):
+        if k.startswith("health__"):
+            delattr(args, k)
+    args.health = _health_config({**health_yaml, **_typed_health(health_cli)}, known.config)
+    validate(args)
+    return args
+
+
+def _typed_health(flags: dict) -> dict:
+    """Command-line health values are strings; parse them as YAML scalars/lists (60, true, [79, 48])."""
+    out = {}
+    for k, v in flags.items():
+        try:
+            out[k] = yaml.safe_load(v)
+        except yaml.YAMLError:
+            out[k] = v
+        if isinstance(out[k], str) and "," in out[k]:
+            out[k] = [yaml.safe_load(x) for x in out[k].split(",")]
+    return out
+
+
+def _health_config(values: dict, path: str | None) -> HealthConfig:
+    try:
+        return HealthConfig.from_dict(values)
+    except ValueError as e:
+        raise UsageError(f"{path + ': ' if path else ''}{e}") from None
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    parts = str(text).split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--nnodes {text}: expected N or MIN:MAX with whole numbers") from None
+    if lo < 1:
+        raise UsageError(f"--nnodes {text}: the minimum must be at least 1")
+    if lo > hi:
+        raise UsageError(f"--nnodes {text}: MIN ({lo}) is larger than MAX ({hi}); write MIN:MAX")
+    return lo, hi
+
+
+def validate(args: argparse.Namespace) -> None:
+    parse_nnodes(args.nnodes)
+    if args.spares < 0:
+        raise UsageError(f"--spares {args.spares}: must be 0 or more")
+    if args.lease_ttl <= 0:
+        raise UsageError(f"--lease-ttl {args.lease_ttl}: must be positive seconds")
+    if args.sandbox_steps < 1:
+        raise UsageError(f"--sandbox-steps {args.sandbox_steps}: must be at least 1")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts {args.max_restarts}: must be 0 or more")
+    if args.rdzv_backend in LIVE_BACKENDS or args.standalone:
+        if args.rdzv_id and not RUN_ID.match(str(args.rdzv_id)):
+            raise UsageError(f"--rdzv-id {args.rdzv_id!r}: use letters, digits, '.', '_' or '-' (at most 128)")
+    script = args.training_script
+    if not args.module and not args.no_python and not os.path.isfile(script):
+        raise UsageError(f"training script '{script}' not found (give a path to a .py file, or -m MODULE)")
+    if args.no_python and not (os.path.isfile(script) or shutil.which(script)):
+        raise UsageError(f"--no-python: program '{script}' not found")

@@ -1,0 +1,196 @@
+"""The planner: given what etcd says about the job, what is the next generation's plan?
+
+A pure function with table tests (tests/test_planner.py). Every agent runs it on its own view
+and tries to publish the result with compare-and-swap; whichever publish lands first is the
+plan, and the others re-read and agree. Keeping it pure is what makes that safe: the decision
+depends only on the view, never on which agent computes it.
+
+Rules, in order:
+
+1. Job finished: every active node reported its workers done -> SUCCEEDED.
+2. Unplanned loss: an active node whose lease expired, that is cordoned, or that reported a
+   failure (worker exit, fatal alarm). Each loss consumes one restart of the job-wide
+   ``--max-restarts`` budget. A warm spare takes the lost node's group rank; with no spare, a
+   node that is still alive restarts its own workers in place (torchrun's behaviour), and a dead
+   node is dropped if the job may shrink (``--nnodes MIN:MAX``). Otherwise the job FAILS with a
+   reason, never waits forever.
+3. Planned migration (drain, degraded alarm): a draining node hands its ranks to a spare. Without
+   a spare the drain waits; it never takes the job below its size and costs no restart.
+4. Restart mode only: grow back towards MAX nodes when spares exist (torchrun's scale-up).
+
+Live mode (the job's workers use ``tm_launch.init``) keeps survivors' processes whenever the
+world size is unchanged; a changed world size always restarts every worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_nodes: int
+    max_nodes: int
+    nproc: int
+    max_restarts: int
+
+
+@dataclass(frozen=True)
+class View:
+    """Everything the planner looks at, read from etcd by the membership adapter."""
+
+    plan: Plan | None
+    alive: dict[str, NodeInfo]  # registered nodes whose lease is alive
+    failed: dict[str, str] = field(default_factory=dict)  # cordoned node -> reason
+    reports: dict[str, str] = field(default_factory=dict)  # node -> failure in this generation
+    drains: dict[str, str] = field(default_factory=dict)  # node -> why it should leave
+    done: frozenset[str] = frozenset()  # nodes whose workers finished in this generation
+    live: bool = False  # the job's workers use the live API
+    last_call_passed: bool = False  # MIN <= alive < MAX and the join window has closed
+
+
+def spares(view: View) -> list[str]:
+    """Alive, not cordoned, not active, in join order: the nodes a plan may promote."""
+    active = set(view.plan.nodes) if view.plan else set()
+    removed = set(view.plan.removed) if view.plan else set()
+    candidates = [
+        n for n in view.alive.values()
+        if n.id not in active and n.id not in view.failed and n.id not in removed
+    ]
+    return [n.id for n in sorted(candidates, key=lambda n: (n.joined, n.id))]
+
+
+def _store_for(nodes: tuple[str, ...], joiners: tuple[str, ...], alive: dict[str, NodeInfo]) -> dict:
+    """Host the bootstrap store on a surviving node (its agent is known good), else the first."""
+    survivors = [n for n in nodes if n not in joiners and n in alive]
+    host = (survivors or [n for n in nodes if n in alive] or list(nodes))[0]
+    info = alive.get(host)
+    return {"node": host, "addr": info.addr if info else "", "port": info.store_port if info else 0}
+
+
+def first_plan(view: View, limits: Limits) -> Plan | None:
+    """Generation 0: the first MAX nodes in join order, or MIN..MAX once the join window closed."""
+    candidates = spares(view)
+    if len(candidates) >= limits.max_nodes:
+        nodes = tuple(candidates[: limits.max_nodes])
+    elif len(candidates) >= limits.min_nodes and view.last_call_passed:
+        nodes = tuple(candidates)
+    else:
+        return None
+    return Plan(
+        generation=0,
+        nodes=nodes,
+        nproc=limits.nproc,
+        store=_store_for(nodes, nodes, view.alive),
+        cause="initial rendezvous",
+        joiners=nodes,
+        created=time.time(),
+    )
+
+
+def _lost(view: View) -> dict[str, str]:
+    """Active nodes that must leave now, with the reason."""
+    lost = {}
+    for node in view.plan.nodes:
+        if node not in view.alive:
+            lost[node] = "node lost (lease expired)"
+        elif node in view.failed:
+            lost[node] = f"cordoned: {view.failed[node]}"
+        elif node in view.reports:
+            lost[node] = view.reports[node]
+    return lost
+
+
+def next_plan(view: View, limits: Limits) -> Plan | None:
+    """The next generation, or None when the current plan stands."""
+    plan = view.plan
+    if plan is None:
+        return first_plan(view, limits)
+    if plan.finished:
+        return None
+    if all(n in view.done for n in plan.nodes):
+        return plan.next(state=SUCCEEDED, cause="all workers finished", reason="training finished")
+    lost = _lost(view)
+    if lost:
+        return _replace_lost(view, limits, lost)
+    drains = [n for n in plan.nodes if n in view.drains]
+    if drains:
+        return _migrate(view, drains)
+    if not view.live and len(plan.nodes) < limits.max_nodes and spares(view):
+        grow = tuple(spares(view)[: limits.max_nodes - len(plan.nodes)])
+        nodes = plan.nodes + grow
+        return plan.next(
+            nodes=nodes, joiners=nodes, store=_store_for(nodes, nodes, view.alive),
+            cause=f"scale up: {', '.join(grow)} joined", live=False,
+        )
+    return None
+
+
+def _describe(lost: dict[str, str]) -> str:
+    return "; ".join(f"{node}: {why}" for node, why in lost.items())
+
+
+def _replace_lost(view: View, limits: Limits, lost: dict[str, str]) -> Plan:
+    plan = view.plan
+    cause = _describe(lost)
+    restarts = plan.restarts + 1
+    if restarts > limits.max_restarts:
+        return plan.next(
+            state=FAILED, restarts=restarts, cause=cause, removed=tuple(lost),
+            reason=f"max restarts ({limits.max_restarts}) exhausted; last failure: {cause}",
+        )
+    free = spares(view)
+    nodes, joiners, replaced, removed = [], [], {}, []
+    for node in plan.nodes:
+        if node not in lost:
+            nodes.append(node)
+        elif free:
+            spare = free.pop(0)
+            nodes.append(spare)
+            joiners.append(spare)
+            replaced[spare] = node
+            removed.append(node)
+        elif node in view.alive and node not in view.failed:
+            nodes.append(node)  # no spare: the node restarts its own workers in place
+            joiners.append(node)
+        else:
+            removed.append(node)
+    if len(nodes) < limits.min_nodes:
+        return plan.next(
+            state=FAILED, restarts=restarts, cause=cause, removed=tuple(removed),
+            reason=(
+                f"no spare left: {len(nodes)} node(s) remain, --nnodes needs at least "
+                f"{limits.min_nodes}; last failure: {cause}"
+            ),
+        )
+    nodes_t, joiners_t = tuple(nodes), tuple(joiners)
+    same_size = len(nodes) == len(plan.nodes)
+    if not (view.live and same_size):
+        joiners_t = nodes_t  # restart mode or a new world size: every worker starts afresh
+    return plan.next(
+        nodes=nodes_t, joiners=joiners_t, replaced=replaced, removed=tuple(removed),
+        restarts=restarts, cause=cause, live=view.live and same_size,
+        store=_store_for(nodes_t, joiners_t, view.alive),
+    )
+
+
+def _migrate(view: View, drains: list[str]) -> Plan | None:
+    plan = view.plan
+    free = spares(view)
+    moves = {}
+    for node in drains:
+        if free:
+            moves[node] = free.pop(0)
+    if not moves:
+        return None  # a drain waits for a spare; it never shrinks the job
+    nodes = tuple(moves.get(n, n) for n in plan.nodes)
+    joiners = tuple(moves.values()) if view.live else nodes
+    return plan.next(
+        nodes=nodes, joiners=joiners, replaced={new: old for old, new in moves.items()},
+        removed=tuple(moves), live=view.live, planned=view.live,
+        cause="; ".join(f"{old}: drain ({view.drains[old]})" for old in moves),
+        store=_store_for(nodes, joiners, view.alive),
+    )

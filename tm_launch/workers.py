@@ -1,0 +1,182 @@
+"""Worker processes of one node: start, watch, stop; output handled like torchrun's.
+
+torch's ``PContext`` starts and stops a worker group as one unit; live substitution needs a
+spare's parked workers to outlive generations and a node's workers to be stopped while its
+neighbours keep theirs, so tm-launch keeps this small manager. Two things it adds:
+
+* every worker gets ``PR_SET_PDEATHSIG=SIGKILL``: when an agent dies, its workers die with it,
+  so a lost node never leaves processes that still own ranks;
+* each worker runs in its own session, so a signal to the agent's terminal is not a signal to
+  the workers (the agent decides what they get, like torchrun).
+
+Output follows torchrun's ``--redirects``/``--tee``/``--log-dir``/``--local-ranks-filter``:
+files under ``LOG_DIR/<run id>/attempt_<generation>/<local rank>/{stdout,stderr}.log``, and
+console lines prefixed ``[<role><local rank>]:`` when teed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _child_setup() -> None:
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()
+
+
+@dataclass
+class OutputSpec:
+    log_dir: str | None = None
+    redirects: dict[int, int] = field(default_factory=dict)  # local rank -> Std bits (1 out, 2 err)
+    tee: dict[int, int] = field(default_factory=dict)
+    shown: set[int] | None = None  # --local-ranks-filter; None shows all
+    role: str = "default"
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Worker:
+    def __init__(self, local_rank: int, cmd: list[str], env: dict[str, str], out: OutputSpec, attempt_dir: str | None):
+        self.local_rank = local_rank
+        self.started = time.time()
+        self._threads: list[threading.Thread] = []
+        self._files = []
+        streams, pipes = {}, {}
+        for bit, name in ((1, "stdout"), (2, "stderr")):
+            teed = out.tee.get(local_rank, 0) & bit
+            redirected = out.redirects.get(local_rank, 0) & bit
+            hidden = out.shown is not None and local_rank not in out.shown
+            path = os.path.join(attempt_dir, str(local_rank), f"{name}.log") if attempt_dir and (teed or redirected) else None
+            if path:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            if teed:
+                streams[name] = subprocess.PIPE
+                pipes[name] = (path, None if hidden else getattr(sys, name), f"[{out.role}{local_rank}]:".encode())
+            elif path:
+                fh = open(path, "ab")
+                self._files.append(fh)
+                streams[name] = fh
+            else:
+                streams[name] = subprocess.DEVNULL if hidden else None
+        self.proc = subprocess.Popen(cmd, env=env, stdout=streams["stdout"], stderr=streams["stderr"], preexec_fn=_child_setup)
+        for name, spec in pipes.items():
+            t = threading.Thread(target=_pump, args=(getattr(self.proc, name), *spec), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        for t in self._threads:
+            t.join(timeout=1)
+        for fh in self._files:
+            fh.close()
+
+
+def _pump(pipe, path: str | None, console, prefix: bytes) -> None:
+    fh = open(path, "ab") if path else None
+    try:
+        for line in iter(pipe.readline, b""):
+            if fh:
+                fh.write(line)
+                fh.flush()
+            if console is not None:
+                console.buffer.write(prefix + line)
+                console.flush()
+    finally:
+        if fh:
+            fh.close()
+
+
+class WorkerSet:
+    """The workers this agent runs right now (a generation's, or a spare's parked ones)."""
+
+    def __init__(self, cmd: list[str], out: OutputSpec, run_id: str):
+        self.cmd = cmd
+        self.out = out
+        self.run_id = run_id
+        self.workers: dict[int, Worker] = {}
+        self.generation = -1
+        self.kind = ""  # "fresh" | "sandbox"
+
+    def start(self, envs: dict[int, dict[str, str]], generation: int, kind: str) -> None:
+        from torch.distributed.elastic.utils import macros
+
+        attempt_dir = os.path.join(self.out.log_dir, self.run_id, f"attempt_{generation}") if self.out.log_dir else None
+        for local_rank, env in sorted(envs.items()):
+            cmd = macros.substitute(list(self.cmd), str(local_rank))
+            self.workers[local_rank] = Worker(local_rank, cmd, env, self.out, attempt_dir)
+        self.generation = generation
+        self.kind = kind
+
+    def __bool__(self) -> bool:
+        return bool(self.workers)
+
+    def pids(self) -> dict[int, int]:
+        return {lr: w.pid for lr, w in self.workers.items()}
+
+    def poll(self) -> dict[int, int | None]:
+        return {lr: w.poll() for lr, w in self.workers.items()}
+
+    def failed(self) -> tuple[int, int] | None:
+        """(local rank, exit code) of the first worker that exited non-zero, if any."""
+        for lr, code in sorted(self.poll().items()):
+            if code not in (None, 0):
+                return lr, code
+        return None
+
+    def all_succeeded(self) -> bool:
+        codes = self.poll()
+        return bool(codes) and all(c == 0 for c in codes.values())
+
+    def kill(self, local_rank: int, sig: int = signal.SIGKILL) -> None:
+        if local_rank in self.workers:
+            self.workers[local_rank].signal(sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds (torchrun's order)."""
+        alive = [w for w in self.workers.values() if w.poll() is None]
+        for w in alive:
+            w.signal(signal.SIGTERM)
+        deadline = time.time() + grace
+        while time.time() < deadline and any(w.poll() is None for w in alive):
+            time.sleep(0.02)
+        for w in alive:
+            if w.poll() is None:
+                w.signal(signal.SIGKILL)
+        for w in self.workers.values():
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            w.close()
+        self.workers = {}
+        self.kind = ""
