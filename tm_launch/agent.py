@@ -87,7 +87,8 @@ class Agent:
 
     # -- logging --------------------------------------------------------------------------------
     def say(self, message: str, kind: str = "info", **fields) -> None:
-        print(f"[tm-launch {self.cfg.node_id}] {message}", file=sys.stderr, flush=True)
+        stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
+        print(f"[tm-launch {self.cfg.node_id} {stamp}] {message}", file=sys.stderr, flush=True)
         record = {"time": time.time(), "node": self.cfg.node_id, "kind": kind, "message": message, **fields}
         if self.cfg.event_log:
             with open(self.cfg.event_log, "a") as f:
@@ -176,7 +177,10 @@ class Agent:
                     return code
             if view.plan is None:
                 self._check_join_timeout(view)
+            elif self.plan is not None and self.cfg.node_id not in self.plan.nodes and not self.workers and view.live:
+                self._be_spare(self.plan, view)  # the job turned out to be live: warm up now
             self._watch_workers(view)
+            self._report_entry()
             self._watch_alarms()
             self._publish_progress()
             decision = next_plan(self._with_last_call(view), self.cfg.limits)
@@ -380,6 +384,30 @@ class Agent:
             self.say(f"generation {plan.generation}: this node's workers finished; waiting for the others")
         if active:
             self._watch_hangs(plan)
+
+    def _report_entry(self) -> None:
+        """Once this node's live workers entered the current generation, log the phase timings."""
+        plan = self.plan
+        if plan is None or not plan.live or plan.generation in self.timings or self.cfg.node_id not in plan.nodes:
+            return
+        records = []
+        for lr in self.workers.workers:
+            key = f"worker/{lr}/entered/{plan.generation}"
+            if not self.store.check([key]):
+                return
+            records.append(json.loads(self.store.get(key)))
+        if not records:
+            return
+        comm = max(r["communicator"] for r in records)
+        state = max(r["state"] for r in records)
+        received = any(r["received"] for r in records)
+        since = time.time() - plan.created
+        self.timings[plan.generation] = {"communicator": comm, "state": state}
+        self.say(
+            f"generation {plan.generation}: workers entered {since:.3f}s after the plan "
+            f"(communicators {comm * 1000:.0f} ms, state {'received' if received else 'sent/kept'} in {state * 1000:.0f} ms)",
+            kind="entered", generation=plan.generation, communicator_s=comm, state_s=state, received=received, after_plan_s=since,
+        )
 
     def _note_live(self) -> None:
         if self.live_seen:

@@ -7,8 +7,10 @@ the user built is rebuilt.
 
 A failed collective never raises into the training step. Python cannot catch an exception
 raised in the body of ``for step in job.steps()``, so the group *poisons* the step instead: the
-failure is recorded, this and every later collective of the step completes locally, the
-registered optimizers skip their update, and the step boundary recovers and runs the step again.
+failure is recorded, later collectives of the failed communicator complete locally (other
+communicators keep working, so healthy subgroups stay in step with their peers), the registered
+optimizers skip their update, and the step boundary releases the failed communicator (closing
+its sockets, so peers still blocked on this rank fail at once), recovers and re-runs the step.
 
 ``LocalBackend`` serves collectives inside a process (the sandbox): a spare runs real steps with
 real kernels and allocations but sends nothing to the job, as if every peer held its own values.
@@ -17,6 +19,7 @@ real kernels and allocations but sends nothing to the job, as if every peer held
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,77 +67,77 @@ class LocalBackend:
     def __init__(self, rank: int, size: int):
         self._rank, self._size = rank, size
 
-    def allreduce(self, tensors, *args):
+    def allreduce(self, tensors, *args, **kwargs):
         if "SUM" in _op_name(args) and not any(isinstance(a, dist.ReduceOp) and a != dist.ReduceOp.SUM for a in args):
             for t in tensors:
                 t.mul_(self._size)
         return completed_work(tensors)
 
-    def allreduce_coalesced(self, tensors, *args):
+    def allreduce_coalesced(self, tensors, *args, **kwargs):
         return self.allreduce(tensors, *args)
 
-    def broadcast(self, tensors, *args):
+    def broadcast(self, tensors, *args, **kwargs):
         return completed_work(tensors)
 
-    def allgather(self, output_lists, input_tensors, *args):
+    def allgather(self, output_lists, input_tensors, *args, **kwargs):
         for outs, inp in zip(output_lists, input_tensors):
             for o in outs:
                 o.copy_(inp)
         return completed_work(output_lists)
 
-    def _allgather_base(self, output, inp, *args):
+    def _allgather_base(self, output, inp, *args, **kwargs):
         output.copy_(inp.repeat(self._size, *([1] * (inp.dim() - 1))).view_as(output))
         return completed_work(output)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, *args):
+    def allgather_into_tensor_coalesced(self, outputs, inputs, *args, **kwargs):
         for o, i in zip(outputs, inputs):
             self._allgather_base(o, i)
         return completed_work(outputs)
 
-    def reduce_scatter(self, outputs, input_lists, *args):
+    def reduce_scatter(self, outputs, input_lists, *args, **kwargs):
         for o, ins in zip(outputs, input_lists):
             o.copy_(ins[self._rank]).mul_(self._size)
         return completed_work(outputs)
 
-    def _reduce_scatter_base(self, output, inp, *args):
+    def _reduce_scatter_base(self, output, inp, *args, **kwargs):
         output.copy_(inp.chunk(self._size)[self._rank]).mul_(self._size)
         return completed_work(output)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, *args):
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, *args, **kwargs):
         for o, i in zip(outputs, inputs):
             self._reduce_scatter_base(o, i)
         return completed_work(outputs)
 
-    def alltoall_base(self, output, inp, *args):
+    def alltoall_base(self, output, inp, *args, **kwargs):
         output.copy_(inp)
         return completed_work(output)
 
-    def barrier(self, *args):
+    def barrier(self, *args, **kwargs):
         return completed_work(None)
 
-    def reduce(self, tensors, *args):
+    def reduce(self, tensors, *args, **kwargs):
         return self.allreduce(tensors, *args)
 
-    def gather(self, output_lists, inputs, *args):
+    def gather(self, output_lists, inputs, *args, **kwargs):
         return self.allgather(output_lists, inputs)
 
-    def scatter(self, outputs, input_lists, *args):
+    def scatter(self, outputs, input_lists, *args, **kwargs):
         for o, ins in zip(outputs, input_lists):
             if ins:
                 o.copy_(ins[self._rank])
         return completed_work(outputs)
 
-    def send(self, *args):
+    def send(self, *args, **kwargs):
         return completed_work(None)
 
-    def recv(self, *args):
+    def recv(self, *args, **kwargs):
         return completed_work(None)
 
 
 class LiveGroup(dist.ProcessGroup):
     """A process group whose membership is fixed in global ranks and whose communicator is not."""
 
-    def __init__(self, ranks: tuple[int, ...] | None, rank: int, size: int, poison: StepPoison, backend_name: str = "gloo"):
+    def __init__(self, ranks: tuple[int, ...] | None, rank: int, size: int, poison: StepPoison, backend_name: str = "tm"):
         super().__init__(max(rank, 0), size)
         self.member_ranks = ranks  # None: the world group
         self._rank, self._size = rank, size
@@ -142,6 +145,8 @@ class LiveGroup(dist.ProcessGroup):
         self._poison = poison
         self._backend_name = backend_name
         self.generation = -1
+        self.last_submit = 0.0
+        self.broken = False  # a collective of this communicator failed: it is released at the boundary
 
     # -- identity ----------------------------------------------------------------------------
     def rank(self) -> int:
@@ -151,6 +156,8 @@ class LiveGroup(dist.ProcessGroup):
         return self._size
 
     def getBackendName(self) -> str:
+        # Not "gloo": DDP's logger would then look up a registered gloo backend object; a name
+        # of our own makes it skip that and treat the group as a custom backend.
         return self._backend_name
 
     @property
@@ -161,94 +168,68 @@ class LiveGroup(dist.ProcessGroup):
         """Point this group at a new communicator; the old one is released (its sockets close)."""
         old, self._inner = self._inner, inner
         self._rank, self._size, self.generation = rank, size, generation
-        if old is not None and not isinstance(old, LocalBackend):
-            _release(old)
+        self.broken = False
+        del old  # dropping the last reference closes gloo's sockets: peers still waiting fail fast
 
-    # -- collectives ---------------------------------------------------------------------------
-    def _call(self, name: str, result, *args):
-        if self._poison.active:
+    def fail(self, error: BaseException) -> None:
+        """A collective of this communicator failed: poison the step, stop using the communicator."""
+        self.broken = True
+        self._poison.set(error)
+
+    def release_if_broken(self) -> bool:
+        """Close a failed communicator now (main thread, nothing in flight) so peers blocked on
+        this rank get 'connection closed' instead of waiting for the collective timeout."""
+        if not self.broken or self._inner is None:
+            return False
+        self._inner = None  # the last reference: the destructor closes the sockets right here
+        return True
+
+    # -- collectives (methods added below by _forward) ---------------------------------------
+    def _call(self, name: str, result, args, kwargs):
+        self.last_submit = time.perf_counter()
+        if self.broken or self._inner is None:
             return completed_work(result)
         try:
-            work = getattr(self._inner, name)(*args)
+            work = getattr(self._inner, name)(*args, **kwargs)
         except Exception as e:  # a broken communicator can fail at submission time too
-            self._poison.set(e)
+            self.fail(e)
             return completed_work(result)
         if isinstance(self._inner, LocalBackend):
             return work
-        return _guarded(work, self._poison, result)
-
-    def allreduce(self, tensors, *args):
-        return self._call("allreduce", tensors, tensors, *args)
-
-    def allreduce_coalesced(self, tensors, *args):
-        return self._call("allreduce_coalesced", tensors, tensors, *args)
-
-    def broadcast(self, tensors, *args):
-        return self._call("broadcast", tensors, tensors, *args)
-
-    def allgather(self, output_lists, input_tensors, *args):
-        return self._call("allgather", output_lists, output_lists, input_tensors, *args)
-
-    def _allgather_base(self, output, inp, *args):
-        return self._call("_allgather_base", output, output, inp, *args)
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, *args):
-        return self._call("allgather_into_tensor_coalesced", outputs, outputs, inputs, *args)
-
-    def reduce_scatter(self, outputs, input_lists, *args):
-        return self._call("reduce_scatter", outputs, outputs, input_lists, *args)
-
-    def _reduce_scatter_base(self, output, inp, *args):
-        return self._call("_reduce_scatter_base", output, output, inp, *args)
-
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, *args):
-        return self._call("reduce_scatter_tensor_coalesced", outputs, outputs, inputs, *args)
-
-    def alltoall_base(self, output, inp, *args):
-        return self._call("alltoall_base", output, output, inp, *args)
-
-    def barrier(self, *args):
-        return self._call("barrier", None, *args)
-
-    def reduce(self, tensors, *args):
-        return self._call("reduce", tensors, tensors, *args)
-
-    def gather(self, output_lists, inputs, *args):
-        return self._call("gather", output_lists, output_lists, inputs, *args)
-
-    def scatter(self, outputs, input_lists, *args):
-        return self._call("scatter", outputs, outputs, input_lists, *args)
-
-    def send(self, tensors, dst, tag=0):
-        return self._call("send", tensors, tensors, dst, tag)
-
-    def recv(self, tensors, src, tag=0):
-        return self._call("recv", tensors, tensors, src, tag)
+        return _guarded(work, self, result)
 
 
-def _guarded(work: dist.Work, poison: StepPoison, result) -> dist.Work:
+def _forward(name: str):
+    """A LiveGroup method that sends collective ``name`` to the current communicator."""
+
+    def method(self, *args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        return self._call(name, None if name == "barrier" else first, args, kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "alltoall_base", "barrier", "reduce", "gather", "scatter",
+    "send", "recv",
+):
+    setattr(LiveGroup, _name, _forward(_name))
+
+
+def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
     """A work that completes even when the real one fails; the failure poisons the step."""
 
     def settle(fut):
         try:
             fut.value()
         except Exception as e:
-            poison.set(e)
+            group.fail(e)
         return result
 
     return _create_work_from_future(work.get_future().then(settle))
-
-
-def _release(backend) -> None:
-    for method in ("shutdown", "abort"):
-        fn = getattr(backend, method, None)
-        if fn is None:
-            continue
-        try:
-            fn()
-            return
-        except Exception:
-            continue
 
 
 def new_gloo(store: dist.Store, rank: int, size: int, timeout_s: float, hostname: str | None = None):

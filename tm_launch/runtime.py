@@ -22,7 +22,9 @@ Under plain torchrun, or with ``tm-launch --no-live``, ``init`` is ``init_proces
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import datetime
 import json
 import math
@@ -120,9 +122,17 @@ class LiveJob:
         self.group.swap(LocalBackend(rank, world), rank, world, -1)
         self._install_world()
         self.in_sandbox = True
+        atexit.register(self._close)
         if env.get("TM_SANDBOX", "1") == "0":
             self._enter(self._wait_directive(int(env["TM_GENERATION"]) - 1))
         self._report(force=True)
+
+    def _close(self) -> None:
+        """Release communicators before interpreter teardown (gloo threads must not outlive it)."""
+        for g in [*self._subgroups, self.group]:
+            g.swap(None, g.rank(), g.size(), g.generation)
+        self._stores.clear()
+        gc.collect()
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -179,7 +189,7 @@ class LiveJob:
             if self._step >= total:
                 break
             t0 = time.perf_counter()
-            self.group_last_submit = 0.0
+            self.group.last_submit = 0.0
             yield self._step
             if self._poison.active:
                 continue
@@ -241,8 +251,10 @@ class LiveJob:
             self._state = "recovering"
             self._report(force=True)
             _log(f"step {self._step} interrupted ({str(error).splitlines()[0][:160]}); waiting for the next generation")
-            d = self._wait_directive(self.group.generation)
             self._clear_step_effects()
+            for g in [self.group, *self._subgroups]:
+                g.release_if_broken()
+            d = self._wait_directive(self.group.generation)
             self._poison.clear()
             self._follow(d, interrupted=True)
             self._state = "running"
@@ -324,7 +336,7 @@ class LiveJob:
         joiners = set(d.get("joiner_ranks", []))
         for sub in sorted(self._subgroups, key=lambda g: g.member_ranks):
             ranks = sub.member_ranks
-            fresh = d.get("all_fresh") or isinstance(sub.inner, LocalBackend) or joiners.intersection(ranks)
+            fresh = d.get("all_fresh") or sub.inner is None or isinstance(sub.inner, LocalBackend) or joiners.intersection(ranks)
             if rank not in ranks or not fresh and rank == old_rank:
                 continue
             sub.swap(self._build(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])

@@ -1,0 +1,114 @@
+"""A small deterministic DDP job: the demo's, the tests' and the benchmarks' training script.
+
+Runs unchanged under torchrun, tm-launch restart mode and tm-launch live mode. Deterministic on
+CPU: the model is seeded, each step's batch is seeded by (step, rank), so a run with failures
+must end with exactly the parameters of a run without.
+
+Fault injection (a real SIGKILL of this worker, once: a marker file remembers it happened):
+    --kill-rank R --kill-step S --kill-phase {forward,allreduce,optimizer}
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tm_launch  # noqa: E402
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
+    p.add_argument("--out", default=None, help="rank 0 saves the final parameters here")
+    p.add_argument("--step-log", default=None, help="append 'time rank step generation' per finished step")
+    p.add_argument("--ckpt-dir", default=None, help="restart mode: checkpoint here and resume from it")
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--kill-phase", default="forward", choices=["forward", "allreduce", "optimizer"])
+    p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-factor x step-sleep more")
+    p.add_argument("--slow-factor", type=float, default=0.5)
+    return p.parse_args()
+
+
+def kill_now(args, job, step, phase):
+    if job.in_sandbox or job.rank != args.kill_rank or step != args.kill_step or phase != args.kill_phase:
+        return
+    if args.kill_marker:
+        if os.path.exists(args.kill_marker):
+            return
+        open(args.kill_marker, "w").close()
+    print(f"[train] rank {job.rank}: SIGKILL myself at step {step} ({phase})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    args = parse()
+    job = tm_launch.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, args.width),
+        torch.nn.Tanh(), torch.nn.Linear(args.width, 8),
+    )
+    ddp = DDP(model, process_group=job.group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    start = 0
+    if args.ckpt_dir:
+        path = os.path.join(args.ckpt_dir, "ckpt.pt")
+        if os.path.exists(path):
+            state = torch.load(path)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            start = state["step"]
+            print(f"[train] rank {job.rank}: resumed from checkpoint at step {start}", flush=True)
+    job.register(model=model, optimizer=opt)
+    state = {"step": None}
+
+    def on_grad(grad):
+        kill_now(args, job, state["step"], "allreduce")
+        return grad
+
+    model[0].weight.register_hook(on_grad)
+    opt.register_step_pre_hook(lambda *a: kill_now(args, job, state["step"], "optimizer"))
+
+    for step in job.steps(args.steps, start=start):
+        state["step"] = step
+        g = torch.Generator().manual_seed(step * 1000 + job.rank)
+        x = torch.randn(16, 32, generator=g)
+        y = torch.randn(16, 8, generator=g)
+        kill_now(args, job, step, "forward")
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep * (1 + args.slow_factor if job.rank == args.slow_rank else 1))
+        if job.in_sandbox:
+            continue
+        if args.step_log:
+            with open(args.step_log, "a") as f:
+                f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
+        if args.ckpt_dir and job.rank == 0 and (step + 1) % args.ckpt_every == 0:
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+            tmp = os.path.join(args.ckpt_dir, "ckpt.pt.tmp")
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+            os.replace(tmp, os.path.join(args.ckpt_dir, "ckpt.pt"))
+    if job.rank == 0 and args.out:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+        print(f"[train] finished {args.steps} steps; parameters saved to {args.out}", flush=True)
+    dist.barrier(group=job.group) if dist.is_initialized() else None
+
+
+if __name__ == "__main__":
+    main()
