@@ -37,13 +37,21 @@ def parse():
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--kill-phase", default="forward", choices=["forward", "allreduce", "optimizer"])
     p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
+    p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
+    p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
+    p.add_argument("--pause-file", default=None)
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
     return p.parse_args()
 
 
 def kill_now(args, job, step, phase):
-    if job.in_sandbox or job.rank != args.kill_rank or step != args.kill_step or phase != args.kill_phase:
+    if job.in_sandbox or job.rank != args.kill_rank or step is None or phase != args.kill_phase:
+        return
+    if args.kill_trigger:
+        if step < args.kill_step or not os.path.exists(args.kill_trigger):
+            return
+    elif step != args.kill_step:
         return
     if args.kill_marker:
         if os.path.exists(args.kill_marker):
@@ -87,6 +95,9 @@ def main():
         g = torch.Generator().manual_seed(step * 1000 + job.rank)
         x = torch.randn(16, 32, generator=g)
         y = torch.randn(16, 8, generator=g)
+        if step == args.pause_step and args.pause_file and not job.in_sandbox:
+            while not os.path.exists(args.pause_file):
+                time.sleep(0.02)
         kill_now(args, job, step, "forward")
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)

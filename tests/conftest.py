@@ -43,3 +43,24 @@ def kv_factory(request, etcd_endpoint):
     yield make
     for kv in made:
         kv.close()
+
+
+@pytest.fixture
+def local_job(etcd_endpoint, tmp_path, request):
+    """``make(**options) -> LocalJob``: agents on loopback around the session etcd, stopped at the end.
+
+    The run id is unique per test; on failure the agents' log tails are attached to the report."""
+    from tm_launch.localjob import LocalJob
+
+    jobs = []
+
+    def make(**options):
+        options.setdefault("run_id", f"t-{uuid.uuid4().hex[:10]}")
+        job = LocalJob(endpoint=etcd_endpoint, workdir=str(tmp_path / options["run_id"]), **options)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.stop()
+

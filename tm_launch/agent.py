@@ -83,7 +83,8 @@ class Agent:
         self.last_progress = 0.0
         self.timings: dict[int, dict] = {}
         self.monitor = None
-        self._hang_seen: dict[int, list] = {}  # local rank -> [last step seen, when it changed]
+        self._hang_seen: dict[int, list] = {}
+        self.probed_gen = -1  # local rank -> [last step seen, when it changed]
 
     # -- logging --------------------------------------------------------------------------------
     def say(self, message: str, kind: str = "info", **fields) -> None:
@@ -180,6 +181,7 @@ class Agent:
             elif self.plan is not None and self.cfg.node_id not in self.plan.nodes and not self.workers and view.live:
                 self._be_spare(self.plan, view)  # the job turned out to be live: warm up now
             self._watch_workers(view)
+            self._probe_peers(view)
             self._report_entry()
             self._watch_alarms()
             self._publish_progress()
@@ -385,6 +387,31 @@ class Agent:
         if active:
             self._watch_hangs(plan)
 
+    def _probe_peers(self, view: View) -> None:
+        """A local worker saw a collective fail: find out at once whether a peer node died.
+
+        A dead agent's port refuses connections immediately, so the loss is reported in
+        milliseconds instead of after the lease TTL. Anything short of a refusal (a timeout, a
+        partition) is left to the lease, which is the authority on membership."""
+        plan = self.plan
+        if plan is None or not plan.live or self.probed_gen == plan.generation or self.cfg.node_id not in plan.nodes:
+            return
+        if not any(s.get("state") == "recovering" for s in self._statuses().values()):
+            return
+        self.probed_gen = plan.generation
+        for node in plan.nodes:
+            info = view.alive.get(node)
+            if node == self.cfg.node_id or info is None or node in view.reports:
+                continue
+            try:
+                socket.create_connection((info.addr, info.store_port), timeout=0.5).close()
+            except ConnectionRefusedError:
+                why = f"agent unreachable at {info.addr}:{info.store_port} (connection refused): node lost"
+                self.say(f"generation {plan.generation}: {node}: {why}", kind="node_lost", generation=plan.generation, lost=node)
+                self.members.report_failure(plan.generation, node, why)
+            except OSError:
+                continue
+
     def _report_entry(self) -> None:
         """Once this node's live workers entered the current generation, log the phase timings."""
         plan = self.plan
@@ -430,7 +457,9 @@ class Agent:
         return out
 
     def _watch_hangs(self, plan: Plan) -> None:
-        """Kill a worker whose steps stopped advancing: survivors then fail fast and recover."""
+        """Kill a worker that stopped beating (SIGSTOP, a wedged process): its peers then fail
+        fast and the node is replaced. A worker waiting in a collective keeps beating, so ranks
+        blocked on a hung peer are never mistaken for the hung one."""
         cfg = self.cfg.health
         if cfg is None or not self.live_seen:
             return
@@ -438,21 +467,20 @@ class Agent:
 
         now = time.time()
         for lr, status in self._statuses().items():
-            if status.get("state") not in ("running",):
+            if status.get("state") not in ("running", "recovering") or lr not in self.workers.workers:
                 continue
-            seen = self._hang_seen.setdefault(lr, [None, now])
-            if status.get("step") != seen[0]:
-                self._hang_seen[lr] = [status.get("step"), now]
+            key = f"worker/{lr}/beat"
+            if not self.store.check([key]):
                 continue
-            recent = [status["step_time"]] if status.get("step_time") else []
-            limit = hang_timeout(cfg, recent, status.get("step") or 0, False)
-            if now - seen[1] > limit:
+            silent = now - float(self.store.get(key))
+            recent = status.get("step_times") or ([status["step_time"]] if status.get("step_time") else [])
+            limit = hang_timeout(cfg, recent, status.get("steps_run") or 0, False)
+            if silent > limit and self.workers.poll().get(lr) is None:
                 self.say(
-                    f"generation {plan.generation}: worker {lr} made no progress for {now - seen[1]:.1f}s "
-                    f"(limit {limit:.1f}s): killing it", kind="hang", local_rank=lr,
+                    f"generation {plan.generation}: worker {lr} (pid {self.workers.pids()[lr]}) silent for {silent:.1f}s "
+                    f"(hang limit {limit:.1f}s): killing it", kind="hang", generation=plan.generation, local_rank=lr,
                 )
                 self.workers.kill(lr)
-                self._hang_seen.pop(lr, None)
 
     def _watch_alarms(self) -> None:
         while True:

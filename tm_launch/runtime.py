@@ -107,6 +107,8 @@ class LiveJob:
         self._sandbox_steps = int(env.get("TM_SANDBOX_STEPS", "2"))
         self._agent = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         self._agent.set(f"worker/{self.local_rank}/live", "1")
+        beat_store = self._agent.clone()  # its own connection: a blocked main thread must not stop it
+        threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True).start()
         self._stores: dict = {}
         self._objects: dict = {}
         self._subgroups: list[LiveGroup] = []
@@ -126,6 +128,17 @@ class LiveJob:
         if env.get("TM_SANDBOX", "1") == "0":
             self._enter(self._wait_directive(int(env["TM_GENERATION"]) - 1))
         self._report(force=True)
+
+    def _heartbeat(self, store) -> None:
+        """Tell the agent this process is alive, also while the main thread waits in a collective
+        (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it."""
+        key = f"worker/{self.local_rank}/beat"
+        while True:
+            try:
+                store.set(key, f"{time.time():.3f}")
+            except Exception:
+                return
+            time.sleep(0.5)
 
     def _close(self) -> None:
         """Release communicators before interpreter teardown (gloo threads must not outlive it)."""
@@ -208,7 +221,8 @@ class LiveJob:
         status = {
             "step": self._step, "generation": self.group.generation, "state": self._state,
             "rank": self.rank, "time": now, "pid": os.getpid(),
-            "step_time": _median(self._step_times[-20:]), "compute": self._compute[-20:],
+            "step_time": _median(self._step_times[-20:]), "step_times": self._step_times[-20:],
+            "steps_run": len(self._step_times), "compute": self._compute[-20:],
         }
         self._agent.set(f"worker/{self.local_rank}/status", json.dumps(status))
 
@@ -264,35 +278,46 @@ class LiveJob:
             self._follow(self._directive(latest), interrupted=False)
 
     def _follow(self, d: dict, interrupted: bool) -> None:
-        if d.get("stop") or not d["active"]:
-            self._state = "left"
-            self._report(force=True)
-            sys.exit(0)
-        if d.get("planned") and not interrupted:
-            if self._planned_switch(d):
-                return
+        if d.get("stop"):
+            self._leave_job()
+        if d.get("planned") and not interrupted and self._planned_switch(d):
+            return
+        if not d["active"]:
+            self._leave_job()
         self._pending = None
         self._enter(d)
 
+    def _leave_job(self) -> None:
+        """This node left the job (drained or replaced): end the script without error."""
+        self._state = "left"
+        self._report(force=True)
+        sys.exit(0)
+
     def _planned_switch(self, d: dict) -> bool:
         """Two-phase migration. Phase 1: agree on a switch step and build the new communicators in
-        the background while training goes on; phase 2 (at that step): swap and hand over state.
-        Returns False while training should go on in the current generation."""
+        the background while training goes on in the current generation; phase 2, at that step
+        boundary: leavers exit, everyone else swaps communicators and joiners receive state.
+        Returns True while this rank should keep training in the current generation."""
         gen = d["generation"]
         if self._pending is None or self._pending["generation"] != gen:
             store = self._store(d["store"])
             margin = max(2, math.ceil(0.5 / max(_median(self._step_times[-20:]) or 0.01, 1e-3)))
-            agreed = store.compare_set(f"tm/g{gen}/switch", "", str(self._step + margin))
+            agreed = int(store.compare_set(f"tm/g{gen}/switch", "", str(self._step + margin)))
             built: dict = {}
-            rank = d["ranks"][self.local_rank]
-            thread = threading.Thread(target=lambda: built.update(world=self._build(None, rank, gen, d)), daemon=True)
-            thread.start()
-            self._pending = {"generation": gen, "switch": int(agreed), "thread": thread, "built": built}
+            thread = None
+            if d["active"]:
+                rank = d["ranks"][self.local_rank]
+                thread = threading.Thread(target=lambda: built.update(world=self._build(None, rank, gen, d)), daemon=True)
+                thread.start()
+            self._pending = {"generation": gen, "switch": agreed, "thread": thread, "built": built}
+            _log(f"planned migration to generation {gen}: switching at step {agreed}")
         if self._step < self._pending["switch"]:
             return True
-        self._pending["thread"].join()
-        self._enter(d, prebuilt=self._pending["built"].get("world"))
-        self._pending = None
+        pending, self._pending = self._pending, None
+        if not d["active"]:
+            self._leave_job()
+        pending["thread"].join()
+        self._enter(d, prebuilt=pending["built"].get("world"))
         return True
 
     def _store(self, where: dict) -> dist.Store:

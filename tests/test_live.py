@@ -1,0 +1,141 @@
+"""Live in-place substitution, end to end: real agents, real etcd, real gloo, real signals.
+
+Every test ends with the bitwise check: the job that lost a worker, a node or was drained ends
+with exactly the parameters of the same job without the fault.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tm_launch.localjob import downtime
+
+STEPS = 80
+SCRIPT = ["--steps", str(STEPS), "--step-sleep", "0.02"]
+PAUSE = 20  # faulty runs hold every rank at this step until the spare is parked
+
+
+def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=None):
+    """Start len(nodes) agents (the last ``spares`` are spares), apply ``fault(job)``, wait."""
+    active = len(nodes) - spares
+    job = local_job(nnodes=str(active), nproc=nproc, launcher_args=["--max-restarts", "3", *launcher])
+    out = os.path.join(job.workdir, "params.pt")
+    trigger = os.path.join(job.workdir, "trigger")
+    marker = os.path.join(job.workdir, "killed")
+    script = [{"TRIGGER": trigger, "MARKER": marker}.get(a, a) for a in script]
+    job.script_args = [*SCRIPT, "--out", out, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger, *script]
+    job.start_all(nodes[:active])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start_all(nodes[active:])
+    if spares:
+        job.wait_parked(nodes[-1])
+    open(trigger, "w").close()
+    info = (fault(job) or {}) if fault else {}
+    codes = job.wait(timeout=240)
+    return job, codes, torch.load(out), info
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, etcd_server):
+    """Fault-free final parameters per (world layout), computed once per module."""
+    from tm_launch.localjob import LocalJob
+
+    cache = {}
+
+    def get(nodes: int, nproc: int):
+        if (nodes, nproc) not in cache:
+            workdir = str(tmp_path_factory.mktemp(f"ref{nodes}x{nproc}"))
+            job = LocalJob(endpoint=etcd_server.endpoint, run_id=f"ref-{nodes}x{nproc}-{time.time_ns()}", workdir=workdir,
+                           nnodes=str(nodes), nproc=nproc, script_args=[*SCRIPT, "--out", os.path.join(workdir, "p.pt")])
+            job.start_all([f"r{i}" for i in range(nodes)])
+            codes = job.wait(timeout=240)
+            assert set(codes.values()) == {0}, job.logs_tail()
+            cache[(nodes, nproc)] = torch.load(os.path.join(workdir, "p.pt"))
+        return cache[(nodes, nproc)]
+
+    return get
+
+
+def assert_bitwise(params, ref):
+    assert params.keys() == ref.keys()
+    diff = {k: (params[k] - ref[k]).abs().max().item() for k in ref if not torch.equal(params[k], ref[k])}
+    assert not diff, f"parameters differ from the fault-free run: {diff}"
+
+
+@pytest.mark.parametrize("phase", ["forward", "allreduce", "optimizer"])
+def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
+    # The worker SIGKILLs itself at an exact point of a step, once the spare is parked.
+    script = ["--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", phase, "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
+    assert codes["c"] == 0 and codes["a"] == 0, job.logs_tail()
+    assert codes["b"] != 0  # the node that lost its worker was replaced and says so
+    assert_bitwise(params, reference(2, 2))
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
+    assert plans and plans[0]["replaced"] == {"c": "b"} and plans[0]["live"], job.events()
+
+
+def _kill_at_step(step, action):
+    def fault(job):
+        job.wait_step(step)
+        t = time.time()
+        action(job)
+        return {"fault_time": t}
+    return fault
+
+
+def test_external_worker_sigkill_survivors_keep_processes(local_job, reference):
+    job, codes, params, info = run_job(local_job, ["a", "b", "c"], fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b")))
+    assert_bitwise(params, reference(2, 2))
+    rows = job.step_records()
+    pids_before = {r: pid for t, r, s, g, pid in rows if t < info["fault_time"] and r in (0, 1)}
+    pids_after = {r: pid for t, r, s, g, pid in rows if t > info["fault_time"] + 1 and r in (0, 1)}
+    assert pids_before == pids_after, "survivors on node a must keep their processes"
+    d = downtime(rows, info["fault_time"])
+    assert d["steps_redone"] == 0, d
+
+
+def test_node_loss_agent_sigkill(local_job, reference):
+    job, codes, params, info = run_job(local_job, ["a", "b", "c"], fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_agent("b")))
+    assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+    assert any(e["kind"] == "node_lost" for e in job.events()), "node loss should be detected by probing, not the lease"
+
+
+def test_planned_drain(local_job, reference):
+    def drain(job):
+        job.wait_step(PAUSE + 5)
+        out = job.ctl("drain", "a")
+        assert out.returncode == 0, out.stderr
+        return {"fault_time": time.time()}
+
+    job, codes, params, info = run_job(local_job, ["a", "b", "c"], fault=drain)
+    assert codes == {"a": 0, "b": 0, "c": 0}, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+    d = downtime(job.step_records(), info["fault_time"])
+    assert d["steps_redone"] == 0, d
+    plan = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1][0]
+    assert plan["planned"] and plan["replaced"] == {"c": "a"}
+
+
+def test_hung_worker_is_killed_and_replaced(local_job, reference):
+    job, codes, params, info = run_job(
+        local_job, ["a", "b", "c"], launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
+        fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b", signal.SIGSTOP)),
+    )
+    assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
+    assert any(e["kind"] == "hang" for e in job.events()), job.events()
+    assert_bitwise(params, reference(2, 2))
+
+
+def test_status_json_lists_nodes_roles_ranks(local_job):
+    job = local_job(nnodes="2", nproc=1, script_args=["--steps", "400", "--step-sleep", "0.02"])
+    job.start_all(["a", "b", "c"])
+    job.wait_parked("c")
+    status = job.status()
+    roles = {n["id"]: (n["role"], n["ranks"]) for n in status["nodes"]}
+    assert roles == {"a": ("active", [0]), "b": ("active", [1]), "c": ("spare", [])}, status
+    assert status["spares_left"] == 1 and status["live"]
+    job.stop()
