@@ -1,0 +1,196 @@
+"""The etcd-v3 torchrun backend (rendezvous/torch_handler.py): in-process rounds, then real torchrun."""
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def _params(endpoint, run_id, **conf):
+    conf = {"lease_ttl": 2, **conf}
+    return RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=run_id, min_nodes=2, max_nodes=2, **conf)
+
+
+class Round(threading.Thread):
+    """next_rendezvous() on a thread, so that several nodes can meet in one process."""
+
+    def __init__(self, handler):
+        super().__init__(daemon=True)
+        self.handler, self.info, self.error = handler, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.info = self.handler.next_rendezvous()
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            self.error = e
+
+    def result(self, timeout=30):
+        self.join(timeout)
+        assert not self.is_alive(), "next_rendezvous() did not return"
+        if self.error:
+            raise self.error
+        return self.info
+
+
+def _die(handler):
+    """What a killed node looks like to the others: its lease is gone."""
+    handler._stop.set()
+    handler._thread.join()
+    handler._lease.revoke()
+
+
+def test_entry_point_registers_backend(etcd_endpoint):
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from rendezvous.torch_handler import EtcdV3RendezvousHandler
+
+    h = get_rendezvous_handler(_params(etcd_endpoint, f"ep-{uuid.uuid4().hex[:8]}"))
+    try:
+        assert isinstance(h, EtcdV3RendezvousHandler) and h.get_backend() == "etcd-v3"
+        assert not h.use_agent_store and not h.is_closed()
+    finally:
+        h.shutdown()
+
+
+def test_rounds_restart_spare_substitution_and_close(etcd_endpoint):
+    from rendezvous.torch_handler import create_handler
+
+    run = f"rounds-{uuid.uuid4().hex[:8]}"
+    a, b = create_handler(_params(etcd_endpoint, run)), create_handler(_params(etcd_endpoint, run))
+    ra, rb = Round(a), Round(b)
+    ia, ib = ra.result(), rb.result()
+    assert sorted([ia.rank, ib.rank]) == [0, 1] and ia.world_size == ib.world_size == 2
+    assert ia.bootstrap_store_info == ib.bootstrap_store_info
+    assert ia.bootstrap_store_info.master_addr == "127.0.0.1"
+    ia.store.set("hello", "from a")  # one store per generation, shared by both agents
+    assert ib.store.get("hello") == b"from a"
+
+    c = create_handler(_params(etcd_endpoint, run))  # beyond MAX: a spare
+    rc = Round(c)
+    assert c.num_spares() == 1
+    assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0  # no restart loop for a spare
+
+    # Both agents restart their workers (a worker failure): a new generation, nobody evicted.
+    ra, rb = Round(a), Round(b)
+    ia, ib = ra.result(), rb.result()
+    assert a._gen == b._gen == 1 and rc.is_alive()
+    assert ia.store.check(["hello"]) is False  # fresh prefix per generation
+
+    # b dies: a sees it, re-rendezvouses, and the spare takes b's place.
+    lost_rank = ib.rank
+    _die(b)
+    deadline = time.monotonic() + 10
+    while a.num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "survivor never noticed the lost node"
+        time.sleep(0.2)
+    ra = Round(a)
+    ia, ic = ra.result(), rc.result()
+    assert a._gen == c._gen == 2 and ic.rank == lost_rank and ic.world_size == 2
+    plan = a._m.snapshot().view.plan
+    assert plan.replaced == {c.node: b.node}
+
+    # A late spare leaves gracefully when the job closes (an active node's shutdown closes it).
+    d = create_handler(_params(etcd_endpoint, run))
+    rd = Round(d)
+    assert a.shutdown() and a.is_closed() and d.is_closed()
+    with pytest.raises(SystemExit) as exited:  # an unneeded spare: torchrun exits 0
+        rd.result()
+    assert exited.value.code == 0
+    for h in (b, c, d):
+        h.shutdown()
+
+
+def _torchrun(endpoint, run, *args):
+    return [os.path.join(BIN, "torchrun"), "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", run,
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-conf", "lease_ttl=2", "--monitor-interval", "0.5",
+            *args]
+
+
+def test_two_torchrun_agents_train(etcd_endpoint, tmp_path):
+    """Two real `torchrun --rdzv-backend etcd-v3` agents run examples/train.py to the end."""
+    run = f"torchrun-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "params.pt"
+    cmd = _torchrun(etcd_endpoint, run, os.path.join(ROOT, "examples", "train.py"), "--steps", "5", "--out", str(out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOGLEVEL": "INFO"}
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+             for log in logs]
+    deadline = time.monotonic() + 120
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outputs = [log.read_text() for log in logs]
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-6000:]
+    assert "finished 5 steps" in "".join(outputs)
+    params = torch.load(out)
+    assert params and all(torch.isfinite(v).all() for v in params.values())
+
+
+@pytest.mark.slow
+def test_spare_agent_replaces_killed_node(etcd_endpoint, tmp_path):
+    """3 torchrun agents for --nnodes 2: one node is SIGKILLed mid-training and the spare takes its
+    group rank; the survivor restarts its worker (torchrun's --max-restarts) and the job finishes."""
+    import signal
+
+    from rendezvous.kv import connect
+    from rendezvous.membership import Membership
+    from tm_launch.cli import etcd_options
+
+    run = f"spare-{uuid.uuid4().hex[:8]}"
+    steps = tmp_path / "steps.log"
+    cmd = _torchrun(etcd_endpoint, run, "--max-restarts", "3", os.path.join(ROOT, "examples", "train.py"),
+                    "--steps", "30", "--step-sleep", "0.2", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5",
+                    "--step-log", str(steps), "--out", str(tmp_path / "params.pt"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOGLEVEL": "INFO"}
+    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
+
+    def start(i):
+        return subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def wait_for(cond, seconds, what):
+        deadline = time.monotonic() + seconds
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    def steps_done():
+        return len(steps.read_text().splitlines()) if steps.exists() else 0
+
+    procs = [start(0), start(1)]
+    try:
+        wait_for(lambda: steps_done() >= 4, 90, "training never started")
+        procs.append(start(2))  # beyond --nnodes 2: a spare
+        m = Membership(connect("v3", etcd_options(etcd_endpoint, run, None)))
+        wait_for(lambda: m.snapshot().spares_alive == 1, 60, "the spare never registered")
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the node: agent and worker
+        wait_for(lambda: procs[0].poll() is not None and procs[2].poll() is not None, 150, "job did not finish")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    outputs = [log.read_text() for log in logs]
+    assert procs[0].returncode == 0, outputs[0][-6000:]
+    assert procs[2].returncode == 0, outputs[2][-6000:]
+    history = m.history()
+    substituted = [p for p in history if p.replaced]
+    assert substituted and "lease expired" in substituted[0].cause, [(p.generation, p.cause) for p in history]
+    assert history[-1].state == "succeeded"
+    assert torch.load(tmp_path / "params.pt")

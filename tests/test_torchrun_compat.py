@@ -1,0 +1,102 @@
+"""The same scripts under `torchrun` and `tm-launch` (both --standalone, 2 workers): what a worker
+sees must be the same: torchrun's env vars, argv (with torchrun's ``${local_rank}`` macro), a
+working env:// gloo group, and, for examples/train.py, bitwise-equal final parameters.
+
+Each launcher start costs ~5-10 s here (torch imports on 2 cores), so only
+``test_script_env_matches_torchrun`` is in the fast suite; the rest are ``slow``.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+sys.path.insert(0, ROOT)
+from examples.env_dump import TORCHRUN_ENV  # noqa: E402
+
+# Must be equal under both launchers. The rest of TORCHRUN_ENV must be present but may differ:
+# MASTER_ADDR/MASTER_PORT (each picks its own), TORCHELASTIC_RUN_ID (random per --standalone),
+# TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init).
+SAME = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+        "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS")
+SCRIPT_ARGS = ["--foo", "bar", "--tag", "${local_rank}"]  # torchrun substitutes ${local_rank} in worker args
+
+
+def launch(launcher: str, args: list[str], timeout: float = 180) -> str:
+    """Run `<launcher> --standalone --nproc-per-node 2 ARGS` from the repo root; its output."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith("PET_")}
+    env["PYTHONPATH"] = ROOT  # tm_launch for examples/train.py under plain torchrun
+    cmd = [os.path.join(BIN, launcher), "--standalone", "--nproc-per-node", "2", *args]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{launcher} did not finish in {timeout} s: {' '.join(cmd)}\n{(e.output or '')[-4000:]}")
+    assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-4000:]}"
+    return done.stdout
+
+
+def dump(launcher: str, mode: list[str], out) -> dict[int, dict]:
+    """Run env_dump under ``launcher`` with ``mode`` (how the script is named); rank -> record."""
+    launch(launcher, [*mode, "--out", str(out), *SCRIPT_ARGS])
+    records = {}
+    for rank in range(2):
+        with open(out / f"rank{rank}.json") as f:
+            records[rank] = json.load(f)
+    return records
+
+
+def assert_same_worker_view(ours: dict, theirs: dict, ours_out, theirs_out) -> None:
+    for rank in range(2):
+        a, b = ours[rank], theirs[rank]
+        assert set(b["env"]) == set(TORCHRUN_ENV), f"torchrun itself lacks {set(TORCHRUN_ENV) - set(b['env'])}"
+        assert set(a["env"]) == set(b["env"]), f"rank {rank}: tm-launch env keys differ: " \
+            f"missing {sorted(set(b['env']) - set(a['env']))}, extra {sorted(set(a['env']) - set(b['env']))}"
+        assert {k: a["env"][k] for k in SAME} == {k: b["env"][k] for k in SAME}, f"rank {rank}"
+        assert a["env"]["RANK"] == str(rank) and a["env"]["OMP_NUM_THREADS"] == "1"
+        assert a["allreduce"] == b["allreduce"] == 3.0  # 1 + 2 over a real env:// gloo group
+        assert a["local_ranks"] == b["local_ranks"] == ["0", "1"]
+        norm_a = [x.replace(str(ours_out), "OUT") for x in a["argv"]]
+        norm_b = [x.replace(str(theirs_out), "OUT") for x in b["argv"]]
+        assert norm_a == norm_b, f"rank {rank}: argv differs"
+        assert norm_a[-4:] == ["--foo", "bar", "--tag", a["env"]["LOCAL_RANK"]]  # macro substituted
+        assert a["world_size"] == b["world_size"] == 2
+
+
+def test_script_env_matches_torchrun(tmp_path):
+    """The fast-suite proof of compatibility: one start of each launcher, script mode."""
+    script = ["examples/env_dump.py"]
+    theirs = dump("torchrun", script, tmp_path / "torchrun")
+    ours = dump("tm-launch", script, tmp_path / "tm-launch")
+    assert_same_worker_view(ours, theirs, tmp_path / "tm-launch", tmp_path / "torchrun")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [
+    pytest.param(["-m", "examples.env_dump"], id="module"),
+    pytest.param(["--no-python", sys.executable, "examples/env_dump.py"], id="no-python"),
+])
+def test_modes_match_torchrun(tmp_path, mode):
+    theirs = dump("torchrun", mode, tmp_path / "torchrun")
+    ours = dump("tm-launch", mode, tmp_path / "tm-launch")
+    assert_same_worker_view(ours, theirs, tmp_path / "tm-launch", tmp_path / "torchrun")
+    if mode[0] == "-m":
+        assert ours[0]["argv"][0] == os.path.join(ROOT, "examples", "env_dump.py")
+
+
+@pytest.mark.slow
+def test_train_parameters_bitwise_equal(tmp_path):
+    """examples/train.py (DDP, 2 workers, 10 steps) ends with identical parameters under both."""
+    params = {}
+    for launcher in ("torchrun", "tm-launch"):
+        out = tmp_path / f"{launcher}.pt"
+        launch(launcher, ["examples/train.py", "--steps", "10", "--out", str(out)])
+        params[launcher] = torch.load(out)
+    theirs, ours = params["torchrun"], params["tm-launch"]
+    assert theirs.keys() == ours.keys() and len(theirs) > 0
+    for name in theirs:
+        assert torch.equal(theirs[name], ours[name]), f"{name} differs"
