@@ -31,6 +31,19 @@ class UsageError(Exception):
     """A user mistake: printed as one line, exit code 2, no traceback."""
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1's base-60 numbers: ``nnodes: 1:2`` is the text "1:2", not 62."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [
+        (tag, re.compile(r"(?!.*:)" + rx.pattern, rx.flags) if tag.endswith((":int", ":float")) else rx)
+        for tag, rx in resolvers
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def _health_flag(name: str) -> str:
     return "--health-" + name.replace("_", "-")
 
@@ -78,9 +91,11 @@ def _convert(action: argparse.Action, key: str, value: Any, where: str) -> Any:
         return ",".join(f"{k}={v}" for k, v in value.items())
     if isinstance(value, (dict, list)):
         raise UsageError(f"{where}: '{key}' must be a single value, not {type(value).__name__}")
+    if isinstance(value, bool) or (action.type is int and isinstance(value, float) and not value.is_integer()):
+        raise UsageError(f"{where}: '{key}' has the wrong type: {value!r}")
     if action.type is not None:
         try:
-            value = action.type(str(value) if action.type is not int or isinstance(value, str) else value)
+            value = action.type(str(value) if action.type is not int or isinstance(value, str) else int(value))
         except (TypeError, ValueError):
             raise UsageError(f"{where}: '{key}' has the wrong type: {value!r}") from None
     elif value is not None:
@@ -94,7 +109,7 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]
     """Read a YAML file into (option defaults, health section), validated against the parser."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_Loader)
     except FileNotFoundError:
         raise UsageError(f"--config {path}: no such file") from None
     except yaml.YAMLError as e:
@@ -127,9 +142,8 @@ def _env_set(action: argparse.Action) -> bool:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
+    # The full parser finds tm-launch's own --config: a `--config` after the script is the script's.
+    known = parser.parse_args(argv)
     health_yaml: dict = {}
     if known.config:
         options, health_yaml = load_config(known.config, parser)
@@ -150,11 +164,11 @@ def _typed_health(flags: dict) -> dict:
     out = {}
     for k, v in flags.items():
         try:
-            out[k] = yaml.safe_load(v)
+            out[k] = yaml.load(v, Loader=_Loader)
         except yaml.YAMLError:
             out[k] = v
         if isinstance(out[k], str) and "," in out[k]:
-            out[k] = [yaml.safe_load(x) for x in out[k].split(",")]
+            out[k] = [yaml.load(x, Loader=_Loader) for x in out[k].split(",")]
     return out
 
 
