@@ -62,7 +62,10 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     from rendezvous.kv import EtcdOptions
     from rendezvous.membership import run_prefix
 
-    values = dict(conf) if isinstance(conf, dict) else _parse_rendezvous_config(conf or "")
+    try:
+        values = dict(conf) if isinstance(conf, dict) else _parse_rendezvous_config(conf or "")
+    except ValueError as e:
+        raise UsageError(f"--rdzv-conf {conf}: {e}") from None
     known = {"cacert", "cert", "key", "user", "password_file", "timeout", "read_timeout", "protocol", "join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt"}
     for key in values:
         if key not in known:
@@ -79,10 +82,16 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     endpoints = tuple(e.strip() for e in (endpoint or "localhost:2379").split(",") if e.strip())
     if values.get("cacert") or values.get("protocol") == "https":
         endpoints = tuple(e if "://" in e else f"https://{e}" for e in endpoints)
+    raw_timeout = values.get("timeout", values.get("read_timeout", 5.0))
+    try:
+        timeout = float(raw_timeout)
+    except (TypeError, ValueError):
+        timeout = float("nan")
+    if not timeout > 0:
+        raise UsageError(f"--rdzv-conf timeout={raw_timeout}: must be a positive number of seconds")
     return EtcdOptions(
         endpoints=endpoints, prefix=run_prefix(run_id), cacert=values.get("cacert"), cert=values.get("cert"),
-        key=values.get("key"), user=values.get("user"), password=password,
-        timeout=float(values.get("timeout", values.get("read_timeout", 5.0))),
+        key=values.get("key"), user=values.get("user"), password=password, timeout=timeout,
     )
 
 
@@ -115,12 +124,19 @@ def _launch(args) -> int:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         run_id = str(args.rdzv_id)
         options = etcd_options(args.rdzv_endpoint, run_id, args.rdzv_conf)
-        config, cmd, cmd_args = config_from_args(args)
+        try:
+            config, cmd, cmd_args = config_from_args(args)
+        except ValueError as e:  # torchrun's own checks: --nproc-per-node abc, gpu without CUDA, ...
+            raise UsageError(str(e).strip()) from None
+        if config.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
         api = "v3" if args.rdzv_backend == "etcd-v3" else "v2"
         try:
             kv = connect(api, options)
         except KVError as e:
             return _fail(str(e), code=1)
+        except ValueError as e:  # a malformed --rdzv-endpoint
+            raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: {e}") from None
         nproc = config.nproc_per_node
         if args.local_addr:
             addr = args.local_addr
