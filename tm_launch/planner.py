@@ -53,12 +53,12 @@ class View:
 
 
 def spares(view: View) -> list[str]:
-    """Alive, not cordoned, not active, in join order: the nodes a plan may promote."""
+    """Alive, not cordoned, not draining, not active, in join order: the nodes a plan may promote."""
     active = set(view.plan.nodes) if view.plan else set()
     removed = set(view.plan.removed) if view.plan else set()
     candidates = [
         n for n in view.alive.values()
-        if n.id not in active and n.id not in view.failed and n.id not in removed
+        if n.id not in active and n.id not in view.failed and n.id not in view.drains and n.id not in removed
     ]
     return [n.id for n in sorted(candidates, key=lambda n: (n.joined, n.id))]
 
