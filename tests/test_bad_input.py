@@ -1,0 +1,184 @@
+"""The real ``tm-launch`` command on bad input: one ``tm-launch: error: ...`` line, no traceback,
+a non-zero exit, and never a hang.
+
+Every tm-launch process imports torch (2-5 s here), so the pure usage errors are launched all
+at once by one module fixture and each test checks its own case.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from rendezvous.kv import EtcdOptions, connect
+from rendezvous.membership import run_prefix
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = [sys.executable, "-m", "tm_launch.cli"]
+ERROR = "tm-launch: error: "
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def launch(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(CLI + args, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"tm-launch {proc.args[3:]} still running after {timeout}s (a hang):\n{err[-2000:]}")
+    return proc.returncode, out, err
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(ERROR)]
+
+
+def assert_one_error(rc: int, stderr: str, *fragments: str) -> str:
+    assert rc != 0, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# usage errors and an unreachable etcd, launched in parallel
+
+@pytest.fixture(scope="module")
+def blackhole():
+    """A TCP port that accepts connections and never answers (a hung etcd)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    yield s.getsockname()[1]
+    s.close()
+
+
+USAGE = {
+    "bad YAML key": (["--config", "{tmp}/bad.yaml", "examples/train.py"], 2,
+                     ["unknown key 'nproc_per_nod'", "did you mean 'nproc_per_node'"]),
+    "--nnodes 3:2": (["--nnodes", "3:2", "examples/train.py"], 2, ["--nnodes 3:2", "MIN (3) is larger than MAX (2)"]),
+    "missing script": (["--nproc-per-node", "1", "no/such/train.py"], 2, ["training script 'no/such/train.py' not found"]),
+    "bad --rdzv-conf": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "timeout=soon",
+                         "examples/train.py"], 2, ["timeout=soon"]),
+    "bad --nproc-per-node": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "abc",
+                              "examples/train.py"], 2, ["nproc_per_node", "abc"]),
+    "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
+                              "examples/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
+    "etcd: never answers": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung",
+                             "examples/train.py"], 1, ["127.0.0.1:{blackhole}", "no answer"]),
+}
+
+
+@pytest.fixture(scope="module")
+def usage_results(tmp_path_factory, blackhole):
+    tmp = tmp_path_factory.mktemp("bad-input")
+    (tmp / "bad.yaml").write_text("nproc_per_nod: 2\n")
+    started = {}
+    for name, (args, _, _) in USAGE.items():
+        args = [a.format(tmp=tmp, blackhole=blackhole) for a in args]
+        started[name] = (launch(args), time.monotonic())
+    results = {}
+    for name, (proc, t0) in started.items():
+        rc, out, err = finish(proc, timeout=90)
+        results[name] = (rc, err, time.monotonic() - t0)
+    return results, blackhole
+
+
+@pytest.mark.parametrize("case", list(USAGE))
+def test_usage_error(usage_results, case):
+    results, blackhole = usage_results
+    rc, err, elapsed = results[case]
+    _, want_rc, fragments = USAGE[case]
+    assert_one_error(rc, err, *(f.format(blackhole=blackhole) for f in fragments))
+    assert rc == want_rc, err
+    # Seven launchers import torch at once on two cores, which alone takes 5-15 s here.
+    assert elapsed < 60, f"{case}: took {elapsed:.1f}s"
+    if case.startswith("etcd:"):
+        # The etcd part alone (beyond a launcher that fails right after parsing, started at the
+        # same moment) stays within ~10 s: the connection check has a 5 s timeout, no retry loop.
+        baseline = results["--nnodes 3:2"][2]
+        assert elapsed - baseline < 12, f"{case}: {elapsed:.1f}s vs {baseline:.1f}s for a plain usage error"
+
+
+# ------------------------------------------------------------------------------------------------
+# against the real etcd
+
+def _run_id() -> str:
+    return f"bad-{uuid.uuid4().hex[:8]}"
+
+
+def _etcd_args(endpoint: str, run_id: str) -> list[str]:
+    return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
+
+
+def test_finished_run_id_is_refused(etcd_endpoint):
+    run_id = _run_id()
+    job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1"]
+    rc, _, err = finish(launch(job + ["examples/train.py", "--steps", "2"]), timeout=120)
+    assert rc == 0, err
+    assert "job finished successfully" in err
+    t0 = time.monotonic()
+    rc, _, err = finish(launch(job + ["examples/train.py", "--steps", "2"]), timeout=60)
+    assert_one_error(rc, err, f"run id '{run_id}' already finished (succeeded)", "new --rdzv-id")
+    assert time.monotonic() - t0 < 30
+    assert "joined run" not in err  # refused before registering
+
+
+def test_duplicate_node_id_while_the_first_agent_is_alive(etcd_endpoint):
+    run_id = _run_id()
+    job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "2", "--nproc-per-node", "1", "--node-id", "twin"]
+    kv = connect("v3", EtcdOptions(endpoints=(etcd_endpoint,), prefix=run_prefix(run_id)))
+    first = launch(job + ["examples/train.py"])  # waits for a second node that never comes
+    try:
+        deadline = time.monotonic() + 60
+        while kv.get("state/nodes/twin") is None:
+            assert first.poll() is None, first.communicate()[1]
+            assert time.monotonic() < deadline, "first agent never registered"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        rc, _, err = finish(launch(job + ["examples/train.py"]), timeout=60)
+        assert_one_error(rc, err, "node id 'twin' is already registered", "--node-id")
+        assert time.monotonic() - t0 < 30
+        assert first.poll() is None, "the second agent disturbed the first"
+        assert kv.get("state/plan") is None  # no generation formed with a phantom second node
+    finally:
+        first.send_signal(signal.SIGINT)
+        try:
+            first.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate()
+        kv.close()
+
+
+def test_script_crashing_at_import_fails_the_job(etcd_endpoint, tmp_path):
+    script = tmp_path / "crash_at_import.py"
+    script.write_text("raise RuntimeError('boom at import time')\n")
+    t0 = time.monotonic()
+    rc, _, err = finish(launch(_etcd_args(etcd_endpoint, _run_id()) + ["--max-restarts", "0", str(script)]), timeout=90)
+    assert rc != 0, err
+    assert time.monotonic() - t0 < 45
+    assert "boom at import time" in err  # the worker's own traceback is shown ...
+    assert "job failed: max restarts (0) exhausted" in err  # ... and why the launcher gave up
+    assert "exited with code 1" in err
+    tail = [line for line in err.splitlines() if line.strip()][-1]
+    assert "job failed" in tail, tail
