@@ -40,7 +40,7 @@ def parse():
     p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
     p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
     p.add_argument("--pause-file", default=None)
-    p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-factor x step-sleep more")
+    p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
     return p.parse_args()
 
@@ -104,7 +104,8 @@ def main():
         loss.backward()
         opt.step()
         if args.step_sleep:
-            time.sleep(args.step_sleep * (1 + args.slow_factor if job.rank == args.slow_rank else 1))
+            slow = args.slow_node is not None and os.environ.get("TM_NODE_ID") == args.slow_node
+            time.sleep(args.step_sleep * (1 + args.slow_factor if slow else 1))
         if job.in_sandbox:
             continue
         if args.step_log:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tm_launch.plan import NodeInfo, Plan
 from tm_launch.planner import View
 
-from .kv import KV, Entry, Lease
+from .kv import KV, Entry, KVError, Lease
 
 
 def run_prefix(run_id: str) -> str:
@@ -70,7 +70,14 @@ class Membership:
         revision = self.kv.current_revision()
         entries = {e.key: e for e in self.kv.get_prefix("state/")}
         plan_entry = entries.get("state/plan")
-        plan = Plan.from_json(plan_entry.value) if plan_entry else None
+        try:
+            plan = Plan.from_json(plan_entry.value) if plan_entry else None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            # Never guess over a plan we cannot read: agents stop changing the job and say why.
+            raise KVError(
+                f"the job's plan in etcd (state/plan) is unreadable ({type(e).__name__}: {e}); "
+                "restore it or start the job under a new --rdzv-id"
+            ) from None
         alive, failed, drains, reports, done = {}, {}, {}, {}, set()
         gen = plan.generation if plan else -1
         for key, entry in entries.items():
@@ -103,7 +110,16 @@ class Membership:
 
     # -- writing ----------------------------------------------------------------------------
     def publish(self, plan: Plan, expected: Entry | None) -> bool:
-        """Compare-and-swap the next plan in; False when someone else published first."""
+        """Compare-and-swap the next plan in; False when someone else published first.
+
+        History is written after the swap; a publisher killed in between leaves the previous
+        plan's history entry missing, so every publish first backfills the plan it replaces."""
+        if expected is not None:
+            try:
+                replaced = Plan.from_json(expected.value)
+                self.kv.create(f"log/history/{replaced.generation:08d}", expected.value)
+            except (ValueError, TypeError, KeyError):
+                pass
         if expected is None:
             ok = self.kv.create("state/plan", plan.to_json())
         else:

@@ -32,8 +32,12 @@ def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=N
     job.start_all(nodes[active:])
     if spares:
         job.wait_parked(nodes[-1])
-    open(trigger, "w").close()
-    info = (fault(job) or {}) if fault else {}
+
+    def release():
+        open(trigger, "w").close()
+
+    info = (fault(job, release) or {}) if fault else {}
+    release()
     codes = job.wait(timeout=240)
     return job, codes, torch.load(out), info
 
@@ -78,7 +82,8 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
 
 
 def _kill_at_step(step, action):
-    def fault(job):
+    def fault(job, release):
+        release()
         job.wait_step(step)
         t = time.time()
         action(job)
@@ -105,11 +110,14 @@ def test_node_loss_agent_sigkill(local_job, reference):
 
 
 def test_planned_drain(local_job, reference):
-    def drain(job):
-        job.wait_step(PAUSE + 5)
+    def drain(job, release):
+        # Requested while training is held at the pause step: the switch happens in the steps after.
         out = job.ctl("drain", "a")
         assert out.returncode == 0, out.stderr
-        return {"fault_time": time.time()}
+        job.wait_for(lambda s: s["generation"] == 1, 60, "the drain plan")
+        t = time.time()
+        release()
+        return {"fault_time": t}
 
     job, codes, params, info = run_job(local_job, ["a", "b", "c"], fault=drain)
     assert codes == {"a": 0, "b": 0, "c": 0}, job.logs_tail()

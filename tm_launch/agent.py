@@ -17,9 +17,11 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -84,7 +86,9 @@ class Agent:
         self.timings: dict[int, dict] = {}
         self.monitor = None
         self._hang_seen: dict[int, list] = {}
-        self.probed_gen = -1  # local rank -> [last step seen, when it changed]
+        self.probed_gen = -1
+        self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
+        self.straggler_gen, self.stragglers, self.straggler_window = -1, None, -1  # local rank -> [last step seen, when it changed]
 
     # -- logging --------------------------------------------------------------------------------
     def say(self, message: str, kind: str = "info", **fields) -> None:
@@ -129,6 +133,7 @@ class Agent:
             if self.monitor is not None:
                 self.monitor.stop()
             self.workers.stop(grace=2)
+            shutil.rmtree(self.scratch, ignore_errors=True)
             try:
                 if self.lease is not None and not self.lost_lease.is_set():
                     self.lease.revoke()
@@ -337,18 +342,38 @@ class Agent:
             "TORCHELASTIC_RUN_ID": self.cfg.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": self._error_file(plan.generation, local_rank),
             "TM_NODE_ID": me,
             "TM_LOCAL_ADDR": self.cfg.addr,
             "TM_GENERATION": str(plan.generation),
             "TM_SANDBOX": "1" if sandbox else "0",
             "TM_SANDBOX_STEPS": str(self.cfg.sandbox_steps),
             "TM_COLLECTIVE_TIMEOUT": str(self.cfg.collective_timeout),
+            "TM_STRAGGLER_WINDOW": str(self.cfg.health.straggler_window if self.cfg.health else 20),
         })
         if self.cfg.live_enabled:
             env["TM_AGENT_STORE"] = f"{self.cfg.addr}:{self.store.port}"
         else:
             env.pop("TM_AGENT_STORE", None)
         return env
+
+    def _error_file(self, generation: int, local_rank: int) -> str:
+        """Where a worker decorated with torch's @record writes its exception (torchrun's layout)."""
+        base = (self.cfg.output.log_dir if self.cfg.output and self.cfg.output.log_dir else None) or self.scratch
+        path = os.path.join(base, self.cfg.run_id, f"attempt_{generation}", str(local_rank), "error.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
+
+    def _root_cause(self, local_rank: int) -> str:
+        """The first line of the worker's @record error file, when it wrote one."""
+        path = self._error_file(self.workers.generation, local_rank)
+        try:
+            with open(path) as f:
+                message = json.load(f)["message"]
+            text = message.get("message", "") if isinstance(message, dict) else str(message)
+            return text.strip().splitlines()[0][:300] if text.strip() else ""
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return ""
 
     def _start_workers(self, plan: Plan, sandbox: bool) -> None:
         self._direct(plan)
@@ -372,6 +397,9 @@ class Agent:
         if failed and self.reported_gen != plan.generation:
             local_rank, code = failed
             why = f"worker {local_rank} (pid {self.workers.pids()[local_rank]}) {describe_exit(code)}"
+            cause = self._root_cause(local_rank)
+            if cause:
+                why += f": {cause}"
             self.workers.stop(grace=0)
             if active:
                 self.reported_gen = plan.generation
@@ -394,7 +422,7 @@ class Agent:
         milliseconds instead of after the lease TTL. Anything short of a refusal (a timeout, a
         partition) is left to the lease, which is the authority on membership."""
         plan = self.plan
-        if plan is None or not plan.live or self.probed_gen == plan.generation or self.cfg.node_id not in plan.nodes:
+        if plan is None or not (view.live or self.live_seen) or self.probed_gen == plan.generation or self.cfg.node_id not in plan.nodes:
             return
         if not any(s.get("state") == "recovering" for s in self._statuses().values()):
             return
@@ -511,10 +539,46 @@ class Agent:
         role = "active" if self.cfg.node_id in self.plan.nodes else "spare"
         record = {
             "node": self.cfg.node_id, "role": role, "generation": self.plan.generation,
-            "workers": {str(lr): {k: s.get(k) for k in ("step", "state", "rank", "step_time")} for lr, s in statuses.items()},
+            "workers": {str(lr): {k: s.get(k) for k in ("step", "state", "rank", "step_time", "windows")} for lr, s in statuses.items()},
             "time": now,
         }
         try:
             self.members.progress(self.cfg.node_id, record, self.lease)
+            self._find_stragglers()
         except KVError:
             pass
+
+    def _find_stragglers(self) -> None:
+        """Group rank 0's agent compares every rank's compute time, window by window (C4-style),
+        and asks for a planned migration of a node whose rank stays slow."""
+        plan, cfg = self.plan, self.cfg.health
+        if cfg is None or not cfg.straggler or not self.live_seen or not plan.nodes or plan.nodes[0] != self.cfg.node_id:
+            return
+        from health.straggler import StragglerDetector
+
+        if self.straggler_gen != plan.generation:
+            self.straggler_gen, self.stragglers = plan.generation, StragglerDetector(cfg)
+            self.straggler_window = -1
+        by_window: dict[int, dict[int, float]] = {}
+        owner: dict[int, str] = {}
+        for node, record in self.members.all_progress().items():
+            if node not in plan.nodes or record.get("generation") != plan.generation:
+                continue
+            for worker in record.get("workers", {}).values():
+                rank = worker.get("rank")
+                owner[rank] = node
+                for w, compute in (worker.get("windows") or {}).items():
+                    by_window.setdefault(int(w), {})[rank] = compute
+        for w in sorted(by_window):
+            if w <= self.straggler_window or len(by_window[w]) < plan.world_size:
+                continue
+            self.straggler_window = w
+            for rank in self.stragglers.add_window(by_window[w]):
+                node = owner.get(rank)
+                if node is None:
+                    continue
+                alarm = self.stragglers.alarm_for(rank, node)
+                self.members.alarm(node, f"straggler-rank{rank}", alarm.to_json())
+                self.members.request_drain(node, alarm.message)
+                self.say(f"alarm degraded: {alarm.message} on {node}: requesting a planned migration", kind="alarm", alarm=alarm.to_json())
+                self.stragglers.reset(rank)

@@ -55,17 +55,29 @@ def _torchrun(args) -> int:
     return 0
 
 
-def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
-    """EtcdOptions from --rdzv-endpoint and --rdzv-conf (cacert, cert, key, user, password_file, timeout)."""
-    from torch.distributed.run import _parse_rendezvous_config
+def parse_rdzv_conf(conf: str | dict | None) -> dict:
+    """torchrun's ``--rdzv-conf k1=v1,k2=v2`` (torch's own parser, without importing torch:
+    ``tm-launch ctl`` must answer in well under a second)."""
+    if isinstance(conf, dict):
+        return dict(conf)
+    values = {}
+    for item in (conf or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--rdzv-conf {conf}: '{item}' is not of the form key=value")
+        values[key.strip()] = value.strip()
+    return values
 
+
+def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
+    """EtcdOptions from --rdzv-endpoint and --rdzv-conf (cacert, cert, key, user, password_file,
+    read_timeout). ``timeout``/``join_timeout`` keep torchrun's meaning (the rendezvous timeout)."""
     from rendezvous.kv import EtcdOptions
     from rendezvous.membership import run_prefix
 
-    try:
-        values = dict(conf) if isinstance(conf, dict) else _parse_rendezvous_config(conf or "")
-    except ValueError as e:
-        raise UsageError(f"--rdzv-conf {conf}: {e}") from None
+    values = parse_rdzv_conf(conf)
     known = {"cacert", "cert", "key", "user", "password_file", "timeout", "read_timeout", "protocol", "join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt"}
     for key in values:
         if key not in known:
@@ -82,17 +94,32 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     endpoints = tuple(e.strip() for e in (endpoint or "localhost:2379").split(",") if e.strip())
     if values.get("cacert") or values.get("protocol") == "https":
         endpoints = tuple(e if "://" in e else f"https://{e}" for e in endpoints)
-    raw_timeout = values.get("timeout", values.get("read_timeout", 5.0))
+    raw_timeout = values.get("read_timeout", 5.0)
     try:
         timeout = float(raw_timeout)
     except (TypeError, ValueError):
         timeout = float("nan")
     if not timeout > 0:
-        raise UsageError(f"--rdzv-conf timeout={raw_timeout}: must be a positive number of seconds")
+        raise UsageError(f"--rdzv-conf read_timeout={raw_timeout}: must be a positive number of seconds")
     return EtcdOptions(
         endpoints=endpoints, prefix=run_prefix(run_id), cacert=values.get("cacert"), cert=values.get("cert"),
         key=values.get("key"), user=values.get("user"), password=password, timeout=timeout,
     )
+
+
+def _join_timeout(args) -> float:
+    """--join-timeout, or torchrun's ``--rdzv-conf timeout=`` / ``join_timeout=`` (same meaning)."""
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    raw = conf.get("join_timeout", conf.get("timeout"))
+    if raw is None:
+        return args.join_timeout
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise UsageError(f"--rdzv-conf timeout={raw}: must be a positive number of seconds")
+    return value
 
 
 def _is_loopback(endpoint: str) -> bool:
@@ -157,7 +184,7 @@ def _launch(args) -> int:
             addr=addr, nproc=nproc,
             limits=Limits(min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, max_restarts=args.max_restarts),
             cmd=entry + list(cmd_args), run_id=run_id, role=args.role, lease_ttl=args.lease_ttl,
-            monitor_interval=args.monitor_interval, join_timeout=args.join_timeout, last_call=args.last_call,
+            monitor_interval=args.monitor_interval, join_timeout=_join_timeout(args), last_call=args.last_call,
             spares_wanted=args.spares, live_enabled=not args.no_live, collective_timeout=args.collective_timeout,
             sandbox_steps=args.sandbox_steps, output=output, health=args.health, event_log=args.event_log,
         )

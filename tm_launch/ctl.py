@@ -117,6 +117,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from rendezvous.kv import KVError
 
+    from .options import UsageError
+
     try:
         members, run_id = _connect(args)
         if args.command == "status":
@@ -141,7 +143,7 @@ def main(argv: list[str]) -> int:
         elif args.command == "uncordon":
             existed = members.uncordon(args.node)
             print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
-    except (KVError, ValueError, OSError) as e:
+    except (KVError, ValueError, OSError, UsageError) as e:
         print(f"tm-launch ctl: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -146,6 +146,7 @@ class LiveGroup(dist.ProcessGroup):
         self._backend_name = backend_name
         self.generation = -1
         self.last_submit = 0.0
+        self.last_complete = 0.0
         self.broken = False  # a collective of this communicator failed: it is released at the boundary
 
     # -- identity ----------------------------------------------------------------------------
@@ -223,6 +224,7 @@ def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
     """A work that completes even when the real one fails; the failure poisons the step."""
 
     def settle(fut):
+        group.last_complete = time.perf_counter()
         try:
             fut.value()
         except Exception as e:

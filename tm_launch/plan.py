@@ -33,7 +33,16 @@ class NodeInfo:
 
     @staticmethod
     def from_json(text: str) -> "NodeInfo":
-        return NodeInfo(**json.loads(text))
+        """Parse and type-check a registration (etcd content is input, not trusted)."""
+        d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError("a node record must be a JSON object")
+        info = NodeInfo(**d)
+        for name, kind in (("id", str), ("host", str), ("addr", str), ("store_port", int), ("nproc", int), ("pid", int), ("joined", (int, float))):
+            value = getattr(info, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"node record field '{name}' has the wrong type: {value!r}")
+        return info
 
 
 @dataclass(frozen=True)
@@ -77,9 +86,14 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> "Plan":
         d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError("a plan must be a JSON object")
         for key in ("nodes", "joiners", "removed"):
             d[key] = tuple(d.get(key, ()))
-        return Plan(**d)
+        plan = Plan(**d)
+        if not isinstance(plan.generation, int) or not isinstance(plan.nproc, int) or not all(isinstance(n, str) for n in plan.nodes):
+            raise ValueError("plan fields have the wrong types")
+        return plan
 
     def next(self, **changes) -> "Plan":
         """The following generation with ``changes`` applied; per-event fields start empty."""

@@ -117,6 +117,8 @@ class LiveJob:
         self._pending: dict | None = None  # a planned switch being prepared
         self._step_times: list[float] = []
         self._compute: list[float] = []
+        self._window = max(1, int(env.get("TM_STRAGGLER_WINDOW", "20")))
+        self._windows: dict[int, float] = {}
         self._last_report = 0.0
         self._state = "sandbox"
         world, rank = int(env["WORLD_SIZE"]), int(env.get("RANK", self.local_rank))
@@ -223,6 +225,8 @@ class LiveJob:
             "rank": self.rank, "time": now, "pid": os.getpid(),
             "step_time": _median(self._step_times[-20:]), "step_times": self._step_times[-20:],
             "steps_run": len(self._step_times), "compute": self._compute[-20:],
+            # completed straggler windows only: {window index: summed compute seconds}
+            "windows": {str(w): c for w, c in self._windows.items() if self._step is not None and (w + 1) * self._window <= self._step},
         }
         self._agent.set(f"worker/{self.local_rank}/status", json.dumps(status))
 
@@ -399,9 +403,17 @@ class LiveJob:
                 obj.zero_grad(set_to_none=True)
 
     def _record(self, seconds: float, t0: float) -> None:
+        """Step time, and compute time = step time minus the wait in the step's last collective:
+        peers of a straggler wait for it there, the straggler does not (C4's observation)."""
         self._step_times.append(seconds)
-        submit = getattr(self.group, "last_submit", 0.0)
-        self._compute.append((submit - t0) if submit > t0 else seconds)
+        submit, complete = self.group.last_submit, self.group.last_complete
+        waited = complete - submit if submit > t0 and complete > submit else 0.0
+        compute = max(seconds - waited, 0.0)
+        self._compute.append(compute)
+        window = self._step // self._window
+        self._windows[window] = self._windows.get(window, 0.0) + compute
+        for old in [w for w in self._windows if w < window - 3]:
+            del self._windows[old]
         if len(self._step_times) > 200:
             del self._step_times[:100], self._compute[:100]
 
