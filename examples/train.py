@@ -38,6 +38,8 @@ def parse():
     p.add_argument("--kill-phase", default="forward", choices=["forward", "allreduce", "optimizer"])
     p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
     p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
+    p.add_argument("--crash-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) SIGKILL themselves at --crash-step, every time")
+    p.add_argument("--crash-step", type=int, default=5)
     p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
     p.add_argument("--pause-file", default=None)
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
@@ -99,6 +101,8 @@ def main():
             while not os.path.exists(args.pause_file):
                 time.sleep(0.02)
         kill_now(args, job, step, "forward")
+        if args.crash_node and os.environ.get("TM_NODE_ID") == args.crash_node and step == args.crash_step and not job.in_sandbox:
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -12,6 +12,7 @@ change another's keys. Two subtrees:
     state/reports/<gen>/<node>  failures a node reported in generation <gen>
     state/done/<gen>/<node>     nodes whose workers finished in generation <gen>
     state/live                  present once the job's workers use the live API
+    state/stores/<gen>          the env:// store (MASTER_ADDR/PORT) of a generation's fresh workers
 
 ``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
 ``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role).
@@ -79,6 +80,7 @@ class Membership:
                 "restore it or start the job under a new --rdzv-id"
             ) from None
         alive, failed, drains, reports, done = {}, {}, {}, {}, set()
+        kinds, times = {}, {}
         gen = plan.generation if plan else -1
         for key, entry in entries.items():
             parts = key.split("/")
@@ -91,7 +93,10 @@ class Membership:
                 elif kind == "drain" and len(parts) == 3:
                     drains[parts[2]] = json.loads(entry.value).get("reason", "drain requested")
                 elif kind == "reports" and len(parts) == 4 and parts[2] == str(gen):
-                    reports[parts[3]] = json.loads(entry.value)["reason"]
+                    report = json.loads(entry.value)
+                    reports[parts[3]] = str(report["reason"])
+                    kinds[parts[3]] = str(report.get("kind", "lost"))
+                    times[parts[3]] = float(report.get("time", 0.0))
                 elif kind == "done" and len(parts) == 4 and parts[2] == str(gen):
                     done.add(parts[3])
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -99,6 +104,7 @@ class Membership:
         view = View(
             plan=plan, alive=alive, failed=failed, reports=reports, drains=drains,
             done=frozenset(done), live="state/live" in entries,
+            report_kinds=kinds, report_times=times, now=time.time(),
         )
         active = set(plan.nodes) if plan else set()
         spares_alive = len([n for n in alive if n not in active and n not in failed])
@@ -128,8 +134,20 @@ class Membership:
             self.kv.put(f"log/history/{plan.generation:08d}", plan.to_json())
         return ok
 
-    def report_failure(self, generation: int, node: str, reason: str) -> None:
-        self.kv.put(f"state/reports/{generation}/{node}", json.dumps({"reason": reason, "time": time.time()}))
+    def report_failure(self, generation: int, node: str, reason: str, kind: str = "lost") -> None:
+        """``kind``: "exit" (a worker exited non-zero), "signal", "lost" or "alarm" (see planner)."""
+        self.kv.put(f"state/reports/{generation}/{node}", json.dumps({"reason": reason, "kind": kind, "time": time.time()}))
+
+    def publish_store(self, generation: int, addr: str, port: int) -> None:
+        """Where generation ``generation``'s fresh workers find their env:// store."""
+        self.kv.put(f"state/stores/{generation}", json.dumps({"addr": addr, "port": port}))
+
+    def store_for(self, generation: int) -> dict | None:
+        entry = self.kv.get(f"state/stores/{generation}")
+        try:
+            return json.loads(entry.value) if entry else None
+        except ValueError:
+            return None
 
     def mark_done(self, generation: int, node: str) -> None:
         self.kv.put(f"state/done/{generation}/{node}", json.dumps({"time": time.time()}))

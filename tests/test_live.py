@@ -44,21 +44,22 @@ def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=N
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, etcd_server):
-    """Fault-free final parameters per (world layout), computed once per module."""
+    """Fault-free final parameters per (nodes, workers per node, steps), computed once per module."""
     from tm_launch.localjob import LocalJob
 
     cache = {}
 
-    def get(nodes: int, nproc: int):
-        if (nodes, nproc) not in cache:
-            workdir = str(tmp_path_factory.mktemp(f"ref{nodes}x{nproc}"))
+    def get(nodes: int, nproc: int, steps: int = STEPS):
+        key = (nodes, nproc, steps)
+        if key not in cache:
+            workdir = str(tmp_path_factory.mktemp(f"ref{nodes}x{nproc}x{steps}"))
             job = LocalJob(endpoint=etcd_server.endpoint, run_id=f"ref-{nodes}x{nproc}-{time.time_ns()}", workdir=workdir,
-                           nnodes=str(nodes), nproc=nproc, script_args=[*SCRIPT, "--out", os.path.join(workdir, "p.pt")])
+                           nnodes=str(nodes), nproc=nproc, script_args=["--steps", str(steps), "--out", os.path.join(workdir, "p.pt")])
             job.start_all([f"r{i}" for i in range(nodes)])
             codes = job.wait(timeout=240)
             assert set(codes.values()) == {0}, job.logs_tail()
-            cache[(nodes, nproc)] = torch.load(os.path.join(workdir, "p.pt"))
-        return cache[(nodes, nproc)]
+            cache[key] = torch.load(os.path.join(workdir, "p.pt"))
+        return cache[key]
 
     return get
 

@@ -350,3 +350,28 @@ def test_node_info_json_round_trip():
     n = NodeInfo(id="gpu-node-07", host="gpu-node-07.cluster", addr="10.0.0.7", store_port=41234, nproc=8,
                  pid=4242, joined=1712345678.125)
     assert NodeInfo.from_json(n.to_json()) == n
+
+
+# ------------------------------------------------------------------------------------------------
+# blame: a worker that exits non-zero because its peer died is collateral, not the culprit
+
+
+def blame_view(reports: dict, kinds: dict, times: dict | None = None, now: float = 10.0, alive: str = "abc", live: bool = False) -> View:
+    v = view(plan(0, "ab"), alive=alive, reports=reports, live=live)
+    return dataclasses.replace(v, report_kinds=kinds, report_times=times or {n: 9.0 for n in reports}, now=now)
+
+
+@pytest.mark.parametrize("v, want", [
+    pytest.param(blame_view({"a": "worker exited 1", "b": "worker killed by SIGKILL"}, {"a": "exit", "b": "signal"}),
+                 {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac")}, id="signal-culprit-replaced-exit-collateral-restarts"),
+    pytest.param(blame_view({"a": "worker exited 1"}, {"a": "exit"}, alive="ac"),
+                 {"nodes": T("ac"), "replaced": {"c": "b"}}, id="lease-lost-culprit-exit-collateral"),
+    pytest.param(blame_view({"a": "worker exited 1"}, {"a": "exit"}, times={"a": 9.9}, now=10.0),
+                 None, id="lone-exit-waits-grace-for-its-cause"),
+    pytest.param(blame_view({"a": "worker exited 1"}, {"a": "exit"}, times={"a": 9.0}, now=10.0),
+                 {"nodes": T("cb"), "replaced": {"c": "a"}}, id="lone-exit-after-grace-is-the-culprit"),
+    pytest.param(blame_view({"a": "worker exited 1", "b": "xid 79"}, {"a": "exit", "b": "alarm"}, live=True),
+                 {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac"), "live": True}, id="live-collateral-node-restarts-in-place"),
+])
+def test_blame(v, want):
+    check(next_plan(v, limits("2")), want, v)

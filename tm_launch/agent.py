@@ -87,6 +87,7 @@ class Agent:
         self.monitor = None
         self._hang_seen: dict[int, list] = {}
         self.probed_gen = -1
+        self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
         self.straggler_gen, self.stragglers, self.straggler_window = -1, None, -1  # local rank -> [last step seen, when it changed]
 
@@ -375,9 +376,35 @@ class Agent:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return ""
 
+    def _master(self, plan: Plan) -> tuple[str, int]:
+        """MASTER_ADDR/PORT for a generation of fresh workers: a new TCPStore every generation.
+
+        torch's env:// init does not prefix its keys per attempt (torchrun makes a new store per
+        restart), so reusing one store would hand new workers the old workers' addresses. The
+        plan's store node hosts it and publishes the port; the others wait for it."""
+        if plan.store.get("node") == self.cfg.node_id:
+            if self.master_gen != plan.generation:
+                self.master_store = dist.TCPStore(self.cfg.addr, 0, None, True, wait_for_workers=False)
+                self.master_gen = plan.generation
+                self.members.publish_store(plan.generation, self.cfg.addr, self.master_store.port)
+            return self.cfg.addr, self.master_store.port
+        deadline = time.time() + max(60.0, self.cfg.lease_ttl * 4)
+        while time.time() < deadline:
+            where = self.members.store_for(plan.generation)
+            if where:
+                return where["addr"], int(where["port"])
+            if self.lost_lease.is_set():
+                raise Fenced("lease expired")
+            time.sleep(0.02)
+        raise SystemExit(f"tm-launch: error: generation {plan.generation}'s store host {plan.store.get('node')} never published its store; is that node alive?")
+
     def _start_workers(self, plan: Plan, sandbox: bool) -> None:
         self._direct(plan)
+        master = None if sandbox else self._master(plan)
         envs = {lr: self._env(plan, lr, sandbox) for lr in range(self.cfg.nproc)}
+        if master:
+            for env in envs.values():
+                env["MASTER_ADDR"], env["MASTER_PORT"] = master[0], str(master[1])
         self.workers.start(envs, plan.generation, "sandbox" if sandbox else "fresh")
         self.reported_gen = -1
 
@@ -403,8 +430,9 @@ class Agent:
             self.workers.stop(grace=0)
             if active:
                 self.reported_gen = plan.generation
+                self._report_dead_peers(plan, view)  # a dead peer, not this node, may be the cause
                 self.say(f"generation {plan.generation}: {why}; reporting the failure", kind="worker_failed", generation=plan.generation, local_rank=local_rank, exit_code=code)
-                self.members.report_failure(plan.generation, me, why)
+                self.members.report_failure(plan.generation, me, why, kind="signal" if code < 0 else "exit")
             else:
                 self.say(f"spare: sandbox {why}; it will be started again", kind="spare_failed")
             return
@@ -416,17 +444,19 @@ class Agent:
             self._watch_hangs(plan)
 
     def _probe_peers(self, view: View) -> None:
-        """A local worker saw a collective fail: find out at once whether a peer node died.
-
-        A dead agent's port refuses connections immediately, so the loss is reported in
-        milliseconds instead of after the lease TTL. Anything short of a refusal (a timeout, a
-        partition) is left to the lease, which is the authority on membership."""
+        """A local worker saw a collective fail: find out at once whether a peer node died."""
         plan = self.plan
         if plan is None or not (view.live or self.live_seen) or self.probed_gen == plan.generation or self.cfg.node_id not in plan.nodes:
             return
-        if not any(s.get("state") == "recovering" for s in self._statuses().values()):
-            return
+        if any(s.get("state") == "recovering" for s in self._statuses().values()):
+            self._report_dead_peers(plan, view)
+
+    def _report_dead_peers(self, plan: Plan, view: View) -> bool:
+        """Report active peers whose agent refuses connections. A dead agent's port refuses at
+        once, so a node loss is known in milliseconds instead of after the lease TTL; anything
+        short of a refusal (a timeout, a partition) is left to the lease, the authority."""
         self.probed_gen = plan.generation
+        found = False
         for node in plan.nodes:
             info = view.alive.get(node)
             if node == self.cfg.node_id or info is None or node in view.reports:
@@ -436,9 +466,11 @@ class Agent:
             except ConnectionRefusedError:
                 why = f"agent unreachable at {info.addr}:{info.store_port} (connection refused): node lost"
                 self.say(f"generation {plan.generation}: {node}: {why}", kind="node_lost", generation=plan.generation, lost=node)
-                self.members.report_failure(plan.generation, node, why)
+                self.members.report_failure(plan.generation, node, why, kind="lost")
+                found = True
             except OSError:
                 continue
+        return found
 
     def _report_entry(self) -> None:
         """Once this node's live workers entered the current generation, log the phase timings."""
@@ -558,7 +590,7 @@ class Agent:
 
         if self.straggler_gen != plan.generation:
             self.straggler_gen, self.stragglers = plan.generation, StragglerDetector(cfg)
-            self.straggler_window = -1
+            self.straggler_window, self.flagged = -1, set()
         by_window: dict[int, dict[int, float]] = {}
         owner: dict[int, str] = {}
         for node, record in self.members.all_progress().items():
@@ -575,8 +607,9 @@ class Agent:
             self.straggler_window = w
             for rank in self.stragglers.add_window(by_window[w]):
                 node = owner.get(rank)
-                if node is None:
+                if node is None or node in self.flagged:
                     continue
+                self.flagged.add(node)  # one alarm per node and generation: the drain is pending
                 alarm = self.stragglers.alarm_for(rank, node)
                 self.members.alarm(node, f"straggler-rank{rank}", alarm.to_json())
                 self.members.request_drain(node, alarm.message)

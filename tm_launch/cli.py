@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ctl_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="[tm-launch] %(levelname)s %(message)s")
+    logging.getLogger("health").setLevel(logging.INFO)  # e.g. "GPU health monitor off: NVML unavailable"
     try:
         args = parse_args(argv)
     except UsageError as e:

@@ -48,6 +48,11 @@ class View:
     reports: dict[str, str] = field(default_factory=dict)  # node -> failure in this generation
     drains: dict[str, str] = field(default_factory=dict)  # node -> why it should leave
     done: frozenset[str] = frozenset()  # nodes whose workers finished in this generation
+    # What kind of failure each report is: "exit" (a worker exited non-zero: perhaps only
+    # because a peer died), or a primary failure ("signal", "lost", "alarm"); missing = primary.
+    report_kinds: dict[str, str] = field(default_factory=dict)
+    report_times: dict[str, float] = field(default_factory=dict)
+    now: float = 0.0
     live: bool = False  # the job's workers use the live API
     last_call_passed: bool = False  # MIN <= alive < MAX and the join window has closed
 
@@ -91,17 +96,31 @@ def first_plan(view: View, limits: Limits) -> Plan | None:
     )
 
 
-def _lost(view: View) -> dict[str, str]:
-    """Active nodes that must leave now, with the reason."""
-    lost = {}
+EXIT_GRACE = 0.5  # seconds a lone "exit" report waits for the report of the failure that caused it
+
+
+def _lost(view: View) -> tuple[dict[str, str], set[str]] | None:
+    """Active nodes that must leave now (with the reason) and collateral nodes that stay but
+    restart their workers; None while a lone non-zero exit waits for its cause to be reported.
+
+    When a peer dies, the survivors' workers of a restart-mode script exit non-zero too: those
+    nodes are collateral, not culprits, whenever a primary failure explains them."""
+    lost, exits = {}, {}
     for node in view.plan.nodes:
         if node not in view.alive:
             lost[node] = "node lost (lease expired)"
         elif node in view.failed:
             lost[node] = f"cordoned: {view.failed[node]}"
         elif node in view.reports:
-            lost[node] = view.reports[node]
-    return lost
+            if view.report_kinds.get(node) == "exit":
+                exits[node] = view.reports[node]
+            else:
+                lost[node] = view.reports[node]
+    if lost:
+        return lost, set(exits)
+    if exits and any(view.now - view.report_times.get(n, 0.0) < EXIT_GRACE for n in exits):
+        return None
+    return exits, set()
 
 
 def next_plan(view: View, limits: Limits) -> Plan | None:
@@ -113,9 +132,12 @@ def next_plan(view: View, limits: Limits) -> Plan | None:
         return None
     if all(n in view.done for n in plan.nodes):
         return plan.next(state=SUCCEEDED, cause="all workers finished", reason="training finished")
-    lost = _lost(view)
+    found = _lost(view)
+    if found is None:
+        return None
+    lost, collateral = found
     if lost:
-        return _replace_lost(view, limits, lost)
+        return _replace_lost(view, limits, lost, collateral)
     drains = [n for n in plan.nodes if n in view.drains]
     if drains:
         return _migrate(view, drains)
@@ -133,7 +155,7 @@ def _describe(lost: dict[str, str]) -> str:
     return "; ".join(f"{node}: {why}" for node, why in lost.items())
 
 
-def _replace_lost(view: View, limits: Limits, lost: dict[str, str]) -> Plan:
+def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: set[str] = frozenset()) -> Plan:
     plan = view.plan
     cause = _describe(lost)
     restarts = plan.restarts + 1
@@ -147,6 +169,8 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str]) -> Plan:
     for node in plan.nodes:
         if node not in lost:
             nodes.append(node)
+            if node in collateral:
+                joiners.append(node)  # its workers exited: they start again
         elif free:
             spare = free.pop(0)
             nodes.append(spare)

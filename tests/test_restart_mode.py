@@ -1,0 +1,53 @@
+"""Restart mode (scripts that do not use the live API, or --no-live): a spare takes the failed
+node's group rank and every worker restarts at once, from the script's own checkpoint."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from tests.test_live import assert_bitwise, reference  # noqa: F401  (fixture)
+
+STEPS = 60
+
+
+def _job(local_job, launcher=(), script=()):
+    job = local_job(nnodes="2", nproc=1, launcher_args=["--no-live", *launcher])
+    ckpt = os.path.join(job.workdir, "ckpt")
+    out = os.path.join(job.workdir, "params.pt")
+    job.script_args = ["--steps", str(STEPS), "--step-sleep", "0.02", "--ckpt-dir", ckpt, "--ckpt-every", "10",
+                       "--out", out, "--step-log", job.step_log, *script]
+    return job, out
+
+
+@pytest.mark.slow
+def test_agent_sigkill_spare_takes_rank_same_world_size(local_job, reference):
+    job, out = _job(local_job, launcher=["--max-restarts", "2"])
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
+    job.wait_step(25)
+    job.kill_agent("b")
+    codes = job.wait(timeout=240)
+    assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
+    plan = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1][0]
+    assert plan["replaced"] == {"c": "b"} and not plan["live"] and sorted(plan["nodes"]) == ["a", "c"], plan
+    assert_bitwise(torch.load(out), reference(2, 1, STEPS))  # resumed from the checkpoint: nothing lost
+
+
+def test_crashing_worker_node_is_replaced_by_the_spare(local_job):
+    job, out = _job(local_job, launcher=["--max-restarts", "3"], script=["--crash-node", "b", "--crash-step", "3"])
+    job.start_all(["a", "b", "c"])
+    codes = job.wait(timeout=240)
+    assert codes["a"] == 0 and codes["c"] == 0 and codes["b"] != 0, job.logs_tail()
+    assert "killed by SIGKILL" in job.nodes["b"].log()
+    assert os.path.exists(out)
+
+
+def test_no_spare_and_crashing_worker_fails_clearly_when_restarts_run_out(local_job):
+    job, out = _job(local_job, launcher=["--max-restarts", "1"], script=["--crash-node", "b", "--crash-step", "2"])
+    job.start_all(["a", "b"])
+    codes = job.wait(timeout=240)
+    assert codes == {"a": 1, "b": 1}, job.logs_tail()
+    assert "max restarts (1) exhausted" in job.nodes["a"].log()
