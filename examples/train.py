@@ -40,6 +40,8 @@ def parse():
     p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
     p.add_argument("--crash-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) SIGKILL themselves at --crash-step, every time")
     p.add_argument("--crash-step", type=int, default=5)
+    p.add_argument("--subgroups", type=int, default=0, help="also allreduce in subgroups of this many consecutive ranks (TP-style)")
+    p.add_argument("--subgroup-log", default=None, help="append 'rank step generation communicator-id' per step")
     p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
     p.add_argument("--pause-file", default=None)
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
@@ -83,6 +85,8 @@ def main():
             start = state["step"]
             print(f"[train] rank {job.rank}: resumed from checkpoint at step {start}", flush=True)
     job.register(model=model, optimizer=opt)
+    world = job.world_size
+    subgroups = [job.new_group(range(i, i + args.subgroups)) for i in range(0, world, args.subgroups)] if args.subgroups else []
     state = {"step": None}
 
     def on_grad(grad):
@@ -110,6 +114,14 @@ def main():
         if args.step_sleep:
             slow = args.slow_node is not None and os.environ.get("TM_NODE_ID") == args.slow_node
             time.sleep(args.step_sleep * (1 + args.slow_factor if slow else 1))
+        if subgroups:
+            mine = subgroups[job.rank // args.subgroups]
+            check = torch.tensor([float(step)])
+            dist.all_reduce(check, group=mine)
+            if args.subgroup_log and not job.in_sandbox:
+                inner = getattr(mine, "inner", mine)
+                with open(args.subgroup_log, "a") as f:
+                    f.write(f"{job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}:{id(inner)}\n")
         if job.in_sandbox:
             continue
         if args.step_log:

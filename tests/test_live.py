@@ -25,7 +25,8 @@ def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=N
     out = os.path.join(job.workdir, "params.pt")
     trigger = os.path.join(job.workdir, "trigger")
     marker = os.path.join(job.workdir, "killed")
-    script = [{"TRIGGER": trigger, "MARKER": marker}.get(a, a) for a in script]
+    sublog = os.path.join(job.workdir, "sublog")
+    script = [{"TRIGGER": trigger, "MARKER": marker, "SUBLOG": sublog}.get(a, a) for a in script]
     job.script_args = [*SCRIPT, "--out", out, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger, *script]
     job.start_all(nodes[:active])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
@@ -70,7 +71,11 @@ def assert_bitwise(params, ref):
     assert not diff, f"parameters differ from the fault-free run: {diff}"
 
 
-@pytest.mark.parametrize("phase", ["forward", "allreduce", "optimizer"])
+@pytest.mark.parametrize("phase", [
+    "forward",
+    pytest.param("allreduce", marks=pytest.mark.slow),
+    pytest.param("optimizer", marks=pytest.mark.slow),
+])
 def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     # The worker SIGKILLs itself at an exact point of a step, once the spare is parked.
     script = ["--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", phase, "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
@@ -92,6 +97,7 @@ def _kill_at_step(step, action):
     return fault
 
 
+@pytest.mark.slow
 def test_external_worker_sigkill_survivors_keep_processes(local_job, reference):
     job, codes, params, info = run_job(local_job, ["a", "b", "c"], fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b")))
     assert_bitwise(params, reference(2, 2))
@@ -140,11 +146,40 @@ def test_hung_worker_is_killed_and_replaced(local_job, reference):
 
 
 def test_status_json_lists_nodes_roles_ranks(local_job):
-    job = local_job(nnodes="2", nproc=1, script_args=["--steps", "400", "--step-sleep", "0.02"])
-    job.start_all(["a", "b", "c"])
+    job = local_job(nnodes="2", nproc=1)
+    trigger = os.path.join(job.workdir, "trigger")
+    job.script_args = ["--steps", "30", "--pause-step", "5", "--pause-file", trigger]
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
     job.wait_parked("c")
-    status = job.status()
-    roles = {n["id"]: (n["role"], n["ranks"]) for n in status["nodes"]}
-    assert roles == {"a": ("active", [0]), "b": ("active", [1]), "c": ("spare", [])}, status
-    assert status["spares_left"] == 1 and status["live"]
-    job.stop()
+    def settled(status):
+        roles = {n["id"]: (n["role"], n["ranks"]) for n in status["nodes"]}
+        actives = sorted(ranks for role, ranks in (roles["a"], roles["b"])) if {"a", "b"} <= set(roles) else None
+        return (
+            roles.get("a", ("",))[0] == roles.get("b", ("",))[0] == "active" and actives == [[0], [1]]
+            and roles.get("c") == ("spare", []) and status["spares_left"] == 1 and status["live"] and status["world_size"] == 2
+        )
+
+    job.wait_for(settled, 30, "ctl status --json: a and b active with ranks 0 and 1, c a spare, live mode")
+    open(trigger, "w").close()
+    assert job.wait(timeout=120) == {"a": 0, "b": 0, "c": 0}  # the parked spare leaves cleanly too
+
+
+def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference):
+    """TP-style subgroups {0,1} on node a and {2,3} on node b; b's worker dies: the spare rebuilds
+    {2,3} (and the world group) while a keeps its {0,1} communicator object and connections."""
+    sublog = "SUBLOG"
+    job, codes, params, info = run_job(
+        local_job, ["a", "b", "c"], script=["--subgroups", "2", "--subgroup-log", sublog],
+        fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b")),
+    )
+    assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+    comms: dict = {}
+    with open(os.path.join(job.workdir, "sublog")) as f:
+        for line in f:
+            rank, step, gen, comm = line.split()
+            comms.setdefault((int(rank), int(gen)), set()).add(comm)
+    assert comms[(0, 0)] == comms[(0, 1)] and comms[(1, 0)] == comms[(1, 1)], comms  # kept
+    assert comms[(2, 0)] != comms[(2, 1)] and comms[(3, 0)] != comms[(3, 1)], comms  # rebuilt

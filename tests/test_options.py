@@ -281,7 +281,8 @@ def test_rdzv_conf_to_etcd_options(tmp_path):
 
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")
-    o = etcd_options("etcd-0:2379, etcd-1:2379", "job-1", f"timeout=2.5,user=alice,password_file={pw}")
+    # torchrun's meaning: timeout is the rendezvous timeout; read_timeout is the etcd request timeout
+    o = etcd_options("etcd-0:2379, etcd-1:2379", "job-1", f"timeout=600,read_timeout=2.5,user=alice,password_file={pw}")
     assert o.endpoints == ("etcd-0:2379", "etcd-1:2379")
     assert o.prefix == "/tm-launch/job-1/"
     assert (o.timeout, o.user, o.password) == (2.5, "alice", "s3cret")
@@ -293,6 +294,7 @@ def test_rdzv_conf_to_etcd_options(tmp_path):
 @pytest.mark.parametrize("conf, fragment", [
     pytest.param("timeot=3", "--rdzv-conf: unknown key 'timeot'", id="unknown key"),
     pytest.param("timeout", "must have a value", id="key without value"),
+    pytest.param("read_timeout=0", "read_timeout=0: must be a positive number", id="read timeout zero"),
     pytest.param("=3", "--rdzv-conf =3", id="value without key"),
     pytest.param("timeout=soon", "timeout=soon: must be a positive number", id="timeout not a number"),
     pytest.param("timeout=0", "timeout=0: must be a positive number", id="timeout zero"),

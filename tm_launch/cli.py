@@ -66,8 +66,10 @@ def parse_rdzv_conf(conf: str | dict | None) -> dict:
         if not item.strip():
             continue
         key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise UsageError(f"--rdzv-conf {conf}: '{item}' is not of the form key=value")
+        if not key.strip():
+            raise UsageError(f"--rdzv-conf {conf}: '{item}' has no key (write key=value)")
+        if not sep or not value.strip():
+            raise UsageError(f"--rdzv-conf {conf}: '{key.strip()}' must have a value (write {key.strip()}=VALUE)")
         values[key.strip()] = value.strip()
     return values
 
@@ -95,32 +97,31 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     endpoints = tuple(e.strip() for e in (endpoint or "localhost:2379").split(",") if e.strip())
     if values.get("cacert") or values.get("protocol") == "https":
         endpoints = tuple(e if "://" in e else f"https://{e}" for e in endpoints)
-    raw_timeout = values.get("read_timeout", 5.0)
-    try:
-        timeout = float(raw_timeout)
-    except (TypeError, ValueError):
-        timeout = float("nan")
-    if not timeout > 0:
-        raise UsageError(f"--rdzv-conf read_timeout={raw_timeout}: must be a positive number of seconds")
+    for name in ("timeout", "join_timeout"):
+        if name in values:
+            _seconds(name, values[name])
+    timeout = _seconds("read_timeout", values.get("read_timeout", 5.0))
     return EtcdOptions(
         endpoints=endpoints, prefix=run_prefix(run_id), cacert=values.get("cacert"), cert=values.get("cert"),
         key=values.get("key"), user=values.get("user"), password=password, timeout=timeout,
     )
 
 
+def _seconds(name: str, raw) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise UsageError(f"--rdzv-conf {name}={raw}: must be a positive number of seconds")
+    return value
+
+
 def _join_timeout(args) -> float:
     """--join-timeout, or torchrun's ``--rdzv-conf timeout=`` / ``join_timeout=`` (same meaning)."""
     conf = parse_rdzv_conf(args.rdzv_conf)
     raw = conf.get("join_timeout", conf.get("timeout"))
-    if raw is None:
-        return args.join_timeout
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise UsageError(f"--rdzv-conf timeout={raw}: must be a positive number of seconds")
-    return value
+    return args.join_timeout if raw is None else _seconds("timeout", raw)
 
 
 def _is_loopback(endpoint: str) -> bool:

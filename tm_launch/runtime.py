@@ -361,14 +361,22 @@ class LiveJob:
         self._report(force=True)
 
     def _rebuild_subgroups(self, d: dict, rank: int, old_rank: int) -> None:
-        """Delta communicator setup: keep subgroups whose processes all survived."""
+        """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by
+        a new process (a joiner), when it failed, or when this process took a new rank; the
+        others keep their communicator object and its connections."""
         joiners = set(d.get("joiner_ranks", []))
         for sub in sorted(self._subgroups, key=lambda g: g.member_ranks):
             ranks = sub.member_ranks
-            fresh = d.get("all_fresh") or sub.inner is None or isinstance(sub.inner, LocalBackend) or joiners.intersection(ranks)
-            if rank not in ranks or not fresh and rank == old_rank:
+            if rank not in ranks:
+                if sub.inner is not None:
+                    sub.swap(None, -1, len(ranks), d["generation"])  # not a member (any more)
                 continue
-            sub.swap(self._build(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])
+            fresh = (
+                d.get("all_fresh") or rank != old_rank or sub.inner is None
+                or isinstance(sub.inner, LocalBackend) or joiners.intersection(ranks)
+            )
+            if fresh:
+                sub.swap(self._build(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])
 
     def _agree_and_transfer(self, pg, rank: int, world: int) -> bool:
         """One allgather of completed steps; ranks behind receive state from the first rank ahead."""
