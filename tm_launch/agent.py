@@ -13,6 +13,7 @@ this node registered; when the lease is lost the agent stops its workers (fencin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -177,33 +178,36 @@ class Agent:
             except KVError as e:
                 self._etcd_down(e)
                 continue
-            view = snap.view
-            if view.plan is not None and (self.plan is None or view.plan.generation != self.plan.generation):
-                code = self._follow(view.plan, view)
-                if code is not None:
-                    return code
-            if view.plan is None:
-                self._check_join_timeout(view)
-            elif self.plan is not None and self.cfg.node_id not in self.plan.nodes and not self.workers and view.live:
-                self._be_spare(self.plan, view)  # the job turned out to be live: warm up now
-            self._watch_workers(view)
-            self._probe_peers(view)
-            self._report_entry()
-            self._watch_alarms()
-            self._publish_progress()
-            decision = next_plan(self._with_last_call(view), self.cfg.limits)
-            if decision is not None:
-                try:
-                    if self.members.publish(decision, snap.plan_entry):
-                        self._announce(decision, view)
-                        continue
-                except KVError as e:
-                    self._etcd_down(e)
-                    continue
             try:
-                self.members.wait(snap.revision, self.cfg.monitor_interval)
-            except KVError as e:
+                code = self._tick(snap)
+            except KVError as e:  # etcd went away mid-iteration: nothing is half-done, go round again
                 self._etcd_down(e)
+                continue
+            if code is not None:
+                return code
+
+    def _tick(self, snap) -> int | None:
+        """One pass of the loop over one consistent view; an exit code when the agent is done."""
+        view = snap.view
+        if view.plan is not None and (self.plan is None or view.plan.generation != self.plan.generation):
+            code = self._follow(view.plan, view)
+            if code is not None:
+                return code
+        if view.plan is None:
+            self._check_join_timeout(view)
+        elif self.plan is not None and self.cfg.node_id not in self.plan.nodes and not self.workers and view.live:
+            self._be_spare(self.plan, view)  # the job turned out to be live: warm up now
+        self._watch_workers(view)
+        self._probe_peers(view)
+        self._report_entry()
+        self._watch_alarms()
+        self._publish_progress()
+        decision = next_plan(self._with_last_call(view), self.cfg.limits)
+        if decision is not None and self.members.publish(decision, snap.plan_entry):
+            self._announce(decision)
+            return None  # look at the new state at once
+        self.members.wait(snap.revision, self.cfg.monitor_interval)
+        return None
 
     def _etcd_down(self, error: Exception) -> None:
         print(f"[tm-launch {self.cfg.node_id}] etcd: {error}; retrying", file=sys.stderr, flush=True)
@@ -218,7 +222,7 @@ class Agent:
         else:
             self.min_reached_at = None
         passed = self.min_reached_at is not None and time.time() - self.min_reached_at >= self.cfg.last_call
-        return View(**{**view.__dict__, "last_call_passed": passed})
+        return dataclasses.replace(view, last_call_passed=passed)
 
     def _check_join_timeout(self, view: View) -> None:
         waited = time.time() - self.started
@@ -228,12 +232,9 @@ class Agent:
                 f"'{self.cfg.run_id}', {len(view.alive)} joined; start the other nodes or lower --nnodes"
             )
 
-    def _announce(self, plan: Plan, view: View) -> None:
-        if plan.state == SUCCEEDED:
-            return
-        if plan.state == FAILED:
-            self.say(f"generation {plan.generation}: job failed: {plan.reason}", kind="job_failed", generation=plan.generation)
-            return
+    def _announce(self, plan: Plan) -> None:
+        if plan.finished:
+            return  # every agent says it when it follows the plan
         moves = ", ".join(f"{new} takes the ranks of {old}" for new, old in plan.replaced.items()) or "no spare used"
         mode = "live (survivors keep their processes)" if plan.live else "restart (all workers start afresh)"
         self.say(
@@ -253,7 +254,7 @@ class Agent:
             return 0
         if plan.state == FAILED:
             self._stop_workers("job failed")
-            self.say(f"job failed: {plan.reason}")
+            self.say(f"generation {plan.generation}: job failed: {plan.reason}", kind="job_failed", generation=plan.generation)
             return 1
         if previous is None and me in plan.nodes:
             self.say(f"generation {plan.generation}: active, group rank {plan.group_rank(me)}, ranks {plan.ranks(me)} of {plan.world_size}")
@@ -300,7 +301,7 @@ class Agent:
         self._direct(plan)
 
     def _warn_spares(self, view: View, plan: Plan) -> None:
-        have = len(spares(View(**{**view.__dict__, "plan": plan})))
+        have = len(spares(dataclasses.replace(view, plan=plan)))
         if have < self.cfg.spares_wanted and plan.nodes and plan.nodes[0] == self.cfg.node_id:
             self.say(f"warning: the job wants {self.cfg.spares_wanted} spare node(s) and has {have}", kind="warning")
 
@@ -410,6 +411,7 @@ class Agent:
 
     def _stop_workers(self, why: str) -> None:
         if self.workers:
+            self.say(f"stopping {len(self.workers.workers)} worker(s): {why}")
             self.workers.stop()
 
     # -- watching ---------------------------------------------------------------------------------

@@ -128,7 +128,9 @@ class LiveJob:
         self.in_sandbox = True
         atexit.register(self._close)
         if env.get("TM_SANDBOX", "1") == "0":
-            self._enter(self._wait_directive(int(env["TM_GENERATION"]) - 1))
+            # Every rank of this generation starts here, like init_process_group: DDP's own
+            # broadcast from rank 0 makes the state consistent, nothing to agree on.
+            self._enter(self._wait_directive(int(env["TM_GENERATION"]) - 1), agree=False)
         self._report(force=True)
 
     def _heartbeat(self, store) -> None:
@@ -165,11 +167,11 @@ class LiveJob:
     def register(self, **objects) -> None:
         """Objects with state_dict()/load_state_dict() that a joining rank must receive.
 
-        Optimizers' ``step`` is guarded: during a step whose collectives failed it does nothing,
-        so the interrupted step leaves no trace and runs again.
+        Optimizers' and LR schedulers' ``step`` is guarded: during a step whose collectives failed
+        it does nothing, so the interrupted step leaves no trace and runs again.
         """
         for name, obj in objects.items():
-            if isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "step") and hasattr(obj, "param_groups"):
+            if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
                 _guard_step(obj, self._poison)
             self._objects[name] = obj
 
@@ -339,7 +341,7 @@ class LiveJob:
             return new_gloo(store, global_rank, d["world_size"], self._timeout, self._addr)
         return new_gloo(store, ranks.index(global_rank), len(ranks), self._timeout, self._addr)
 
-    def _enter(self, d: dict, prebuilt=None) -> None:
+    def _enter(self, d: dict, prebuilt=None, agree: bool = True) -> None:
         t0 = time.perf_counter()
         gen, rank, world = d["generation"], d["ranks"][self.local_rank], d["world_size"]
         self._current = d
@@ -349,9 +351,7 @@ class LiveJob:
         _register_group(self.group, None)
         self._rebuild_subgroups(d, rank, old_rank)
         t_comm = time.perf_counter()
-        received = False
-        if not d.get("all_fresh"):
-            received = self._agree_and_transfer(inner, rank, world)
+        received = self._agree_and_transfer(inner, rank, world) if agree else False
         self.in_sandbox = False
         t_done = time.perf_counter()
         self._agent.set(
