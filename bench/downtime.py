@@ -1,0 +1,867 @@
+#!/usr/bin/env python3
+"""Downtime and overhead of tm-launch against torchrun, measured in one run on loopback.
+
+    .venv/bin/python bench/downtime.py --quick          # ~2-3 minutes
+    .venv/bin/python bench/downtime.py --repeat 1 --sizes 2,4,8
+
+Every run starts real launcher agents as separate processes (``tm_launch.localjob``), holds
+training at ``--pause-step`` until everything is ready (tm-launch: the spare is parked), releases
+it, injects a real fault a few steps later and reads the training script's step log.
+
+Downtime is TrainMover's definition (``tm_launch.localjob.downtime``): from the last step every
+rank completed before the fault to the first step every rank completed after it. Steps redone are
+steps that had been completed by every rank before the fault and were run again. The benchmark
+uses ``downtime_redo_aware`` below: localjob's function with one fix for runs that resume from a
+checkpoint (it disqualified every redone step; without redone steps both agree). The fault time
+is taken right when the signal is sent.
+
+Cases
+  worker-sigkill  external ``kill -9`` of one worker process of node n1
+  node-sigkill    ``kill -9`` of node n1's agent; its workers die with it (tm-launch: PDEATHSIG;
+                  torchrun's workers live in their own sessions, so the benchmark kills them too)
+  drain           ``tm-launch ctl drain n1`` (planned). torchrun has no drain: n/a. Training goes
+                  on during the drain's prepare phase, so the fault time is the start of the stall
+                  (the longest gap in the step log after the request), not the request itself.
+  overhead        no fault: median step time, tm-launch live (job.steps()/job.group over LiveGroup)
+                  against torchrun (plain DDP over WORLD), same script and world size.
+
+Launchers
+  torchrun        ``torchrun --rdzv-backend c10d --max-restarts 3``, checkpoint every 10 steps and
+                  resume from it. Fixed ``--nnodes N`` cannot lose a node for good, so for
+                  node-sigkill a standby torchrun agent joins first (c10d keeps it in its
+                  redundancy list and promotes it on the next round).
+  tm-restart      tm-launch ``--no-live`` with one spare node, same checkpointing.
+  tm-live         tm-launch live mode with one spare node (parked), no checkpoint.
+
+World sizes: 2 ranks = 2 nodes x 1 worker (torchrun's anchor layout); N > 2 = N/2 nodes x 2
+workers. The size sweep runs worker-sigkill for torchrun and tm-live; the other cases run at the
+smallest size with all launchers.
+
+Environment, the same for every launcher: OMP_NUM_THREADS=1 (``--omp-threads``; otherwise
+torch's spinning OpenMP threads saturate 2 cores). torchrun runs with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (``--torchrun-shared-store`` to keep torch's default):
+with the shared store, torch 2.13 restarts read the previous attempt's gloo addresses and often
+hang, and a standby never gets through its first round.
+
+Every process the benchmark starts carries ``TM_BENCH_TAG=<unique id>`` in its environment
+(inherited by every worker); after each run, on errors and on Ctrl-C/SIGTERM, every process
+still carrying this run's tag is SIGKILLed by pid, so no orphans are left (torchrun's workers do
+not die with their agent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH)
+sys.path.insert(0, REPO)
+
+from tm_launch.localjob import TRAIN, LocalJob, Node, downtime  # noqa: E402
+
+TAG_VAR = "TM_BENCH_TAG"
+TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+CASES = ("worker-sigkill", "node-sigkill", "drain", "overhead")
+LAUNCHERS = ("torchrun", "tm-restart", "tm-live")
+VICTIM = "n1"  # the node that loses a worker / dies / is drained (not n0: torchrun's store host)
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# -- process hygiene --------------------------------------------------------------------------------
+def tagged_pids() -> list[int]:
+    needle = f"{TAG_VAR}={TAG}".encode()
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(d))
+        except OSError:
+            continue
+    return pids
+
+
+def reap(wait: float = 5.0) -> int:
+    """SIGKILL every process that still carries this benchmark's tag; returns how many."""
+    killed = 0
+    deadline = time.time() + wait
+    while True:
+        pids = tagged_pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        if not pids or time.time() > deadline:
+            return killed
+        time.sleep(0.1)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- jobs ---------------------------------------------------------------------------------------------
+class TorchrunJob(LocalJob):
+    """The same harness around plain torchrun agents (c10d rendezvous on loopback)."""
+
+    def start(self, name: str, extra_env: dict[str, str] | None = None) -> Node:
+        os.makedirs(self.workdir, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
+               *self.launcher_args, self.script, *self.script_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(extra_env or {})}
+        log_path = os.path.join(self.workdir, f"{name}.log")
+        proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+        node = Node(name, proc, log_path)
+        self.nodes[name] = node
+        return node
+
+    def start_all(self, names: list[str], gap: float = 0.2) -> None:
+        """Node 0 first, and the others once its c10d store listens: node 0 hosts the store, as on
+        a real cluster where the endpoint names node 0 (on loopback every agent would match)."""
+        first, *rest = names
+        self.start(first)
+        host, port = self.endpoint.rsplit(":", 1)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                socket.create_connection((host, int(port)), timeout=0.5).close()
+                break
+            except OSError:
+                if self.nodes[first].proc.poll() is not None:
+                    raise RuntimeError(f"torchrun agent {first} exited early\n{self.logs_tail()}")
+                time.sleep(0.1)
+        super().start_all(rest, gap)
+
+    def standby_waiting(self) -> bool:
+        """True once c10d's rendezvous state lists a node in its redundancy list (a standby)."""
+        import base64
+        import datetime
+        import pickle
+
+        import torch.distributed as dist
+
+        host, port = self.endpoint.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+        key = "torch.rendezvous." + self.run_id
+        if not store.check([key]):
+            return False
+        state = pickle.loads(base64.b64decode(store.get(key)))
+        return bool(getattr(state, "redundancy_list", None))
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                for pid in self.worker_pids(node.name):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        super().stop()
+
+
+class CpuSampler:
+    """CPU seconds used by a job's agents and workers (last reading of each process before it exits)."""
+
+    CLK = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, job: LocalJob):
+        self.job = job
+        self.agents: dict[int, float] = {}
+        self.workers: dict[int, float] = {}
+
+    @classmethod
+    def cpu(cls, pid: int) -> float | None:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / cls.CLK
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def sample(self) -> None:
+        for node in self.job.nodes.values():
+            pid = node.proc.pid
+            c = self.cpu(pid)
+            if c is not None:
+                self.agents[pid] = c
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                kids = []
+            for k in kids:
+                c = self.cpu(k)
+                if c is not None:
+                    self.workers[k] = c
+
+    def totals(self) -> tuple[float, float]:
+        return sum(self.agents.values()), sum(self.workers.values())
+
+
+@dataclass
+class Spec:
+    case: str
+    size: int
+    launcher: str
+    repeat: int = 0
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        return (2, 1) if self.size <= 2 else (self.size // 2, 2)
+
+    @property
+    def label(self) -> str:
+        return f"{self.launcher} {self.case} {self.size} ranks"
+
+    @property
+    def name(self) -> str:
+        return f"{self.case}-{self.size}-{self.launcher}-r{self.repeat}"
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.etcd = None
+        self.logdir = os.path.join(args.out_dir, "logs")
+        self.current: LocalJob | None = None
+
+    def etcd_endpoint(self) -> str:
+        if self.etcd is None:
+            from rendezvous.etcd_server import EtcdServer
+
+            self.etcd = EtcdServer().start()
+        return self.etcd.endpoint
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+        reap()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    # -- building jobs ----------------------------------------------------------------------------
+    def make_job(self, spec: Spec, script_args: list[str], spare: bool) -> LocalJob:
+        nodes, nproc = spec.layout
+        workdir = os.path.join(self.logdir, spec.name)
+        os.makedirs(workdir, exist_ok=True)
+        run_id = f"bench-{spec.name}-{uuid.uuid4().hex[:6]}"
+        env = {TAG_VAR: TAG}
+        if self.args.omp_threads:
+            # 2 ranks per 2 cores: torch's OpenMP threads spin between ops and starve everything
+            # else (torchrun sets this itself only for --nproc-per-node > 1); same for every launcher
+            env["OMP_NUM_THREADS"] = str(self.args.omp_threads)
+        common = dict(run_id=run_id, workdir=workdir, nnodes=str(nodes), nproc=nproc, env=env)
+        if spec.launcher == "torchrun":
+            if not self.args.torchrun_shared_store:
+                # torch 2.13 shares the rendezvous TCPStore with the workers and does not prefix
+                # it per restart: restarted workers can read the previous attempt's gloo
+                # addresses (connect refused or a hang; pytorch issue 135712), and a standby
+                # joining a later round waits for a MASTER_ADDR rank 0 wrote only in its first
+                # round. torch's documented opt-out gives torchrun its best chance.
+                env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            job = TorchrunJob(endpoint=f"127.0.0.1:{free_port()}", launcher_args=["--max-restarts", "3"], **common)
+        else:
+            launcher_args = ["--max-restarts", "3"]
+            if spare:
+                launcher_args += ["--spares", "1"]
+            if spec.launcher == "tm-restart":
+                launcher_args.append("--no-live")
+            job = LocalJob(endpoint=self.etcd_endpoint(), launcher_args=launcher_args, **common)
+        job.script_args = [*script_args, "--step-log", job.step_log]
+        if os.path.exists(job.step_log):
+            os.remove(job.step_log)
+        self.current = job
+        return job
+
+    # -- one fault run ----------------------------------------------------------------------------
+    def fault_run(self, spec: Spec) -> dict:
+        a = self.args
+        nodes, nproc = spec.layout
+        workdir = os.path.join(self.logdir, spec.name)
+        trigger = os.path.join(workdir, "release")
+        pause, fault_step = a.pause_step, a.pause_step + a.fault_after
+        script = ["--steps", str(a.steps), "--step-sleep", str(a.step_sleep),
+                  "--pause-step", str(pause), "--pause-file", trigger]
+        if spec.launcher in ("torchrun", "tm-restart"):
+            script += ["--ckpt-dir", os.path.join(workdir, "ckpt"), "--ckpt-every", str(a.ckpt_every)]
+        tm = spec.launcher != "torchrun"
+        standby = spec.launcher == "torchrun" and spec.case == "node-sigkill"
+        result = {"case": spec.case, "size": spec.size, "launcher": spec.launcher, "repeat": spec.repeat,
+                  "nodes": nodes, "nproc": nproc, "spare": tm or standby, "workdir": workdir, "load": os.getloadavg()[0]}
+        t0 = time.time()
+        job = self.make_job(spec, script, spare=tm)
+        actives = [f"n{i}" for i in range(nodes)]
+        try:
+            say(f"{spec.label}: starting ({nodes} node(s) x {nproc} worker(s){' + 1 spare' if tm else ' + 1 standby' if standby else ''})")
+            job.start_all(actives)
+            if tm:
+                job.wait_for(lambda s: s["generation"] is not None, a.start_timeout, "generation 0")
+            self.wait_all_ranks(job, pause - 1, nodes * nproc, a.start_timeout)
+            if tm:
+                job.start("s0")
+                if spec.launcher == "tm-live":
+                    job.wait_parked("s0", timeout=a.start_timeout)
+                else:
+                    job.wait_for(lambda s: any(n["id"] == "s0" and n["role"] == "spare" for n in s["nodes"]), a.start_timeout, "spare s0 to register")
+            elif standby:
+                job.start("s0")
+                self.wait_standby(job, a.start_timeout)
+            result["ready_s"] = time.time() - t0
+            open(trigger, "w").close()
+            job.wait_step(fault_step, timeout=a.start_timeout)
+            fault_time, how = self.inject(job, spec)
+            result["fault_time"] = fault_time
+            result["fault"] = how
+            say(f"{spec.label}: fault injected ({how})")
+            rec = self.wait_recovered(job, spec, fault_time)
+            result["recovered"] = rec is not None
+            if rec is None:
+                say(f"{spec.label}: NOT recovered within {a.recover_timeout:.0f} s")
+                result["error"] = f"no recovery within {a.recover_timeout} s"
+                result["log_tail"] = job.logs_tail(40)
+            else:
+                left = max(0, a.steps - (rec.get("first_step_after") or 0) if isinstance(rec, dict) else a.steps)
+                finish = a.finish_timeout + left * max(a.step_sleep, 0.02) * 3
+                try:
+                    result["exit_codes"] = job.wait(timeout=finish)
+                except TimeoutError:
+                    result["exit_codes"] = {n: node.proc.poll() for n, node in job.nodes.items()}
+                    result["finish_timeout"] = True
+                    say(f"{spec.label}: job did not finish within {finish:.0f} s after recovering (stopped; see the notes)")
+                    result["log_tail"] = job.logs_tail(15)
+            records = job.step_records()
+            result.update(self.measure(records, spec, fault_time))
+            if rec is not None and result.get("downtime_s") is not None:
+                say(f"{spec.label}: recovered in {result['downtime_s']:.1f} s ({result['steps_redone']} steps redone, "
+                    f"step time {fmt_num(result['step_time_s'] and result['step_time_s'] * 1000, '{:.0f}')} ms)")
+            elif rec is not None:
+                result["recovered"] = False
+                result["error"] = "the step log shows no step completed by every rank after the fault"
+            if spec.launcher != "torchrun":
+                result["events"] = [e for e in job.events() if e.get("kind") not in ("info",)]
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 - one broken run must not lose the others
+            result["recovered"] = False
+            result["error"] = f"{type(e).__name__}: {e}"[:4000]
+            say(f"{spec.label}: ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            try:
+                result["log_tail"] = job.logs_tail(40)
+            except OSError:
+                pass
+        finally:
+            job.stop()
+            self.current = None
+            result["orphans_reaped"] = reap()
+            result["wall_s"] = time.time() - t0
+        return result
+
+    def inject(self, job: LocalJob, spec: Spec) -> tuple[float, str]:
+        # look the pids up first: pgrep takes tens of ms, and the fault time is when the signal goes
+        if spec.case == "worker-sigkill":
+            pids = job.worker_pids(VICTIM)
+            if not pids:
+                raise RuntimeError(f"node {VICTIM} has no workers to kill\n{job.logs_tail()}")
+            t = time.time()
+            os.kill(pids[0], signal.SIGKILL)
+            return t, f"kill -9 worker pid {pids[0]} on {VICTIM}"
+        if spec.case == "node-sigkill":
+            agent = job.nodes[VICTIM].proc
+            # torchrun's workers live in their own sessions and outlive their agent: a lost
+            # machine takes them along (tm-launch's die with their agent by PDEATHSIG)
+            pids = job.worker_pids(VICTIM) if isinstance(job, TorchrunJob) else []
+            t = time.time()
+            agent.send_signal(signal.SIGKILL)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return t, f"kill -9 agent of {VICTIM}" + (f" and its workers {pids}" if pids else "")
+        if spec.case == "drain":
+            t = time.time()
+            out = job.ctl("drain", VICTIM)
+            if out.returncode != 0:
+                raise RuntimeError(f"ctl drain {VICTIM} failed ({out.returncode}): {out.stderr.strip()}")
+            return t, f"ctl drain {VICTIM}"
+        raise ValueError(spec.case)
+
+    def wait_all_ranks(self, job: LocalJob, step: int, world: int, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            done = job.steps_done()
+            if len(done) >= world and all(s >= step for s in done.values()):
+                return
+            if job.nodes and all(n.proc.poll() is not None for n in job.nodes.values()):
+                break
+            time.sleep(0.1)
+        raise TimeoutError(f"not every rank reached step {step} in {timeout:.0f} s\n{job.logs_tail()}")
+
+    def wait_standby(self, job: "TorchrunJob", timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if job.standby_waiting():
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"the standby torchrun agent did not reach c10d's redundancy list in {timeout:.0f} s\n{job.logs_tail()}")
+
+    def wait_recovered(self, job: LocalJob, spec: Spec, fault_time: float):
+        """Poll the step log until every rank completed a step after the fault (drain: after the
+        drained node left); None on timeout or when the job died without recovering."""
+        deadline = time.time() + self.args.recover_timeout
+        left_at = None
+        while time.time() < deadline:
+            records = job.step_records()
+            finished = job.nodes and all(n.proc.poll() is not None for n in job.nodes.values())
+            if spec.case == "drain":
+                if left_at is None and job.nodes[VICTIM].proc.poll() is not None:
+                    left_at = time.time()
+                done = step_completion(records)
+                if left_at is not None and any(t > left_at for t in done.values()):
+                    return True
+                if finished:
+                    return True if left_at is not None else None
+            else:
+                d = downtime_redo_aware(records, fault_time)
+                if d["first_step_after"] is not None:
+                    return d
+                if finished:
+                    return None
+            time.sleep(0.1)
+        return None
+
+    def measure(self, records, spec: Spec, fault_time: float) -> dict:
+        out = {}
+        step = median_step_time([r for r in records if r[0] < fault_time], first=self.args.pause_step)
+        if spec.case == "drain":
+            switch = switch_time(records, fault_time)
+            out["drain_requested"] = fault_time
+            out["switch_time"] = switch
+            ft = switch if switch is not None else fault_time
+            d = downtime_redo_aware(records, ft)
+            out["localjob_downtime"] = downtime(records, ft)
+            out["request_to_switch_s"] = (switch - fault_time) if switch is not None else None
+            # training goes on during the prepare phase, but the spare's warm-up competes for CPU:
+            if switch is not None:
+                out["prepare_time_lost_s"] = time_lost(records, fault_time, switch, step)
+        else:
+            d = downtime_redo_aware(records, fault_time)
+            out["localjob_downtime"] = downtime(records, fault_time)
+        out.update(d)
+        out["step_time_s"] = step
+        return out
+
+    # -- overhead ---------------------------------------------------------------------------------
+    def overhead_run(self, spec: Spec) -> dict:
+        a = self.args
+        nodes, nproc = spec.layout
+        script = ["--steps", str(a.overhead_steps), "--step-sleep", str(a.step_sleep)]
+        t0 = time.time()
+        result = {"case": "overhead", "size": spec.size, "launcher": spec.launcher, "repeat": spec.repeat,
+                  "nodes": nodes, "nproc": nproc, "steps": a.overhead_steps, "load": os.getloadavg()[0]}
+        job = self.make_job(spec, script, spare=False)
+        result["workdir"] = job.workdir
+        try:
+            say(f"{spec.launcher} overhead {spec.size} ranks: starting ({a.overhead_steps} steps, no fault)")
+            job.start_all([f"n{i}" for i in range(nodes)])
+            cpu = CpuSampler(job)
+            deadline = time.time() + a.start_timeout + a.overhead_steps * a.step_sleep * 4 + 60
+            steady = None  # (agent CPU, worker CPU, step) once past the warm-up steps
+            last = (0.0, 0.0, 0)
+            while any(n.proc.poll() is None for n in job.nodes.values()):
+                if time.time() > deadline:
+                    raise TimeoutError(f"job did not finish\n{job.logs_tail()}")
+                cpu.sample()
+                done = job.steps_done()
+                step = min(done.values()) if len(done) >= nodes * nproc else -1
+                if step >= a.overhead_warmup and steady is None:
+                    steady = (*cpu.totals(), step)
+                if steady is not None and step < a.overhead_steps - 1:
+                    last = (*cpu.totals(), step)  # the last reading while every rank still runs
+                time.sleep(0.25)
+            if steady is not None and last[2] > steady[2]:
+                n = last[2] - steady[2]
+                result["steady_agent_cpu_ms_per_step"] = (last[0] - steady[0]) / n * 1000
+                result["steady_worker_cpu_ms_per_step"] = (last[1] - steady[1]) / n * 1000
+            result["exit_codes"] = {name: n.proc.returncode for name, n in job.nodes.items()}
+            records = job.step_records()
+            result["step_time_s"] = median_step_time(records, first=a.overhead_warmup)
+            result["measured_steps"] = max(0, a.overhead_steps - a.overhead_warmup - 1)
+            result["agent_cpu_s"], result["worker_cpu_s"] = cpu.totals()
+            say(f"{spec.launcher} overhead {spec.size} ranks: median step {result['step_time_s'] * 1000:.2f} ms "
+                f"(steady-state CPU per step: agents {fmt_num(result.get('steady_agent_cpu_ms_per_step'))} ms, "
+                f"workers {fmt_num(result.get('steady_worker_cpu_ms_per_step'))} ms; load {result['load']:.1f})")
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001
+            result["error"] = f"{type(e).__name__}: {e}"[:4000]
+            say(f"{spec.launcher} overhead {spec.size} ranks: ERROR {type(e).__name__}")
+        finally:
+            job.stop()
+            self.current = None
+            result["orphans_reaped"] = reap()
+            result["wall_s"] = time.time() - t0
+        return result
+
+
+# -- step-log arithmetic ----------------------------------------------------------------------------
+def downtime_redo_aware(records, fault_time: float) -> dict:
+    """``tm_launch.localjob.downtime`` with one fix: a step counts as completed before the fault
+    when every rank completed it before the fault, even if it was run again afterwards.
+
+    localjob's version requires *all* of a step's records to precede the fault, so after a restart
+    from a checkpoint every redone step is disqualified: "last step before" falls back to the last
+    step before the checkpoint (often before the benchmark's pause), downtime then includes the
+    pause and "steps redone" is always 0. Without redone steps (live mode) both agree."""
+    by_step: dict[int, list[tuple[float, int]]] = {}
+    for t, rank, step, _, _ in records:
+        by_step.setdefault(step, []).append((t, rank))
+    ranks = {r for _, r, _, _, _ in records}
+    before = [s for s, rows in by_step.items() if {r for t, r in rows if t < fault_time} >= ranks]
+    last_step = max(before) if before else -1
+    last_time = max(t for t, _ in by_step[last_step] if t < fault_time) if before else fault_time
+    resumed = None
+    for s in sorted(s for s in by_step if s > last_step):
+        done = {r: t for t, r in by_step[s] if t > fault_time}
+        if set(done) >= ranks:
+            resumed = (s, max(done.values()))
+            break
+    redone = sum(1 for s in by_step if s <= last_step and any(t > fault_time for t, _ in by_step[s]))
+    return {
+        "last_step_before": last_step,
+        "first_step_after": resumed[0] if resumed else None,
+        "downtime_s": (resumed[1] - last_time) if resumed else None,
+        "steps_redone": redone,
+    }
+
+
+def step_completion(records) -> dict[int, float]:
+    """Step -> the time the last rank first completed it (the step's all-rank completion)."""
+    first: dict[tuple[int, int], float] = {}
+    ranks = set()
+    for t, rank, step, _, _ in records:
+        ranks.add(rank)
+        key = (step, rank)
+        if key not in first or t < first[key]:
+            first[key] = t
+    by_step: dict[int, list[float]] = {}
+    for (step, rank), t in first.items():
+        by_step.setdefault(step, []).append(t)
+    return {s: max(ts) for s, ts in by_step.items() if len(ts) == len(ranks)}
+
+
+def median_step_time(records, first: int = 0) -> float | None:
+    done = step_completion(records)
+    gaps = [done[s] - done[s - 1] for s in sorted(done) if s > first and s - 1 in done]
+    return statistics.median(gaps) if gaps else None
+
+
+def switch_time(records, request_time: float) -> float | None:
+    """For a drain: just after the last step every rank completed in the old configuration.
+
+    Training goes on while a drain prepares, so the request time is not where training stops.
+    The old configuration is each rank's process before the request; the switch is the first
+    record from a new process. The returned time is where ``downtime`` should put the "fault"."""
+    old: dict[int, int] = {}
+    for t, rank, _, _, pid in sorted(records):
+        if t < request_time:
+            old[rank] = pid
+    new = [t for t, rank, _, _, pid in records if t >= request_time and pid != old.get(rank)]
+    if not old or not new:
+        return None
+    first_new = min(new)
+    by_step: dict[int, dict[int, float]] = {}
+    for t, rank, step, _, pid in records:
+        if pid == old.get(rank) and t < first_new:
+            by_step.setdefault(step, {})
+            by_step[step][rank] = min(t, by_step[step].get(rank, t))
+    complete = [st for st, done in by_step.items() if set(done) >= set(old)]
+    if not complete:
+        return None
+    return max(by_step[max(complete)].values()) + 1e-6
+
+
+def time_lost(records, start: float, end: float, normal_step: float | None) -> float | None:
+    """Seconds lost against normal step time between ``start`` and ``end`` (all-rank completions)."""
+    if not normal_step:
+        return None
+    done = step_completion(records)
+    times = sorted(t for t in done.values() if start <= t <= end)
+    if len(times) < 2:
+        return None
+    return max(0.0, (times[-1] - times[0]) - normal_step * (len(times) - 1))
+
+
+# -- reporting ----------------------------------------------------------------------------------------
+def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
+    rows = []
+    keys = []
+    for r in runs:
+        if r["case"] == "overhead":
+            continue
+        k = (r["case"], r["size"], r["launcher"])
+        if k not in keys:
+            keys.append(k)
+    for case, size, launcher in keys:
+        group = [r for r in runs if (r["case"], r["size"], r["launcher"]) == (case, size, launcher)]
+        ok = [r for r in group if r.get("recovered") and r.get("downtime_s") is not None]
+        row = {"case": case, "size": size, "launcher": launcher, "runs": len(group), "failed": len(group) - len(ok),
+               "downtime_s": statistics.median([r["downtime_s"] for r in ok]) if ok else None,
+               "steps_redone": statistics.median([r["steps_redone"] for r in ok]) if ok else None,
+               "step_time_s": statistics.median([r["step_time_s"] for r in ok if r.get("step_time_s")]) if any(r.get("step_time_s") for r in ok) else None,
+               "note": "; ".join(sorted({r["error"].splitlines()[0][:120] for r in group if r.get("error")}))}
+        rows.append(row)
+    # torchrun has no drain: an explicit n/a row where tm-launch drain rows exist
+    for case, size in {(r["case"], r["size"]) for r in rows if r["case"] == "drain"}:
+        if not any(r["case"] == case and r["size"] == size and r["launcher"] == "torchrun" for r in rows) and "torchrun" in args.launchers:
+            rows.append({"case": case, "size": size, "launcher": "torchrun", "runs": 0, "failed": 0, "downtime_s": None,
+                         "steps_redone": None, "step_time_s": None, "na": True, "note": "torchrun has no drain"})
+    order = {c: i for i, c in enumerate(CASES)}
+    lorder = {l: i for i, l in enumerate(LAUNCHERS)}
+    rows.sort(key=lambda r: (order[r["case"]], r["size"], lorder[r["launcher"]]))
+    for row in rows:
+        ref = next((r for r in rows if (r["case"], r["size"], r["launcher"]) == (row["case"], row["size"], "torchrun")), None)
+        if ref and ref.get("downtime_s") and row.get("downtime_s"):
+            row["ratio"] = ref["downtime_s"] / row["downtime_s"]
+        else:
+            row["ratio"] = None
+    overhead = []
+    oruns = [r for r in runs if r["case"] == "overhead" and r.get("step_time_s")]
+    for size in sorted({r["size"] for r in oruns}):
+        mine = [r for r in oruns if r["size"] == size]
+        per = {l: [r["step_time_s"] for r in mine if r["launcher"] == l] for l in ("torchrun", "tm-live")}
+        pairs = []
+        for n in sorted({r["repeat"] for r in mine}):
+            tr = [r["step_time_s"] for r in mine if r["repeat"] == n and r["launcher"] == "torchrun"]
+            tm = [r["step_time_s"] for r in mine if r["repeat"] == n and r["launcher"] == "tm-live"]
+            if tr and tm:
+                pairs.append(tm[0] / tr[0] - 1)
+        tr = statistics.median(per["torchrun"]) if per["torchrun"] else None
+        tm = statistics.median(per["tm-live"]) if per["tm-live"] else None
+        def cpu(key, launcher):
+            vals = [r[key] for r in mine if r["launcher"] == launcher and r.get(key) is not None]
+            return statistics.median(vals) if vals else None
+
+        overhead.append({
+            "size": size, "torchrun_step_s": tr, "tm_live_step_s": tm,
+            "pair_overheads_pct": [p * 100 for p in pairs],
+            "overhead_pct": statistics.median(pairs) * 100 if pairs else None,
+            "overhead_ms": (tm - tr) * 1000 if tr and tm else None,
+            "agent_cpu_ms_per_step": {l: cpu("steady_agent_cpu_ms_per_step", l) for l in ("torchrun", "tm-live")},
+            "worker_cpu_ms_per_step": {l: cpu("steady_worker_cpu_ms_per_step", l) for l in ("torchrun", "tm-live")},
+            "runs": len(mine),
+        })
+    return rows, overhead
+
+
+def fmt_num(x, spec="{:.1f}", none="—"):
+    return none if x is None else spec.format(x)
+
+
+def run_notes(runs: list[dict]) -> list[str]:
+    """One line per run that did not go cleanly: no recovery, errors, a job that never ended."""
+    notes = []
+    for r in runs:
+        label = f"{r['launcher']} {r['case']} {r['size']} ranks (run {r['repeat'] + 1})"
+        if r.get("error"):
+            notes.append(f"{label}: {r['error'].splitlines()[0][:200]}")
+        elif r.get("finish_timeout"):
+            notes.append(f"{label}: recovered, but the job did not end afterwards (stopped by the benchmark; exit codes {r.get('exit_codes')})")
+        elif r.get("exit_codes") and any(c != 0 for n, c in r["exit_codes"].items() if n != VICTIM or r["case"] == "overhead"):
+            notes.append(f"{label}: exit codes {r['exit_codes']}")
+        if r["case"] == "drain" and r.get("request_to_switch_s") is not None:
+            lost = r.get("prepare_time_lost_s")
+            notes.append(f"{label}: switch {r['request_to_switch_s']:.2f} s after the drain request; training went on meanwhile"
+                         + (f" (time lost to slower steps while preparing: {lost:.2f} s)" if lost is not None else ""))
+    return notes
+
+
+def markdown(rows, overhead, args, meta, runs=()) -> str:
+    lines = ["| case | world size | launcher | downtime s | steps redone | ratio vs torchrun |",
+             "|---|---|---|---|---|---|"] if rows else []
+    for r in rows:
+        if r.get("na"):
+            dt, redone, ratio = "n/a (no drain)", "n/a", "n/a"
+        elif r["downtime_s"] is None:
+            dt, redone, ratio = "no recovery", "—", "—"
+        else:
+            dt = fmt_num(r["downtime_s"], "{:.2f}")
+            if r["failed"]:
+                dt += f" ({r['failed']}/{r['runs']} runs failed)"
+            redone = fmt_num(r["steps_redone"], "{:g}")
+            ratio = "1.0x (ref)" if r["launcher"] == "torchrun" else (fmt_num(r["ratio"], "{:.1f}x") if r["ratio"] else "n/a")
+        lines.append(f"| {r['case']} | {r['size']} | {r['launcher']} | {dt} | {redone} | {ratio} |")
+    if overhead:
+        lines += ["" if rows else None, "| steady state (no fault) | world size | torchrun median step ms | tm-live median step ms | overhead (median of A/B pairs) | CPU ms/step, workers: torchrun / tm-live | CPU ms/step, agents: torchrun / tm-live |",
+                  "|---|---|---|---|---|---|---|"]
+        for o in overhead:
+            pct = "—" if o["overhead_pct"] is None else f"{o['overhead_pct']:+.1f} % (pairs: {', '.join(f'{p:+.0f}' for p in o['pair_overheads_pct'])} %)"
+            acpu, wcpu = o["agent_cpu_ms_per_step"], o["worker_cpu_ms_per_step"]
+            lines.append(f"| overhead | {o['size']} | {fmt_num(o['torchrun_step_s'] and o['torchrun_step_s'] * 1000, '{:.1f}')} | "
+                         f"{fmt_num(o['tm_live_step_s'] and o['tm_live_step_s'] * 1000, '{:.1f}')} | {pct} | "
+                         f"{fmt_num(wcpu.get('torchrun'))} / {fmt_num(wcpu.get('tm-live'))} | "
+                         f"{fmt_num(acpu.get('torchrun'))} / {fmt_num(acpu.get('tm-live'))} |")
+    notes = run_notes(runs)
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
+    steps = [r["step_time_s"] for r in rows if r.get("step_time_s")]
+    lines += ["",
+              f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']} (CPU, gloo), loopback. "
+              f"Step = {args.step_sleep * 1000:.0f} ms sleep + a tiny MLP forward/backward/allreduce "
+              f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
+              f"Training paused at step {args.pause_step} until ready, fault at step {args.pause_step + args.fault_after}; "
+              f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
+              f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
+              f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "
+              f"Median over {args.repeat} run(s) per row. Overhead: median step over {args.overhead_steps} steps "
+              f"(first {args.overhead_warmup} skipped), no spare, {args.overhead_pairs * args.repeat} alternating torchrun/tm-live pair(s). "
+              f"Load average at start: {meta['load_start']:.1f} (the machine is shared).",
+              f"Command: `{meta['command']}` (total {meta['total_s']:.0f} s)"]
+    return "\n".join(l for l in lines if l is not None) + "\n"
+
+
+# -- main -----------------------------------------------------------------------------------------------
+def parse(argv=None):
+    p = argparse.ArgumentParser(description="Downtime and step-time overhead: tm-launch against torchrun, in one run.")
+    p.add_argument("--quick", action="store_true", help="worker-sigkill at 2 ranks under all three launchers + overhead (~2-3 min)")
+    p.add_argument("--sizes", default="2,4,8", help="world sizes for the worker-sigkill sweep (torchrun vs tm-live), e.g. 2,4,8,16; the largest is the cap")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
+    p.add_argument("--repeat", type=int, default=1, help="runs per row; the table shows the median")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of stand-in compute per step")
+    p.add_argument("--steps", type=int, default=100, help="steps per fault run")
+    p.add_argument("--pause-step", type=int, default=20, help="training waits here until everything is ready")
+    p.add_argument("--fault-after", type=int, default=5, help="inject the fault this many steps after the release")
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--overhead-steps", type=int, default=150, help="steps per overhead run")
+    p.add_argument("--overhead-pairs", type=int, default=3, help="torchrun/tm-live overhead runs, alternating (per --repeat)")
+    p.add_argument("--overhead-warmup", type=int, default=20)
+    p.add_argument("--overhead-size", type=int, default=2, help="world size of the overhead runs")
+    p.add_argument("--torchrun-shared-store", action="store_true",
+                   help="run torchrun with torch's default shared rendezvous store (by default the benchmark sets "
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with sharing, torch 2.13 restarts often hang on stale gloo addresses)")
+    p.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS for every worker of every launcher (0: leave unset)")
+    p.add_argument("--start-timeout", type=float, default=180)
+    p.add_argument("--recover-timeout", type=float, default=120)
+    p.add_argument("--finish-timeout", type=float, default=30, help="seconds (plus 3 x the remaining steps' time) for the job to end after recovering")
+    p.add_argument("--out-dir", default=os.path.join(BENCH, "results"))
+    args = p.parse_args(argv)
+    args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    args.launchers = [l.strip() for l in args.launchers.split(",") if l.strip()]
+    for c in args.cases:
+        if c not in CASES:
+            p.error(f"--cases: unknown case {c!r} (known: {', '.join(CASES)})")
+    for l in args.launchers:
+        if l not in LAUNCHERS:
+            p.error(f"--launchers: unknown launcher {l!r} (known: {', '.join(LAUNCHERS)})")
+    for s in args.sizes:
+        if s < 2 or (s > 2 and s % 2):
+            p.error(f"--sizes: {s} must be 2 or an even number (N/2 nodes x 2 workers)")
+    if args.quick:
+        args.sizes = [2]
+        args.cases = ["worker-sigkill", "overhead"]
+        args.overhead_steps = min(args.overhead_steps, 100)
+        args.overhead_pairs = min(args.overhead_pairs, 2)
+    return args
+
+
+def plan_runs(args) -> list[Spec]:
+    specs = []
+    base = args.sizes[0]
+    for rep in range(args.repeat):
+        for case in ("worker-sigkill", "node-sigkill", "drain"):
+            if case not in args.cases:
+                continue
+            sizes = args.sizes if case == "worker-sigkill" else [base]
+            for size in sizes:
+                for launcher in args.launchers:
+                    if case == "drain" and launcher == "torchrun":
+                        continue  # n/a
+                    if size != base and launcher == "tm-restart":
+                        continue  # the sweep compares live against torchrun
+                    specs.append(Spec(case, size, launcher, rep))
+        if "overhead" in args.cases:
+            # alternate A/B, B/A, ... so that drifting background load hits both launchers alike
+            for pair in range(args.overhead_pairs):
+                n = rep * args.overhead_pairs + pair
+                for launcher in (("torchrun", "tm-live") if n % 2 == 0 else ("tm-live", "torchrun")):
+                    specs.append(Spec("overhead", args.overhead_size, launcher, n))
+    # group repeats of the same configuration next to each other is worse for drift; keep rounds
+    return specs
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    command = " ".join([".venv/bin/python", os.path.relpath(os.path.abspath(__file__), REPO), *(sys.argv[1:] if argv is None else argv)])
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    bench = Bench(args)
+    import shutil
+
+    shutil.rmtree(bench.logdir, ignore_errors=True)
+    specs = plan_runs(args)
+    say(f"{len(specs)} run(s); logs under {os.path.relpath(bench.logdir)}; tag {TAG_VAR}={TAG}")
+    started = time.time()
+    load_start = os.getloadavg()[0]
+    runs: list[dict] = []
+    interrupted = False
+    try:
+        for spec in specs:
+            runs.append(bench.overhead_run(spec) if spec.case == "overhead" else bench.fault_run(spec))
+    except KeyboardInterrupt:
+        interrupted = True
+        say("interrupted: cleaning up")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        bench.close()
+    total = time.time() - started
+    import torch
+
+    meta = {"command": command, "total_s": total, "load_start": load_start, "host_cpus": os.cpu_count(), "torch": torch.__version__,
+            "started": started, "interrupted": interrupted, "tag": TAG}
+    rows, overhead = summarize(runs, args)
+    md = markdown(rows, overhead, args, meta, runs)
+    with open(os.path.join(args.out_dir, "downtime.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(args.out_dir, "downtime.json"), "w") as f:
+        json.dump({"meta": meta, "config": {k: v for k, v in vars(args).items()}, "rows": rows, "overhead": overhead,
+                   "runs": runs}, f, indent=1, default=str)
+    print(md, flush=True)
+    say(f"done in {total:.0f} s; wrote {os.path.relpath(os.path.join(args.out_dir, 'downtime.md'))} and downtime.json")
+    return 130 if interrupted else (1 if any(r.get("error") for r in runs) else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
