@@ -10,9 +10,7 @@ it, injects a real fault a few steps later and reads the training script's step 
 
 Downtime is TrainMover's definition (``tm_launch.localjob.downtime``): from the last step every
 rank completed before the fault to the first step every rank completed after it. Steps redone are
-steps that had been completed by every rank before the fault and were run again. The benchmark
-uses ``downtime_redo_aware`` below: localjob's function with one fix for runs that resume from a
-checkpoint (it disqualified every redone step; without redone steps both agree). The fault time
+steps that had been completed by every rank before the fault and were run again. The fault time
 is taken right when the signal is sent.
 
 Cases
@@ -451,7 +449,7 @@ class Bench:
                 if finished:
                     return True if left_at is not None else None
             else:
-                d = downtime_redo_aware(records, fault_time)
+                d = downtime(records, fault_time)
                 if d["first_step_after"] is not None:
                     return d
                 if finished:
@@ -467,15 +465,13 @@ class Bench:
             out["drain_requested"] = fault_time
             out["switch_time"] = switch
             ft = switch if switch is not None else fault_time
-            d = downtime_redo_aware(records, ft)
-            out["localjob_downtime"] = downtime(records, ft)
+            d = downtime(records, ft)
             out["request_to_switch_s"] = (switch - fault_time) if switch is not None else None
             # training goes on during the prepare phase, but the spare's warm-up competes for CPU:
             if switch is not None:
                 out["prepare_time_lost_s"] = time_lost(records, fault_time, switch, step)
         else:
-            d = downtime_redo_aware(records, fault_time)
-            out["localjob_downtime"] = downtime(records, fault_time)
+            d = downtime(records, fault_time)
         out.update(d)
         out["step_time_s"] = step
         return out
@@ -534,36 +530,6 @@ class Bench:
 
 
 # -- step-log arithmetic ----------------------------------------------------------------------------
-def downtime_redo_aware(records, fault_time: float) -> dict:
-    """``tm_launch.localjob.downtime`` with one fix: a step counts as completed before the fault
-    when every rank completed it before the fault, even if it was run again afterwards.
-
-    localjob's version requires *all* of a step's records to precede the fault, so after a restart
-    from a checkpoint every redone step is disqualified: "last step before" falls back to the last
-    step before the checkpoint (often before the benchmark's pause), downtime then includes the
-    pause and "steps redone" is always 0. Without redone steps (live mode) both agree."""
-    by_step: dict[int, list[tuple[float, int]]] = {}
-    for t, rank, step, _, _ in records:
-        by_step.setdefault(step, []).append((t, rank))
-    ranks = {r for _, r, _, _, _ in records}
-    before = [s for s, rows in by_step.items() if {r for t, r in rows if t < fault_time} >= ranks]
-    last_step = max(before) if before else -1
-    last_time = max(t for t, _ in by_step[last_step] if t < fault_time) if before else fault_time
-    resumed = None
-    for s in sorted(s for s in by_step if s > last_step):
-        done = {r: t for t, r in by_step[s] if t > fault_time}
-        if set(done) >= ranks:
-            resumed = (s, max(done.values()))
-            break
-    redone = sum(1 for s in by_step if s <= last_step and any(t > fault_time for t, _ in by_step[s]))
-    return {
-        "last_step_before": last_step,
-        "first_step_after": resumed[0] if resumed else None,
-        "downtime_s": (resumed[1] - last_time) if resumed else None,
-        "steps_redone": redone,
-    }
-
-
 def step_completion(records) -> dict[int, float]:
     """Step -> the time the last rank first completed it (the step's all-rank completion)."""
     first: dict[tuple[int, int], float] = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ STATE_KEYS = ("uuid", "name", "temperature", "temp_slowdown", "temp_shutdown", "
               "remap_failure", "nvlinks", "nvlink_down", "nvlink_up", "nvlink_errors",
               "pcie_replay", "pcie_width", "pcie_max_width")
 ACTION_KEYS = ("xid", "field", "value", "raise", "hang", "call", "count")
-EVENT_KEYS = ("at", "gpu") + ACTION_KEYS + STATE_KEYS
+EVENT_KEYS = ("at", "after_file", "gpu") + ACTION_KEYS + STATE_KEYS
 # values returned as NVML_VALUE_TYPE_UNSIGNED_INT (the rest: UNSIGNED_LONG_LONG)
 _UINT_FIELDS = {pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION}
 
@@ -185,6 +186,8 @@ class FakeNvml:
             at = ev.get("at", 0.0)
             if isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0:
                 raise ValueError(f"{where}: at: expected seconds >= 0, got {at!r}")
+            if "after_file" in ev and not isinstance(ev["after_file"], str):
+                raise ValueError(f"{where}: after_file: expected a path, got {ev['after_file']!r}")
             if "field" in ev and "value" not in ev:
                 raise ValueError(f"{where}: field needs a value")
             if "value" in ev and "field" not in ev:
@@ -338,9 +341,16 @@ class FakeNvml:
         with self._cond:
             self._cond.notify_all()
 
+    def _gated(self) -> bool:
+        """The next event is due but waits for its ``after_file`` to exist (the timeline holds)."""
+        if self._next >= len(self._events):
+            return False
+        at, _, ev = self._events[self._next]
+        return at <= self.now() and "after_file" in ev and not os.path.exists(ev["after_file"])
+
     def _advance(self):
         now = self.now()
-        while self._next < len(self._events) and self._events[self._next][0] <= now:
+        while self._next < len(self._events) and self._events[self._next][0] <= now and not self._gated():
             at, i, ev = self._events[self._next]
             self._next += 1
             self._apply(ev, f"{self._source}: events[{i}]")
@@ -583,6 +593,8 @@ class FakeNvml:
                     raise pynvml.NVMLError_Timeout()
                 if self._next < len(self._events):
                     left = min(left, max(0.0, self._events[self._next][0] - self.now()) + 0.001)
+                    if self._gated():
+                        left = min(left, 0.02)  # poll for the file that releases the timeline
                 self._cond.wait(left)
 
     def nvmlEventSetWait(self, eventSet, timeoutms):

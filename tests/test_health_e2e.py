@@ -25,10 +25,15 @@ def _start(local_job, actives, spare, nproc, launcher=(), script=(), env_for=Non
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["live", "restart"])
 def test_fatal_xid_fails_over_to_the_spare(local_job, reference, tmp_path, mode):
-    timeline = tmp_path / "xid79.yaml"
-    timeline.write_text("gpus: 2\nevents:\n  - {at: 12.0, gpu: 1, xid: 79}\n")
+    timeline, armed = tmp_path / "xid79.yaml", tmp_path / "xid79.go"
+    timeline.write_text(f"gpus: 2\nevents:\n  - {{at: 0, after_file: {armed}, gpu: 1, xid: 79}}\n")
     launcher = [] if mode == "live" else ["--no-live"]
     job, trigger, out = _start(local_job, ["a", "b"], "c", 2, launcher=launcher, env_for={"b": {"TM_FAKE_NVML": str(timeline)}})
+    if mode == "live":
+        job.wait_parked("c")
+    else:
+        job.wait_for(lambda s: any(n["id"] == "c" and n["role"] == "spare" for n in s["nodes"]), 60, "the spare")
+    armed.touch()  # the fake NVML delivers XID 79 on b's GPU 1 now
     job.wait_for(lambda s: s["generation"] == 1, 90, "the failover after XID 79")
     status = job.status()
     alarm = [a for a in status["alarms"] if a["node"] == "b"][0]

@@ -250,11 +250,12 @@ DRAIN = [
                  id="drain + spare, live -> two-phase migration, no restart consumed (even at the limit)"),
     pytest.param(view(plan(2, "ab"), "abc", drains="b"), limits("2"),
                  dict(nodes=T("ac"), joiners=T("ac"), replaced={"c": "b"}, removed=T("b"), restarts=0, live=False,
-                      planned=False),
+                      planned=True),
                  id="drain + spare, restart mode -> all workers restart, still no restart consumed"),
     pytest.param(view(plan(2, "ab"), "abcd", drains="ab", live=True), limits("2"),
-                 dict(nodes=T("cd"), joiners=T("cd"), replaced={"c": "a", "d": "b"}, removed=T("ab"), planned=True),
-                 id="two drains + two spares -> both move, group ranks kept"),
+                 dict(nodes=T("cd"), joiners=T("cd"), replaced={"c": "a", "d": "b"}, removed=T("ab"), planned=True,
+                      live=False),
+                 id="two drains + two spares -> both move, group ranks kept; nobody stays to hand over state: restart"),
     pytest.param(view(plan(2, "ab"), "abc", drains="ab", live=True), limits("2"),
                  dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a")),
                  id="two drains + one spare -> one moves now, the other waits"),
@@ -371,7 +372,16 @@ def blame_view(reports: dict, kinds: dict, times: dict | None = None, now: float
     pytest.param(blame_view({"a": "worker exited 1"}, {"a": "exit"}, times={"a": 9.0}, now=10.0),
                  {"nodes": T("cb"), "replaced": {"c": "a"}}, id="lone-exit-after-grace-is-the-culprit"),
     pytest.param(blame_view({"a": "worker exited 1", "b": "xid 79"}, {"a": "exit", "b": "alarm"}, live=True),
-                 {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac"), "live": True}, id="live-collateral-node-restarts-in-place"),
+                 {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac"), "live": False},
+                 id="live-but-no-survivor-holds-state-restarts-all"),
 ])
 def test_blame(v, want):
     check(next_plan(v, limits("2")), want, v)
+
+
+def test_live_needs_a_surviving_holder_of_the_state():
+    # both active nodes lost their workers (one replaced by the spare, one restarting in place):
+    # nobody holds the training state, so every worker restarts instead of "agreeing" on nothing
+    v = blame_view({"a": "worker killed by SIGKILL", "b": "xid 79"}, {"a": "signal", "b": "alarm"}, alive="abc", live=True)
+    got = next_plan(v, limits("2"))
+    assert got is not None and not got.live and set(got.joiners) == set(got.nodes), got

@@ -337,8 +337,8 @@ class Agent:
             "ROLE_WORLD_SIZE": str(plan.world_size),
             "MASTER_ADDR": str(plan.store.get("addr", "")),
             "MASTER_PORT": str(plan.store.get("port", "")),
-            # Every generation is a new worker group: its number keeps torch's per-attempt
-            # store prefix (/worker/attempt_N) fresh even when no restart was consumed.
+            # Every generation is a new worker group, so torchrun's restart counter is the
+            # generation number (the env:// store itself is new per generation: see _master).
             "TORCHELASTIC_RESTART_COUNT": str(plan.generation),
             "TORCHELASTIC_MAX_RESTARTS": str(self.cfg.limits.max_restarts),
             "TORCHELASTIC_RUN_ID": self.cfg.run_id,
@@ -423,6 +423,13 @@ class Agent:
         me = self.cfg.node_id
         failed = self.workers.failed()
         active = me in plan.nodes and not plan.finished
+        if failed and self._statuses().get(failed[0], {}).get("state") == "finished":
+            # Training finished in that process; a crash on the way out (interpreter teardown)
+            # must not turn a finished job into a failover that nobody can take part in.
+            local_rank, code = failed
+            self.say(f"generation {plan.generation}: worker {local_rank} finished its steps, then {describe_exit(code)} while exiting; counting it as done", kind="warning")
+            self.workers.forget(local_rank)
+            failed = self.workers.failed()
         if failed and self.reported_gen != plan.generation:
             local_rank, code = failed
             why = f"worker {local_rank} (pid {self.workers.pids()[local_rank]}) {describe_exit(code)}"

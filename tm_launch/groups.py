@@ -33,10 +33,15 @@ def completed_work(result=None) -> dist.Work:
 
 
 class StepPoison:
-    """Shared by all groups of a job: the first collective failure of the current step."""
+    """Shared by all groups of a job: the first collective failure of the current step.
+
+    ``armed`` is true only while a step body runs: a step can be re-run, so a failure there is
+    absorbed. Anywhere else (model set-up, a final barrier) there is nothing to re-run and a
+    failed collective raises, exactly as it would without tm-launch."""
 
     def __init__(self):
         self.error: BaseException | None = None
+        self.armed = False
         self._lock = threading.Lock()
 
     def set(self, error: BaseException) -> None:
@@ -194,6 +199,8 @@ class LiveGroup(dist.ProcessGroup):
             work = getattr(self._inner, name)(*args, **kwargs)
         except Exception as e:  # a broken communicator can fail at submission time too
             self.fail(e)
+            if not self._poison.armed:
+                raise
             return completed_work(result)
         if isinstance(self._inner, LocalBackend):
             return work
@@ -229,6 +236,8 @@ def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
             fut.value()
         except Exception as e:
             group.fail(e)
+            if not group._poison.armed:
+                raise  # outside a step: the caller's wait() raises, as in plain torch
         return result
 
     return _create_work_from_future(work.get_future().then(settle))

@@ -201,17 +201,19 @@ class LocalJob:
 
 def downtime(records, fault_time: float) -> dict:
     """TrainMover's measure: from the last step every rank completed before the fault to the
-    first step completed by every rank after it; plus the steps that were run twice."""
+    first step completed by every rank after it; plus the steps that were run twice.
+
+    A step counts as completed before the fault when every rank completed it before the fault,
+    even if it was run again afterwards (a restart from a checkpoint redoes steps)."""
     by_step = collections.defaultdict(list)
     for t, rank, step, _, _ in records:
         by_step[step].append((t, rank))
     ranks = {r for _, r, _, _, _ in records}
-    before = [s for s, rows in by_step.items() if all(t < fault_time for t, _ in rows) and {r for _, r in rows} >= ranks]
+    before = [s for s, rows in by_step.items() if {r for t, r in rows if t < fault_time} >= ranks]
     last_step = max(before) if before else -1
-    last_time = max(t for t, _ in by_step[last_step]) if before else fault_time
-    after = sorted(s for s, rows in by_step.items() if s > last_step)
+    last_time = max(t for t, _ in by_step[last_step] if t < fault_time) if before else fault_time
     resumed = None
-    for s in after:
+    for s in sorted(s for s in by_step if s > last_step):
         done = {r: t for t, r in by_step[s] if t > fault_time}
         if set(done) >= ranks:
             resumed = (s, max(done.values()))

@@ -19,7 +19,8 @@ Rules, in order:
 4. Restart mode only: grow back towards MAX nodes when spares exist (torchrun's scale-up).
 
 Live mode (the job's workers use ``tm_launch.init``) keeps survivors' processes whenever the
-world size is unchanged; a changed world size always restarts every worker.
+world size is unchanged and at least one active node keeps its workers (someone must hold the
+training state); otherwise every worker restarts from the script's own start or checkpoint.
 """
 
 from __future__ import annotations
@@ -191,12 +192,14 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
             ),
         )
     nodes_t, joiners_t = tuple(nodes), tuple(joiners)
-    same_size = len(nodes) == len(plan.nodes)
-    if not (view.live and same_size):
-        joiners_t = nodes_t  # restart mode or a new world size: every worker starts afresh
+    # Live needs the same world size and a surviving process that holds the training state;
+    # otherwise every worker starts afresh (from the script's own start or checkpoint).
+    live = view.live and len(nodes) == len(plan.nodes) and any(n not in joiners for n in nodes)
+    if not live:
+        joiners_t = nodes_t
     return plan.next(
         nodes=nodes_t, joiners=joiners_t, replaced=replaced, removed=tuple(removed),
-        restarts=restarts, cause=cause, live=view.live and same_size,
+        restarts=restarts, cause=cause, live=live,
         store=_store_for(nodes_t, joiners_t, view.alive),
     )
 
@@ -211,10 +214,11 @@ def _migrate(view: View, drains: list[str]) -> Plan | None:
     if not moves:
         return None  # a drain waits for a spare; it never shrinks the job
     nodes = tuple(moves.get(n, n) for n in plan.nodes)
-    joiners = tuple(moves.values()) if view.live else nodes
+    live = view.live and len(moves) < len(plan.nodes)  # someone must stay to hand over the state
+    joiners = tuple(moves.values()) if live else nodes
     return plan.next(
         nodes=nodes, joiners=joiners, replaced={new: old for old, new in moves.items()},
-        removed=tuple(moves), live=view.live, planned=view.live,
+        removed=tuple(moves), live=live, planned=True,
         cause="; ".join(f"{old}: drain ({view.drains[old]})" for old in moves),
         store=_store_for(nodes, joiners, view.alive),
     )

@@ -23,6 +23,7 @@ Under plain torchrun, or with ``tm-launch --no-live``, ``init`` is ``init_proces
 from __future__ import annotations
 
 import atexit
+import copy
 import ctypes
 import gc
 import datetime
@@ -107,8 +108,10 @@ class LiveJob:
         self._sandbox_steps = int(env.get("TM_SANDBOX_STEPS", "2"))
         self._agent = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         self._agent.set(f"worker/{self.local_rank}/live", "1")
+        self._closing = False
         beat_store = self._agent.clone()  # its own connection: a blocked main thread must not stop it
-        threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True).start()
+        self._beat = threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True)
+        self._beat.start()
         self._stores: dict = {}
         self._objects: dict = {}
         self._subgroups: list[LiveGroup] = []
@@ -137,7 +140,7 @@ class LiveJob:
         """Tell the agent this process is alive, also while the main thread waits in a collective
         (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it."""
         key = f"worker/{self.local_rank}/beat"
-        while True:
+        while not self._closing:
             try:
                 store.set(key, f"{time.time():.3f}")
             except Exception:
@@ -145,7 +148,14 @@ class LiveJob:
             time.sleep(0.5)
 
     def _close(self) -> None:
-        """Release communicators before interpreter teardown (gloo threads must not outlive it)."""
+        """Release communicators and store clients before interpreter teardown: C++ threads
+        (gloo, TCPStore) destroyed during teardown abort the process (SIGABRT)."""
+        self._closing = True
+        self._beat.join(timeout=2)
+        pending = self._pending
+        if pending and pending.get("thread") is not None:
+            pending["thread"].join(timeout=5)
+        self._pending = None
         for g in [*self._subgroups, self.group]:
             g.swap(None, g.rank(), g.size(), g.generation)
         self._stores.clear()
@@ -193,10 +203,16 @@ class LiveJob:
         """Yield the next step to run; membership changes take effect between steps."""
         if self.in_sandbox:
             self._state = "warmup"
+            # The warm-up must leave no trace: if no live replica holds the state later, this
+            # process has to hold exactly what a fresh one would. A CPU copy, only while warming.
+            start_state = {name: _cpu_copy(obj.state_dict()) for name, obj in self._objects.items()}
             for i in range(self._sandbox_steps):
                 self._report(force=True)
                 yield start + i
             self._clear_step_effects()
+            for name, state in start_state.items():
+                self._objects[name].load_state_dict(state)
+            del start_state
             self._park()
         if self._step is None:
             self._step = start
@@ -207,7 +223,11 @@ class LiveJob:
                 break
             t0 = time.perf_counter()
             self.group.last_submit = 0.0
-            yield self._step
+            self._poison.armed = True
+            try:
+                yield self._step
+            finally:
+                self._poison.armed = False
             if self._poison.active:
                 continue
             self._record(time.perf_counter() - t0, t0)
@@ -456,6 +476,16 @@ def _guard_step(optimizer, poison: StepPoison) -> None:
 def _median(xs) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else 0.0
+
+
+def _cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 # -- state transfer ------------------------------------------------------------------------------

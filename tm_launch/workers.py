@@ -153,6 +153,12 @@ class WorkerSet:
                 return lr, code
         return None
 
+    def forget(self, local_rank: int) -> None:
+        """Count an exited worker as succeeded (it finished its work before it died)."""
+        worker = self.workers.get(local_rank)
+        if worker is not None and worker.poll() is not None:
+            worker.proc.returncode = 0
+
     def all_succeeded(self) -> bool:
         codes = self.poll()
         return bool(codes) and all(c == 0 for c in codes.values())
