@@ -88,8 +88,11 @@ class Agent:
         self.monitor = None
         self._hang_seen: dict[int, list] = {}
         self.probed_gen = -1
+        self.state_changed = True  # the last watch saw a change under state/: re-read etcd
+        self._statuses_cache: dict | None = None
         self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
+        self.latest_file = os.path.join(self.scratch, "generations")  # grows by a line per directive
         self.straggler_gen, self.stragglers, self.straggler_window = -1, None, -1  # local rank -> [last step seen, when it changed]
 
     # -- logging --------------------------------------------------------------------------------
@@ -170,18 +173,25 @@ class Agent:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> int:
+        snap, fresh_until = None, 0.0
         while True:
             if self.lost_lease.is_set():
                 raise Fenced("lease expired")
-            try:
-                snap = self.members.snapshot()
-            except KVError as e:
-                self._etcd_down(e)
-                continue
+            if snap is None or self.state_changed or time.time() >= fresh_until:
+                try:
+                    snap = self.members.snapshot()
+                except KVError as e:
+                    self._etcd_down(e)
+                    continue
+                # Re-read etcd when the watch saw a change, else once a second: time-based
+                # rules (the join window, the grace of an exit report) still move on.
+                fresh_until = time.time() + 1.0
+            self._statuses_cache = None
             try:
                 code = self._tick(snap)
             except KVError as e:  # etcd went away mid-iteration: nothing is half-done, go round again
                 self._etcd_down(e)
+                snap = None
                 continue
             if code is not None:
                 return code
@@ -205,8 +215,11 @@ class Agent:
         decision = next_plan(self._with_last_call(view), self.cfg.limits)
         if decision is not None and self.members.publish(decision, snap.plan_entry):
             self._announce(decision)
-            return None  # look at the new state at once
-        self.members.wait(snap.revision, self.cfg.monitor_interval)
+            self.state_changed = True  # look at the new state at once
+            return None
+        # Our own writes (reports, cordons) move the revision past the snapshot's too, so the
+        # wait returns at once and the next iteration plans on them.
+        self.state_changed = self.members.wait(snap.revision, self.cfg.monitor_interval)
         return None
 
     def _etcd_down(self, error: Exception) -> None:
@@ -319,6 +332,9 @@ class Agent:
         current = self.store.add("node/latest", 0)
         if plan.generation > current:
             self.store.add("node/latest", plan.generation - current)
+        # Workers check this file's size at every step boundary (a stat, no round trip).
+        with open(self.latest_file, "a") as f:
+            f.write(f"{plan.generation}\n")
 
     def _env(self, plan: Plan, local_rank: int, sandbox: bool) -> dict[str, str]:
         me = self.cfg.node_id
@@ -348,6 +364,7 @@ class Agent:
             "TM_NODE_ID": me,
             "TM_LOCAL_ADDR": self.cfg.addr,
             "TM_GENERATION": str(plan.generation),
+            "TM_LATEST_FILE": self.latest_file,
             "TM_SANDBOX": "1" if sandbox else "0",
             "TM_SANDBOX_STEPS": str(self.cfg.sandbox_steps),
             "TM_COLLECTIVE_TIMEOUT": str(self.cfg.collective_timeout),
@@ -515,6 +532,9 @@ class Agent:
                 return
 
     def _statuses(self) -> dict[int, dict]:
+        """This node's workers' last reports (read once per loop iteration)."""
+        if self._statuses_cache is not None:
+            return self._statuses_cache
         out = {}
         for lr in self.workers.workers:
             key = f"worker/{lr}/status"
@@ -523,6 +543,7 @@ class Agent:
                     out[lr] = json.loads(self.store.get(key))
                 except ValueError:
                     continue
+        self._statuses_cache = out
         return out
 
     def _watch_hangs(self, plan: Plan) -> None:

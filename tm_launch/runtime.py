@@ -123,6 +123,8 @@ class LiveJob:
         self._window = max(1, int(env.get("TM_STRAGGLER_WINDOW", "20")))
         self._windows: dict[int, float] = {}
         self._last_report = 0.0
+        self._latest_file = env.get("TM_LATEST_FILE")
+        self._latest_size = -2  # forces the first check through the agent store
         self._state = "sandbox"
         world, rank = int(env["WORLD_SIZE"]), int(env.get("RANK", self.local_rank))
         self.group = LiveGroup(None, rank, world, self._poison)
@@ -255,6 +257,17 @@ class LiveJob:
     def _latest(self) -> int:
         return self._agent.add("node/latest", 0)
 
+    def _newer_generation(self) -> bool:
+        """Cheap per-step check: the agent appends a line to a file for every generation."""
+        try:
+            size = os.stat(self._latest_file).st_size if self._latest_file else -1
+        except OSError:
+            size = -1
+        if size == self._latest_size and size >= 0:
+            return False
+        self._latest_size = size
+        return self._latest() > self.group.generation
+
     def _directive(self, gen: int) -> dict:
         return json.loads(self._agent.get(f"node/plan/{gen}"))
 
@@ -299,9 +312,10 @@ class LiveJob:
             self._follow(d, interrupted=True)
             self._state = "running"
             return
-        latest = self._latest()
-        if latest > self.group.generation:
-            self._follow(self._directive(latest), interrupted=False)
+        if self._pending is not None or self._newer_generation():
+            latest = self._latest()
+            if latest > self.group.generation:
+                self._follow(self._directive(latest), interrupted=False)
 
     def _follow(self, d: dict, interrupted: bool) -> None:
         if d.get("stop"):
