@@ -176,38 +176,33 @@ class Membership:
         self.kv.put(f"log/events/{time.time_ns():020d}-{node}", json.dumps(record, sort_keys=True))
         return record
 
-    def events(self) -> list[dict]:
-        out = []
-        for e in self.kv.get_prefix("log/events/"):
+    def _json_values(self, prefix: str) -> dict[str, dict]:
+        """Key -> JSON object under ``prefix``, skipping anything else (etcd content is input:
+        a garbage value must not break ``ctl status``)."""
+        out = {}
+        for e in self.kv.get_prefix(prefix):
             try:
-                out.append(json.loads(e.value))
+                value = json.loads(e.value)
             except ValueError:
                 continue
+            if isinstance(value, dict):
+                out[e.key] = value
         return out
+
+    def events(self) -> list[dict]:
+        return list(self._json_values("log/events/").values())
 
     def alarm(self, node: str, name: str, record: dict) -> None:
         self.kv.put(f"log/alarms/{node}/{name}", json.dumps(record, sort_keys=True))
 
     def alarms(self) -> list[dict]:
-        out = []
-        for e in self.kv.get_prefix("log/alarms/"):
-            try:
-                out.append(json.loads(e.value))
-            except ValueError:
-                continue
-        return out
+        return list(self._json_values("log/alarms/").values())
 
     def progress(self, node: str, record: dict, lease: Lease | None) -> None:
         self.kv.put(f"log/progress/{node}", json.dumps(record, sort_keys=True), lease=lease)
 
     def all_progress(self) -> dict[str, dict]:
-        out = {}
-        for e in self.kv.get_prefix("log/progress/"):
-            try:
-                out[e.key.rsplit("/", 1)[-1]] = json.loads(e.value)
-            except ValueError:
-                continue
-        return out
+        return {key.rsplit("/", 1)[-1]: v for key, v in self._json_values("log/progress/").items()}
 
     def history(self) -> list[Plan]:
         plans = []
