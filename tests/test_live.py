@@ -183,3 +183,15 @@ def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference
             comms.setdefault((int(rank), int(gen)), set()).add(comm)
     assert comms[(0, 0)] == comms[(0, 1)] and comms[(1, 0)] == comms[(1, 1)], comms  # kept
     assert comms[(2, 0)] != comms[(2, 1)] and comms[(3, 0)] != comms[(3, 1)], comms  # rebuilt
+
+
+def test_v2_backend_live_failover(local_job, reference):
+    """The same live failover over etcd's v2 API (--rdzv-backend etcd-v2, python-etcd)."""
+    original = local_job
+
+    def v2_job(**options):
+        return original(backend="etcd-v2", **options)
+
+    job, codes, params, info = run_job(v2_job, ["a", "b", "c"], fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b")))
+    assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
