@@ -103,7 +103,7 @@ def _report(job: LocalJob, codes: dict, fault_time: float, before: list[int], af
     print(f"  survivor node0 : {'kept its process' if kept else 'process changed'} (pid {before} before, {after} after)")
     if cold is not None:
         print(f"  a restart      : >= {cold:.1f}s here just to start cold workers (process start -> first step, measured"
-              " in this run), plus rendezvous and checkpoint reload; torchrun measured 14.2 s for this failure")
+              " in this run),\n                   plus rendezvous and checkpoint reload (torchrun: see the README's Benchmarks)")
     return 0 if ok else 1
 
 

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         "rank substitution. Every torchrun option keeps its meaning. `tm-launch ctl --help` "
         "lists the operator commands."
     )
+    for action in parser._actions:
+        if action.dest == "standalone":
+            action.help = (
+                "Single machine, nothing to install: tm-launch starts a private etcd on loopback (a temporary "
+                "data dir, stopped on exit) and uses its etcd-v3 rendezvous; --rdzv-id is generated if not given."
+            )
     own = parser.add_argument_group("tm-launch")
     own.add_argument("--config", metavar="FILE.yaml", help="YAML file setting any option below or above by its name (e.g. nproc_per_node: 2, spares: 1).")
     own.add_argument("--spares", type=int, default=0, help="Spare nodes the job wants to keep warm; a warning is printed when it has fewer. Nodes that join beyond --nnodes MAX are spares.")
