@@ -201,3 +201,24 @@ def test_v2_backend_live_failover(local_job, reference):
     job, codes, params, info = run_job(v2_job, ["a", "b", "c"], fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b")))
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
     assert_bitwise(params, reference(2, 2))
+
+
+@pytest.mark.slow
+def test_collective_failure_without_a_lost_node_regroups_instead_of_hanging(local_job):
+    """A worker stopped for longer than the collective timeout, then continued: every rank's
+    collective failed, no node was lost, no new generation comes by itself. The agents report
+    their nodes after a while and the job restarts its workers instead of waiting forever."""
+    job = local_job(nnodes="2", nproc=1, launcher_args=["--max-restarts", "3", "--collective-timeout", "2"])
+    trigger = os.path.join(job.workdir, "trigger")
+    job.script_args = ["--steps", "60", "--step-sleep", "0.02", "--step-log", job.step_log, "--pause-step", "10", "--pause-file", trigger]
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    open(trigger, "w").close()
+    job.wait_step(15)
+    pid = job.worker_pids("b")[0]
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(4)
+    os.kill(pid, signal.SIGCONT)
+    codes = job.wait(timeout=240)
+    assert codes == {"a": 0, "b": 0}, job.logs_tail()
+    assert any("no peer node was lost" in e.get("message", "") for e in job.events()), job.events()

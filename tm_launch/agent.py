@@ -88,6 +88,7 @@ class Agent:
         self.monitor = None
         self._hang_seen: dict[int, list] = {}
         self.probed_gen = -1
+        self.recovering_since: float | None = None  # a local worker waits for a new generation
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
         self._statuses_cache: dict | None = None
         self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
@@ -368,6 +369,7 @@ class Agent:
             "TM_SANDBOX": "1" if sandbox else "0",
             "TM_SANDBOX_STEPS": str(self.cfg.sandbox_steps),
             "TM_COLLECTIVE_TIMEOUT": str(self.cfg.collective_timeout),
+            "TM_SETUP_TIMEOUT": str(self.cfg.join_timeout),
             "TM_STRAGGLER_WINDOW": str(self.cfg.health.straggler_window if self.cfg.health else 20),
         })
         if self.cfg.live_enabled:
@@ -470,12 +472,25 @@ class Agent:
             self._watch_hangs(plan)
 
     def _probe_peers(self, view: View) -> None:
-        """A local worker saw a collective fail: find out at once whether a peer node died."""
+        """A local worker saw a collective fail: find out at once whether a peer node died; and if
+        no new generation comes (no node was lost, e.g. a transient network error), report this
+        node after a while so that the job regroups instead of waiting forever."""
         plan = self.plan
-        if plan is None or not (view.live or self.live_seen) or self.probed_gen == plan.generation or self.cfg.node_id not in plan.nodes:
+        if plan is None or not (view.live or self.live_seen) or self.cfg.node_id not in plan.nodes:
             return
-        if any(s.get("state") == "recovering" for s in self._statuses().values()):
+        if not any(s.get("state") == "recovering" for s in self._statuses().values()):
+            self.recovering_since = None
+            return
+        if self.probed_gen != plan.generation:
+            self.recovering_since = time.time()
             self._report_dead_peers(plan, view)
+            return
+        patience = max(10.0, 2 * self.cfg.lease_ttl)
+        if self.recovering_since and time.time() - self.recovering_since > patience and self.reported_gen != plan.generation:
+            self.reported_gen = plan.generation
+            why = f"a collective failed {patience:.0f}s ago but no peer node was lost; restarting this node's workers"
+            self.say(f"generation {plan.generation}: {why}", kind="worker_failed", generation=plan.generation)
+            self.members.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
 
     def _report_dead_peers(self, plan: Plan, view: View) -> bool:
         """Report active peers whose agent refuses connections. A dead agent's port refuses at

@@ -243,13 +243,20 @@ def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
     return _create_work_from_future(work.get_future().then(settle))
 
 
-def new_gloo(store: dist.Store, rank: int, size: int, timeout_s: float, hostname: str | None = None):
-    """A gloo backend bootstrapped through ``store`` (a fresh PrefixStore per generation)."""
+def new_gloo(store: dist.Store, rank: int, size: int, timeout_s: float, hostname: str | None = None,
+             setup_timeout_s: float = 600.0):
+    """A gloo backend bootstrapped through ``store`` (a fresh PrefixStore per generation).
+
+    Two timeouts: joining may wait long (a joiner can still be warming up or starting cold), a
+    collective may not (a dead or hung peer must surface fast), so the group is built with the
+    setup timeout and switched to the collective timeout once connected."""
     import datetime
 
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
     opts._devices = [ProcessGroupGloo.create_device(hostname=hostname) if hostname else ProcessGroupGloo.create_default_device()]
-    return ProcessGroupGloo(store, rank, size, opts)
+    pg = ProcessGroupGloo(store, rank, size, opts)
+    pg.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return pg

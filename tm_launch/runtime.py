@@ -105,6 +105,7 @@ class LiveJob:
         self.local_rank = int(env["LOCAL_RANK"])
         self._addr = env.get("TM_LOCAL_ADDR") or None
         self._timeout = float(env.get("TM_COLLECTIVE_TIMEOUT", "120"))
+        self._setup_timeout = float(env.get("TM_SETUP_TIMEOUT", "600"))  # joiners may start cold
         self._sandbox_steps = int(env.get("TM_SANDBOX_STEPS", "2"))
         self._agent = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         self._agent.set(f"worker/{self.local_rank}/live", "1")
@@ -363,7 +364,7 @@ class LiveJob:
     def _store(self, where: dict) -> dist.Store:
         key = (where["addr"], int(where["port"]))
         if key not in self._stores:
-            self._stores[key] = dist.TCPStore(key[0], key[1], is_master=False, timeout=datetime.timedelta(seconds=self._timeout), wait_for_workers=False)
+            self._stores[key] = dist.TCPStore(key[0], key[1], is_master=False, timeout=datetime.timedelta(seconds=self._setup_timeout), wait_for_workers=False)
         return self._stores[key].clone()
 
     def _build(self, ranks, global_rank: int, gen: int, d: dict | None = None):
@@ -372,8 +373,8 @@ class LiveJob:
         name = "world" if ranks is None else "sub-" + "-".join(map(str, ranks))
         store = dist.PrefixStore(f"tm/g{gen}/{name}/", self._store(d["store"]))
         if ranks is None:
-            return new_gloo(store, global_rank, d["world_size"], self._timeout, self._addr)
-        return new_gloo(store, ranks.index(global_rank), len(ranks), self._timeout, self._addr)
+            return new_gloo(store, global_rank, d["world_size"], self._timeout, self._addr, self._setup_timeout)
+        return new_gloo(store, ranks.index(global_rank), len(ranks), self._timeout, self._addr, self._setup_timeout)
 
     def _enter(self, d: dict, prebuilt=None, agree: bool = True) -> None:
         t0 = time.perf_counter()
