@@ -58,7 +58,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 
@@ -66,7 +65,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, REPO)
 
-from tm_launch.localjob import TRAIN, LocalJob, Node, downtime  # noqa: E402
+from tm_launch.localjob import LocalJob, Node, downtime  # noqa: E402
 
 TAG_VAR = "TM_BENCH_TAG"
 TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -377,11 +376,15 @@ class Bench:
             except OSError:
                 pass
         finally:
-            job.stop()
-            self.current = None
-            result["orphans_reaped"] = reap()
-            result["wall_s"] = time.time() - t0
+            self.finish(job, result, t0)
         return result
+
+    def finish(self, job: LocalJob, result: dict, t0: float) -> None:
+        """Every run ends the same way: stop its processes, reap orphans, record the wall time."""
+        job.stop()
+        self.current = None
+        result["orphans_reaped"] = reap()
+        result["wall_s"] = time.time() - t0
 
     def inject(self, job: LocalJob, spec: Spec) -> tuple[float, str]:
         # look the pids up first: pgrep takes tens of ms, and the fault time is when the signal goes
@@ -522,10 +525,7 @@ class Bench:
             result["error"] = f"{type(e).__name__}: {e}"[:4000]
             say(f"{spec.launcher} overhead {spec.size} ranks: ERROR {type(e).__name__}")
         finally:
-            job.stop()
-            self.current = None
-            result["orphans_reaped"] = reap()
-            result["wall_s"] = time.time() - t0
+            self.finish(job, result, t0)
         return result
 
 

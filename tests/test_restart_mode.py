@@ -2,7 +2,6 @@
 node's group rank and every worker restarts at once, from the script's own checkpoint."""
 
 import os
-import time
 
 import pytest
 import torch

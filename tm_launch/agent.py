@@ -19,7 +19,6 @@ import logging
 import os
 import queue
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -86,7 +85,6 @@ class Agent:
         self.last_progress = 0.0
         self.timings: dict[int, dict] = {}
         self.monitor = None
-        self._hang_seen: dict[int, list] = {}
         self.probed_gen = -1
         self.recovering_since: float | None = None  # a local worker waits for a new generation
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
@@ -295,7 +293,7 @@ class Agent:
         if planned:
             self._direct(plan)  # the leavers' workers hand over at the switch step, then exit
             deadline = time.time() + max(60.0, self.cfg.collective_timeout)
-            while self.workers.poll() and any(c is None for c in self.workers.poll().values()) and time.time() < deadline:
+            while any(code is None for code in self.workers.poll().values()) and time.time() < deadline:
                 time.sleep(0.05)
         self._stop_workers("this node left the job")
         successor = next((new for new, old in plan.replaced.items() if old == me), None)
