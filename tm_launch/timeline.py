@@ -167,10 +167,15 @@ def render(data: dict, out: str) -> None:
     import matplotlib.pyplot as plt
 
     changes = [g for g in data["generations"] if g["generation"] > 0]
-    notes = len(changes)
-    fig = plt.figure(figsize=(13, 7.2 + 0.24 * notes))
-    top = 0.90 - 0.0
-    bottom = 0.08 + (0.24 * notes + 0.5) / (7.2 + 0.24 * notes)
+    end = max([s["time"] for ss in data["series"].values() for s in ss] + [g["time"] for g in data["generations"]] + [1.0])
+    rows = label_rows([g["fault_time"] for g in changes], min_gap=end * 0.06)
+    # Layout in inches, so that neither the tags above the plot nor the notes below it can run
+    # into the title or off the page however many events there are.
+    title_in, tags_in, plot_in, axis_in, note_in = 0.8, 0.2 * (max(rows, default=-1) + 1) + 0.1, 5.0, 0.65, 0.21
+    height = title_in + tags_in + plot_in + axis_in + note_in * len(changes) + 0.25
+    fig = plt.figure(figsize=(13, height))
+    top = 1 - (title_in + tags_in) / height
+    bottom = 1 - (title_in + tags_in + plot_in) / height
     grid = fig.add_gridspec(2, 1, height_ratios=[1, 1.6], hspace=0.08, top=top, bottom=bottom, left=0.07, right=0.83)
     ax_step = fig.add_subplot(grid[0])
     ax_time = fig.add_subplot(grid[1], sharex=ax_step)
@@ -192,10 +197,7 @@ def render(data: dict, out: str) -> None:
             segments.append(current)
         for j, seg in enumerate(segments):
             ax_time.plot([s["time"] for s in seg], [s["step_time"] * 1000 for s in seg], color=colour, lw=1.4,
-                         marker="." if len(seg) < 30 else None, label=f"rank {rank}" if j == 0 else None)
-    end = max([s["time"] for ss in data["series"].values() for s in ss] + [g["time"] for g in data["generations"]] + [1.0])
-    xs = [g["fault_time"] for g in changes]
-    rows = label_rows(xs, min_gap=end * 0.045)
+                         marker="." if len(samples) < 60 else None, label=f"rank {rank}" if j == 0 else None)
     for g, row in zip(changes, rows):
         colour = KIND_COLOURS.get(g["kind"], "#7f7f7f")
         x0 = g["fault_time"]
@@ -229,15 +231,16 @@ def render(data: dict, out: str) -> None:
     faults = [g for g in changes if g["kind"] != "finished"]
     ending = data["generations"][-1]["state"] if data["generations"] else "running"
     summary = f"{ending if ending != 'running' else 'still running'}; {len(faults)} generation change(s)" + (f", downtime total {sum(downs):.1f}s, worst {max(downs):.1f}s" if downs else "")
-    fig.suptitle(f"tm-launch run {data['run_id']}: step times and generation changes\n{summary}", fontsize=12, y=0.985)
-    y = bottom - 0.075
-    line_h = 0.24 / (7.2 + 0.24 * notes)
+    fig.suptitle(f"tm-launch run {data['run_id']}: step times and generation changes\n{summary}", fontsize=12, y=1 - 0.1 / height, va="top")
+    y = bottom - axis_in / height
+    line_h = note_in / height
     for g in changes:
         colour = KIND_COLOURS.get(g["kind"], "#7f7f7f")
         down = f"{g['downtime_s']:.2f}s down" if g["downtime_s"] is not None else "no downtime" if g["kind"] == "finished" else "downtime n/a"
         moves = ", ".join(f"{new} replaces {old}" for new, old in g["replaced"].items())
-        mode = "live" if g["live"] else "restart"
-        text = f"g{g['generation']}  at {g['fault_time']:.1f}s  [{g['kind']}, {mode}{'; ' + moves if moves else ''}]  {down}:  {_short(g['cause'])}"
+        mode = "" if g["kind"] == "finished" else ", live" if g["live"] else ", restart"
+        head = f"g{g['generation']:<3} at {g['fault_time']:7.1f}s  [{g['kind']}{mode}{'; ' + moves if moves else ''}]  {down}:  "
+        text = head + _short(g["cause"], max(30, 150 - len(head)))
         fig.text(0.07, y, text, fontsize=8.5, color=colour, family="monospace", va="top")
         y -= line_h
     fig.savefig(out, dpi=110)
