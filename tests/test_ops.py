@@ -176,6 +176,9 @@ def test_failover_timeline_and_metrics(local_job, tmp_path):
     assert g1["downtime_s"] is not None and abs(g1["downtime_s"] - metric_down) < 1.0, (g1, metric_down)
     assert {"0", "1"} <= set(data["series"]) and {s["node"] for s in data["series"]["1"]} == {victim, "c"}
     assert data["generations"][-1]["kind"] == "finished"
+    # The worker runtime says who sent what to whom, how much and how long.
+    assert "received the training state of step" in job.nodes["c"].log(), job.nodes["c"].log()[-3000:]
+    assert f"sent the training state of step" in job.nodes[survivor].log()
 
 
 def test_join_wait_says_what_it_waits_for(local_job):
