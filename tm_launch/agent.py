@@ -100,9 +100,13 @@ class Agent:
         self.step_series: list = []  # this node's bounded log/steps/<node> series
         self.join_wait = Every()  # progress lines while the first generation forms
         self.drain_wait: Every | None = None  # progress lines while a drain waits for a spare
+        self.etcd_wait, self.etcd_seen = None, 0.0  # progress lines while etcd is unreachable
 
     # -- logging --------------------------------------------------------------------------------
-    def say(self, message: str, kind: str = "info", **fields) -> None:
+    def say(self, message: str, kind: str = "info", publish: bool = True, **fields) -> None:
+        """stderr for people, ``--event-log`` for programs (every line, every kind), and etcd's
+        log/events for ``ctl events`` (kinds other than "info"; not with ``publish=False``, for
+        messages about etcd itself being unreachable)."""
         stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
         print(f"[tm-launch {self.cfg.node_id} {stamp}] {message}", file=sys.stderr, flush=True)
         record = {"time": time.time(), "node": self.cfg.node_id, "kind": kind, "message": message, **fields}
@@ -111,7 +115,7 @@ class Agent:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
         if self.metrics is not None:
             self.metrics.on_event(kind, fields)
-        if kind != "info":
+        if kind != "info" and publish:
             try:
                 self.members.event(self.cfg.node_id, kind, message=message, **fields)
             except KVError:
@@ -169,7 +173,7 @@ class Agent:
             except KVError as e:
                 if unreachable_since is None:
                     unreachable_since = time.time()
-                    print(f"[tm-launch {self.cfg.node_id}] etcd unreachable, retrying: {e}", file=sys.stderr, flush=True)
+                    self.say(f"etcd unreachable, retrying: {e}", kind="etcd_unreachable", publish=False)
 
     def _start_health(self) -> None:
         cfg = self.cfg.health
@@ -258,7 +262,13 @@ class Agent:
         return None
 
     def _etcd_down(self, error: Exception) -> None:
-        print(f"[tm-launch {self.cfg.node_id}] etcd: {error}; retrying", file=sys.stderr, flush=True)
+        """One line when etcd goes away, then one every few seconds with how long (not one per retry)."""
+        if self.etcd_wait is None or time.time() - self.etcd_seen > 5 * self.cfg.lease_ttl:
+            self.etcd_wait = Every(first=0.0)
+        self.etcd_seen = time.time()
+        if self.etcd_wait.due():
+            self.say(f"etcd: {error}; retrying ({self.etcd_wait.elapsed:.0f} s so far)", kind="etcd_unreachable", publish=False,
+                     elapsed_s=round(self.etcd_wait.elapsed, 1))
         time.sleep(min(1.0, self.cfg.lease_ttl / 3))
 
     def _with_last_call(self, view: View) -> View:
