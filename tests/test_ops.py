@@ -213,3 +213,42 @@ def test_metrics_port_in_use_is_one_clear_line(etcd_endpoint, tmp_path):
     lines = [l for l in out.stderr.splitlines() if l.strip()]
     assert lines == [f"tm-launch: error: --metrics-port {port}: 127.0.0.1:{port} is already in use; pick a free port "
                      "(every agent on one machine needs its own, e.g. PET_METRICS_PORT per agent)"], out.stderr
+
+
+def test_metrics_count_alarms_failures_and_role():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tm_launch.metrics import AgentMetrics
+
+    m = AgentMetrics("a")
+    m.on_event("alarm", {"alarm": {"signal": "xid", "severity": "fatal"}})
+    m.on_event("alarm", {"alarm": {"signal": "xid", "severity": "fatal"}})
+    m.on_event("alarm", {"alarm": {"signal": "temperature", "severity": "degraded"}})
+    m.on_event("worker_failed", {})
+    m.on_event("info", {})
+    m.on_state(3, "draining", 2)
+    m.on_statuses({0: {"state": "running", "step_time": 0.5, "step": 7}, 1: {"state": "running", "step_time": 0.25, "step": 8},
+                   2: {"state": "parked", "step_time": 9.0, "step": 1}})
+    m.on_downtime("lost", 2.5)
+    values = {(s.name, frozenset(s.labels.items())): s.value
+              for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples}
+    assert values[("tm_launch_alarms_total", frozenset({("signal", "xid"), ("severity", "fatal")}))] == 2
+    assert values[("tm_launch_alarms_total", frozenset({("signal", "temperature"), ("severity", "degraded")}))] == 1
+    assert values[("tm_launch_worker_failures_total", frozenset({("kind", "worker_failed")}))] == 1
+    assert values[("tm_launch_generation", frozenset())] == 3 and values[("tm_launch_spares_available", frozenset())] == 2
+    assert [r for r in ("active", "spare", "draining", "failed") if values[("tm_launch_role", frozenset({("role", r)}))] == 1] == ["draining"]
+    assert values[("tm_launch_steps_per_second", frozenset())] == 3.0  # (2 + 4) / 2: parked workers do not train
+    assert values[("tm_launch_step", frozenset())] == 8
+    assert values[("tm_launch_downtime_seconds_bucket", frozenset({("cause", "lost"), ("le", "5.0")}))] == 1
+    assert values[("tm_launch_downtime_seconds_bucket", frozenset({("cause", "lost"), ("le", "2.0")}))] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["timeline"], "timeline: give --out FILE.png (a picture), --json (the data), or both"),
+    (["timeline", "--json"], "has no plans and no step samples in etcd yet; check --rdzv-id and --rdzv-endpoint"),
+])
+def test_ctl_timeline_mistakes_are_one_line(etcd_endpoint, args, message):
+    cmd = launcher() + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", f"nothing-{time.time_ns()}", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
