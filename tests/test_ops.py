@@ -252,3 +252,27 @@ def test_ctl_timeline_mistakes_are_one_line(etcd_endpoint, args, message):
     cmd = launcher() + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", f"nothing-{time.time_ns()}", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("argv, yaml_text, env, port", [
+    ([], "", {}, None),  # off by default
+    (["--metrics-port", "9101"], "", {}, 9101),
+    ([], "metrics_port: 9102\n", {}, 9102),
+    ([], "metrics_port: 9102\n", {"PET_METRICS_PORT": "9103"}, 9103),  # torchrun's precedence: env beats YAML
+    (["--metrics-port", "9104"], "", {"PET_METRICS_PORT": "9103"}, 9104),
+])
+def test_metrics_port_from_flag_yaml_or_env(tmp_path, monkeypatch, argv, yaml_text, env, port):
+    from tm_launch.options import parse_args
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml_text or "{}\n")
+    assert parse_args(["--config", str(config), *argv, TRAIN]).metrics_port == port
+
+
+def test_metrics_port_out_of_range_is_a_usage_error():
+    from tm_launch.options import UsageError, parse_args
+
+    with pytest.raises(UsageError, match=r"--metrics-port 70000: must be a TCP port number"):
+        parse_args(["--metrics-port", "70000", TRAIN])

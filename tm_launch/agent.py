@@ -717,7 +717,8 @@ class Agent:
         if self.metrics is not None:
             self.metrics.on_statuses(statuses)
         rows = [
-            [s.get("time", now), s.get("generation"), s.get("rank"), s.get("step"), s.get("step_time"), s.get("state")]
+            [round(s.get("time", now), 2), s.get("generation"), s.get("rank"), s.get("step"),
+             None if s.get("step_time") is None else round(s["step_time"], 5), s.get("state")]
             for s in statuses.values() if s.get("state") in ("running", "recovering", "finished") and s.get("step") is not None
         ]
         try:
