@@ -276,3 +276,16 @@ def test_metrics_port_out_of_range_is_a_usage_error():
 
     with pytest.raises(UsageError, match=r"--metrics-port 70000: must be a TCP port number"):
         parse_args(["--metrics-port", "70000", TRAIN])
+
+
+def test_operator_commands_are_events(etcd_endpoint):
+    """`ctl drain/cordon/uncordon` land in the job's event log: an on-call person reading
+    `ctl events` sees who moved a node, not only that it moved."""
+    base = launcher() + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", f"op-{time.time_ns()}"]
+    env, kinds = {**os.environ, "PYTHONPATH": REPO}, []
+    for command in ("cordon", "uncordon"):
+        out = subprocess.run(base + [command, "node-x"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+    out = subprocess.run(base + ["events", "--json"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    events = [json.loads(l) for l in out.stdout.splitlines()]
+    assert [(e["node"], e["kind"], e["target"]) for e in events] == [("operator", "cordoned", "node-x"), ("operator", "uncordoned", "node-x")]

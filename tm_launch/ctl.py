@@ -160,12 +160,15 @@ def main(argv: list[str]) -> int:
             _timeline(members, run_id, args)
         elif args.command == "drain":
             members.request_drain(args.node, "operator: tm-launch ctl drain")
+            members.event("operator", "drain_requested", message=f"tm-launch ctl drain {args.node}", target=args.node)
             print(f"drain requested for {args.node}: its ranks move to a spare at a step boundary")
         elif args.command == "cordon":
             members.cordon(args.node, "operator: tm-launch ctl cordon")
+            members.event("operator", "cordoned", message=f"tm-launch ctl cordon {args.node}", target=args.node)
             print(f"{args.node} cordoned: it is replaced if active and never chosen as a spare")
         elif args.command == "uncordon":
             existed = members.uncordon(args.node)
+            members.event("operator", "uncordoned", message=f"tm-launch ctl uncordon {args.node}", target=args.node)
             print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
     except (KVError, ValueError, OSError, UsageError) as e:
         print(f"tm-launch ctl: error: {e}", file=sys.stderr)
