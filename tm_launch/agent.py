@@ -716,14 +716,17 @@ class Agent:
         }
         if self.metrics is not None:
             self.metrics.on_statuses(statuses)
+        # Sampled at publish time, also when a worker's status did not change: a step count that
+        # stays flat for seconds (a pause, a hang, a wait for the next generation) must draw flat.
         rows = [
-            [round(s.get("time", now), 2), s.get("generation"), s.get("rank"), s.get("step"),
+            [round(now, 2), s.get("generation"), s.get("rank"), s.get("step"),
              None if s.get("step_time") is None else round(s["step_time"], 5), s.get("state")]
             for s in statuses.values() if s.get("state") in ("running", "recovering", "finished") and s.get("step") is not None
         ]
         try:
             self.members.progress(self.cfg.node_id, record, self.lease)
-            if rows and rows != self.step_series[-len(rows):]:  # nothing new (parked, finished): no write
+            unchanged = bool(rows) and [r[1:] for r in self.step_series[-len(rows):]] == [r[1:] for r in rows]
+            if rows and not (unchanged and all(r[5] == "finished" for r in rows)):  # after the end: no more writes
                 self.step_series = append_samples(self.step_series, rows)
                 self.members.steps(self.cfg.node_id, self.step_series)
             self._find_stragglers()
