@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -178,7 +177,7 @@ def test_failover_timeline_and_metrics(local_job, tmp_path):
     assert data["generations"][-1]["kind"] == "finished"
     # The worker runtime says who sent what to whom, how much and how long.
     assert "received the training state of step" in job.nodes["c"].log(), job.nodes["c"].log()[-3000:]
-    assert f"sent the training state of step" in job.nodes[survivor].log()
+    assert "sent the training state of step" in job.nodes[survivor].log()
 
 
 def test_join_wait_says_what_it_waits_for(local_job):
@@ -282,7 +281,7 @@ def test_operator_commands_are_events(etcd_endpoint):
     """`ctl drain/cordon/uncordon` land in the job's event log: an on-call person reading
     `ctl events` sees who moved a node, not only that it moved."""
     base = launcher() + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", f"op-{time.time_ns()}"]
-    env, kinds = {**os.environ, "PYTHONPATH": REPO}, []
+    env = {**os.environ, "PYTHONPATH": REPO}
     for command in ("cordon", "uncordon"):
         out = subprocess.run(base + [command, "node-x"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
         assert out.returncode == 0, out.stderr
