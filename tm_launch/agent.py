@@ -182,6 +182,7 @@ class Agent:
                 except KVError as e:
                     self._etcd_down(e)
                     continue
+                self._last_etcd_error = None
                 # Re-read etcd when the watch saw a change, else once a second: time-based
                 # rules (the join window, the grace of an exit report) still move on.
                 fresh_until = time.time() + 1.0
@@ -222,7 +223,10 @@ class Agent:
         return None
 
     def _etcd_down(self, error: Exception) -> None:
-        print(f"[tm-launch {self.cfg.node_id}] etcd: {error}; retrying", file=sys.stderr, flush=True)
+        # Said once per distinct problem, not once a second while it lasts.
+        if str(error) != getattr(self, "_last_etcd_error", None):
+            self._last_etcd_error = str(error)
+            print(f"[tm-launch {self.cfg.node_id}] etcd: {error}; retrying", file=sys.stderr, flush=True)
         time.sleep(min(1.0, self.cfg.lease_ttl / 3))
 
     def _with_last_call(self, view: View) -> View:
@@ -640,10 +644,16 @@ class Agent:
             if node not in plan.nodes or record.get("generation") != plan.generation:
                 continue
             for worker in record.get("workers", {}).values():
-                rank = worker.get("rank")
+                rank, windows = worker.get("rank"), worker.get("windows") or {}
+                try:  # etcd content is input: a malformed record is skipped, never fatal
+                    if not isinstance(rank, int) or not isinstance(windows, dict):
+                        raise ValueError("rank or windows")
+                    parsed = {int(w): float(c) for w, c in windows.items()}
+                except (ValueError, TypeError, OverflowError):
+                    continue
                 owner[rank] = node
-                for w, compute in (worker.get("windows") or {}).items():
-                    by_window.setdefault(int(w), {})[rank] = compute
+                for w, compute in parsed.items():
+                    by_window.setdefault(w, {})[rank] = compute
         for w in sorted(by_window):
             if w <= self.straggler_window or len(by_window[w]) < plan.world_size:
                 continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -43,15 +44,26 @@ def _connect(args):
 
     from .cli import etcd_options
 
+    from .options import RUN_ID, UsageError
+
     conf = {}
     if args.config:
-        with open(args.config) as f:
-            conf = yaml.safe_load(f) or {}
+        try:
+            with open(args.config) as f:
+                conf = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise UsageError(f"--config {args.config}: not valid YAML: {' '.join(str(e).split())[:160]}") from None
+        if not isinstance(conf, dict):
+            raise UsageError(f"--config {args.config}: the top level must be a mapping of option: value")
+    node = getattr(args, "node", None)
+    if node is not None and not RUN_ID.match(node):
+        raise UsageError(f"node id {node!r}: use letters, digits, '.', '_' or '-' (at most 128)")
     endpoint = args.rdzv_endpoint or conf.get("rdzv_endpoint")
     run_id = args.rdzv_id or conf.get("rdzv_id")
     backend = args.rdzv_backend or conf.get("rdzv_backend") or "etcd-v3"
     if not endpoint or not run_id:
         raise ValueError("give --rdzv-endpoint and --rdzv-id (or --config with rdzv_endpoint and rdzv_id)")
+    args.rdzv_id = str(run_id)  # for error messages
     options = etcd_options(endpoint, str(run_id), args.rdzv_conf or conf.get("rdzv_conf"))
     return Membership(connect("v3" if backend == "etcd-v3" else "v2", options)), str(run_id)
 
@@ -109,13 +121,20 @@ def _print_status(s: dict) -> None:
 
 
 def _format_event(e: dict) -> str:
-    when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-    return f"{when} {e.get('node', '?'):<20} {e.get('kind', ''):<14} {e.get('message', '')}"
+    """One line per event; fields are etcd content, so anything odd is shown, never fatal."""
+    try:
+        when = time.strftime("%H:%M:%S", time.localtime(float(e.get("time", 0))))
+    except (TypeError, ValueError, OverflowError, OSError):
+        when = "??:??:??"
+    node, kind, message = (" ".join(str(e.get(k, d)).split())[:500] for k, d in (("node", "?"), ("kind", ""), ("message", "")))
+    return f"{when} {node:<20} {kind:<14} {message}"
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from rendezvous.kv import KVError
+    # Keys skipped as unreadable are reported once each on stderr (stdout stays parseable).
+    logging.basicConfig(level=logging.WARNING, format="tm-launch ctl: warning: %(message)s")
+    from rendezvous.kv import AccessDenied, KVError
 
     from .options import UsageError
 
@@ -143,6 +162,9 @@ def main(argv: list[str]) -> int:
         elif args.command == "uncordon":
             existed = members.uncordon(args.node)
             print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
+    except AccessDenied as e:
+        print(f"tm-launch ctl: error: permission denied for run {args.rdzv_id}: {e}", file=sys.stderr)
+        return 1
     except (KVError, ValueError, OSError, UsageError) as e:
         print(f"tm-launch ctl: error: {e}", file=sys.stderr)
         return 1
