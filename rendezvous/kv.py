@@ -194,7 +194,15 @@ def _reason(exc: BaseException) -> str:
 
 def _unreachable(errors: list[tuple[str, str]]) -> KVError:
     what = "; ".join(f"{url} ({why})" for url, why in errors)
-    return KVError(f"cannot reach etcd at {what}: {_FIX}")
+    whys = " ".join(why for _, why in errors)
+    if "TLS" in whys:   # etcd is there; the certificates do not match
+        fix = ("check --rdzv-conf cacert= (the CA that signed etcd's certificate) and cert=/key= "
+               "(a client certificate signed by a CA etcd trusts)")
+    elif "closed by the server" in whys and all(url.startswith("http:") for url, _ in errors):
+        fix = f"{_FIX} (if etcd serves https, use https:// and --rdzv-conf cacert=)"
+    else:
+        fix = _FIX
+    return KVError(f"cannot reach etcd at {what}: {fix}")
 
 
 class _Keys:
