@@ -150,7 +150,7 @@ def test_every_hostile_value_is_skipped_and_named_once(members, caplog):
     '{"generation": 1e999, "nodes": ["a"], "nproc": 1}',
     '{"generation": 0, "nodes": "ab", "nproc": 1}',
     '{"generation": 0, "nodes": [1], "nproc": 1}',
-    '{"generation": 0, "nodes": ["a"], "nproc": 0}',
+    '{"generation": 0, "nodes": ["a"], "nproc": -1}',
     '{"generation": -1, "nodes": ["a"], "nproc": 1}',
     '{"generation": 0, "nodes": ["a"], "nproc": 1, "store": "here"}',
     '{"generation": 0, "nodes": ["a"], "nproc": 1, "replaced": {"b": 3}}',

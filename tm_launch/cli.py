@@ -81,6 +81,8 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     from rendezvous.kv import EtcdOptions
     from rendezvous.membership import run_prefix
 
+    if not run_id or "/" in run_id:  # a '/' would nest this run's keys inside another run's
+        raise UsageError(f"--rdzv-id {run_id!r}: give a run id without '/'")
     values = parse_rdzv_conf(conf)
     known = {"cacert", "cert", "key", "user", "password_file", "timeout", "read_timeout", "protocol", "join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt"}
     for key in values:

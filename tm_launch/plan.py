@@ -61,7 +61,7 @@ class NodeInfo:
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"node record field '{name}' has the wrong type: {_short(value)}")
         # Values other nodes act on (connect to the port, order joins by time) must be sane.
-        if not 0 < info.store_port < 65536 or info.nproc < 1 or not math.isfinite(info.joined):
+        if not 0 < info.store_port < 65536 or info.nproc < 0 or not math.isfinite(info.joined):  # torchrun's handler registers nproc 0
             raise ValueError("node record has an out-of-range store_port, nproc or joined")
         return info
 
@@ -125,7 +125,7 @@ class Plan:
             value = getattr(plan, name)
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ValueError(f"plan field '{name}' has the wrong type: {_short(value)}")
-        if plan.generation < 0 or plan.nproc < 1 or plan.state not in (RUNNING, SUCCEEDED, FAILED):
+        if plan.generation < 0 or plan.nproc < 0 or plan.state not in (RUNNING, SUCCEEDED, FAILED):  # torchrun's handler: nproc 0
             raise ValueError("plan has an out-of-range generation, nproc or state")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.replaced.items()):
             raise ValueError("plan field 'replaced' must map node ids to node ids")
