@@ -58,7 +58,8 @@ class Membership:
 
     def _where(self, key: str) -> str:
         options = getattr(self.kv, "options", None)
-        return (options.prefix.rstrip("/") + "/" if options and options.prefix else "") + key
+        where = (options.prefix.rstrip("/") + "/" if options and options.prefix else "") + key
+        return ascii(where)[1:-1]   # a key is input too: no newlines or terminal escapes in logs
 
     def _skip(self, key: str, error: Exception) -> None:
         """Ignore one unreadable value, and say so once per key: what it is and how to fix it."""

@@ -273,3 +273,30 @@ def test_hostile_contents_in_a_running_job(local_job, etcd_endpoint):
         assert {gen for _, _, _, gen, _ in records} == {0}
     finally:
         kv.close()
+
+
+def test_ctl_views_survive_hostile_contents(members, etcd_endpoint, capsys):
+    """``ctl status`` and ``ctl events`` on the whole table, plus terminal escapes in keys and
+    values: exit 0, every output line printable, nothing skipped silently."""
+    from tm_launch import ctl
+
+    m, run = members
+    lease = m.register(NodeInfo(id="a", host="h", addr="127.0.0.1", store_port=1000, nproc=1, pid=1, joined=1.0), ttl=30)
+    assert m.publish(Plan(generation=0, nodes=("a",), nproc=1, cause="initial \x1b[2J rendezvous"), None)
+    for key, value in {**HOSTILE_STATE, **HOSTILE_LOG, **ODD_BUT_OBJECTS}.items():
+        m.kv.put(key, value)
+    m.kv.put("log/progress/ev\x1b[2Jil", json.dumps({"workers": {"0": {"step": "\x1b[31m7\nx"}}}))
+    m.kv.put("state/failed/x", json.dumps({"reason": "bad\x1b[31m\nsecond line"}))
+    m.kv.put("log/events/e9", json.dumps({"time": 1.0, "node": "n\x07", "kind": "k", "message": "a\rb\x1b[0m"}))
+    base = ["--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run]
+    for args in (["status"], ["status", "--json"], ["events"], ["events", "--json"]):
+        assert ctl.main(base + args) == 0, args
+        out = capsys.readouterr().out
+        assert out.strip(), args
+        if "--json" in args:
+            for chunk in ([out] if args[0] == "status" else out.splitlines()):
+                json.loads(chunk)   # still machine-readable
+        else:
+            assert all(line.isprintable() for line in out.splitlines()), (args, out)
+            assert "\x1b" not in out and "\r" not in out and "\x07" not in out
+    lease.revoke()

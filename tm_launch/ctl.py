@@ -105,19 +105,26 @@ def status(members, run_id: str) -> dict:
     }
 
 
+def _clean(value, limit: int = 300) -> str:
+    """Text from etcd for a terminal: one line, no control characters or escapes, bounded."""
+    text = " ".join(str(value).split())
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _print_status(s: dict) -> None:
     print(f"run {s['run_id']}: generation {s['generation']}, {s['state']}, world size {s['world_size']}, "
           f"{'live' if s['live'] else 'restart'} mode, {s['restarts']} restart(s), {s['spares_left']} spare(s) left")
     if s["cause"]:
-        print(f"last change: {s['cause']}")
+        print(f"last change: {_clean(s['cause'])}")
     print(f"{'NODE':<24} {'ROLE':<9} {'RANKS':<16} STEP")
     for n in s["nodes"]:
-        steps = sorted({str(w.get('step')) for w in n["progress"].values()}) or ["-"]
+        steps = sorted({_clean(w.get('step'), 20) for w in n["progress"].values()}) or ["-"]
         ranks = ",".join(map(str, n["ranks"])) or "-"
-        extra = f"  ({n['reason']})" if n["reason"] else ""
-        print(f"{n['id']:<24} {n['role']:<9} {ranks:<16} {'/'.join(steps)}{extra}")
+        extra = f"  ({_clean(n['reason'])})" if n["reason"] else ""
+        print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {'/'.join(steps)}{extra}")
     for a in s["alarms"]:
-        print(f"alarm {a.get('severity')}: node {a.get('node')} gpu {a.get('gpu')} {a.get('signal')}={a.get('value')}: {a.get('message')}")
+        print(_clean(f"alarm {a.get('severity')}: node {a.get('node')} gpu {a.get('gpu')} {a.get('signal')}={a.get('value')}: {a.get('message')}", 600))
 
 
 def _format_event(e: dict) -> str:
@@ -126,7 +133,7 @@ def _format_event(e: dict) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(float(e.get("time", 0))))
     except (TypeError, ValueError, OverflowError, OSError):
         when = "??:??:??"
-    node, kind, message = (" ".join(str(e.get(k, d)).split())[:500] for k, d in (("node", "?"), ("kind", ""), ("message", "")))
+    node, kind, message = (_clean(e.get(k, d), 500) for k, d in (("node", "?"), ("kind", ""), ("message", "")))
     return f"{when} {node:<20} {kind:<14} {message}"
 
 
