@@ -300,3 +300,16 @@ def test_ctl_views_survive_hostile_contents(members, etcd_endpoint, capsys):
             assert all(line.isprintable() for line in out.splitlines()), (args, out)
             assert "\x1b" not in out and "\r" not in out and "\x07" not in out
     lease.revoke()
+
+
+def test_agent_joining_a_run_with_an_unreadable_plan_says_one_line(members, etcd_endpoint):
+    from test_bad_input import assert_one_error, finish, launch
+
+    m, run = members
+    m.kv.put("state/plan", DEEP)
+    proc = launch(["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run,
+                   "--nnodes", "1", "examples/train.py"])
+    rc, _, err = finish(proc, timeout=90)
+    line = assert_one_error(rc, err, f"{run_prefix(run)}state/plan", "is unreadable", "--rdzv-id")
+    assert rc == 1 and "joined run" not in err and len(line) < 400
+    assert m.kv.get("state/plan").value == DEEP and m.kv.get_prefix("state/nodes/") == []
