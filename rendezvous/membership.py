@@ -49,6 +49,7 @@ class Snapshot:
     plan_entry: Entry | None
     revision: int
     spares_alive: int
+    plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
 
 
 class Membership:
@@ -84,20 +85,26 @@ class Membership:
         self.kv.delete(f"state/nodes/{node}")
 
     # -- reading ----------------------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, *, strict: bool = True) -> Snapshot:
+        """``strict`` (agents): an unreadable plan raises KVError. Otherwise (operators' views)
+        the snapshot has no plan and says why in ``plan_error``."""
         revision = self.kv.current_revision()
         entries = {e.key: e for e in self.kv.get_prefix("state/")}
         plan_entry = entries.get("state/plan")
+        plan_error = ""
         try:
             plan = Plan.from_json(plan_entry.value) if plan_entry else None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             # Never guess over a plan we cannot read: agents stop changing the job and say why.
             why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
-            raise KVError(
+            plan_error = (
                 f"the job's plan (etcd key {self._where('state/plan')}) is unreadable ({why}); nothing "
                 "changes until it is restored (put back the newest log/history/ entry) or the job "
                 "starts under a new --rdzv-id"
-            ) from None
+            )
+            if strict:
+                raise KVError(plan_error) from None
+            plan = None
         alive, failed, drains, reports, done = {}, {}, {}, {}, set()
         kinds, times = {}, {}
         gen = plan.generation if plan else -1
@@ -138,7 +145,7 @@ class Membership:
         )
         active = set(plan.nodes) if plan else set()
         spares_alive = len([n for n in alive if n not in active and n not in failed])
-        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive)
+        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive, plan_error=plan_error)
 
     def wait(self, revision: int, timeout: float) -> bool:
         """Block until something under ``state/`` changes after ``revision`` (or timeout)."""

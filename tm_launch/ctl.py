@@ -69,7 +69,9 @@ def _connect(args):
 
 
 def status(members, run_id: str) -> dict:
-    snap = members.snapshot()
+    snap = members.snapshot(strict=False)   # an operator still sees the nodes when the plan is junk
+    if snap.plan_error:
+        logging.getLogger("tm_launch.ctl").warning("%s", snap.plan_error)
     view, plan = snap.view, snap.view.plan
     progress = members.all_progress()
     ids = set(view.alive) | set(view.failed) | set(plan.nodes if plan else ()) | set(progress)
@@ -94,7 +96,7 @@ def status(members, run_id: str) -> dict:
     return {
         "run_id": run_id,
         "generation": plan.generation if plan else None,
-        "state": plan.state if plan else "forming",
+        "state": plan.state if plan else ("plan unreadable" if snap.plan_error else "forming"),
         "world_size": plan.world_size if plan else 0,
         "live": view.live,
         "restarts": plan.restarts if plan else 0,
