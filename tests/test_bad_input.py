@@ -83,7 +83,7 @@ USAGE = {
                               "examples/train.py"], 2, ["nproc_per_node", "abc"]),
     "password on the command line": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
                                       "user=u,password=hunter2", "examples/train.py"], 2, ["password_file=", "TM_ETCD_PASSWORD"]),
-    "YAML: TLS cert without key": (["--config", "{tmp}/tls.yaml", "examples/train.py"], 2, ["cert= needs key= too"]),
+    "YAML: TLS key without cert": (["--config", "{tmp}/tls.yaml", "examples/train.py"], 2, ["key= needs cert= too"]),
     "--node-id with a slash": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--node-id", "a/b",
                                 "examples/train.py"], 2, ["--node-id 'a/b'"]),
     "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
@@ -97,7 +97,7 @@ USAGE = {
 def usage_results(tmp_path_factory, blackhole):
     tmp = tmp_path_factory.mktemp("bad-input")
     (tmp / "bad.yaml").write_text("nproc_per_nod: 2\n")
-    (tmp / "tls.yaml").write_text("rdzv_backend: etcd-v3\nrdzv_endpoint: 127.0.0.1:1\nrdzv_conf: {cacert: /etc/hostname, cert: /etc/hostname}\n")
+    (tmp / "tls.yaml").write_text("rdzv_backend: etcd-v3\nrdzv_endpoint: 127.0.0.1:1\nrdzv_conf: {cacert: /etc/hostname, key: /etc/hostname}\n")
     started = {}
     for name, (args, _, _) in USAGE.items():
         args = [a.format(tmp=tmp, blackhole=blackhole) for a in args]

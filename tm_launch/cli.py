@@ -117,9 +117,9 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
 
 def _check_tls_files(values: dict) -> None:
     """TLS mistakes caught before any connection, where the TLS library's errors are cryptic."""
-    if bool(values.get("cert")) != bool(values.get("key")):
-        have, missing = ("cert", "key") if values.get("cert") else ("key", "cert")
-        raise UsageError(f"--rdzv-conf: {have}= needs {missing}= too (a client certificate and its private key go together)")
+    # cert= alone may be one PEM file holding both certificate and key; a key alone is a mistake.
+    if values.get("key") and not values.get("cert"):
+        raise UsageError("--rdzv-conf: key= needs cert= too (the client certificate that goes with the private key)")
     for name in ("cacert", "cert", "key"):
         path = values.get(name)
         if path and not os.access(path, os.R_OK):
