@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote, urlsplit
 
 import etcd
@@ -30,6 +30,10 @@ from etcd3gw.client import Etcd3Client
 
 class KVError(Exception):
     """etcd unreachable / auth failed / bad response; str(e) is one line: what is wrong, how to fix it."""
+
+
+class AccessDenied(KVError):
+    """etcd's auth refused this user the job's keys (its role lacks the run's prefix)."""
 
 
 class LeaseExpired(KVError):
@@ -51,7 +55,7 @@ class EtcdOptions:
     cert: str | None = None
     key: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)   # a secret: never in a repr or a log
     timeout: float = 5.0                # per-request timeout, seconds
 
 
@@ -190,7 +194,15 @@ def _reason(exc: BaseException) -> str:
 
 def _unreachable(errors: list[tuple[str, str]]) -> KVError:
     what = "; ".join(f"{url} ({why})" for url, why in errors)
-    return KVError(f"cannot reach etcd at {what}: {_FIX}")
+    whys = " ".join(why for _, why in errors)
+    if "TLS" in whys:   # etcd is there; the certificates do not match
+        fix = ("check --rdzv-conf cacert= (the CA that signed etcd's certificate) and cert=/key= "
+               "(a client certificate signed by a CA etcd trusts)")
+    elif "closed by the server" in whys and all(url.startswith("http:") for url, _ in errors):
+        fix = f"{_FIX} (if etcd serves https, use https:// and --rdzv-conf cacert=)"
+    else:
+        fix = _FIX
+    return KVError(f"cannot reach etcd at {what}: {fix}")
 
 
 class _Keys:
@@ -361,7 +373,7 @@ class EtcdV3(KV):
         if "user name is empty" in msg or status == 401:
             return KVError(f"etcd at {url} requires authentication ({msg}): give an etcd user and password")
         if "permission denied" in msg:
-            return KVError(f"etcd at {url} denied user {self.options.user!r} access ({msg}): "
+            return AccessDenied(f"etcd at {url} denied user {self.options.user!r} access ({msg}): "
                            f"grant it read/write on {self._keys.root!r}")
         if status == 404 and not msg.startswith("etcdserver"):
             return KVError(f"etcd at {url} has no v3 gateway at /v3/{path} (HTTP 404): "
@@ -646,7 +658,7 @@ class EtcdV2(KV):
                 errors.append((url, why))
                 continue
             except etcd.EtcdInsufficientPermissions as e:
-                raise KVError(f"etcd at {url} denied access to {full_key!r} ({_one_line(e)}): "
+                raise AccessDenied(f"etcd at {url} denied access to {full_key!r} ({_one_line(e)}): "
                               "check the etcd user/password and its role's permissions") from e
             except (etcd.EtcdNotDir, etcd.EtcdNotFile, etcd.EtcdDirNotEmpty) as e:
                 if method != "write":   # reads/deletes: a file where a dir would be = key absent

@@ -27,6 +27,7 @@ a crashing node may leave behind (a report, a history entry) is either harmless 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ from tm_launch.plan import NodeInfo, Plan
 from tm_launch.planner import View
 
 from .kv import KV, Entry, KVError, Lease
+
+log = logging.getLogger("rendezvous.membership")
+
+
+class UnreadablePlan(KVError):
+    """``state/plan`` holds something tm-launch never wrote: agents wait, changing nothing."""
 
 
 def run_prefix(run_id: str) -> str:
@@ -48,11 +55,26 @@ class Snapshot:
     plan_entry: Entry | None
     revision: int
     spares_alive: int
+    plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
 
 
 class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
+        self.skipped: dict[str, str] = {}   # key -> why it was ignored (each is logged once)
+
+    def _where(self, key: str) -> str:
+        options = getattr(self.kv, "options", None)
+        where = (options.prefix.rstrip("/") + "/" if options and options.prefix else "") + key
+        return ascii(where)[1:-1]   # a key is input too: no newlines or terminal escapes in logs
+
+    def _skip(self, key: str, error: Exception) -> None:
+        """Ignore one unreadable value, and say so once per key: what it is and how to fix it."""
+        why = " ".join(str(error).split())[:100] or type(error).__name__
+        if key not in self.skipped:
+            log.warning("ignoring etcd key %s: unreadable (%s); tm-launch never wrote that, "
+                        "delete it (etcdctl del %s)", self._where(key), why, self._where(key))
+        self.skipped[key] = why
 
     # -- registration ---------------------------------------------------------------------
     def register(self, info: NodeInfo, ttl: float) -> Lease:
@@ -69,18 +91,26 @@ class Membership:
         self.kv.delete(f"state/nodes/{node}")
 
     # -- reading ----------------------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, *, strict: bool = True) -> Snapshot:
+        """``strict`` (agents): an unreadable plan raises KVError. Otherwise (operators' views)
+        the snapshot has no plan and says why in ``plan_error``."""
         revision = self.kv.current_revision()
         entries = {e.key: e for e in self.kv.get_prefix("state/")}
         plan_entry = entries.get("state/plan")
+        plan_error = ""
         try:
             plan = Plan.from_json(plan_entry.value) if plan_entry else None
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             # Never guess over a plan we cannot read: agents stop changing the job and say why.
-            raise KVError(
-                f"the job's plan in etcd (state/plan) is unreadable ({type(e).__name__}: {e}); "
-                "restore it or start the job under a new --rdzv-id"
-            ) from None
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
+            plan_error = (
+                f"the job's plan (etcd key {self._where('state/plan')}) is unreadable ({why}); nothing "
+                "changes until it is restored (put back the newest log/history/ entry) or the job "
+                "starts under a new --rdzv-id"
+            )
+            if strict:
+                raise UnreadablePlan(plan_error) from None
+            plan = None
         alive, failed, drains, reports, done = {}, {}, {}, {}, set()
         kinds, times = {}, {}
         gen = plan.generation if plan else -1
@@ -88,29 +118,40 @@ class Membership:
             parts = key.split("/")
             kind = parts[1] if len(parts) > 1 else ""
             try:
-                if kind == "nodes" and len(parts) == 3:
-                    alive[parts[2]] = NodeInfo.from_json(entry.value)
-                elif kind == "failed" and len(parts) == 3:
-                    failed[parts[2]] = json.loads(entry.value).get("reason", "cordoned")
-                elif kind == "drain" and len(parts) == 3:
-                    drains[parts[2]] = json.loads(entry.value).get("reason", "drain requested")
-                elif kind == "reports" and len(parts) == 4 and parts[2] == str(gen):
-                    report = json.loads(entry.value)
-                    reports[parts[3]] = str(report["reason"])
-                    kinds[parts[3]] = str(report.get("kind", "lost"))
-                    times[parts[3]] = float(report.get("time", 0.0))
-                elif kind == "done" and len(parts) == 4 and parts[2] == str(gen):
+                if kind in _DEPTH and len(parts) != _DEPTH[kind]:
+                    raise ValueError("a key of an unexpected shape")
+                if kind == "nodes":
+                    info = NodeInfo.from_json(entry.value)
+                    if info.id != parts[2]:
+                        raise ValueError(f"its id {info.id[:40]!r} is not the key's")
+                    alive[parts[2]] = info
+                elif kind == "failed":
+                    failed[parts[2]] = _reason(entry.value, "cordoned")
+                elif kind == "drain":
+                    drains[parts[2]] = _reason(entry.value, "drain requested")
+                elif kind in ("reports", "done", "stores") and not parts[2].isdigit():
+                    raise ValueError("the generation in the key is not a number")
+                elif kind == "reports" and parts[2] == str(gen):
+                    reason, report_kind, when = _report(entry.value)
+                    reports[parts[3]], kinds[parts[3]], times[parts[3]] = reason, report_kind, when
+                elif kind == "done" and parts[2] == str(gen):
+                    _object(entry.value)
                     done.add(parts[3])
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # a garbage value under our keys is ignored, never fatal
+                elif kind == "live" and entry.value != "1":
+                    raise ValueError("not the value tm-launch writes ('1')")
+                elif kind == "stores":
+                    _store(entry.value)
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                self._skip(key, e)  # a garbage value under our keys is ignored, never fatal
+                continue
         view = View(
             plan=plan, alive=alive, failed=failed, reports=reports, drains=drains,
-            done=frozenset(done), live="state/live" in entries,
+            done=frozenset(done), live=getattr(entries.get("state/live"), "value", None) == "1",
             report_kinds=kinds, report_times=times, now=time.time(),
         )
         active = set(plan.nodes) if plan else set()
         spares_alive = len([n for n in alive if n not in active and n not in failed])
-        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive)
+        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive, plan_error=plan_error)
 
     def wait(self, revision: int, timeout: float) -> bool:
         """Block until something under ``state/`` changes after ``revision`` (or timeout)."""
@@ -145,10 +186,12 @@ class Membership:
         self.kv.put(f"state/stores/{generation}", json.dumps({"addr": addr, "port": port}))
 
     def store_for(self, generation: int) -> dict | None:
+        """{"addr", "port"}, or None while absent or unreadable (the host's own put replaces it)."""
         entry = self.kv.get(f"state/stores/{generation}")
         try:
-            return json.loads(entry.value) if entry else None
-        except ValueError:
+            return _store(entry.value) if entry else None
+        except (ValueError, TypeError) as e:
+            self._skip(f"state/stores/{generation}", e)
             return None
 
     def mark_done(self, generation: int, node: str) -> None:
@@ -184,11 +227,9 @@ class Membership:
         out = {}
         for e in self.kv.get_prefix(prefix):
             try:
-                value = json.loads(e.value)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                out[e.key] = value
+                out[e.key] = _object(e.value)
+            except ValueError as err:
+                self._skip(e.key, err)
         return out
 
     def events(self) -> list[dict]:
@@ -204,7 +245,16 @@ class Membership:
         self.kv.put(f"log/progress/{node}", json.dumps(record, sort_keys=True), lease=lease)
 
     def all_progress(self) -> dict[str, dict]:
-        return {key.rsplit("/", 1)[-1]: v for key, v in self._json_values("log/progress/").items()}
+        """Node -> its progress record; records whose shape others rely on (``workers``: local
+        rank -> a mapping) are checked here, once, so that readers can trust them."""
+        out = {}
+        for key, value in self._json_values("log/progress/").items():
+            workers = value.get("workers", {})
+            if key.count("/") != 2 or not isinstance(workers, dict) or not all(isinstance(w, dict) for w in workers.values()):
+                self._skip(key, ValueError("not a progress record"))
+                continue
+            out[key.rsplit("/", 1)[-1]] = value
+        return out
 
     def steps(self, node: str, samples: list) -> None:
         """Replace ``node``'s step series (bounded by the caller: tm_launch.timeline.append_samples)."""
@@ -225,6 +275,51 @@ class Membership:
         for e in self.kv.get_prefix("log/history/"):
             try:
                 plans.append(Plan.from_json(e.value))
-            except (ValueError, TypeError, KeyError):
-                continue
+            except (ValueError, TypeError, KeyError) as err:
+                self._skip(e.key, err)
         return plans
+
+
+# Keys under state/ by kind and the number of path segments tm-launch writes for each.
+_DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "reports": 4, "done": 4, "stores": 3}
+_REPORT_KINDS = ("exit", "signal", "lost", "alarm")
+
+
+def _object(text: str) -> dict:
+    """A JSON object, else ValueError (NaN and Infinity, which Python's json accepts, included)."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _reason(text: str, default: str) -> str:
+    reason = _object(text).get("reason", default)
+    if not isinstance(reason, str):
+        raise ValueError("'reason' is not a string")
+    return reason
+
+
+def _report(text: str) -> tuple[str, str, float]:
+    d = _object(text)
+    reason, kind, when = d["reason"], d.get("kind", "lost"), d.get("time", 0.0)
+    if not isinstance(reason, str) or kind not in _REPORT_KINDS:
+        raise ValueError("'reason' is not a string or 'kind' is unknown")
+    if isinstance(when, bool) or not isinstance(when, (int, float)):
+        raise ValueError("'time' is not a number")
+    return reason, kind, float(when)
+
+
+def _store(text: str) -> dict:
+    d = _object(text)
+    addr, port = d.get("addr"), d.get("port")
+    if not isinstance(addr, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError("not {addr: str, port: 1-65535}")
+    return d

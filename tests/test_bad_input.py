@@ -81,6 +81,11 @@ USAGE = {
                          "examples/train.py"], 2, ["timeout=soon"]),
     "bad --nproc-per-node": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "abc",
                               "examples/train.py"], 2, ["nproc_per_node", "abc"]),
+    "password on the command line": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
+                                      "user=u,password=hunter2", "examples/train.py"], 2, ["password_file=", "TM_ETCD_PASSWORD"]),
+    "YAML: TLS key without cert": (["--config", "{tmp}/tls.yaml", "examples/train.py"], 2, ["key= needs cert= too"]),
+    "--node-id with a slash": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--node-id", "a/b",
+                                "examples/train.py"], 2, ["--node-id 'a/b'"]),
     "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
                               "examples/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
     "etcd: never answers": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung",
@@ -92,6 +97,7 @@ USAGE = {
 def usage_results(tmp_path_factory, blackhole):
     tmp = tmp_path_factory.mktemp("bad-input")
     (tmp / "bad.yaml").write_text("nproc_per_nod: 2\n")
+    (tmp / "tls.yaml").write_text("rdzv_backend: etcd-v3\nrdzv_endpoint: 127.0.0.1:1\nrdzv_conf: {cacert: /etc/hostname, key: /etc/hostname}\n")
     started = {}
     for name, (args, _, _) in USAGE.items():
         args = [a.format(tmp=tmp, blackhole=blackhole) for a in args]
@@ -110,6 +116,7 @@ def test_usage_error(usage_results, case):
     _, want_rc, fragments = USAGE[case]
     assert_one_error(rc, err, *(f.format(blackhole=blackhole) for f in fragments))
     assert rc == want_rc, err
+    assert "hunter2" not in err  # a password given by mistake is never echoed
     # Seven launchers import torch at once on two cores, which alone takes 5-15 s here.
     assert elapsed < 60, f"{case}: took {elapsed:.1f}s"
     if case.startswith("etcd:"):
@@ -117,6 +124,32 @@ def test_usage_error(usage_results, case):
         # same moment) stays within ~10 s: the connection check has a 5 s timeout, no retry loop.
         baseline = results["--nnodes 3:2"][2]
         assert elapsed - baseline < 12, f"{case}: {elapsed:.1f}s vs {baseline:.1f}s for a plain usage error"
+
+
+CTL_USAGE = {
+    "not YAML": (["--config", "{tmp}/broken.yaml", "status"], ["broken.yaml: not valid YAML"]),
+    "YAML list": (["--config", "{tmp}/list.yaml", "status"], ["the top level must be a mapping"]),
+    "node id with a slash": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "r", "drain", "a/b"], ["node id 'a/b'"]),
+    "run id inside another run": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "job/state", "status"], ["without '/'"]),
+    "run id escaping the prefix": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "../x", "status"], ["'../x'"]),
+    "password on the command line": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "r", "--rdzv-conf",
+                                      "user=u,password=hunter2", "cordon", "a"], ["password_file="]),
+    "no run id": (["--rdzv-endpoint", "127.0.0.1:1", "status"], ["--rdzv-id"]),
+}
+
+
+def test_ctl_usage_errors(tmp_path):
+    """``tm-launch ctl`` on bad input: one ``tm-launch ctl: error:`` line, exit 1, no traceback."""
+    (tmp_path / "broken.yaml").write_text("rdzv_id: [x\n")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    procs = {name: launch(["ctl"] + [a.format(tmp=tmp_path) for a in args]) for name, (args, _) in CTL_USAGE.items()}
+    for name, proc in procs.items():
+        rc, out, err = finish(proc, timeout=60)
+        lines = [ln for ln in err.splitlines() if ln.startswith("tm-launch ctl: error: ")]
+        assert rc == 1 and "Traceback" not in err and len(lines) == 1, (name, err)
+        for fragment in CTL_USAGE[name][1]:
+            assert fragment in lines[0], (name, lines[0])
+        assert "hunter2" not in err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -242,6 +242,8 @@ CLI_ERRORS = [
     pytest.param(["--rdzv-backend", "etcd", "--rdzv-id", "x" * 129, "SCRIPT"], ["at most 128"], id="run id too long"),
     pytest.param(["--standalone", "--rdzv-id", "../other", "SCRIPT"], ["--rdzv-id '../other'"],
                  id="run id escaping the prefix"),
+    pytest.param(["--rdzv-backend", "etcd-v3", "--node-id", "a/b", "SCRIPT"], ["--node-id 'a/b'"], id="node id with a slash"),
+    pytest.param(["--rdzv-backend", "etcd-v3", "--node-id", "_x", "SCRIPT"], ["--node-id '_x'"], id="node id etcd v2 would hide"),
     pytest.param(["--spares", "-1", "SCRIPT"], ["--spares -1: must be 0 or more"], id="negative spares"),
     pytest.param(["--lease-ttl", "0", "SCRIPT"], ["--lease-ttl 0.0: must be positive"], id="zero lease ttl"),
     pytest.param(["--sandbox-steps", "0", "SCRIPT"], ["--sandbox-steps 0: must be at least 1"], id="zero sandbox steps"),
@@ -286,8 +288,11 @@ def test_rdzv_conf_to_etcd_options(tmp_path):
     assert o.endpoints == ("etcd-0:2379", "etcd-1:2379")
     assert o.prefix == "/tm-launch/job-1/"
     assert (o.timeout, o.user, o.password) == (2.5, "alice", "s3cret")
-    tls = etcd_options("etcd-0:2379", "job-1", {"cacert": "/ca.pem"})
-    assert tls.endpoints == ("https://etcd-0:2379",) and tls.cacert == "/ca.pem"
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    tls = etcd_options("etcd-0:2379", "job-1", {"cacert": str(ca)})
+    assert tls.endpoints == ("https://etcd-0:2379",) and tls.cacert == str(ca)
+    assert "s3cret" not in repr(o)  # the password never shows in a repr (logs, tracebacks)
     assert etcd_options(None, "j", "").endpoints == ("localhost:2379",)
 
 
@@ -299,6 +304,10 @@ def test_rdzv_conf_to_etcd_options(tmp_path):
     pytest.param("timeout=soon", "timeout=soon: must be a positive number", id="timeout not a number"),
     pytest.param("timeout=0", "timeout=0: must be a positive number", id="timeout zero"),
     pytest.param("password_file=/no/such/pw", "cannot read /no/such/pw", id="unreadable password file"),
+    pytest.param("user=u,password=hunter2", "use password_file=FILE or the TM_ETCD_PASSWORD", id="password on the command line"),
+    pytest.param({"user": "u", "password": "hunter2"}, "use password_file=FILE or the TM_ETCD_PASSWORD", id="password in YAML rdzv_conf"),
+    pytest.param("key=/etc/hostname", "key= needs cert= too", id="key without cert"),
+    pytest.param("cacert=/no/such/ca.pem", "cacert=/no/such/ca.pem: no such file", id="missing CA file"),
 ])
 def test_rdzv_conf_errors(conf, fragment):
     from tm_launch.cli import etcd_options
@@ -306,3 +315,12 @@ def test_rdzv_conf_errors(conf, fragment):
     with pytest.raises(UsageError) as e:
         etcd_options("127.0.0.1:2379", "job-1", conf)
     assert fragment in one_line_error(e)
+
+
+@pytest.mark.parametrize("conf", ["password=hunter2", "user=u,password=hunter2,timeout", "password=hunter2,=3"])
+def test_rdzv_conf_errors_never_echo_a_password(conf):
+    from tm_launch.cli import etcd_options
+
+    with pytest.raises(UsageError) as e:
+        etcd_options("127.0.0.1:2379", "job-1", conf)
+    assert "hunter2" not in str(e.value)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from health.alarms import DEGRADED, FATAL, Alarm
 from health.config import HealthConfig
 from rendezvous.kv import KV, KVError
-from rendezvous.membership import Membership
+from rendezvous.membership import Membership, UnreadablePlan
 
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
 from .planner import Limits, View, next_plan, spares
@@ -101,6 +101,7 @@ class Agent:
         self.join_wait = Every()  # progress lines while the first generation forms
         self.drain_wait: Every | None = None  # progress lines while a drain waits for a spare
         self.etcd_wait, self.etcd_seen = None, 0.0  # progress lines while etcd is unreachable
+        self.unreadable_plan = ""  # said once while state/plan stays unreadable
 
     # -- logging --------------------------------------------------------------------------------
     def say(self, message: str, kind: str = "info", publish: bool = True, **fields) -> None:
@@ -220,6 +221,7 @@ class Agent:
                 except KVError as e:
                     self._etcd_down(e)
                     continue
+                self.unreadable_plan = ""
                 # Re-read etcd when the watch saw a change, else once a second: time-based
                 # rules (the join window, the grace of an exit report) still move on.
                 fresh_until = time.time() + 1.0
@@ -262,7 +264,14 @@ class Agent:
         return None
 
     def _etcd_down(self, error: Exception) -> None:
-        """One line when etcd goes away, then one every few seconds with how long (not one per retry)."""
+        """One line when etcd goes away, then one every few seconds with how long (not one per retry).
+        An unreadable plan is said once: it stays until an operator restores it."""
+        if isinstance(error, UnreadablePlan):
+            if str(error) != self.unreadable_plan:
+                self.unreadable_plan = str(error)
+                self.say(f"etcd: {error}", kind="plan_unreadable", publish=False)
+            time.sleep(min(1.0, self.cfg.lease_ttl / 3))
+            return
         if self.etcd_wait is None or time.time() - self.etcd_seen > 5 * self.cfg.lease_ttl:
             self.etcd_wait = Every(first=0.0)
         self.etcd_seen = time.time()
@@ -750,10 +759,16 @@ class Agent:
             if node not in plan.nodes or record.get("generation") != plan.generation:
                 continue
             for worker in record.get("workers", {}).values():
-                rank = worker.get("rank")
+                rank, windows = worker.get("rank"), worker.get("windows") or {}
+                try:  # etcd content is input: a malformed record is skipped, never fatal
+                    if not isinstance(rank, int) or not isinstance(windows, dict):
+                        raise ValueError("rank or windows")
+                    parsed = {int(w): float(c) for w, c in windows.items()}
+                except (ValueError, TypeError, OverflowError):
+                    continue
                 owner[rank] = node
-                for w, compute in (worker.get("windows") or {}).items():
-                    by_window.setdefault(int(w), {})[rank] = compute
+                for w, compute in parsed.items():
+                    by_window.setdefault(w, {})[rank] = compute
         for w in sorted(by_window):
             if w <= self.straggler_window or len(by_window[w]) < plan.world_size:
                 continue

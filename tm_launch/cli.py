@@ -66,10 +66,11 @@ def parse_rdzv_conf(conf: str | dict | None) -> dict:
         if not item.strip():
             continue
         key, sep, value = item.partition("=")
+        # Name the one bad item, never echo the whole string: it may hold a secret by mistake.
         if not key.strip():
-            raise UsageError(f"--rdzv-conf {conf}: '{item}' has no key (write key=value)")
+            raise UsageError(f"--rdzv-conf {item.strip()}: '{item.strip()}' has no key (write key=value)")
         if not sep or not value.strip():
-            raise UsageError(f"--rdzv-conf {conf}: '{key.strip()}' must have a value (write {key.strip()}=VALUE)")
+            raise UsageError(f"--rdzv-conf {key.strip()}: '{key.strip()}' must have a value (write {key.strip()}=VALUE)")
         values[key.strip()] = value.strip()
     return values
 
@@ -80,9 +81,15 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     from rendezvous.kv import EtcdOptions
     from rendezvous.membership import run_prefix
 
+    if not run_id or "/" in run_id:  # a '/' would nest this run's keys inside another run's
+        raise UsageError(f"--rdzv-id {run_id!r}: give a run id without '/'")
     values = parse_rdzv_conf(conf)
     known = {"cacert", "cert", "key", "user", "password_file", "timeout", "read_timeout", "protocol", "join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt"}
     for key in values:
+        if key == "password":
+            # A command line is readable by every user of the machine (/proc/PID/cmdline, ps).
+            raise UsageError("--rdzv-conf password=...: a password may not be given on the command line or in the "
+                             "config; use password_file=FILE or the TM_ETCD_PASSWORD environment variable")
         if key not in known:
             raise UsageError(f"--rdzv-conf: unknown key '{key}' (known: cacert, cert, key, user, password_file, timeout)")
     password = None
@@ -94,6 +101,7 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
             raise UsageError(f"--rdzv-conf password_file: cannot read {values['password_file']}: {e.strerror}") from None
     elif os.environ.get("TM_ETCD_PASSWORD"):
         password = os.environ["TM_ETCD_PASSWORD"]
+    _check_tls_files(values)
     endpoints = tuple(e.strip() for e in (endpoint or "localhost:2379").split(",") if e.strip())
     if values.get("cacert") or values.get("protocol") == "https":
         endpoints = tuple(e if "://" in e else f"https://{e}" for e in endpoints)
@@ -105,6 +113,18 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
         endpoints=endpoints, prefix=run_prefix(run_id), cacert=values.get("cacert"), cert=values.get("cert"),
         key=values.get("key"), user=values.get("user"), password=password, timeout=timeout,
     )
+
+
+def _check_tls_files(values: dict) -> None:
+    """TLS mistakes caught before any connection, where the TLS library's errors are cryptic."""
+    # cert= alone may be one PEM file holding both certificate and key; a key alone is a mistake.
+    if values.get("key") and not values.get("cert"):
+        raise UsageError("--rdzv-conf: key= needs cert= too (the client certificate that goes with the private key)")
+    for name in ("cacert", "cert", "key"):
+        path = values.get(name)
+        if path and not os.access(path, os.R_OK):
+            why = "no such file" if not os.path.exists(path) else "not readable"
+            raise UsageError(f"--rdzv-conf {name}={path}: {why}")
 
 
 def _seconds(name: str, raw) -> float:
@@ -133,7 +153,7 @@ def _launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
     from torch.distributed.run import config_from_args
 
-    from rendezvous.kv import KVError, connect
+    from rendezvous.kv import AccessDenied, KVError, connect
 
     from .agent import Agent, AgentConfig
     from .planner import Limits
@@ -159,9 +179,13 @@ def _launch(args) -> int:
             raise UsageError(str(e).strip()) from None
         if config.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
+        # Read once: workers (and anything else this agent starts) never see the etcd password.
+        os.environ.pop("TM_ETCD_PASSWORD", None)
         api = "v3" if args.rdzv_backend == "etcd-v3" else "v2"
         try:
             kv = connect(api, options)
+        except AccessDenied as e:
+            return _fail(f"permission denied for run {run_id}: {e}", code=1)
         except KVError as e:
             return _fail(str(e), code=1)
         except ValueError as e:  # a malformed --rdzv-endpoint
@@ -191,7 +215,10 @@ def _launch(args) -> int:
             sandbox_steps=args.sandbox_steps, output=output, health=args.health, event_log=args.event_log,
             metrics_port=args.metrics_port,
         )
-        return Agent(cfg, kv).run()
+        try:
+            return Agent(cfg, kv).run()
+        except KVError as e:  # before the loop (first read, registration): e.g. an unreadable plan
+            return _fail(str(e), code=1)
     finally:
         if server is not None:
             server.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -47,15 +48,26 @@ def _connect(args):
 
     from .cli import etcd_options
 
+    from .options import RUN_ID, UsageError
+
     conf = {}
     if args.config:
-        with open(args.config) as f:
-            conf = yaml.safe_load(f) or {}
+        try:
+            with open(args.config) as f:
+                conf = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise UsageError(f"--config {args.config}: not valid YAML: {' '.join(str(e).split())[:160]}") from None
+        if not isinstance(conf, dict):
+            raise UsageError(f"--config {args.config}: the top level must be a mapping of option: value")
+    node = getattr(args, "node", None)
+    if node is not None and not RUN_ID.match(node):
+        raise UsageError(f"node id {node!r}: use letters, digits, '.', '_' or '-' (at most 128)")
     endpoint = args.rdzv_endpoint or conf.get("rdzv_endpoint")
     run_id = args.rdzv_id or conf.get("rdzv_id")
     backend = args.rdzv_backend or conf.get("rdzv_backend") or "etcd-v3"
     if not endpoint or not run_id:
         raise ValueError("give --rdzv-endpoint and --rdzv-id (or --config with rdzv_endpoint and rdzv_id)")
+    args.rdzv_id = str(run_id)  # for error messages
     options = etcd_options(endpoint, str(run_id), args.rdzv_conf or conf.get("rdzv_conf"))
     return Membership(connect("v3" if backend == "etcd-v3" else "v2", options)), str(run_id)
 
@@ -63,7 +75,9 @@ def _connect(args):
 def status(members, run_id: str) -> dict:
     from .planner import spares
 
-    snap = members.snapshot()
+    snap = members.snapshot(strict=False)   # an operator still sees the nodes when the plan is junk
+    if snap.plan_error:
+        logging.getLogger("tm_launch.ctl").warning("%s", snap.plan_error)
     view, plan = snap.view, snap.view.plan
     progress = members.all_progress()
     ids = set(view.alive) | set(view.failed) | set(plan.nodes if plan else ()) | set(progress)
@@ -88,7 +102,7 @@ def status(members, run_id: str) -> dict:
     return {
         "run_id": run_id,
         "generation": plan.generation if plan else None,
-        "state": plan.state if plan else "forming",
+        "state": plan.state if plan else ("plan unreadable" if snap.plan_error else "forming"),
         "world_size": plan.world_size if plan else 0,
         "live": view.live,
         "restarts": plan.restarts if plan else 0,
@@ -99,24 +113,36 @@ def status(members, run_id: str) -> dict:
     }
 
 
+def _clean(value, limit: int = 300) -> str:
+    """Text from etcd for a terminal: one line, no control characters or escapes, bounded."""
+    text = " ".join(str(value).split())
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _print_status(s: dict) -> None:
     print(f"run {s['run_id']}: generation {s['generation']}, {s['state']}, world size {s['world_size']}, "
           f"{'live' if s['live'] else 'restart'} mode, {s['restarts']} restart(s), {s['spares_left']} spare(s) left")
     if s["cause"]:
-        print(f"last change: {s['cause']}")
+        print(f"last change: {_clean(s['cause'])}")
     print(f"{'NODE':<24} {'ROLE':<9} {'RANKS':<16} STEP")
     for n in s["nodes"]:
-        steps = sorted({str(w.get('step')) for w in n["progress"].values()}) or ["-"]
+        steps = sorted({_clean(w.get('step'), 20) for w in n["progress"].values()}) or ["-"]
         ranks = ",".join(map(str, n["ranks"])) or "-"
-        extra = f"  ({n['reason']})" if n["reason"] else ""
-        print(f"{n['id']:<24} {n['role']:<9} {ranks:<16} {'/'.join(steps)}{extra}")
+        extra = f"  ({_clean(n['reason'])})" if n["reason"] else ""
+        print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {'/'.join(steps)}{extra}")
     for a in s["alarms"]:
-        print(f"alarm {a.get('severity')}: node {a.get('node')} gpu {a.get('gpu')} {a.get('signal')}={a.get('value')}: {a.get('message')}")
+        print(_clean(f"alarm {a.get('severity')}: node {a.get('node')} gpu {a.get('gpu')} {a.get('signal')}={a.get('value')}: {a.get('message')}", 600))
 
 
 def _format_event(e: dict) -> str:
-    when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-    return f"{when} {e.get('node', '?'):<20} {e.get('kind', ''):<14} {e.get('message', '')}"
+    """One line per event; fields are etcd content, so anything odd is shown, never fatal."""
+    try:
+        when = time.strftime("%H:%M:%S", time.localtime(float(e.get("time", 0))))
+    except (TypeError, ValueError, OverflowError, OSError):
+        when = "??:??:??"
+    node, kind, message = (_clean(e.get(k, d), 500) for k, d in (("node", "?"), ("kind", ""), ("message", "")))
+    return f"{when} {node:<20} {kind:<14} {message}"
 
 
 def _timeline(members, run_id: str, args) -> None:
@@ -137,7 +163,9 @@ def _timeline(members, run_id: str, args) -> None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from rendezvous.kv import KVError
+    # Keys skipped as unreadable are reported once each on stderr (stdout stays parseable).
+    logging.basicConfig(level=logging.WARNING, format="tm-launch ctl: warning: %(message)s")
+    from rendezvous.kv import AccessDenied, KVError
 
     from .options import UsageError
 
@@ -170,6 +198,9 @@ def main(argv: list[str]) -> int:
             existed = members.uncordon(args.node)
             members.event("operator", "uncordoned", message=f"tm-launch ctl uncordon {args.node}", target=args.node)
             print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
+    except AccessDenied as e:
+        print(f"tm-launch ctl: error: permission denied for run {args.rdzv_id}: {e}", file=sys.stderr)
+        return 1
     except (KVError, ValueError, OSError, UsageError) as e:
         print(f"tm-launch ctl: error: {e}", file=sys.stderr)
         return 1

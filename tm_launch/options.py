@@ -223,6 +223,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.rdzv_backend in LIVE_BACKENDS or args.standalone:
         if args.rdzv_id and not RUN_ID.match(str(args.rdzv_id)):
             raise UsageError(f"--rdzv-id {args.rdzv_id!r}: use letters, digits, '.', '_' or '-' (at most 128)")
+        if args.node_id is not None and not RUN_ID.match(str(args.node_id)):  # it becomes an etcd key segment
+            raise UsageError(f"--node-id {args.node_id!r}: use letters, digits, '.', '_' or '-' (at most 128)")
     script = args.training_script
     if not args.module and not args.no_python and not os.path.isfile(script):
         raise UsageError(f"training script '{script}' not found (give a path to a .py file, or -m MODULE)")

@@ -10,10 +10,25 @@ plain data with a JSON form, so plans can be tested and logged without etcd.
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
+
+
+def _loads(text: str):
+    """json.loads for etcd content: deeply nested junk raises ValueError, not RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _short(value) -> str:
+    """A bad value for an error message: etcd values may be megabytes of junk."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -34,14 +49,20 @@ class NodeInfo:
     @staticmethod
     def from_json(text: str) -> "NodeInfo":
         """Parse and type-check a registration (etcd content is input, not trusted)."""
-        d = json.loads(text)
+        d = _loads(text)
         if not isinstance(d, dict):
             raise ValueError("a node record must be a JSON object")
+        unknown = set(d) - {f.name for f in fields(NodeInfo)}
+        if unknown:
+            raise ValueError(f"a node record has unknown field(s) {_short(sorted(unknown))}")
         info = NodeInfo(**d)
         for name, kind in (("id", str), ("host", str), ("addr", str), ("store_port", int), ("nproc", int), ("pid", int), ("joined", (int, float))):
             value = getattr(info, name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"node record field '{name}' has the wrong type: {value!r}")
+                raise ValueError(f"node record field '{name}' has the wrong type: {_short(value)}")
+        # Values other nodes act on (connect to the port, order joins by time) must be sane.
+        if not 0 < info.store_port < 65536 or info.nproc < 0 or not math.isfinite(info.joined):  # torchrun's handler registers nproc 0
+            raise ValueError("node record has an out-of-range store_port, nproc or joined")
         return info
 
 
@@ -85,14 +106,29 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        d = json.loads(text)
+        d = _loads(text)
         if not isinstance(d, dict):
             raise ValueError("a plan must be a JSON object")
+        unknown = set(d) - {f.name for f in fields(Plan)}
+        if unknown:
+            raise ValueError(f"a plan has unknown field(s) {_short(sorted(unknown))}")
         for key in ("nodes", "joiners", "removed"):
+            if not isinstance(d.get(key, ()), list) or not all(isinstance(n, str) for n in d.get(key, ())):
+                raise ValueError(f"plan field '{key}' must be a list of node ids")
             d[key] = tuple(d.get(key, ()))
         plan = Plan(**d)
-        if not isinstance(plan.generation, int) or not isinstance(plan.nproc, int) or not all(isinstance(n, str) for n in plan.nodes):
-            raise ValueError("plan fields have the wrong types")
+        # etcd content is input: every field an agent acts on is type-checked, so that a bad
+        # plan is refused here, in one place, rather than crashing an agent later.
+        for name, kind in (("generation", int), ("nproc", int), ("restarts", int), ("store", dict),
+                           ("cause", str), ("replaced", dict), ("live", bool), ("planned", bool),
+                           ("state", str), ("reason", str), ("created", (int, float))):
+            value = getattr(plan, name)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ValueError(f"plan field '{name}' has the wrong type: {_short(value)}")
+        if plan.generation < 0 or plan.nproc < 0 or plan.state not in (RUNNING, SUCCEEDED, FAILED):  # torchrun's handler: nproc 0
+            raise ValueError("plan has an out-of-range generation, nproc or state")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.replaced.items()):
+            raise ValueError("plan field 'replaced' must map node ids to node ids")
         return plan
 
     def next(self, **changes) -> "Plan":
