@@ -7,8 +7,10 @@ One loop, woken by any change under the job's ``state/`` keys or every ``--monit
 2. watch local workers (exits, hangs) and health alarms, and report what it finds to etcd;
 3. run the pure planner on the same view and try to publish its plan by compare-and-swap.
 
-Every agent plans; the CAS makes exactly one plan per generation. A lease-keeper thread keeps
-this node registered; when the lease is lost the agent stops its workers (fencing) and exits.
+Only a few designated agents plan (``planner.planners``: the first 3 alive in join order; the
+others take over when those are gone), so an event costs O(1) CASes, not one per node; the CAS
+makes exactly one plan per generation. A lease-keeper thread keeps this node registered; when
+the lease is lost the agent stops its workers (fencing) and exits.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from rendezvous.kv import KV, KVError
 from rendezvous.membership import Membership
 
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
-from .planner import Limits, View, next_plan, spares
+from .planner import Limits, View, next_plan, planners, spares
 from .workers import OutputSpec, WorkerSet, describe_exit
 
 log = logging.getLogger("tm_launch.agent")
@@ -88,6 +90,7 @@ class Agent:
         self.probed_gen = -1
         self.recovering_since: float | None = None  # a local worker waits for a new generation
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
+        self.planning = True  # this agent is one of the designated planners (see planner.planners)
         self._statuses_cache: dict | None = None
         self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
@@ -176,14 +179,14 @@ class Agent:
         while True:
             if self.lost_lease.is_set():
                 raise Fenced("lease expired")
-            if snap is None or self.state_changed or time.time() >= fresh_until:
+            if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until):
                 try:
                     snap = self.members.snapshot()
                 except KVError as e:
                     self._etcd_down(e)
                     continue
-                # Re-read etcd when the watch saw a change, else once a second: time-based
-                # rules (the join window, the grace of an exit report) still move on.
+                # Re-read etcd when the watch saw a change, else (planners only) once a second:
+                # time-based rules (the join window, the grace of an exit report) still move on.
                 fresh_until = time.time() + 1.0
             self._statuses_cache = None
             try:
@@ -211,7 +214,8 @@ class Agent:
         self._report_entry()
         self._watch_alarms()
         self._publish_progress()
-        decision = next_plan(self._with_last_call(view), self.cfg.limits)
+        self.planning = self.cfg.node_id in planners(view)
+        decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
         if decision is not None and self.members.publish(decision, snap.plan_entry):
             self._announce(decision)
             self.state_changed = True  # look at the new state at once
