@@ -13,6 +13,7 @@ change another's keys. Two subtrees:
     state/done/<gen>/<node>     nodes whose workers finished in generation <gen>
     state/live                  present once the job's workers use the live API
     state/stores/<gen>          the env:// store (MASTER_ADDR/PORT) of a generation's fresh workers
+    state/planners/<node>       leased marker of a designated planner (see ``wait_plan``)
 
 ``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
 ``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role).
@@ -113,6 +114,19 @@ class Membership:
     def wait(self, revision: int, timeout: float) -> bool:
         """Block until something under ``state/`` changes after ``revision`` (or timeout)."""
         return self.kv.wait("state/", revision, timeout)
+
+    def wait_plan(self, revision: int, timeout: float) -> bool:
+        """Like ``wait``, but only for ``state/plan`` and ``state/planners/`` (one prefix covers
+        both): what an agent that does not plan must see. At 1,000 nodes, waking every agent on
+        every join or loss costs a thousand full reads per event; this wakes them once per plan,
+        and when a planner leaves (its leased marker goes), so that the next one takes over."""
+        return self.kv.wait("state/plan", revision, timeout)
+
+    def mark_planner(self, node: str, lease: Lease | None) -> None:
+        self.kv.put(f"state/planners/{node}", "1", lease=lease)
+
+    def unmark_planner(self, node: str) -> None:
+        self.kv.delete(f"state/planners/{node}")
 
     # -- writing ----------------------------------------------------------------------------
     def publish(self, plan: Plan, expected: Entry | None) -> bool:

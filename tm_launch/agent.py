@@ -91,6 +91,7 @@ class Agent:
         self.recovering_since: float | None = None  # a local worker waits for a new generation
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
         self.planning = True  # this agent is one of the designated planners (see planner.planners)
+        self.planner_marked = False  # state/planners/<me> is written (Membership.wait_plan)
         self._statuses_cache: dict | None = None
         self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
@@ -214,15 +215,25 @@ class Agent:
         self._report_entry()
         self._watch_alarms()
         self._publish_progress()
-        self.planning = self.cfg.node_id in planners(view)
+        me = self.cfg.node_id
+        self.planning = me in planners(view)
+        if self.planning and not self.planner_marked:  # leased: it goes when this node goes
+            self.members.mark_planner(me, self.lease)
+        elif self.planner_marked and not self.planning:
+            self.members.unmark_planner(me)
+        self.planner_marked = self.planning
         decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
         if decision is not None and self.members.publish(decision, snap.plan_entry):
             self._announce(decision)
             self.state_changed = True  # look at the new state at once
             return None
         # Our own writes (reports, cordons) move the revision past the snapshot's too, so the
-        # wait returns at once and the next iteration plans on them.
-        self.state_changed = self.members.wait(snap.revision, self.cfg.monitor_interval)
+        # wait returns at once and the next iteration plans on them. An agent that does not
+        # plan wakes only for a new plan or planner, except a spare that has yet to learn the
+        # job is live (it must warm up): joins and losses cost the other nodes nothing.
+        follow_only = not self.planning and (view.plan is None or me in view.plan.nodes or view.live)
+        wait = self.members.wait_plan if follow_only else self.members.wait
+        self.state_changed = wait(snap.revision, self.cfg.monitor_interval)
         return None
 
     def _etcd_down(self, error: Exception) -> None:
