@@ -390,11 +390,24 @@ def _settle(read_total, quiet: float = 1.0, cap: float = 20.0) -> None:
             return
 
 
+def _cpu(pids) -> float:
+    """User + system CPU seconds of these processes so far (0 for any that is gone)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def _delta(after: Counter, before: Counter) -> Counter:
     return Counter({k: after.get(k, 0) - before.get(k, 0) for k in after})
 
 
-def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: float) -> dict:
+def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: float, etcd_pid: int | None = None) -> dict:
     run_id = f"scale-{n}-{uuid.uuid4().hex[:6]}"
     ids = [f"n{i:04d}" for i in range(n)]
     limits = {"min_nodes": n - spares, "max_nodes": n - spares, "nproc": 1, "max_restarts": 100}
@@ -439,9 +452,13 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
                 time.sleep(0.2)
             raise TimeoutError(f"generation {gen} not seen by all {n} stand-ins within {timeout:.0f}s")
 
-        def event(name: str, gen: int, t0: float, before_c: Counter, before_s: dict) -> dict:
+        def cpu() -> tuple[float, float]:
+            return _cpu([etcd_pid] if etcd_pid else []), _cpu([p.pid for p in kids.procs])
+
+        def event(name: str, gen: int, t0: float, before_c: Counter, before_s: dict, cpu0: tuple) -> dict:
             publish, all_seen, publisher = wait_seen(gen, t0)
             _settle(totals)
+            cpu1 = cpu()
             after_s = {k: dict(v) for k, v in poll().items()}
             after_c = Counter()
             for v in after_s.values():
@@ -449,15 +466,19 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
             d = summarize(_delta(after_c, before_c))
             ev = {"event": name, "generation": gen, "publish_s": round(publish, 3), "all_seen_s": round(all_seen, 3),
                   "publisher": publisher, **d, "ops_per_node": round(d["ops"] / n, 2),
-                  "max_ops_one_node": per_node_max(before_s, after_s)}
+                  "max_ops_one_node": per_node_max(before_s, after_s),
+                  "etcd_cpu_s": round(cpu1[0] - cpu0[0], 2), "standins_cpu_s": round(cpu1[1] - cpu0[1], 2),
+                  "load_avg": os.getloadavg()[0]}
             say(f"tm-launch N={n} {name}: plan published {publish:.3f}s, all saw it {all_seen:.3f}s, "
+                f"CPU: etcd {ev['etcd_cpu_s']}s, stand-ins {ev['standins_cpu_s']}s, load {ev['load_avg']:.1f}; "
                 f"{d['ops']} ops ({ev['ops_per_node']}/node, max {ev['max_ops_one_node']} on one node), "
                 f"{d['bytes_read'] / 1e6:.1f} MB read; {d['by_op']}")
             return ev
 
         before_s = {k: dict(v) for k, v in poll().items()}
+        cpu0 = cpu()
         t0 = min(kids.all("go"))
-        result["events"].append(event("gen 0", 0, t0, Counter(), before_s))
+        result["events"].append(event("gen 0", 0, t0, Counter(), before_s, cpu0))
         for gen, pick in ((1, "middle active node"), (2, "first active node")):
             st = poll()
             plan_nodes = _current_plan_nodes(endpoint, run_id)
@@ -466,8 +487,9 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
             before_c = Counter()
             for v in before_s.values():
                 before_c.update(v["counts"])
+            cpu0 = cpu()
             t0 = kids.ask(owner[victim], "kill", victim)
-            ev = event(f"loss of {pick}", gen, t0, before_c, before_s)
+            ev = event(f"loss of {pick}", gen, t0, before_c, before_s, cpu0)
             ev["victim"] = victim
             result["events"].append(ev)
         result["history_generations"] = _history(endpoint, run_id)
@@ -570,18 +592,18 @@ def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| N | system | event | plan published (s) | all saw it (s) | ops total | ops per node | max on one node | KB read |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| N | system | event | plan published (s) | all saw it (s) | ops total | ops per node | max on one node | KB read | etcd CPU (s) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         for ev in r["events"]:
             pub = f"{ev['publish_s']:.3f}" if "publish_s" in ev else "-"
             lines.append(
                 f"| {r['nodes']} | {r['system']} | {ev['event']} | {pub} | {ev['all_seen_s']:.3f} | {ev['ops']} | "
-                f"{ev['ops_per_node']} | {ev.get('max_ops_one_node', '-')} | {ev['bytes_read'] / 1e3:.0f} |"
+                f"{ev['ops_per_node']} | {ev.get('max_ops_one_node', '-')} | {ev['bytes_read'] / 1e3:.0f} | {ev.get('etcd_cpu_s', '-')} |"
             )
         if "error" in r:
-            lines.append(f"| {r['nodes']} | {r['system']} | {r['error']} | | | | | | |")
+            lines.append(f"| {r['nodes']} | {r['system']} | {r['error']} | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -620,7 +642,7 @@ def main(argv=None) -> int:
         for n in sizes:
             procs = max(1, min(args.procs, n // 2))
             try:
-                results.append(run_tm(etcd.endpoint, n, procs, args.spares, opts, args.timeout))
+                results.append(run_tm(etcd.endpoint, n, procs, args.spares, opts, args.timeout, etcd.pid))
             except (TimeoutError, RuntimeError) as e:
                 say(f"tm-launch N={n}: {e}")
                 results.append({"system": "tm-launch", "nodes": n, "events": [], "error": str(e)})

@@ -49,6 +49,17 @@ class Snapshot:
     spares_alive: int
 
 
+def _parse_plan(entry: Entry | None) -> Plan | None:
+    try:
+        return Plan.from_json(entry.value) if entry else None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        # Never guess over a plan we cannot read: agents stop changing the job and say why.
+        raise KVError(
+            f"the job's plan in etcd (state/plan) is unreadable ({type(e).__name__}: {e}); "
+            "restore it or start the job under a new --rdzv-id"
+        ) from None
+
+
 class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
@@ -72,14 +83,7 @@ class Membership:
         revision = self.kv.current_revision()
         entries = {e.key: e for e in self.kv.get_prefix("state/")}
         plan_entry = entries.get("state/plan")
-        try:
-            plan = Plan.from_json(plan_entry.value) if plan_entry else None
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            # Never guess over a plan we cannot read: agents stop changing the job and say why.
-            raise KVError(
-                f"the job's plan in etcd (state/plan) is unreadable ({type(e).__name__}: {e}); "
-                "restore it or start the job under a new --rdzv-id"
-            ) from None
+        plan = _parse_plan(plan_entry)
         alive, failed, drains, reports, done = {}, {}, {}, {}, set()
         kinds, times = {}, {}
         gen = plan.generation if plan else -1
@@ -110,6 +114,10 @@ class Membership:
         active = set(plan.nodes) if plan else set()
         spares_alive = len([n for n in alive if n not in active and n not in failed])
         return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive)
+
+    def plan(self) -> Plan | None:
+        """Only the current plan: one small read, where a snapshot reads every node's record."""
+        return _parse_plan(self.kv.get("state/plan"))
 
     def wait(self, revision: int, timeout: float) -> bool:
         """Block until something under ``state/`` changes after ``revision`` (or timeout)."""

@@ -114,9 +114,9 @@ class Agent:
 
     # -- start ------------------------------------------------------------------------------------
     def run(self) -> int:
-        snap = self.members.snapshot()
-        if snap.view.plan and snap.view.plan.finished:
-            raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({snap.view.plan.state}); start the job with a new --rdzv-id")
+        current = self.members.plan()  # not a whole snapshot: N joiners would read N records each
+        if current and current.finished:
+            raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id")
         info = NodeInfo(
             id=self.cfg.node_id, host=socket.gethostname(), addr=self.cfg.addr, store_port=self.store.port,
             nproc=self.cfg.nproc, pid=os.getpid(), joined=time.time(),
