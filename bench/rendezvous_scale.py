@@ -619,6 +619,7 @@ def main(argv=None) -> int:
     p.add_argument("--c10d-max-nodes", type=int, default=1024, help="skip torch's c10d rendezvous above this N")
     p.add_argument("--c10d-idle", type=float, default=6.0, help="seconds to sample c10d's idle heartbeat load")
     p.add_argument("--skip-c10d", action="store_true")
+    p.add_argument("--skip-tm", action="store_true", help="only torch's c10d rendezvous")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     try:
@@ -639,7 +640,7 @@ def main(argv=None) -> int:
     results = []
     t_start = time.time()
     with EtcdServer() as etcd:
-        for n in sizes:
+        for n in [] if args.skip_tm else sizes:
             procs = max(1, min(args.procs, n // 2))
             try:
                 results.append(run_tm(etcd.endpoint, n, procs, args.spares, opts, args.timeout, etcd.pid))
