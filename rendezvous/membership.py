@@ -16,7 +16,9 @@ change another's keys. Two subtrees:
     state/planners/<node>       leased marker of a designated planner (see ``wait_plan``)
 
 ``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
-``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role).
+``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role),
+``log/steps/<node>`` (not leased: a bounded list of [time, generation, rank, step, step_time,
+state] worker samples, rewritten with each progress publish; ``ctl timeline`` draws it).
 
 Consistency: a plan changes only through compare-and-swap on ``state/plan``, one key, so a node
 killed while publishing leaves either the old plan or the new one, never half of each. Everything
@@ -225,6 +227,20 @@ class Membership:
 
     def all_progress(self) -> dict[str, dict]:
         return {key.rsplit("/", 1)[-1]: v for key, v in self._json_values("log/progress/").items()}
+
+    def steps(self, node: str, samples: list) -> None:
+        """Replace ``node``'s step series (bounded by the caller: tm_launch.timeline.append_samples)."""
+        self.kv.put(f"log/steps/{node}", json.dumps({"node": node, "samples": samples}))
+
+    def all_steps(self) -> dict[str, list]:
+        return {
+            key.rsplit("/", 1)[-1]: v["samples"]
+            for key, v in self._json_values("log/steps/").items() if isinstance(v.get("samples"), list)
+        }
+
+    def reports_for(self, generation: int) -> dict[str, dict]:
+        """The failure reports of ``generation`` ({node: {reason, kind, time}})."""
+        return {key.rsplit("/", 1)[-1]: v for key, v in self._json_values(f"state/reports/{generation}/").items()}
 
     def history(self) -> list[Plan]:
         plans = []

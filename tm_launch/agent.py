@@ -37,6 +37,8 @@ from rendezvous.membership import Membership
 
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
 from .planner import Limits, View, next_plan, planners, spares
+from .timeline import append_samples, cause_kind
+from .waits import Every
 from .workers import OutputSpec, WorkerSet, describe_exit
 
 log = logging.getLogger("tm_launch.agent")
@@ -62,6 +64,7 @@ class AgentConfig:
     output: OutputSpec | None = None
     health: HealthConfig | None = None
     event_log: str | None = None
+    metrics_port: int | None = None  # serve Prometheus metrics on addr:port (None: off)
 
 
 class Fenced(Exception):
@@ -97,16 +100,26 @@ class Agent:
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
         self.latest_file = os.path.join(self.scratch, "generations")  # grows by a line per directive
         self.straggler_gen, self.stragglers, self.straggler_window = -1, None, -1  # local rank -> [last step seen, when it changed]
+        self.metrics = None  # tm_launch.metrics.AgentMetrics with --metrics-port
+        self.step_series: list = []  # this node's bounded log/steps/<node> series
+        self.join_wait = Every()  # progress lines while the first generation forms
+        self.drain_wait: Every | None = None  # progress lines while a drain waits for a spare
+        self.etcd_wait, self.etcd_seen = None, 0.0  # progress lines while etcd is unreachable
 
     # -- logging --------------------------------------------------------------------------------
-    def say(self, message: str, kind: str = "info", **fields) -> None:
+    def say(self, message: str, kind: str = "info", publish: bool = True, **fields) -> None:
+        """stderr for people, ``--event-log`` for programs (every line, every kind), and etcd's
+        log/events for ``ctl events`` (kinds other than "info"; not with ``publish=False``, for
+        messages about etcd itself being unreachable)."""
         stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
         print(f"[tm-launch {self.cfg.node_id} {stamp}] {message}", file=sys.stderr, flush=True)
         record = {"time": time.time(), "node": self.cfg.node_id, "kind": kind, "message": message, **fields}
         if self.cfg.event_log:
             with open(self.cfg.event_log, "a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
-        if kind != "info":
+        if self.metrics is not None:
+            self.metrics.on_event(kind, fields)
+        if kind != "info" and publish:
             try:
                 self.members.event(self.cfg.node_id, kind, message=message, **fields)
             except KVError:
@@ -117,6 +130,7 @@ class Agent:
         current = self.members.plan()  # not a whole snapshot: N joiners would read N records each
         if current and current.finished:
             raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id")
+        self._start_metrics()
         info = NodeInfo(
             id=self.cfg.node_id, host=socket.gethostname(), addr=self.cfg.addr, store_port=self.store.port,
             nproc=self.cfg.nproc, pid=os.getpid(), joined=time.time(),
@@ -140,6 +154,8 @@ class Agent:
         finally:
             if self.monitor is not None:
                 self.monitor.stop()
+            if self.metrics is not None:
+                self.metrics.stop()
             self.workers.stop(grace=2)
             shutil.rmtree(self.scratch, ignore_errors=True)
             try:
@@ -161,7 +177,7 @@ class Agent:
             except KVError as e:
                 if unreachable_since is None:
                     unreachable_since = time.time()
-                    print(f"[tm-launch {self.cfg.node_id}] etcd unreachable, retrying: {e}", file=sys.stderr, flush=True)
+                    self.say(f"etcd unreachable, retrying: {e}", kind="etcd_unreachable", publish=False)
 
     def _start_health(self) -> None:
         cfg = self.cfg.health
@@ -173,6 +189,28 @@ class Agent:
         self.monitor = NvmlMonitor(self.cfg.node_id, gpus, cfg, self.alarms.put)
         if not self.monitor.start():
             self.monitor = None
+
+    def _start_metrics(self) -> None:
+        if self.cfg.metrics_port is None:
+            return
+        from .metrics import AgentMetrics, MetricsError
+
+        self.metrics = AgentMetrics(self.cfg.node_id)
+        try:
+            port = self.metrics.serve(self.cfg.addr, self.cfg.metrics_port)
+        except MetricsError as e:
+            self.metrics = None
+            raise SystemExit(f"tm-launch: error: {e}") from None
+        self.say(f"Prometheus metrics at http://{self.cfg.addr}:{port}/metrics")
+
+    def _update_metrics(self, snap) -> None:
+        """Once per loop, from the snapshot already read: generation, role, spares."""
+        if self.metrics is None or snap.view.plan is None:
+            return
+        view, me = snap.view, self.cfg.node_id
+        plan = self.plan or view.plan
+        role = "failed" if me in view.failed else "draining" if me in view.drains and me in plan.nodes else "active" if me in plan.nodes else "spare"
+        self.metrics.on_state(plan.generation, role, len(spares(view)))
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> int:
@@ -215,6 +253,8 @@ class Agent:
         self._report_entry()
         self._watch_alarms()
         self._publish_progress()
+        self._update_metrics(snap)
+        self._note_drain_wait(view)
         me = self.cfg.node_id
         self.planning = me in planners(view)
         if self.planning and not self.planner_marked:  # leased: it goes when this node goes
@@ -237,7 +277,13 @@ class Agent:
         return None
 
     def _etcd_down(self, error: Exception) -> None:
-        print(f"[tm-launch {self.cfg.node_id}] etcd: {error}; retrying", file=sys.stderr, flush=True)
+        """One line when etcd goes away, then one every few seconds with how long (not one per retry)."""
+        if self.etcd_wait is None or time.time() - self.etcd_seen > 5 * self.cfg.lease_ttl:
+            self.etcd_wait = Every(first=0.0)
+        self.etcd_seen = time.time()
+        if self.etcd_wait.due():
+            self.say(f"etcd: {error}; retrying ({self.etcd_wait.elapsed:.0f} s so far)", kind="etcd_unreachable", publish=False,
+                     elapsed_s=round(self.etcd_wait.elapsed, 1))
         time.sleep(min(1.0, self.cfg.lease_ttl / 3))
 
     def _with_last_call(self, view: View) -> View:
@@ -253,6 +299,13 @@ class Agent:
 
     def _check_join_timeout(self, view: View) -> None:
         waited = time.time() - self.started
+        if self.join_wait.due():
+            joined = sorted(view.alive)
+            self.say(
+                f"waiting for {self.cfg.limits.min_nodes} node(s) to join run '{self.cfg.run_id}': {len(joined)} joined "
+                f"({', '.join(joined) or 'none'}); {waited:.0f} s of {self.cfg.join_timeout:.0f} s", kind="waiting",
+                waiting_for="nodes", joined=joined, elapsed_s=round(waited, 1), limit_s=self.cfg.join_timeout,
+            )
         if waited > self.cfg.join_timeout:
             raise SystemExit(
                 f"tm-launch: error: waited {waited:.0f}s for {self.cfg.limits.min_nodes} node(s) to join run "
@@ -283,6 +336,8 @@ class Agent:
             self._stop_workers("job failed")
             self.say(f"generation {plan.generation}: job failed: {plan.reason}", kind="job_failed", generation=plan.generation)
             return 1
+        if previous is not None and self.metrics is not None:
+            self.metrics.on_generation(self._change_kind(plan))
         if previous is None and me in plan.nodes:
             self.say(f"generation {plan.generation}: active, group rank {plan.group_rank(me)}, ranks {plan.ranks(me)} of {plan.world_size}")
         if me in plan.removed:
@@ -302,13 +357,27 @@ class Agent:
         self._warn_spares(view, plan)
         return None
 
+    def _change_kind(self, plan: Plan) -> str:
+        """Why generation ``plan`` exists, as a short label (reads the previous generation's reports)."""
+        try:
+            reports = self.members.reports_for(plan.generation - 1) if plan.generation > 0 else {}
+        except KVError:
+            reports = {}
+        return cause_kind(dataclasses.asdict(plan), reports)
+
     def _leave(self, plan: Plan) -> int:
         me = self.cfg.node_id
         planned = plan.planned and plan.live and self.workers
         if planned:
             self._direct(plan)  # the leavers' workers hand over at the switch step, then exit
             deadline = time.time() + max(60.0, self.cfg.collective_timeout)
+            ticker = Every()
             while any(code is None for code in self.workers.poll().values()) and time.time() < deadline:
+                if ticker.due():
+                    running = [lr for lr, code in self.workers.poll().items() if code is None]
+                    self.say(f"generation {plan.generation}: drained; waiting for local worker(s) {running} to hand over their state "
+                             f"and exit ({ticker.elapsed:.0f} s of {deadline - time.time() + ticker.elapsed:.0f} s)",
+                             kind="waiting", waiting_for="leavers", elapsed_s=round(ticker.elapsed, 1))
                 time.sleep(0.05)
         self._stop_workers("this node left the job")
         successor = next((new for new, old in plan.replaced.items() if old == me), None)
@@ -326,6 +395,22 @@ class Agent:
         elif not self.workers:
             self.say(f"spare: waiting (generation {plan.generation} has {len(plan.nodes)} active node(s))")
         self._direct(plan)
+
+    def _note_drain_wait(self, view: View) -> None:
+        """A drain waits for a spare (it never shrinks the job): group rank 0's agent says so."""
+        plan = view.plan
+        if plan is None or plan.finished or not plan.nodes or plan.nodes[0] != self.cfg.node_id:
+            return
+        waiting = [n for n in plan.nodes if n in view.drains]
+        if not waiting or spares(view):
+            self.drain_wait = None
+            return
+        if self.drain_wait is None:
+            self.drain_wait = Every()
+        if self.drain_wait.due():
+            self.say(f"generation {plan.generation}: drain of {', '.join(waiting)} waits for a spare node, none is available "
+                     f"({self.drain_wait.elapsed:.0f} s so far; start a spare or `tm-launch ctl uncordon` one)",
+                     kind="waiting", waiting_for="spare", draining=waiting, elapsed_s=round(self.drain_wait.elapsed, 1))
 
     def _warn_spares(self, view: View, plan: Plan) -> None:
         have = len(spares(dataclasses.replace(view, plan=plan)))
@@ -421,13 +506,18 @@ class Agent:
                 self.master_gen = plan.generation
                 self.members.publish_store(plan.generation, self.cfg.addr, self.master_store.port)
             return self.cfg.addr, self.master_store.port
-        deadline = time.time() + max(60.0, self.cfg.lease_ttl * 4)
+        limit = max(60.0, self.cfg.lease_ttl * 4)
+        deadline = time.time() + limit
+        ticker = Every()
         while time.time() < deadline:
             where = self.members.store_for(plan.generation)
             if where:
                 return where["addr"], int(where["port"])
             if self.lost_lease.is_set():
                 raise Fenced("lease expired")
+            if ticker.due():
+                self.say(f"generation {plan.generation}: waiting for {plan.store.get('node')} to publish the workers' env:// store "
+                         f"({ticker.elapsed:.0f} s of {limit:.0f} s)", kind="waiting", waiting_for="store", elapsed_s=round(ticker.elapsed, 1))
             time.sleep(0.02)
         raise SystemExit(f"tm-launch: error: generation {plan.generation}'s store host {plan.store.get('node')} never published its store; is that node alive?")
 
@@ -544,6 +634,13 @@ class Agent:
         received = any(r["received"] for r in records)
         since = time.time() - plan.created
         self.timings[plan.generation] = {"communicator": comm, "state": state}
+        if self.metrics is not None and plan.generation > 0:
+            try:
+                times = [float(r.get("time", 0)) for r in self.members.reports_for(plan.generation - 1).values()]
+            except (KVError, TypeError, ValueError):
+                times = []
+            fault = min(times) if times and not plan.planned else plan.created
+            self.metrics.on_downtime(self._change_kind(plan), time.time() - fault)
         self.say(
             f"generation {plan.generation}: workers entered {since:.3f}s after the plan "
             f"(communicators {comm * 1000:.0f} ms, state {'received' if received else 'sent/kept'} in {state * 1000:.0f} ms)",
@@ -632,8 +729,21 @@ class Agent:
             "workers": {str(lr): {k: s.get(k) for k in ("step", "state", "rank", "step_time", "windows")} for lr, s in statuses.items()},
             "time": now,
         }
+        if self.metrics is not None:
+            self.metrics.on_statuses(statuses)
+        # Sampled at publish time, also when a worker's status did not change: a step count that
+        # stays flat for seconds (a pause, a hang, a wait for the next generation) must draw flat.
+        rows = [
+            [round(now, 2), s.get("generation"), s.get("rank"), s.get("step"),
+             None if s.get("step_time") is None else round(s["step_time"], 5), s.get("state")]
+            for s in statuses.values() if s.get("state") in ("running", "recovering", "finished") and s.get("step") is not None
+        ]
         try:
             self.members.progress(self.cfg.node_id, record, self.lease)
+            unchanged = bool(rows) and [r[1:] for r in self.step_series[-len(rows):]] == [r[1:] for r in rows]
+            if rows and not (unchanged and all(r[5] == "finished" for r in rows)):  # after the end: no more writes
+                self.step_series = append_samples(self.step_series, rows)
+                self.members.steps(self.cfg.node_id, self.step_series)
             self._find_stragglers()
         except KVError:
             pass

@@ -189,6 +189,7 @@ def _launch(args) -> int:
             monitor_interval=args.monitor_interval, join_timeout=_join_timeout(args), last_call=args.last_call,
             spares_wanted=args.spares, live_enabled=not args.no_live, collective_timeout=args.collective_timeout,
             sandbox_steps=args.sandbox_steps, output=output, health=args.health, event_log=args.event_log,
+            metrics_port=args.metrics_port,
         )
         return Agent(cfg, kv).run()
     finally:

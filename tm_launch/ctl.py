@@ -4,6 +4,7 @@
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID events [--follow]
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID drain NODE
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID cordon NODE | uncordon NODE
+    tm-launch ctl --rdzv-endpoint E --rdzv-id ID timeline --out FILE.png [--json]
 
 Connection options mean what they mean for the launcher (and may come from ``--config``).
 """
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("events", help="the job's event log")
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
+    t = sub.add_parser("timeline", help="picture of step times over the run with every generation change, its cause and downtime")
+    t.add_argument("--out", metavar="FILE.png", help="write the picture here (PNG; .svg/.pdf by suffix)")
+    t.add_argument("--json", action="store_true", help="print the data the picture shows as JSON")
     for name, text in (("drain", "move NODE's ranks to a spare (planned, two-phase)"), ("cordon", "mark NODE failed: it is replaced and never chosen again"), ("uncordon", "return a cordoned or drained NODE to the spare pool")):
         c = sub.add_parser(name, help=text)
         c.add_argument("node")
@@ -57,6 +61,8 @@ def _connect(args):
 
 
 def status(members, run_id: str) -> dict:
+    from .planner import spares
+
     snap = members.snapshot()
     view, plan = snap.view, snap.view.plan
     progress = members.all_progress()
@@ -87,7 +93,7 @@ def status(members, run_id: str) -> dict:
         "live": view.live,
         "restarts": plan.restarts if plan else 0,
         "cause": plan.cause if plan else "",
-        "spares_left": snap.spares_alive,
+        "spares_left": len(spares(view)),  # not the removed node that has yet to exit, nor a draining one
         "nodes": nodes,
         "alarms": members.alarms(),
     }
@@ -113,6 +119,22 @@ def _format_event(e: dict) -> str:
     return f"{when} {e.get('node', '?'):<20} {e.get('kind', ''):<14} {e.get('message', '')}"
 
 
+def _timeline(members, run_id: str, args) -> None:
+    from . import timeline
+
+    if not args.out and not args.json:
+        raise ValueError("timeline: give --out FILE.png (a picture), --json (the data), or both")
+    data = timeline.read(members, run_id)
+    if not data["generations"] and not data["series"]:
+        raise ValueError(f"run '{run_id}' has no plans and no step samples in etcd yet; check --rdzv-id and --rdzv-endpoint")
+    if args.out:
+        timeline.render(data, args.out)
+        changes = [g for g in data["generations"] if g["generation"] > 0]
+        print(f"wrote {args.out}: {len(changes)} generation change(s), {len(data['series'])} rank(s)", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from rendezvous.kv import KVError
@@ -134,14 +156,19 @@ def main(argv: list[str]) -> int:
                 if not args.follow:
                     break
                 time.sleep(0.5)
+        elif args.command == "timeline":
+            _timeline(members, run_id, args)
         elif args.command == "drain":
             members.request_drain(args.node, "operator: tm-launch ctl drain")
+            members.event("operator", "drain_requested", message=f"tm-launch ctl drain {args.node}", target=args.node)
             print(f"drain requested for {args.node}: its ranks move to a spare at a step boundary")
         elif args.command == "cordon":
             members.cordon(args.node, "operator: tm-launch ctl cordon")
+            members.event("operator", "cordoned", message=f"tm-launch ctl cordon {args.node}", target=args.node)
             print(f"{args.node} cordoned: it is replaced if active and never chosen as a spare")
         elif args.command == "uncordon":
             existed = members.uncordon(args.node)
+            members.event("operator", "uncordoned", message=f"tm-launch ctl uncordon {args.node}", target=args.node)
             print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
     except (KVError, ValueError, OSError, UsageError) as e:
         print(f"tm-launch ctl: error: {e}", file=sys.stderr)

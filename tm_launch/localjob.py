@@ -97,8 +97,8 @@ class LocalJob:
                 value = predicate(last)
                 if value:
                     return value
-            except (RuntimeError, ValueError, KeyError):
-                pass
+            except (RuntimeError, ValueError, KeyError, subprocess.TimeoutExpired):
+                pass  # a slow or failed `ctl status` (a loaded machine): ask again until the deadline
             if self.nodes and all(n.proc.poll() is not None for n in self.nodes.values()):
                 break
             time.sleep(interval)

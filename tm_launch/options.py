@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--sandbox-steps", type=int, default=2, help="Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2).")
     own.add_argument("--no-live", action="store_true", help="Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().")
     own.add_argument("--event-log", metavar="FILE", default=None, help="Append this agent's events as JSON lines to FILE.")
+    from torch.distributed.argparse_util import env
+
+    own.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", action=env, type=int, default=None, metavar="PORT",
+                     help="Serve this agent's Prometheus metrics on --local-addr:PORT (0: any free port; default off). "
+                          "Agents sharing a machine need one port each: set PET_METRICS_PORT per agent.")
     health = parser.add_argument_group("health monitor (YAML section `health:`)")
     for f in dataclasses.fields(HealthConfig):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -211,6 +216,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--lease-ttl {args.lease_ttl}: must be positive seconds")
     if args.sandbox_steps < 1:
         raise UsageError(f"--sandbox-steps {args.sandbox_steps}: must be at least 1")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port {args.metrics_port}: must be a TCP port number (0-65535; 0 picks a free one)")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts}: must be 0 or more")
     if args.rdzv_backend in LIVE_BACKENDS or args.standalone:

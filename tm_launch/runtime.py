@@ -272,15 +272,18 @@ class LiveJob:
     def _directive(self, gen: int) -> dict:
         return json.loads(self._agent.get(f"node/plan/{gen}"))
 
-    def _wait_directive(self, after: int) -> dict:
-        """Block until the agent hands over a generation newer than ``after``."""
-        waited, said = time.time(), False
+    def _wait_directive(self, after: int, repeat: bool = True) -> dict:
+        """Block until the agent hands over a generation newer than ``after``; say so every few
+        seconds (once only with ``repeat=False``: a parked spare waits by design)."""
+        from .waits import Every
+
+        ticker, said = Every(), False
         while True:
             latest = self._latest()
             if latest > after:
                 return self._directive(latest)
-            if not said and time.time() - waited > 5:
-                _log(f"waiting for generation > {after} from the agent")
+            if ticker.due() and (repeat or not said):
+                _log(f"waiting for generation > {after} from the agent ({ticker.elapsed:.0f} s so far)")
                 said = True
             time.sleep(0.005)
 
@@ -291,7 +294,7 @@ class LiveJob:
         self._report(force=True)
         after = self.group.generation
         while True:
-            d = self._wait_directive(after)
+            d = self._wait_directive(after, repeat=False)
             if d.get("stop"):
                 sys.exit(0)
             if d["active"]:
@@ -424,11 +427,16 @@ class LiveJob:
         if best < 0:
             _log("no live replica holds training state: every rank starts from the script's own state (step 'start')")
         receivers = [r for r, s in enumerate(steps) if s < best or best < 0 and r != src]
+        what = "+".join(sorted(self._objects)) or "nothing registered"
         if rank == src:
             for r in receivers:
-                _send_state(pg, r, self._objects, self._step)
+                t0 = time.perf_counter()
+                sent = _send_state(pg, r, self._objects, self._step)
+                _log(f"sent the training state of step {self._step} ({what}, {_size(sent)}) to rank {r} in {(time.perf_counter() - t0) * 1000:.0f} ms")
         elif rank in receivers:
-            step = _recv_state(pg, src, self._objects)
+            t0 = time.perf_counter()
+            step, got = _recv_state(pg, src, self._objects)
+            _log(f"received the training state of step {step} ({what}, {_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms")
             self._step = step
             return True
         return False
@@ -504,6 +512,26 @@ def _cpu_copy(obj):
 
 
 # -- state transfer ------------------------------------------------------------------------------
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _transfer_progress(verb: str, peer: str, total: int):
+    """A callback that says every few seconds how far a long state transfer is (a big model over
+    a slow link must not look like a hang); silent for transfers shorter than that."""
+    from .waits import Every
+
+    ticker = Every()
+    done = [0]
+
+    def step(nbytes: int) -> None:
+        done[0] += nbytes
+        if ticker.due():
+            _log(f"{verb} training state {peer}: {_size(done[0])} of {_size(total)} after {ticker.elapsed:.0f} s")
+
+    return step
+
+
 def _flatten(obj, tensors: list):
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach().contiguous())
@@ -525,18 +553,24 @@ def _unflatten(obj, tensors: list):
     return obj
 
 
-def _send_state(pg, dst: int, objects: dict, step: int | None) -> None:
+def _send_state(pg, dst: int, objects: dict, step: int | None) -> int:
+    """Send ``objects``' state dicts to rank ``dst``; returns the bytes sent."""
     tensors: list = []
     skeleton = {name: _flatten(obj.state_dict(), tensors) for name, obj in sorted(objects.items())}
     header = pickle.dumps({"step": step, "skeleton": skeleton, "count": len(tensors)})
     buf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    total = buf.numel() + sum(t.numel() * t.element_size() for t in tensors)
+    progress = _transfer_progress("sending", f"to rank {dst}", total)
     pg.send([torch.tensor([buf.numel()], dtype=torch.int64)], dst, 0).wait()
     pg.send([buf], dst, 0).wait()
     for t in tensors:
         pg.send([t], dst, 0).wait()
+        progress(t.numel() * t.element_size())
+    return total
 
 
-def _recv_state(pg, src: int, objects: dict) -> int | None:
+def _recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
+    """Receive state dicts from rank ``src`` into ``objects``; returns (step, bytes received)."""
     size = torch.zeros(1, dtype=torch.int64)
     pg.recv([size], src, 0).wait()
     buf = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -556,11 +590,15 @@ def _recv_state(pg, src: int, objects: dict) -> int | None:
 
     collect(header["skeleton"])
     tensors = [None] * header["count"]
-    for _, index, shape, dtype in sorted(metas, key=lambda m: m[1]):
-        t = torch.empty(shape, dtype=getattr(torch, dtype))
+    ordered = sorted(metas, key=lambda m: m[1])
+    empty = [torch.empty(shape, dtype=getattr(torch, dtype)) for _, _, shape, dtype in ordered]
+    total = buf.numel() + sum(t.numel() * t.element_size() for t in empty)
+    progress = _transfer_progress("receiving", f"from rank {src}", total)
+    for (_, index, _, _), t in zip(ordered, empty):
         pg.recv([t], src, 0).wait()
         tensors[index] = t
+        progress(t.numel() * t.element_size())
     for name, skeleton in header["skeleton"].items():
         if name in objects:
             objects[name].load_state_dict(_unflatten(skeleton, tensors))
-    return header["step"]
+    return header["step"], total
