@@ -269,9 +269,10 @@ class Agent:
             return None
         # Our own writes (reports, cordons) move the revision past the snapshot's too, so the
         # wait returns at once and the next iteration plans on them. An agent that does not
-        # plan wakes only for a new plan or planner, except a spare that has yet to learn the
-        # job is live (it must warm up): joins and losses cost the other nodes nothing.
-        follow_only = not self.planning and (view.plan is None or me in view.plan.nodes or view.live)
+        # plan wakes only for a new plan or planner, except group rank 0 and a spare that has
+        # yet to learn the job is live (it must warm up): joins and losses cost the others nothing.
+        rank0 = view.plan is not None and view.plan.nodes[:1] == (me,)  # it reports waiting drains
+        follow_only = not self.planning and not rank0 and (view.plan is None or me in view.plan.nodes or view.live)
         wait = self.members.wait_plan if follow_only else self.members.wait
         self.state_changed = wait(snap.revision, self.cfg.monitor_interval)
         return None
