@@ -13,6 +13,7 @@ change another's keys. Two subtrees:
     state/done/<gen>/<node>     nodes whose workers finished in generation <gen>
     state/live                  present once the job's workers use the live API
     state/stores/<gen>          the env:// store (MASTER_ADDR/PORT) of a generation's fresh workers
+    state/planners/<node>       leased marker of a designated planner (see ``wait_plan``)
 
 ``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
 ``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role),
@@ -58,6 +59,7 @@ class Snapshot:
     plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
 
 
+
 class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
@@ -99,18 +101,11 @@ class Membership:
         plan_entry = entries.get("state/plan")
         plan_error = ""
         try:
-            plan = Plan.from_json(plan_entry.value) if plan_entry else None
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            # Never guess over a plan we cannot read: agents stop changing the job and say why.
-            why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
-            plan_error = (
-                f"the job's plan (etcd key {self._where('state/plan')}) is unreadable ({why}); nothing "
-                "changes until it is restored (put back the newest log/history/ entry) or the job "
-                "starts under a new --rdzv-id"
-            )
+            plan = self._parse_plan(plan_entry)
+        except UnreadablePlan as e:
             if strict:
-                raise UnreadablePlan(plan_error) from None
-            plan = None
+                raise
+            plan, plan_error = None, str(e)
         alive, failed, drains, reports, done = {}, {}, {}, {}, set()
         kinds, times = {}, {}
         gen = plan.generation if plan else -1
@@ -153,9 +148,38 @@ class Membership:
         spares_alive = len([n for n in alive if n not in active and n not in failed])
         return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive, plan_error=plan_error)
 
+    def plan(self) -> Plan | None:
+        """Only the current plan: one small read, where a snapshot reads every node's record."""
+        return self._parse_plan(self.kv.get("state/plan"))
+
+    def _parse_plan(self, entry: Entry | None) -> Plan | None:
+        try:
+            return Plan.from_json(entry.value) if entry else None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            # Never guess over a plan we cannot read: agents stop changing the job and say why.
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
+            raise UnreadablePlan(
+                f"the job's plan (etcd key {self._where('state/plan')}) is unreadable ({why}); nothing "
+                "changes until it is restored (put back the newest log/history/ entry) or the job "
+                "starts under a new --rdzv-id"
+            ) from None
+
     def wait(self, revision: int, timeout: float) -> bool:
         """Block until something under ``state/`` changes after ``revision`` (or timeout)."""
         return self.kv.wait("state/", revision, timeout)
+
+    def wait_plan(self, revision: int, timeout: float) -> bool:
+        """Like ``wait``, but only for ``state/plan`` and ``state/planners/`` (one prefix covers
+        both): what an agent that does not plan must see. At 1,000 nodes, waking every agent on
+        every join or loss costs a thousand full reads per event; this wakes them once per plan,
+        and when a planner leaves (its leased marker goes), so that the next one takes over."""
+        return self.kv.wait("state/plan", revision, timeout)
+
+    def mark_planner(self, node: str, lease: Lease | None) -> None:
+        self.kv.put(f"state/planners/{node}", "1", lease=lease)
+
+    def unmark_planner(self, node: str) -> None:
+        self.kv.delete(f"state/planners/{node}")
 
     # -- writing ----------------------------------------------------------------------------
     def publish(self, plan: Plan, expected: Entry | None) -> bool:

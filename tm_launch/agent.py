@@ -7,8 +7,10 @@ One loop, woken by any change under the job's ``state/`` keys or every ``--monit
 2. watch local workers (exits, hangs) and health alarms, and report what it finds to etcd;
 3. run the pure planner on the same view and try to publish its plan by compare-and-swap.
 
-Every agent plans; the CAS makes exactly one plan per generation. A lease-keeper thread keeps
-this node registered; when the lease is lost the agent stops its workers (fencing) and exits.
+Only a few designated agents plan (``planner.planners``: the first 3 alive in join order; the
+others take over when those are gone), so an event costs O(1) CASes, not one per node; the CAS
+makes exactly one plan per generation. A lease-keeper thread keeps this node registered; when
+the lease is lost the agent stops its workers (fencing) and exits.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from rendezvous.kv import KV, KVError
 from rendezvous.membership import Membership, UnreadablePlan
 
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
-from .planner import Limits, View, next_plan, spares
+from .planner import Limits, View, next_plan, planners, spares
 from .timeline import append_samples, cause_kind
 from .waits import Every
 from .workers import OutputSpec, WorkerSet, describe_exit
@@ -91,6 +93,8 @@ class Agent:
         self.probed_gen = -1
         self.recovering_since: float | None = None  # a local worker waits for a new generation
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
+        self.planning = True  # this agent is one of the designated planners (see planner.planners)
+        self.planner_marked = False  # state/planners/<me> is written (Membership.wait_plan)
         self._statuses_cache: dict | None = None
         self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
@@ -124,9 +128,9 @@ class Agent:
 
     # -- start ------------------------------------------------------------------------------------
     def run(self) -> int:
-        snap = self.members.snapshot()
-        if snap.view.plan and snap.view.plan.finished:
-            raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({snap.view.plan.state}); start the job with a new --rdzv-id")
+        current = self.members.plan()  # not a whole snapshot: N joiners would read N records each
+        if current and current.finished:
+            raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id")
         self._start_metrics()
         info = NodeInfo(
             id=self.cfg.node_id, host=socket.gethostname(), addr=self.cfg.addr, store_port=self.store.port,
@@ -215,15 +219,15 @@ class Agent:
         while True:
             if self.lost_lease.is_set():
                 raise Fenced("lease expired")
-            if snap is None or self.state_changed or time.time() >= fresh_until:
+            if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until):
                 try:
                     snap = self.members.snapshot()
                 except KVError as e:
                     self._etcd_down(e)
                     continue
                 self.unreadable_plan = ""
-                # Re-read etcd when the watch saw a change, else once a second: time-based
-                # rules (the join window, the grace of an exit report) still move on.
+                # Re-read etcd when the watch saw a change, else (planners only) once a second:
+                # time-based rules (the join window, the grace of an exit report) still move on.
                 fresh_until = time.time() + 1.0
             self._statuses_cache = None
             try:
@@ -253,14 +257,26 @@ class Agent:
         self._publish_progress()
         self._update_metrics(snap)
         self._note_drain_wait(view)
-        decision = next_plan(self._with_last_call(view), self.cfg.limits)
+        me = self.cfg.node_id
+        self.planning = me in planners(view)
+        if self.planning and not self.planner_marked:  # leased: it goes when this node goes
+            self.members.mark_planner(me, self.lease)
+        elif self.planner_marked and not self.planning:
+            self.members.unmark_planner(me)
+        self.planner_marked = self.planning
+        decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
         if decision is not None and self.members.publish(decision, snap.plan_entry):
             self._announce(decision)
             self.state_changed = True  # look at the new state at once
             return None
         # Our own writes (reports, cordons) move the revision past the snapshot's too, so the
-        # wait returns at once and the next iteration plans on them.
-        self.state_changed = self.members.wait(snap.revision, self.cfg.monitor_interval)
+        # wait returns at once and the next iteration plans on them. An agent that does not
+        # plan wakes only for a new plan or planner, except group rank 0 and a spare that has
+        # yet to learn the job is live (it must warm up): joins and losses cost the others nothing.
+        rank0 = view.plan is not None and view.plan.nodes[:1] == (me,)  # it reports waiting drains
+        follow_only = not self.planning and not rank0 and (view.plan is None or me in view.plan.nodes or view.live)
+        wait = self.members.wait_plan if follow_only else self.members.wait
+        self.state_changed = wait(snap.revision, self.cfg.monitor_interval)
         return None
 
     def _etcd_down(self, error: Exception) -> None:

@@ -222,3 +222,21 @@ def _migrate(view: View, drains: list[str]) -> Plan | None:
         cause="; ".join(f"{old}: drain ({view.drains[old]})" for old in moves),
         store=_store_for(nodes, joiners, view.alive),
     )
+
+
+PLANNERS = 3  # agents that run the planner and try the CAS; the others only follow
+
+
+def planners(view: View, k: int = PLANNERS) -> tuple[str, ...]:
+    """Which agents plan: the first ``k`` alive nodes in join order, cordoned nodes last.
+
+    Every agent computing and CASing the same plan is correct but costs, per event, one failed
+    compare-and-swap (plus a history write) per node: ~2N writes at N nodes. Any agent's plan is
+    the same (the planner is pure), so a few designated ones suffice; more than one, so that a
+    planner that is slow or just died does not delay the next plan. The choice is made from
+    the same view by everyone, and a planner that dies drops out of ``alive``, so the next node
+    in the order takes over at its next read, with no election. The CAS still guarantees one
+    plan per generation if views briefly disagree. Cordoned nodes plan only when nothing else is
+    alive (someone must publish the FAILED plan)."""
+    order = sorted(view.alive.values(), key=lambda n: (n.id in view.failed, n.joined, n.id))
+    return tuple(n.id for n in order[:k])

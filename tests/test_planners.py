@@ -1,0 +1,44 @@
+"""Table tests for ``planners(View)``: which agents run the planner and try the CAS.
+
+Everyone computes the same answer from the same view, so there is no election: when a planner's
+lease goes, the next node in join order is a planner at its next read."""
+from __future__ import annotations
+
+import pytest
+
+from tm_launch.plan import NodeInfo
+from tm_launch.planner import PLANNERS, View, planners
+
+
+def view(alive: list[tuple[str, float]], failed: str = "") -> View:
+    return View(
+        plan=None,
+        alive={n: NodeInfo(id=n, host=n, addr="127.0.0.1", store_port=1, nproc=1, pid=1, joined=t) for n, t in alive},
+        failed={n: "cordoned" for n in failed},
+    )
+
+
+@pytest.mark.parametrize("alive, failed, expected", [
+    # the first three in join order, whatever the ids
+    ([("d", 1), ("c", 2), ("b", 3), ("a", 4), ("e", 5)], "", ("d", "c", "b")),
+    # the same moment: ties broken by id, so every agent agrees
+    ([("b", 1), ("a", 1), ("c", 1), ("d", 1)], "", ("a", "b", "c")),
+    # a planner's lease expired: the next in join order takes over
+    ([("c", 2), ("b", 3), ("a", 4), ("e", 5)], "", ("c", "b", "a")),
+    # fewer nodes than planners: all of them
+    ([("a", 1), ("b", 2)], "", ("a", "b")),
+    ([], "", ()),
+    # cordoned nodes go last, but still plan when nothing else is alive (the FAILED plan)
+    ([("a", 1), ("b", 2), ("c", 3), ("d", 4)], "a", ("b", "c", "d")),
+    ([("a", 1), ("b", 2)], "ab", ("a", "b")),
+    # a cordoned node that is not alive changes nothing
+    ([("a", 1), ("b", 2), ("c", 3), ("d", 4)], "z", ("a", "b", "c")),
+])
+def test_planners(alive, failed, expected):
+    assert PLANNERS == 3
+    assert planners(view(alive, failed)) == expected
+
+
+def test_planners_independent_of_dict_order():
+    nodes = [(f"n{i:03d}", float(i % 7)) for i in range(50)]
+    assert planners(view(nodes)) == planners(view(list(reversed(nodes))))
