@@ -171,9 +171,10 @@ def _standin_class():
     import tm_launch.agent as agent_mod
 
     class _NoStore:
-        """A stand-in runs no workers, so its agent store is never read; no TCPStore per thread."""
+        """A stand-in runs no workers, so its agent store is never read; no TCPStore per thread.
+        Its port only has to pass the node record's range check (nobody connects to it)."""
 
-        port = 0
+        port = 1
 
         def check(self, keys):
             return False
