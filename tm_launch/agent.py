@@ -319,8 +319,13 @@ class Agent:
         return None
 
     def _etcd_down(self, error: Exception) -> None:
+        """Wait a little before asking etcd again, applying the fencing rule meanwhile: a worker
+        that starts recovering must get this node fenced at once, not at the next retry."""
         self._note_etcd(False, error)
-        time.sleep(min(1.0, self.cfg.lease_ttl / 3))
+        until = time.time() + min(1.0, self.cfg.lease_ttl / 3)
+        while time.time() < until:
+            self._check_lease()
+            time.sleep(0.05)
 
     def _with_last_call(self, view: View) -> View:
         if view.plan is not None:
