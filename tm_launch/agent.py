@@ -242,6 +242,7 @@ class Agent:
             try:
                 latest = self.members.snapshot().view.plan
                 self.members.cordon(me, f"fenced: {why}")
+                self.members.event(me, "fenced", message=f"fenced: {why}; cordoned")  # for `ctl events`
                 break
             except KVError:
                 if time.time() > deadline:
