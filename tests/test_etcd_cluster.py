@@ -32,7 +32,7 @@ def _wait_in_thread(kv, prefix, rev, timeout):
     return t, out
 
 
-@pytest.mark.parametrize("api", ["v2", "v3"])
+@pytest.mark.parametrize("api", [pytest.param("v2", marks=pytest.mark.slow), "v3"])
 def test_member_kills_fail_over_leases_watches_and_cas(cluster, api):
     kv = _kv(cluster, api, f"fo-{api}")
     other = _kv(cluster, api, f"fo-{api}")
