@@ -15,8 +15,8 @@ STEPS = 400
 TTL = 3.0
 
 
-@pytest.fixture
-def cluster_job(tmp_path):
+@pytest.fixture(params=["etcd-v3", "etcd-v2"])
+def cluster_job(tmp_path, request):
     """``make(**options) -> LocalJob`` whose agents get all three members as --rdzv-endpoint."""
     from tm_launch.localjob import LocalJob
 
@@ -25,7 +25,8 @@ def cluster_job(tmp_path):
 
     def make(**options):
         run_id = f"t-{uuid.uuid4().hex[:10]}"
-        job = LocalJob(endpoint=",".join(cluster.endpoints), run_id=run_id, workdir=str(tmp_path / run_id), **options)
+        job = LocalJob(endpoint=",".join(cluster.endpoints), run_id=run_id, workdir=str(tmp_path / run_id),
+                       backend=request.param, **options)
         jobs.append(job)
         return job
 

@@ -1,7 +1,7 @@
 """The fencing rule as a table: an etcd outage must not stop training; a cut-off node must."""
 import pytest
 
-from tm_launch.fencing import FENCE, KEEP, REREGISTER, lease_decision
+from tm_launch.fencing import FENCE, KEEP, REREGISTER, lease_decision, settling_after_outage
 
 TTL, LIMIT = 5.0, 8.0
 
@@ -28,3 +28,8 @@ def test_lease_decision(name, gone, unreach, active, replaced, recovering, stall
     got = lease_decision(lease_gone=gone, unreachable_for=unreach, ttl=TTL, active=active, replaced=replaced,
                          recovering=recovering, stalled_for=stalled, stall_limit=LIMIT)
     assert got == want
+
+
+@pytest.mark.parametrize("since_back,want", [(None, False), (0.5, True), (5.9, True), (6.0, False), (60.0, False)])
+def test_no_replacement_while_nodes_rejoin_after_an_outage(since_back, want):
+    assert settling_after_outage(since_back, ttl=3.0) is want

@@ -33,7 +33,7 @@ from health.config import HealthConfig
 from rendezvous.kv import KV, KVError
 from rendezvous.membership import Membership
 
-from .fencing import FENCE, REREGISTER, lease_decision
+from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
 from .planner import Limits, View, next_plan, spares
 from .workers import OutputSpec, WorkerSet, describe_exit
@@ -80,7 +80,7 @@ class Agent:
         self.lost_lease = threading.Event()
         # etcd reachability, for the fencing rule (see fencing.py) and to say once when it goes
         # away and once when it is back, whichever thread notices first.
-        self.etcd_ok, self.etcd_down_at = True, 0.0
+        self.etcd_ok, self.etcd_down_at, self.etcd_back_at = True, 0.0, None
         self._etcd_lock = threading.Lock()
         self.lease_ok_at = time.time()  # the last lease refresh that got through
         self.lease_failing = False      # the last lease refresh did not get through
@@ -181,6 +181,8 @@ class Agent:
             self.etcd_ok = ok
             if not ok:
                 self.etcd_down_at = time.time()
+            else:
+                self.etcd_back_at = time.time()
             down_for = time.time() - self.etcd_down_at
         if ok:
             self.say(f"etcd reachable again after {down_for:.1f}s", kind="etcd_back", down_s=down_for)
@@ -310,6 +312,9 @@ class Agent:
         self._watch_alarms()
         self._publish_progress()
         decision = next_plan(self._with_last_call(view), self.cfg.limits)
+        since_back = time.time() - self.etcd_back_at if self.etcd_back_at else None
+        if decision is not None and not decision.finished and view.plan is not None and settling_after_outage(since_back, self.cfg.lease_ttl):
+            decision = None  # right after an etcd outage: let every node re-register first
         if decision is not None and self.members.publish(decision, snap.plan_entry):
             self._announce(decision)
             self.state_changed = True  # look at the new state at once

@@ -50,3 +50,13 @@ def lease_decision(*, lease_gone: bool, unreachable_for: float | None, ttl: floa
     if unreachable_for >= ttl / 2 and (recovering or (stalled_for is not None and stalled_for > stall_limit)):
         return FENCE
     return KEEP
+
+
+def settling_after_outage(since_back: float | None, ttl: float) -> bool:
+    """True while the agents may still be re-registering after an etcd outage: do not publish a
+    plan that replaces nodes yet. Leases that expired during the outage (the v2 API keeps TTLs
+    in wall-clock time, so a full outage longer than the TTL expires every node at once) would
+    otherwise read as every node lost at the same moment: a failover storm. Every agent saw
+    the outage too and rejoins within one refresh interval (ttl/3), so two TTLs is plenty.
+    ``since_back``: seconds since this agent found etcd answering again (None: no outage)."""
+    return since_back is not None and since_back < 2 * ttl
