@@ -313,7 +313,7 @@ class Agent:
         self._publish_progress()
         decision = next_plan(self._with_last_call(view), self.cfg.limits)
         since_back = time.time() - self.etcd_back_at if self.etcd_back_at else None
-        if decision is not None and not decision.finished and view.plan is not None and settling_after_outage(since_back, self.cfg.lease_ttl):
+        if decision is not None and decision.state != SUCCEEDED and view.plan is not None and settling_after_outage(since_back, self.cfg.lease_ttl):
             decision = None  # right after an etcd outage: let every node re-register first
         if decision is not None and self.members.publish(decision, snap.plan_entry):
             self._announce(decision)
