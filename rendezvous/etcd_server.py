@@ -8,6 +8,7 @@ to its parent (PDEATHSIG) so a crashed launcher or test run never leaves an etcd
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -31,13 +32,13 @@ def find_etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_ports(n: int) -> list[int]:
-    """Ask the kernel for n distinct free loopback ports (all held open until all are chosen)."""
+def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Ask the kernel for n distinct free ports on ``host`` (all held open until all are chosen)."""
     socks = []
     try:
         for _ in range(n):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -79,8 +80,14 @@ class EtcdServer:
     """
 
     def __init__(self, data_dir: str | None = None, *, name: str = "tm-launch",
-                 log_file: str | None = None, extra_args: list[str] | tuple[str, ...] = ()):
+                 log_file: str | None = None, extra_args: list[str] | tuple[str, ...] = (),
+                 host: str = "127.0.0.1"):
         self.name = name
+        self.host = host  # e.g. a bridge address that agents in network namespaces can reach
+        # Set by EtcdCluster: fixed (client, peer, metrics) ports and the --initial-cluster list,
+        # so that a killed member can come back on the same data dir and the same URLs.
+        self.ports: tuple[int, int, int] | None = None
+        self.initial_cluster: str | None = None
         self.extra_args = list(extra_args)
         self.scheme = "https" if "--cert-file" in self.extra_args else "http"
         self._data_dir = data_dir
@@ -97,35 +104,42 @@ class EtcdServer:
             raise RuntimeError(_MISSING)
         if self._proc is not None:
             return self
-        if self._data_dir is None or self._log_file is None:
-            self._own_tmp = tempfile.mkdtemp(prefix="tm-etcd-")
-        data_dir = self._data_dir or os.path.join(self._own_tmp, "data")
-        log_path = self._log_file or os.path.join(self._own_tmp, "etcd.log")
+        self._spawn_member(binary)
         deadline = time.monotonic() + timeout
         # A free port can be grabbed by someone else between choosing and binding: retry.
         for attempt in range(3):
-            client, peer, metrics = _free_ports(3)
-            self._spawn(binary, data_dir, log_path, client, peer, metrics)
-            why = self._wait_healthy(deadline, log_path)
+            why = self._wait_healthy(deadline, self.log_path)
             if why is None:
                 return self
             self._kill()
-            if "address already in use" not in why or attempt == 2:
+            if "address already in use" not in why or attempt == 2 or self.ports is not None:
                 self._cleanup()
-                raise RuntimeError(f"etcd did not come up ({why}); full log: {log_path}")
+                raise RuntimeError(f"etcd did not come up ({why}); full log: {self.log_path}")
+            self._spawn_member(binary)
         raise AssertionError("unreachable")
+
+    def _spawn_member(self, binary: str) -> None:
+        """Start the process without waiting for it: cluster members only become healthy once
+        a quorum of them runs, so EtcdCluster spawns them all first and waits afterwards."""
+        if self._own_tmp is None and (self._data_dir is None or self._log_file is None):
+            self._own_tmp = tempfile.mkdtemp(prefix="tm-etcd-")
+        self.data_dir = self._data_dir or os.path.join(self._own_tmp, "data")
+        self.log_path = self._log_file or os.path.join(self._own_tmp, "etcd.log")
+        client, peer, metrics = self.ports or _free_ports(3, self.host)
+        self._spawn(binary, self.data_dir, self.log_path, client, peer, metrics)
 
     def _spawn(self, binary: str, data_dir: str, log_path: str,
                client: int, peer: int, metrics: int) -> None:
         self.port = client
-        self.endpoint = f"{self.scheme}://127.0.0.1:{client}"
-        self.metrics_url = f"http://127.0.0.1:{metrics}"
-        peer_url = f"http://127.0.0.1:{peer}"
+        self.endpoint = f"{self.scheme}://{self.host}:{client}"
+        self.metrics_url = f"http://{self.host}:{metrics}"
+        peer_url = f"http://{self.host}:{peer}"
         args = [
             binary, "--name", self.name, "--data-dir", data_dir,
             "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"{self.name}={peer_url}", "--initial-cluster-state", "new",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer_url}",
+            "--initial-cluster-state", "new",  # ignored by etcd when the data dir has a member
             "--listen-metrics-urls", self.metrics_url,
             "--enable-v2",
             # Light and quick on small boxes: the data is disposable by design.
@@ -180,7 +194,123 @@ class EtcdServer:
         self._kill()
         self._cleanup()
 
+    def crash(self) -> None:
+        """SIGKILL, keeping the data dir: a fault to inject. ``start()`` brings it back on the
+        same data dir (and, in a cluster, the same URLs)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
     def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _member_status(endpoint: str, timeout: float = 1.0) -> dict | None:
+    """The v3 maintenance status of one member (its id, the leader's id), None if it is down."""
+    req = urllib.request.Request(endpoint + "/v3/maintenance/status", data=b"{}",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class EtcdCluster:
+    """A 3-member (or ``size``) etcd cluster on one host, for fault-injection tests.
+
+    Members keep fixed ports and their data dirs for the cluster's lifetime, so one that was
+    crashed (SIGKILL) comes back with ``restart(i)`` as the same member and catches up from
+    its peers. ``endpoints`` is what agents get as ``--rdzv-endpoint a,b,c``.
+    """
+
+    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", name: str = "tm"):
+        self.host = host
+        self._tmp = tempfile.mkdtemp(prefix="tm-etcd-cluster-")
+        ports = _free_ports(3 * size, host)
+        self.members = []
+        for i in range(size):
+            m = EtcdServer(os.path.join(self._tmp, f"m{i}"), name=f"{name}{i}", host=host,
+                           log_file=os.path.join(self._tmp, f"m{i}.log"))
+            m.ports = (ports[3 * i], ports[3 * i + 1], ports[3 * i + 2])
+            self.members.append(m)
+        cluster = ",".join(f"{m.name}=http://{host}:{m.ports[1]}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = cluster
+            m.endpoint = f"http://{host}:{m.ports[0]}"
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        binary = find_etcd_binary()
+        if binary is None:
+            raise RuntimeError(_MISSING)
+        try:
+            for m in self.members:
+                if m.pid is None:
+                    m._spawn_member(binary)
+            self._wait_all(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for m in self.members:
+            if m.pid is not None:
+                why = m._wait_healthy(deadline, m.log_path)
+                if why is not None:
+                    raise RuntimeError(f"etcd member {m.name} did not come up ({why}); log: {m.log_path}")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL member ``i`` (its data dir stays)."""
+        self.members[i].crash()
+
+    def restart(self, *which: int, timeout: float = 30.0) -> None:
+        """Start the given crashed members again (all crashed ones when none is named) and wait
+        until each serves: with a quorum down, they must all be spawned before any is healthy."""
+        binary = find_etcd_binary()
+        idx = which or [i for i, m in enumerate(self.members) if m.pid is None]
+        for i in idx:
+            if self.members[i].pid is None:
+                self.members[i]._spawn_member(binary)
+        self._wait_all(timeout)
+
+    def leader(self, timeout: float = 15.0) -> int:
+        """Index of the current leader, asked of the live members (waits out an election)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ids = {}
+            leader = None
+            for i, m in enumerate(self.members):
+                if m.pid is None:
+                    continue
+                st = _member_status(m.endpoint)
+                if st:
+                    ids[str(st["header"]["member_id"])] = i
+                    leader = str(st.get("leader", "0"))
+            if leader in ids:
+                return ids[leader]
+            time.sleep(0.1)
+        raise RuntimeError(f"no etcd leader among the live members within {timeout}s")
+
+    def follower(self) -> int:
+        lead = self.leader()
+        return next(i for i, m in enumerate(self.members) if i != lead and m.pid is not None)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m._kill()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -524,6 +524,8 @@ def _first_event(resp: requests.Response, deadline: float) -> bool | None:
                     return True    # a change, or history we asked for is gone: re-read either way
                 if res.get("canceled"):
                     raise KVError(f"etcd canceled the watch: {res.get('cancel_reason', 'no reason given')}")
+    except requests.exceptions.ChunkedEncodingError:
+        return None    # the member died mid-stream (SIGKILL, restart): re-watch, maybe elsewhere
     except requests.exceptions.ConnectionError as e:
         timed_out = isinstance(e.args[0] if e.args else None, urllib3.exceptions.ReadTimeoutError)
         if timed_out or time.monotonic() >= deadline:

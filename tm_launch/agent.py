@@ -35,6 +35,7 @@ from health.config import HealthConfig
 from rendezvous.kv import KV, KVError
 from rendezvous.membership import Membership, UnreadablePlan
 
+from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
 from .planner import Limits, View, next_plan, planners, spares
 from .timeline import append_samples, cause_kind
@@ -80,7 +81,15 @@ class Agent:
         self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id)
         self.plan: Plan | None = None  # the last generation this agent acted on
         self.lease = None
+        self.info: NodeInfo | None = None
         self.lost_lease = threading.Event()
+        # etcd reachability, for the fencing rule (see fencing.py) and to say once when it goes
+        # away and once when it is back, whichever thread notices first.
+        self.etcd_ok, self.etcd_down_at, self.etcd_back_at = True, 0.0, None
+        self._etcd_lock = threading.Lock()
+        self.lease_ok_at = time.time()  # the last lease refresh that got through
+        self.lease_failing = False      # the last lease refresh did not get through
+        self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
         self.alarms: queue.Queue[Alarm] = queue.Queue()
         self.reported_gen = -1
         self.done_gen = -1
@@ -111,7 +120,7 @@ class Agent:
     def say(self, message: str, kind: str = "info", publish: bool = True, **fields) -> None:
         """stderr for people, ``--event-log`` for programs (every line, every kind), and etcd's
         log/events for ``ctl events`` (kinds other than "info"; not with ``publish=False``, for
-        messages about etcd itself being unreachable)."""
+        messages said while etcd is unreachable: they must not wait on it)."""
         stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
         print(f"[tm-launch {self.cfg.node_id} {stamp}] {message}", file=sys.stderr, flush=True)
         record = {"time": time.time(), "node": self.cfg.node_id, "kind": kind, "message": message, **fields}
@@ -132,7 +141,7 @@ class Agent:
         if current and current.finished:
             raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id")
         self._start_metrics()
-        info = NodeInfo(
+        self.info = info = NodeInfo(
             id=self.cfg.node_id, host=socket.gethostname(), addr=self.cfg.addr, store_port=self.store.port,
             nproc=self.cfg.nproc, pid=os.getpid(), joined=time.time(),
         )
@@ -147,7 +156,8 @@ class Agent:
             return self._loop()
         except Fenced as e:
             self.workers.stop(grace=0)
-            self.say(f"lost membership: {e}; stopped this node's workers (fencing)", kind="fenced")
+            self.say(f"lost membership: {e}; stopped this node's workers (fencing)", kind="fenced", publish=False)
+            self._record_fenced(str(e))
             return 1
         except KeyboardInterrupt:
             self.workers.stop()
@@ -166,19 +176,108 @@ class Agent:
                 pass
 
     def _keep_lease(self) -> None:
+        """Refresh the lease; record when it last got through. Deciding what a failing refresh
+        means (keep training, fence, rejoin) is the main loop's job: see _check_lease."""
         interval = max(self.cfg.lease_ttl / 3.0, 0.1)
-        unreachable_since = None
-        while not self.lost_lease.is_set():
+        lease = self.lease
+        while not self.lost_lease.is_set() and lease is self.lease:
             time.sleep(interval)
             try:
-                if not self.lease.refresh():
-                    self.lost_lease.set()
-                    return
-                unreachable_since = None
+                alive = lease.refresh()
             except KVError as e:
-                if unreachable_since is None:
-                    unreachable_since = time.time()
-                    self.say(f"etcd unreachable, retrying: {e}", kind="etcd_unreachable", publish=False)
+                self.lease_failing = True
+                self._note_etcd(False, e)
+                continue
+            self._note_etcd(True)
+            if not alive:
+                self.lost_lease.set()
+                return
+            self.lease_ok_at, self.lease_failing = time.time(), False
+
+    def _note_etcd(self, ok: bool, error: Exception | None = None) -> None:
+        """Say once when etcd stops answering and once when it answers again (not per retry)."""
+        with self._etcd_lock:
+            if ok == self.etcd_ok:
+                return
+            self.etcd_ok = ok
+            if not ok:
+                self.etcd_down_at = time.time()
+            else:
+                self.etcd_back_at = time.time()
+            down_for = time.time() - self.etcd_down_at
+        if ok:
+            self.say(f"etcd reachable again after {down_for:.1f}s", kind="etcd_back", down_s=down_for)
+        else:
+            self.say(f"lost contact with etcd: {error}; this node's workers keep training, retrying", kind="etcd_down", publish=False)
+
+    def _local_progress(self) -> tuple[bool, float | None]:
+        """(a local worker is recovering from a failed collective, seconds since a local worker
+        last finished a step, None without running workers). Local store only: works without etcd."""
+        if not self.workers:
+            return False, None
+        self._statuses_cache = None
+        statuses = self._statuses()
+        steps = {lr: s.get("step") for lr, s in statuses.items()}
+        now = time.time()
+        if steps != self.step_seen[0]:
+            self.step_seen = (steps, now)
+        recovering = any(s.get("state") == "recovering" for s in statuses.values())
+        running = recovering or any(s.get("state") == "running" for s in statuses.values())
+        return recovering, (now - self.step_seen[1]) if running else None
+
+    def _check_lease(self, snap=None) -> None:
+        """Apply the fencing rule (fencing.lease_decision). With ``snap`` (a fresh read, so etcd
+        answers) a lost lease is either rejoined or fenced; without, only unreachability counts."""
+        me, plan = self.cfg.node_id, self.plan
+        lost = self.lost_lease.is_set() and snap is not None
+        if not lost and not self.lease_failing:
+            return
+        latest = snap.view.plan if snap is not None else None
+        replaced = bool(lost and plan is not None and latest is not None and me in plan.nodes
+                        and latest.generation > plan.generation and me not in latest.nodes)
+        recovering, stalled = self._local_progress()
+        decision = lease_decision(
+            lease_gone=lost, unreachable_for=(time.time() - self.lease_ok_at) if self.lease_failing else None,
+            ttl=self.cfg.lease_ttl, active=plan is not None and me in plan.nodes and not plan.finished,
+            replaced=replaced, recovering=recovering, stalled_for=stalled, stall_limit=self.cfg.collective_timeout,
+        )
+        if decision == FENCE:
+            if lost:
+                raise Fenced(f"lease expired and generation {latest.generation} no longer has this node")
+            raise Fenced(f"etcd unreachable for {time.time() - self.lease_ok_at:.1f}s (lease TTL {self.cfg.lease_ttl:g}s) "
+                         f"while this node's workers {'are recovering from a failed collective' if recovering else 'made no progress'}")
+        if decision == REREGISTER and lost:
+            try:
+                self.lease = self.members.register(self.info, self.cfg.lease_ttl)
+            except ValueError:
+                raise Fenced("lease expired and another agent registered this node id") from None
+            self.lease_ok_at, self.lease_failing = time.time(), False
+            self.lost_lease.clear()
+            threading.Thread(target=self._keep_lease, daemon=True).start()
+            self.say("lease had expired (etcd unreachable or this agent stalled) but nobody took this node's ranks: registered again", kind="rejoined")
+
+    def _record_fenced(self, why: str) -> None:
+        """After fencing: once etcd answers, cordon this node (state/failed, so it is never
+        picked as a spare and `ctl status` shows why) and say in one line what happened."""
+        me = self.cfg.node_id
+        deadline = time.time() + max(60.0, 12 * self.cfg.lease_ttl)
+        while True:
+            try:
+                latest = self.members.snapshot().view.plan
+                self.members.cordon(me, f"fenced: {why}")
+                self.members.event(me, "fenced", message=f"fenced: {why}; cordoned")  # for `ctl events`
+                break
+            except KVError:
+                if time.time() > deadline:
+                    print(f"tm-launch: error: node {me} fenced ({why}) and etcd still unreachable; its lease has expired, "
+                          "so the job counts it as lost", file=sys.stderr, flush=True)
+                    return
+                time.sleep(min(1.0, self.cfg.lease_ttl / 3))
+        self._note_etcd(True)
+        successor = next((new for new, old in (latest.replaced if latest else {}).items() if old == me), None)
+        taken = f"{successor} took its ranks in generation {latest.generation}" if successor else "its ranks are no longer its own"
+        print(f"tm-launch: error: node {me} was fenced ({why}); {taken}; it is cordoned as failed: "
+              f"fix the node, then `tm-launch ctl uncordon {me}` to offer it as a spare again", file=sys.stderr, flush=True)
 
     def _start_health(self) -> None:
         cfg = self.cfg.health
@@ -217,15 +316,16 @@ class Agent:
     def _loop(self) -> int:
         snap, fresh_until = None, 0.0
         while True:
-            if self.lost_lease.is_set():
-                raise Fenced("lease expired")
-            if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until):
+            self._check_lease()
+            if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until) or self.lost_lease.is_set():
                 try:
                     snap = self.members.snapshot()
                 except KVError as e:
                     self._etcd_down(e)
                     continue
                 self.unreadable_plan = ""
+                self._note_etcd(True)
+                self._check_lease(snap)
                 # Re-read etcd when the watch saw a change, else (planners only) once a second:
                 # time-based rules (the join window, the grace of an exit report) still move on.
                 fresh_until = time.time() + 1.0
@@ -265,6 +365,9 @@ class Agent:
             self.members.unmark_planner(me)
         self.planner_marked = self.planning
         decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
+        since_back = time.time() - self.etcd_back_at if self.etcd_back_at else None
+        if decision is not None and decision.state != SUCCEEDED and view.plan is not None and settling_after_outage(since_back, self.cfg.lease_ttl):
+            decision = None  # right after an etcd outage: let every node re-register first
         if decision is not None and self.members.publish(decision, snap.plan_entry):
             self._announce(decision)
             self.state_changed = True  # look at the new state at once
@@ -280,21 +383,26 @@ class Agent:
         return None
 
     def _etcd_down(self, error: Exception) -> None:
-        """One line when etcd goes away, then one every few seconds with how long (not one per retry).
-        An unreadable plan is said once: it stays until an operator restores it."""
+        """Wait a little before asking etcd again, applying the fencing rule meanwhile: a worker
+        that starts recovering must get this node fenced at once, not at the next retry. Said once
+        when etcd goes (and once when it is back), with a progress line every few seconds between;
+        an unreadable plan is said once: it stays until an operator restores it."""
         if isinstance(error, UnreadablePlan):
             if str(error) != self.unreadable_plan:
                 self.unreadable_plan = str(error)
                 self.say(f"etcd: {error}", kind="plan_unreadable", publish=False)
-            time.sleep(min(1.0, self.cfg.lease_ttl / 3))
-            return
-        if self.etcd_wait is None or time.time() - self.etcd_seen > 5 * self.cfg.lease_ttl:
-            self.etcd_wait = Every(first=0.0)
-        self.etcd_seen = time.time()
-        if self.etcd_wait.due():
-            self.say(f"etcd: {error}; retrying ({self.etcd_wait.elapsed:.0f} s so far)", kind="etcd_unreachable", publish=False,
-                     elapsed_s=round(self.etcd_wait.elapsed, 1))
-        time.sleep(min(1.0, self.cfg.lease_ttl / 3))
+        else:
+            self._note_etcd(False, error)
+            if self.etcd_wait is None or time.time() - self.etcd_seen > 5 * self.cfg.lease_ttl:
+                self.etcd_wait = Every()
+            self.etcd_seen = time.time()
+            if self.etcd_wait.due():
+                self.say(f"etcd still unreachable after {self.etcd_wait.elapsed:.0f} s: {error}; retrying", kind="etcd_unreachable",
+                         publish=False, elapsed_s=round(self.etcd_wait.elapsed, 1))
+        until = time.time() + min(1.0, self.cfg.lease_ttl / 3)
+        while time.time() < until:
+            self._check_lease()
+            time.sleep(0.05)
 
     def _with_last_call(self, view: View) -> View:
         if view.plan is not None:

@@ -56,9 +56,11 @@ class LocalJob:
     def step_log(self) -> str:
         return os.path.join(self.workdir, "steps.log")
 
-    def start(self, name: str, extra_env: dict[str, str] | None = None) -> Node:
+    def start(self, name: str, extra_env: dict[str, str] | None = None, wrap: list[str] = (), extra_args: list[str] = ()) -> Node:
+        """``wrap``: a command prefix (e.g. ``ip netns exec NS``, which execs: the pid stays the
+        agent's); ``extra_args``: launcher options for this node only (e.g. --local-addr)."""
         os.makedirs(self.workdir, exist_ok=True)
-        cmd = launcher() + [
+        cmd = [*wrap] + launcher() + [*extra_args,
             "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
             "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
             "--node-id", name, "--event-log", os.path.join(self.workdir, f"{name}.events.jsonl"),

@@ -1,0 +1,62 @@
+"""When does a node that cannot keep its etcd lease stop its own workers? (pure)
+
+Two faults look the same from inside an agent (etcd does not answer) and need opposite answers:
+
+* **all of etcd is down**: nobody can publish a new plan, so nobody can take this node's ranks.
+  The workers talk to each other, not to etcd, and keep training: stopping them would turn an
+  etcd outage into a training outage. Keep going; etcd renews every lease when it comes back.
+* **this node is cut off** from etcd *and* from its peers: its lease expires, the others replace
+  it, and a spare takes its ranks. Its workers must be gone by then (fencing: never two owners of
+  one rank). From inside, the tell is that the workers stopped making progress as well (a
+  collective failed or blocks), which cannot happen while every peer is still with them.
+
+So: etcd silent for a while AND the workers stalled or recovering -> fence. etcd answering that
+the lease is gone -> rejoin as the same node if the current plan still gives it its ranks (a long
+pause of this agent, say), else fence. A newer plan without this node -> it was replaced: fence.
+"""
+
+from __future__ import annotations
+
+KEEP = "keep"            # carry on (the lease is fine, or nobody can have replaced us)
+FENCE = "fence"          # stop this node's workers now: another node owns (or soon owns) its ranks
+REREGISTER = "reregister"  # the lease is gone but nobody took over: register again, same node id
+
+
+def lease_decision(*, lease_gone: bool, unreachable_for: float | None, ttl: float, active: bool,
+                   replaced: bool, recovering: bool, stalled_for: float | None, stall_limit: float) -> str:
+    """What the agent does about its membership; one of KEEP, FENCE, REREGISTER.
+
+    lease_gone      etcd answered that this node's lease expired or was revoked
+    unreachable_for seconds since the last successful lease refresh, while refreshes fail (None
+                    while they succeed)
+    active          the latest plan this agent knows gives it ranks
+    replaced        a plan read from etcd removed this node (someone else has its ranks)
+    recovering      a local worker saw a collective fail and waits for a new generation
+    stalled_for     seconds since a local worker last finished a step (None: no running workers)
+    stall_limit     a stall longer than this means a collective is stuck (the collective timeout)
+    """
+    if replaced:
+        return FENCE
+    if lease_gone:
+        # etcd answers again, and the plan we just read still has us (or we are a spare that owns
+        # no rank): nobody acted on the expiry yet. If a planner races us and publishes a plan
+        # without us, we see it on the next read and leave then.
+        return REREGISTER
+    if unreachable_for is None or not active:
+        return KEEP  # a spare owns no rank; it rejoins when etcd is back
+    # The lease expires at the server ttl seconds after the last refresh that got through. Fence
+    # from half of that when the workers are stuck too, so that they are gone before the node
+    # can be replaced; while they make progress the peers are still with us: etcd is what is down.
+    if unreachable_for >= ttl / 2 and (recovering or (stalled_for is not None and stalled_for > stall_limit)):
+        return FENCE
+    return KEEP
+
+
+def settling_after_outage(since_back: float | None, ttl: float) -> bool:
+    """True while the agents may still be re-registering after an etcd outage: do not publish a
+    plan that replaces nodes yet. Leases that expired during the outage (the v2 API keeps TTLs
+    in wall-clock time, so a full outage longer than the TTL expires every node at once) would
+    otherwise read as every node lost at the same moment: a failover storm. Every agent saw
+    the outage too and rejoins within one refresh interval (ttl/3), so two TTLs is plenty.
+    ``since_back``: seconds since this agent found etcd answering again (None: no outage)."""
+    return since_back is not None and since_back < 2 * ttl
