@@ -85,7 +85,7 @@ class Agent:
         self.last_progress = 0.0
         self.timings: dict[int, dict] = {}
         self.monitor = None
-        self.probed_gen = -1
+        self.probed_gen, self.probed_at = -1, 0.0
         self.recovering_since: float | None = None  # a local worker waits for a new generation
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
         self._statuses_cache: dict | None = None
@@ -483,6 +483,10 @@ class Agent:
             self.recovering_since = time.time()
             self._report_dead_peers(plan, view)
             return
+        if time.time() - self.probed_at >= 0.5:
+            # Peers can die after the first probe, e.g. a promoted spare killed while the others
+            # wait for it in the communicator setup: keep probing while recovering.
+            self._report_dead_peers(plan, view)
         patience = max(10.0, 2 * self.cfg.lease_ttl)
         if self.recovering_since and time.time() - self.recovering_since > patience and self.reported_gen != plan.generation:
             self.reported_gen = plan.generation
@@ -494,7 +498,7 @@ class Agent:
         """Report active peers whose agent refuses connections. A dead agent's port refuses at
         once, so a node loss is known in milliseconds instead of after the lease TTL; anything
         short of a refusal (a timeout, a partition) is left to the lease, the authority."""
-        self.probed_gen = plan.generation
+        self.probed_gen, self.probed_at = plan.generation, time.time()
         found = False
         for node in plan.nodes:
             info = view.alive.get(node)
