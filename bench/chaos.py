@@ -114,6 +114,9 @@ class Chaos:
         self.job = LocalJob(
             endpoint=endpoint, run_id=run_id, workdir=workdir, nnodes=str(ACTIVE), nproc=1,
             launcher_args=[
+                # Dead agents are found by probing in milliseconds; the lease is only the backstop,
+                # and on a shared, overloaded 2-core machine 5 s leases of live agents expired.
+                "--lease-ttl", "15",
                 "--max-restarts", "1000", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0",
                 "--health-straggler-window", "5", "--health-straggler-need", "3", "--health-straggler-of", "5",
             ],
