@@ -321,6 +321,8 @@ class Chaos:
                     return s["generation"] > gen and victim not in active and len(active) == ACTIVE
                 self.wait(replaced, 90, f"{victim} to be replaced after {kind}", interval=0.1)
             elif info.get("how") == "worker":
+                # Its progress record says "parked" until the agent publishes the restart (~1 s).
+                self.wait(lambda s: victim not in self.parked(s), 30, f"spare {victim}'s agent to restart its worker", interval=0.1)
                 self.wait(lambda s: victim in self.parked(s), 90, f"spare {victim} to warm up again", interval=0.3)
 
             def trained(_):
@@ -398,7 +400,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--faults", type=int, default=24)
-    p.add_argument("--steps", type=int, default=3000, help="training steps (the run ends fast once the faults are done)")
+    p.add_argument("--steps", type=int, default=800, help="training steps (enough for the faults; the rest run without --step-sleep)")
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--etcd", default=None, help="an etcd endpoint (default: start a private one)")
     p.add_argument("--out-dir", default=os.path.join(BENCH, "results"))
