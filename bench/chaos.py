@@ -157,9 +157,15 @@ class Chaos:
         return name
 
     def wait(self, predicate, timeout: float, what: str, interval: float = 0.05):
+        from rendezvous.kv import KVError
+
         deadline = time.time() + timeout
         while time.time() < deadline:
-            s = self.status()
+            try:
+                s = self.status()
+            except KVError:  # etcd slow to answer (an overloaded machine): ask again
+                time.sleep(interval)
+                continue
             value = predicate(s)
             if value:
                 return value
@@ -228,9 +234,14 @@ class Chaos:
                 if not result["recovered"]:
                     break
         finally:
+            # End the run a little ahead of every rank (the reference runs exactly that many steps).
+            self.end = min(self.steps, self.max_step() + 20)
+            with open(os.path.join(self.chaos, "end.tmp"), "w") as f:
+                f.write(str(self.end))
+            os.replace(os.path.join(self.chaos, "end.tmp"), os.path.join(self.chaos, "end"))
             self.hold(False)
             open(os.path.join(self.chaos, "fast"), "w").close()
-        codes = self.job.wait(timeout=300)
+        codes = self.job.wait(timeout=600)
         return {"seconds": time.time() - t0, "codes": codes}
 
     def prepare(self, need: int, stock: int = 3) -> None:
@@ -385,6 +396,7 @@ def soak(endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_s
         raise
     finally:
         chaos.job.stop()
+    steps = chaos.end
     report = {"seed": seed, "steps": steps, "faults": len(chaos.results), "seconds": round(run["seconds"], 1),
               "codes": run["codes"], "results": chaos.results, "table": summarize(chaos.results),
               "spares_started": chaos.spare_count}
@@ -400,7 +412,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--faults", type=int, default=24)
-    p.add_argument("--steps", type=int, default=800, help="training steps (enough for the faults; the rest run without --step-sleep)")
+    p.add_argument("--steps", type=int, default=800, help="at most this many training steps (the run ends 20 steps after the last fault)")
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--etcd", default=None, help="an etcd endpoint (default: start a private one)")
     p.add_argument("--out-dir", default=os.path.join(BENCH, "results"))
@@ -434,7 +446,7 @@ def main() -> int:
             server.stop()
     os.makedirs(args.out_dir, exist_ok=True)
     table = markdown(report["table"])
-    head = (f"Chaos soak, seed {args.seed}: {report['faults']} faults in {report['seconds']:.0f} s, {args.steps} steps, "
+    head = (f"Chaos soak, seed {args.seed}: {report['faults']} faults in {report['seconds']:.0f} s, {report['steps']} steps, "
             f"{ACTIVE} active nodes x 1 worker, {report['spares_started']} spares started; final parameters "
             f"{'bitwise equal to' if report['bitwise_equal'] else 'DIFFERENT from'} the fault-free run")
     with open(os.path.join(args.out_dir, f"chaos-{args.seed}.md"), "w") as f:

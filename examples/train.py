@@ -12,7 +12,7 @@ A file ``DIR/kill.<rank>`` holding "<phase> <step>" arms one SIGKILL of the rank
 phase of the first step >= <step>; the worker that fires it renames the file first, so it fires
 once however many processes hold the rank. ``DIR/slow.<node>`` makes that node's workers slower
 (a straggler) while it exists; ``DIR/hold`` holds training at the top of the next step while it
-exists; ``DIR/fast`` drops --step-sleep (finish the run quickly).
+exists; ``DIR/fast`` drops --step-sleep; ``DIR/end`` holding N ends the run after N steps.
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ def chaos_kill(args, job, step, phase):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def chaos_end(args) -> int:
+    """``DIR/end`` (written once, well ahead of every rank): the run ends after that many steps."""
+    try:
+        with open(os.path.join(args.chaos_dir, "end")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return args.steps
+
+
 def kill_now(args, job, step, phase):
     chaos_kill(args, job, step, phase)
     if job.in_sandbox or job.rank != args.kill_rank or step is None or phase != args.kill_phase:
@@ -137,6 +146,8 @@ def main():
         if step == args.pause_step and args.pause_file and not job.in_sandbox:
             while not os.path.exists(args.pause_file):
                 time.sleep(0.02)
+        if args.chaos_dir and step >= chaos_end(args):
+            break  # the soak is over: a run of exactly this many steps is the reference
         while args.chaos_dir and not job.in_sandbox and os.path.exists(os.path.join(args.chaos_dir, "hold")):
             time.sleep(0.02)
         if args.ckpt_dir and job.rank == 0 and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
@@ -173,7 +184,7 @@ def main():
                 f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
     if job.rank == 0 and args.out:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
-        print(f"[train] finished {args.steps} steps; parameters saved to {args.out}", flush=True)
+        print(f"[train] finished {step + 1 if args.chaos_dir else args.steps} steps; parameters saved to {args.out}", flush=True)
     dist.barrier(group=job.group) if dist.is_initialized() else None
 
 
