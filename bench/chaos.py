@@ -365,7 +365,7 @@ def reference_params(endpoint: str, workdir: str, steps: int):
 
     out = os.path.join(workdir, "reference.pt")
     job = LocalJob(endpoint=endpoint, run_id=f"chaos-ref-{uuid.uuid4().hex[:8]}", workdir=os.path.join(workdir, "reference"),
-                   nnodes=str(ACTIVE), nproc=1, script_args=["--steps", str(steps), "--out", out])
+                   nnodes=str(ACTIVE), nproc=1, launcher_args=["--lease-ttl", "15"], script_args=["--steps", str(steps), "--out", out])
     job.start_all([f"r{i}" for i in range(ACTIVE)])
     try:
         codes = job.wait(timeout=300)
