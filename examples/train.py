@@ -147,7 +147,10 @@ def main():
             while not os.path.exists(args.pause_file):
                 time.sleep(0.02)
         if args.chaos_dir and step >= chaos_end(args):
-            break  # the soak is over: a run of exactly this many steps is the reference
+            # The soak is over: the remaining steps do nothing, so the parameters are those of a
+            # run of exactly chaos_end steps. (Not a break: steps() must run out and report the
+            # worker finished, or the hang watchdog sees a silent "running" worker at exit.)
+            continue
         while args.chaos_dir and not job.in_sandbox and os.path.exists(os.path.join(args.chaos_dir, "hold")):
             time.sleep(0.02)
         if args.ckpt_dir and job.rank == 0 and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
@@ -184,7 +187,7 @@ def main():
                 f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
     if job.rank == 0 and args.out:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
-        print(f"[train] finished {step + 1 if args.chaos_dir else args.steps} steps; parameters saved to {args.out}", flush=True)
+        print(f"[train] finished {min(args.steps, chaos_end(args)) if args.chaos_dir else args.steps} steps; parameters saved to {args.out}", flush=True)
     dist.barrier(group=job.group) if dist.is_initialized() else None
 
 
