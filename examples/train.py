@@ -6,6 +6,13 @@ must end with exactly the parameters of a run without.
 
 Fault injection (a real SIGKILL of this worker, once: a marker file remembers it happened):
     --kill-rank R --kill-step S --kill-phase {forward,allreduce,optimizer}
+
+Repeated fault injection for a long run (the chaos soak, bench/chaos.py): ``--chaos-dir DIR``.
+A file ``DIR/kill.<rank>`` holding "<phase> <step>" arms one SIGKILL of the rank's worker at that
+phase of the first step >= <step>; the worker that fires it renames the file first, so it fires
+once however many processes hold the rank. ``DIR/slow.<node>`` makes that node's workers slower
+(a straggler) while it exists; ``DIR/hold`` holds training at the top of the next step while it
+exists; ``DIR/fast`` drops --step-sleep; ``DIR/end`` holding N ends the run after N steps.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tm_launch  # noqa: E402
 
 
+PHASES = ["forward", "allreduce", "optimizer", "checkpoint"]
+
+
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
@@ -35,7 +45,7 @@ def parse():
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
-    p.add_argument("--kill-phase", default="forward", choices=["forward", "allreduce", "optimizer"])
+    p.add_argument("--kill-phase", default="forward", choices=PHASES)
     p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
     p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
     p.add_argument("--crash-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) SIGKILL themselves at --crash-step, every time")
@@ -46,10 +56,42 @@ def parse():
     p.add_argument("--pause-file", default=None)
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
+    p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (see the module docstring)")
     return p.parse_args()
 
 
+def chaos_kill(args, job, step, phase):
+    """Fire an armed ``DIR/kill.<rank>`` ("<phase> <step>") once: rename it, then SIGKILL."""
+    if not args.chaos_dir or job.in_sandbox or step is None:
+        return
+    path = os.path.join(args.chaos_dir, f"kill.{job.rank}")
+    try:
+        with open(path) as f:
+            want_phase, want_step = f.read().split()
+    except (OSError, ValueError):
+        return
+    if want_phase != phase or step < int(want_step):
+        return
+    try:
+        os.rename(path, f"{path}.fired.{os.getpid()}")
+        os.utime(f"{path}.fired.{os.getpid()}")  # its mtime: when the fault happened
+    except OSError:
+        return  # another process of this rank fired it
+    print(f"[train] rank {job.rank}: chaos SIGKILL at step {step} ({phase})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def chaos_end(args) -> int:
+    """``DIR/end`` (written once, well ahead of every rank): the run ends after that many steps."""
+    try:
+        with open(os.path.join(args.chaos_dir, "end")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return args.steps
+
+
 def kill_now(args, job, step, phase):
+    chaos_kill(args, job, step, phase)
     if job.in_sandbox or job.rank != args.kill_rank or step is None or phase != args.kill_phase:
         return
     if args.kill_trigger:
@@ -104,6 +146,21 @@ def main():
         if step == args.pause_step and args.pause_file and not job.in_sandbox:
             while not os.path.exists(args.pause_file):
                 time.sleep(0.02)
+        if args.chaos_dir and step >= chaos_end(args):
+            # The soak is over: the remaining steps do nothing, so the parameters are those of a
+            # run of exactly chaos_end steps. (Not a break: steps() must run out and report the
+            # worker finished, or the hang watchdog sees a silent "running" worker at exit.)
+            continue
+        while args.chaos_dir and not job.in_sandbox and os.path.exists(os.path.join(args.chaos_dir, "hold")):
+            time.sleep(0.02)
+        if args.ckpt_dir and job.rank == 0 and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
+            # At the top of the step: the state after step - 1, which every rank completed. (At
+            # the end of a live step it could be a step whose collectives failed and runs again.)
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+            tmp = os.path.join(args.ckpt_dir, "ckpt.pt.tmp")
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+            kill_now(args, job, step, "checkpoint")  # dies with the new checkpoint half-written
+            os.replace(tmp, os.path.join(args.ckpt_dir, "ckpt.pt"))
         kill_now(args, job, step, "forward")
         if args.crash_node and os.environ.get("TM_NODE_ID") == args.crash_node and step == args.crash_step and not job.in_sandbox:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -111,8 +168,9 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if args.step_sleep:
+        if args.step_sleep and not (args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, "fast"))):
             slow = args.slow_node is not None and os.environ.get("TM_NODE_ID") == args.slow_node
+            slow = slow or bool(args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, f"slow.{os.environ.get('TM_NODE_ID')}")))
             time.sleep(args.step_sleep * (1 + args.slow_factor if slow else 1))
         if subgroups:
             mine = subgroups[job.rank // args.subgroups]
@@ -127,14 +185,9 @@ def main():
         if args.step_log:
             with open(args.step_log, "a") as f:
                 f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
-        if args.ckpt_dir and job.rank == 0 and (step + 1) % args.ckpt_every == 0:
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-            tmp = os.path.join(args.ckpt_dir, "ckpt.pt.tmp")
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
-            os.replace(tmp, os.path.join(args.ckpt_dir, "ckpt.pt"))
     if job.rank == 0 and args.out:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
-        print(f"[train] finished {args.steps} steps; parameters saved to {args.out}", flush=True)
+        print(f"[train] finished {min(args.steps, chaos_end(args)) if args.chaos_dir else args.steps} steps; parameters saved to {args.out}", flush=True)
     dist.barrier(group=job.group) if dist.is_initialized() else None
 
 

@@ -29,7 +29,7 @@ def plan(gen: int, nodes: str, **fields) -> Plan:
 
 
 def view(p: Plan | None = None, alive: str = "", *, failed: str = "", reports: dict | None = None,
-         drains: str = "", done: str = "", live: bool = False, last_call: bool = False) -> View:
+         drains: str = "", done: str = "", live: bool = False, last_call: bool = False, kinds: dict | None = None) -> View:
     """Single-letter node ids; ``alive`` lists the nodes with a live lease in join order."""
     return View(
         plan=p,
@@ -38,6 +38,7 @@ def view(p: Plan | None = None, alive: str = "", *, failed: str = "", reports: d
         reports=dict(reports or {}),
         drains={n: "operator: tm-launch ctl drain" for n in drains},
         done=frozenset(done),
+        report_kinds=dict(kinds or {}),
         live=live,
         last_call_passed=last_call,
     )
@@ -199,6 +200,12 @@ LOSS = [
     pytest.param(view(plan(3, "ab"), "ab", failed="a"), limits("1:2"),
                  dict(nodes=T("b"), joiners=T("b"), removed=T("a"), restarts=1),
                  id="no spare + cordoned node, MIN allows -> shrink"),
+    pytest.param(view(plan(3, "ab"), "ab", reports={"a": "agent unreachable (connection refused): node lost"}, kinds={"a": "lost"}, live=True),
+                 limits("2"), dict(state=FAILED, restarts=1, reason_has="no spare left: 1 node(s) remain"),
+                 id="no spare + agent found dead, lease not yet expired -> not restarted in place; below MIN -> FAILED"),
+    pytest.param(view(plan(3, "ab"), "ab", reports={"a": "agent unreachable (connection refused): node lost"}, kinds={"a": "lost"}, live=True),
+                 limits("1:2"), dict(nodes=T("b"), joiners=T("b"), removed=T("a"), restarts=1, live=False),
+                 id="no spare + agent found dead, MIN allows -> shrink"),
     # --- two losses in one generation, one spare
     pytest.param(view(plan(3, "abc"), "cd"), limits("2:3"),
                  dict(nodes=T("dc"), joiners=T("dc"), replaced={"d": "a"}, removed=T("ab"), restarts=1, live=False),

@@ -99,7 +99,8 @@ class Agent:
         self.last_progress = 0.0
         self.timings: dict[int, dict] = {}
         self.monitor = None
-        self.probed_gen = -1
+        self.probed_gen, self.probed_at = -1, 0.0
+        self.wrote = False  # this iteration reported something: plan on a view that includes it
         self.recovering_since: float | None = None  # a local worker waits for a new generation
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
         self.planning = True  # this agent is one of the designated planners (see planner.planners)
@@ -364,6 +365,11 @@ class Agent:
         elif self.planner_marked and not self.planning:
             self.members.unmark_planner(me)
         self.planner_marked = self.planning
+        if self.wrote:
+            # The snapshot predates this iteration's own report: a plan made from it would
+            # leave the report out, and a report for a superseded generation is never read.
+            self.wrote, self.state_changed = False, True
+            return None
         decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
         since_back = time.time() - self.etcd_back_at if self.etcd_back_at else None
         if decision is not None and decision.state != SUCCEEDED and view.plan is not None and settling_after_outage(since_back, self.cfg.lease_ttl):
@@ -473,6 +479,14 @@ class Agent:
             self.say(f"generation {plan.generation}: promoted from spare to group rank {plan.group_rank(me)} (ranks {plan.ranks(me)})", kind="promoted", generation=plan.generation)
         self._direct(plan)
         self._warn_spares(view, plan)
+        if plan.live and self.cfg.live_enabled and me not in plan.joiners and not self.workers and previous is not None and me in previous.nodes:
+            # This node's workers died in the previous generation, but the plan was made before
+            # that report was seen: it counts on workers that are gone. Report it again here.
+            self.reported_gen = plan.generation
+            why = f"this node's workers died in generation {previous.generation}, before generation {plan.generation} took them into account"
+            self.say(f"generation {plan.generation}: {why}; reporting the failure", kind="worker_failed", generation=plan.generation)
+            self.members.report_failure(plan.generation, me, why, kind="signal")
+            self.wrote = True
         return None
 
     def _change_kind(self, plan: Plan) -> str:
@@ -646,6 +660,12 @@ class Agent:
         if master:
             for env in envs.values():
                 env["MASTER_ADDR"], env["MASTER_PORT"] = master[0], str(master[1])
+        for lr in range(self.cfg.nproc):
+            # The previous process's last status and heartbeat must not be read as the new
+            # one's: the hang watchdog would kill a worker that is still starting up.
+            for key in ("status", "beat"):
+                self.store.delete_key(f"worker/{lr}/{key}")
+        self._statuses_cache = None
         self.workers.start(envs, plan.generation, "sandbox" if sandbox else "fresh")
         self.reported_gen = -1
 
@@ -682,6 +702,7 @@ class Agent:
                 self._report_dead_peers(plan, view)  # a dead peer, not this node, may be the cause
                 self.say(f"generation {plan.generation}: {why}; reporting the failure", kind="worker_failed", generation=plan.generation, local_rank=local_rank, exit_code=code)
                 self.members.report_failure(plan.generation, me, why, kind="signal" if code < 0 else "exit")
+                self.wrote = True
             else:
                 self.say(f"spare: sandbox {why}; it will be started again", kind="spare_failed")
             return
@@ -706,18 +727,23 @@ class Agent:
             self.recovering_since = time.time()
             self._report_dead_peers(plan, view)
             return
+        if time.time() - self.probed_at >= 0.5:
+            # Peers can die after the first probe, e.g. a promoted spare killed while the others
+            # wait for it in the communicator setup: keep probing while recovering.
+            self._report_dead_peers(plan, view)
         patience = max(10.0, 2 * self.cfg.lease_ttl)
         if self.recovering_since and time.time() - self.recovering_since > patience and self.reported_gen != plan.generation:
             self.reported_gen = plan.generation
             why = f"a collective failed {patience:.0f}s ago but no peer node was lost; restarting this node's workers"
             self.say(f"generation {plan.generation}: {why}", kind="worker_failed", generation=plan.generation)
             self.members.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
+            self.wrote = True
 
     def _report_dead_peers(self, plan: Plan, view: View) -> bool:
         """Report active peers whose agent refuses connections. A dead agent's port refuses at
         once, so a node loss is known in milliseconds instead of after the lease TTL; anything
         short of a refusal (a timeout, a partition) is left to the lease, the authority."""
-        self.probed_gen = plan.generation
+        self.probed_gen, self.probed_at = plan.generation, time.time()
         found = False
         for node in plan.nodes:
             info = view.alive.get(node)
@@ -729,6 +755,10 @@ class Agent:
                 why = f"agent unreachable at {info.addr}:{info.store_port} (connection refused): node lost"
                 self.say(f"generation {plan.generation}: {node}: {why}", kind="node_lost", generation=plan.generation, lost=node)
                 self.members.report_failure(plan.generation, node, why, kind="lost")
+                self.wrote = True
+                # Unregister it too: its lease outlives it by a few seconds, and a later
+                # generation must not promote (or wait for) a node already known dead.
+                self.members.leave(node)
                 found = True
             except OSError:
                 continue
@@ -828,12 +858,15 @@ class Agent:
             if plan is None or self.cfg.node_id not in plan.nodes:
                 if alarm.severity == FATAL:
                     self.members.cordon(self.cfg.node_id, f"{alarm.signal}: {alarm.message}")
+                    self.wrote = True
                 continue
             if alarm.severity == FATAL:
                 self.members.cordon(self.cfg.node_id, f"{alarm.signal}: {alarm.message}")
+                self.wrote = True
                 self.workers.stop(grace=0)
             elif alarm.severity == DEGRADED:
                 self.members.request_drain(self.cfg.node_id, f"{alarm.signal}: {alarm.message}")
+                self.wrote = True
 
     def _publish_progress(self) -> None:
         now = time.time()
@@ -905,5 +938,6 @@ class Agent:
                 alarm = self.stragglers.alarm_for(rank, node)
                 self.members.alarm(node, f"straggler-rank{rank}", alarm.to_json())
                 self.members.request_drain(node, alarm.message)
+                self.wrote = True
                 self.say(f"alarm degraded: {alarm.message} on {node}: requesting a planned migration", kind="alarm", alarm=alarm.to_json())
                 self.stragglers.reset(rank)

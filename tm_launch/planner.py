@@ -178,8 +178,10 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
             joiners.append(spare)
             replaced[spare] = node
             removed.append(node)
-        elif node in view.alive and node not in view.failed:
-            nodes.append(node)  # no spare: the node restarts its own workers in place
+        elif node in view.alive and node not in view.failed and view.report_kinds.get(node) != "lost":
+            # no spare: the node restarts its own workers in place (not a node whose agent was
+            # found dead: its lease outlives it by a few seconds, but nobody is there to restart)
+            nodes.append(node)
             joiners.append(node)
         else:
             removed.append(node)

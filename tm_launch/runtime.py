@@ -298,8 +298,13 @@ class LiveJob:
             if d.get("stop"):
                 sys.exit(0)
             if d["active"]:
-                self._enter(d)
-                return
+                try:
+                    self._enter(d)
+                    return
+                except _Superseded as newer:  # promoted, then replaced before it got in
+                    d = newer.directive
+                    self._state = "parked"
+                    self._report(force=True)
             after = d["generation"]
 
     def _boundary(self) -> None:
@@ -360,8 +365,8 @@ class LiveJob:
         pending, self._pending = self._pending, None
         if not d["active"]:
             self._leave_job()
-        pending["thread"].join()
-        self._enter(d, prebuilt=pending["built"].get("world"))
+        prebuilt = (pending["thread"], pending["built"]) if pending["thread"] is not None else None
+        self._enter(d, prebuilt=prebuilt)
         return True
 
     def _store(self, where: dict) -> dist.Store:
@@ -380,11 +385,64 @@ class LiveJob:
         return new_gloo(store, ranks.index(global_rank), len(ranks), self._timeout, self._addr, self._setup_timeout)
 
     def _enter(self, d: dict, prebuilt=None, agree: bool = True) -> None:
+        """Enter generation ``d``; when a peer dies on the way in, enter the generation after it.
+
+        A joiner can die while the others wait for it in the communicator setup (which may wait
+        up to the join timeout: joiners can start cold) or fail the agreement/transfer. Either way
+        the generation can never complete; the agents publish a newer one (the dead node's
+        lease, or this node's report after a while), and this process follows it instead of
+        waiting out the setup timeout or crashing with the training state that only it holds."""
+        while True:
+            try:
+                self._enter_once(d, prebuilt, agree)
+                return
+            except _Superseded as newer:
+                _log(f"generation {d['generation']} was superseded by {newer.directive['generation']} while entering it")
+                d = newer.directive
+            except RuntimeError as e:  # gloo/store errors: a peer died while entering
+                self._state = "recovering"
+                self._report(force=True)
+                _log(f"entering generation {d['generation']} failed ({str(e).splitlines()[0][:160]}); waiting for the next generation")
+                d = self._wait_directive(d["generation"])
+            prebuilt, agree = None, True
+            if d.get("stop"):
+                self._leave_job()
+            if not d["active"]:
+                if self.in_sandbox:
+                    raise _Superseded(d)  # a spare that is no longer promoted parks again
+                self._leave_job()
+
+    def _build_watching(self, ranks, global_rank: int, gen: int, d: dict, pending=None):
+        """``_build`` in a thread while this one watches for a newer generation: the setup waits
+        for every member, so a member that died would otherwise hold this process for the whole
+        setup timeout. An abandoned build is left to fail at its own timeout (a daemon thread)."""
+        box: dict = {}
+        if pending is None:
+            def work():
+                try:
+                    box["pg"] = self._build(ranks, global_rank, gen, d)
+                except BaseException as e:  # noqa: BLE001 -- handed to the main thread
+                    box["error"] = e
+            pending = threading.Thread(target=work, daemon=True)
+            pending.start()
+        else:
+            pending, box = pending
+        while pending.is_alive():
+            pending.join(0.01)
+            if pending.is_alive() and self._latest() > gen:
+                raise _Superseded(self._directive(self._latest()))
+        if "error" in box:
+            raise box["error"]
+        return box.get("pg") or box.get("world")
+
+    def _enter_once(self, d: dict, prebuilt=None, agree: bool = True) -> None:
         t0 = time.perf_counter()
         gen, rank, world = d["generation"], d["ranks"][self.local_rank], d["world_size"]
         self._current = d
         old_rank = self.rank
-        inner = prebuilt or self._build(None, rank, gen, d)
+        if isinstance(prebuilt, tuple):  # a planned switch's background build: (thread, box)
+            prebuilt = self._build_watching(None, rank, gen, d, pending=prebuilt)
+        inner = prebuilt or self._build_watching(None, rank, gen, d)
         self.group.swap(inner, rank, world, gen)
         _register_group(self.group, None)
         self._rebuild_subgroups(d, rank, old_rank)
@@ -414,7 +472,7 @@ class LiveJob:
                 or isinstance(sub.inner, LocalBackend) or joiners.intersection(ranks)
             )
             if fresh:
-                sub.swap(self._build(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])
+                sub.swap(self._build_watching(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])
 
     def _agree_and_transfer(self, pg, rank: int, world: int) -> bool:
         """One allgather of completed steps; ranks behind receive state from the first rank ahead."""
@@ -475,6 +533,14 @@ class LiveJob:
         c10d._world.pg_names[self.group] = "tm-world"
         c10d._world.pg_backend_config[self.group] = "cpu:gloo"
         _register_group(self.group, None)
+
+
+class _Superseded(Exception):
+    """A newer generation arrived while this process was entering an older one."""
+
+    def __init__(self, directive: dict):
+        super().__init__(f"generation {directive['generation']}")
+        self.directive = directive
 
 
 def _register_group(group: LiveGroup, ranks) -> None:
