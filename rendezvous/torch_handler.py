@@ -175,7 +175,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if mine and plan.generation == prev and not requested:
                 requested = True
                 if next_plan(self._view(snap.view), self._limits) is None:
-                    self._m.report_failure(prev, self.node, "torchrun agent restarts its workers (new round)")
+                    # kind "signal": a failure of this node's workers, not of the node (a node
+                    # reported "lost" is never restarted in place: its agent is presumed dead)
+                    self._m.report_failure(prev, self.node, "torchrun agent restarts its workers (new round)", kind="signal")
                     continue
             if self._advance(snap):
                 continue

@@ -139,6 +139,25 @@ def test_planned_drain(local_job, reference):
     assert plan["planned"] and plan["replaced"] == {"c": "a"}
 
 
+@pytest.mark.slow
+def test_drain_at_the_last_step_finishes_without_the_joiner(local_job, reference):
+    """A drain agreed at the last step switches 'after' it: the keepers finish in the old
+    communicator, and the promoted spare (that never got in) is released at once instead of
+    waiting out the setup timeout."""
+    def drain(job, release):
+        out = job.ctl("drain", "b")
+        assert out.returncode == 0, out.stderr
+        job.wait_for(lambda s: s["generation"] == 1, 60, "the drain plan")
+        release()
+
+    t0 = time.time()
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=("--pause-step", str(STEPS - 1)), fault=drain)
+    assert codes == {"a": 0, "b": 0, "c": 0}, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+    assert "nothing left for them to do" in job.nodes["c"].log(), job.logs_tail()
+    assert time.time() - t0 < 200
+
+
 def test_hung_worker_is_killed_and_replaced(local_job, reference):
     job, codes, params, info = run_job(
         local_job, ["a", "b", "c"], launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from tm_launch.plan import FAILED, RUNNING, SUCCEEDED, NodeInfo, Plan
-from tm_launch.planner import Limits, View, next_plan, spares
+from tm_launch.planner import Limits, View, finished_without, next_plan, spares
 
 NPROC = 2
 
@@ -392,3 +392,19 @@ def test_live_needs_a_surviving_holder_of_the_state():
     v = blame_view({"a": "worker killed by SIGKILL", "b": "xid 79"}, {"a": "signal", "b": "alarm"}, alive="abc", live=True)
     got = next_plan(v, limits("2"))
     assert got is not None and not got.live and set(got.joiners) == set(got.nodes), got
+
+
+@pytest.mark.parametrize("v, node, want", [
+    pytest.param(view(plan(4, "abc", live=True, planned=True, joiners=T("c")), "abc", done="ab", live=True), "c", True,
+                 id="drain at the end: keepers done, the joiner never got in -> nothing left for it"),
+    pytest.param(view(plan(4, "abc", live=True, planned=True, joiners=T("c")), "abc", done="a", live=True), "c", False,
+                 id="a keeper still training -> the joiner is needed"),
+    pytest.param(view(plan(4, "abc", live=True, joiners=T("c")), "abc", done="ab", live=True), "a", False,
+                 id="a keeper is never finished without itself"),
+    pytest.param(view(plan(4, "abc", joiners=T("abc")), "abc", done="ab"), "c", False,
+                 id="restart mode: every node is new and must finish"),
+    pytest.param(view(plan(4, "c", live=True, joiners=T("c")), "c", done="", live=True), "c", False,
+                 id="no keepers at all -> never"),
+])
+def test_finished_without(v, node, want):
+    assert finished_without(v, node) is want

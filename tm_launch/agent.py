@@ -37,7 +37,7 @@ from rendezvous.membership import Membership, UnreadablePlan
 
 from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
-from .planner import Limits, View, next_plan, planners, spares
+from .planner import Limits, View, finished_without, next_plan, planners, spares
 from .timeline import append_samples, cause_kind
 from .waits import Every
 from .workers import OutputSpec, WorkerSet, describe_exit
@@ -102,6 +102,7 @@ class Agent:
         self.probed_gen, self.probed_at = -1, 0.0
         self.wrote = False  # this iteration reported something: plan on a view that includes it
         self.recovering_since: float | None = None  # a local worker waits for a new generation
+        self.keepers_done_at: float | None = None  # a joiner saw its keepers finish without it
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
         self.planning = True  # this agent is one of the designated planners (see planner.planners)
         self.planner_marked = False  # state/planners/<me> is written (Membership.wait_plan)
@@ -380,10 +381,11 @@ class Agent:
             return None
         # Our own writes (reports, cordons) move the revision past the snapshot's too, so the
         # wait returns at once and the next iteration plans on them. An agent that does not
-        # plan wakes only for a new plan or planner, except group rank 0 and a spare that has
-        # yet to learn the job is live (it must warm up): joins and losses cost the others nothing.
+        # plan wakes only for a new plan or planner, except group rank 0, a joiner, and a spare that
+        # has yet to learn the job is live (it must warm up): joins and losses cost the others nothing.
         rank0 = view.plan is not None and view.plan.nodes[:1] == (me,)  # it reports waiting drains
-        follow_only = not self.planning and not rank0 and (view.plan is None or me in view.plan.nodes or view.live)
+        joining = view.plan is not None and view.plan.live and me in view.plan.joiners  # watches its keepers finish
+        follow_only = not self.planning and not rank0 and not joining and (view.plan is None or me in view.plan.nodes or view.live)
         wait = self.members.wait_plan if follow_only else self.members.wait
         self.state_changed = wait(snap.revision, self.cfg.monitor_interval)
         return None
@@ -710,8 +712,26 @@ class Agent:
             self.done_gen = plan.generation
             self.members.mark_done(plan.generation, me)
             self.say(f"generation {plan.generation}: this node's workers finished; waiting for the others")
+        if active and self.done_gen != plan.generation and self._nothing_left(view):
+            self.done_gen = plan.generation
+            self.workers.stop(grace=0)
+            self.members.mark_done(plan.generation, me)
+            self.say(f"generation {plan.generation}: the nodes that kept their workers finished training before this "
+                     "node's workers got in; nothing left for them to do", kind="warning", generation=plan.generation)
         if active:
             self._watch_hangs(plan)
+
+    def _nothing_left(self, view: View) -> bool:
+        """A joiner whose keepers all finished (planner.finished_without) while none of its
+        workers entered the generation, for 2 s on end: a worker that got in writes its entry
+        key the moment its state arrived, long before its peers' exits reach etcd."""
+        plan = self.plan
+        entered = any(self.store.check([f"worker/{lr}/entered/{plan.generation}"]) for lr in self.workers.workers)
+        if entered or not finished_without(view, self.cfg.node_id):
+            self.keepers_done_at = None
+            return False
+        self.keepers_done_at = self.keepers_done_at or time.time()
+        return time.time() - self.keepers_done_at >= 2.0
 
     def _probe_peers(self, view: View) -> None:
         """A local worker saw a collective fail: find out at once whether a peer node died; and if

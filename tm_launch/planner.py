@@ -124,6 +124,21 @@ def _lost(view: View) -> tuple[dict[str, str], set[str]] | None:
     return exits, set()
 
 
+def finished_without(view: View, node: str) -> bool:
+    """True when ``node`` joins the current live generation and every node that kept its workers
+    has finished: training is complete without it.
+
+    The keepers can only finish the last step through collectives with every rank of a complete
+    world. A drain agreed near the end may switch at a step after the last one: the keepers then
+    finish in the old communicator, and the promoted spare, still waiting to enter, has nothing
+    left to do (its agent then reports it done instead of waiting out the setup timeout)."""
+    plan = view.plan
+    if plan is None or plan.finished or not plan.live or node not in plan.joiners:
+        return False
+    keepers = [n for n in plan.nodes if n not in plan.joiners]
+    return bool(keepers) and all(n in view.done for n in keepers)
+
+
 def next_plan(view: View, limits: Limits) -> Plan | None:
     """The next generation, or None when the current plan stands."""
     plan = view.plan
