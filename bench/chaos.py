@@ -293,7 +293,8 @@ class Chaos:
                 raise SoakError(f"ctl drain failed: {out.stderr.strip()}")
         elif kind == "spare-killed-parked":
             expect_plan = False
-            spare = self.rng.choice(self.parked(s))
+            # The spare parked in prepare() may have been promoted since (a late plan): wait for one.
+            spare = self.rng.choice(self.wait(lambda s: self.parked(s), 120, "a parked spare", interval=0.3))
             how = self.rng.choice(["agent", "worker"])
             victim = {"id": spare}
             if how == "agent":
