@@ -11,7 +11,7 @@ import pytest
 from rendezvous.etcd_server import EtcdCluster
 from test_live import assert_bitwise, reference, run_job  # noqa: F401 - reference is a fixture
 
-STEPS = 400
+STEPS = 1200  # long enough (>= 36 s at 0.03 s a step) to train through all three outages
 TTL = 3.0
 
 

@@ -47,7 +47,10 @@ class StepPoison:
     def set(self, error: BaseException) -> None:
         with self._lock:
             if self.error is None:
-                self.error = error
+                # Without its traceback: the frames hold the failed collective's future, whose
+                # work keeps gloo's connections open after the communicator is released, so a
+                # peer blocked on this rank would wait for the collective timeout.
+                self.error = error.with_traceback(None)
 
     @property
     def active(self) -> bool:
@@ -181,6 +184,13 @@ class LiveGroup(dist.ProcessGroup):
         """A collective of this communicator failed: poison the step, stop using the communicator."""
         self.broken = True
         self._poison.set(error)
+
+    def release(self) -> None:
+        """Close the communicator now, healthy or not: this rank is leaving it for a new
+        generation, and a peer still blocked in one of its collectives must fail at once rather
+        than wait for this rank until the collective timeout (it would, while this rank waits
+        for that peer in the new generation's setup)."""
+        self._inner = None
 
     def release_if_broken(self) -> bool:
         """Close a failed communicator now (main thread, nothing in flight) so peers blocked on

@@ -442,6 +442,12 @@ class LiveJob:
         old_rank = self.rank
         if isinstance(prebuilt, tuple):  # a planned switch's background build: (thread, box)
             prebuilt = self._build_watching(None, rank, gen, d, pending=prebuilt)
+        elif prebuilt is None and not self.in_sandbox:
+            # Unplanned: a peer may still be blocked in a collective of the old world with this
+            # rank (it moved on at a healthy boundary, e.g. a cordoned node's plan arrived
+            # mid-step); closing it here makes that peer fail now instead of both sides waiting
+            # for each other, the peer in the old collective and this rank in the new setup.
+            self.group.release()
         inner = prebuilt or self._build_watching(None, rank, gen, d)
         self.group.swap(inner, rank, world, gen)
         _register_group(self.group, None)
