@@ -19,8 +19,6 @@ import json
 import logging
 import math
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
