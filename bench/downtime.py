@@ -65,6 +65,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, REPO)
 
+from rendezvous.etcd_server import free_ports  # noqa: E402
 from tm_launch.localjob import LocalJob, Node, downtime  # noqa: E402
 
 TAG_VAR = "TM_BENCH_TAG"
@@ -113,12 +114,6 @@ def reap(wait: float = 5.0) -> int:
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- jobs ---------------------------------------------------------------------------------------------
@@ -285,7 +280,7 @@ class Bench:
                 # joining a later round waits for a MASTER_ADDR rank 0 wrote only in its first
                 # round. torch's documented opt-out gives torchrun its best chance.
                 env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-            job = TorchrunJob(endpoint=f"127.0.0.1:{free_port()}", launcher_args=["--max-restarts", "3"], **common)
+            job = TorchrunJob(endpoint=f"127.0.0.1:{free_ports(1)[0]}", launcher_args=["--max-restarts", "3"], **common)
         else:
             launcher_args = ["--max-restarts", "3"]
             if spare:

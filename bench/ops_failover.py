@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,14 +28,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rendezvous.etcd_server import EtcdServer  # noqa: E402
+from rendezvous.etcd_server import EtcdServer, free_ports  # noqa: E402
 from tm_launch.localjob import LocalJob, downtime  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(port: int, name: str) -> float | None:
@@ -55,7 +48,7 @@ def one_run(endpoint: str, workdir: str, png: str | None) -> dict:
                    launcher_args=["--max-restarts", "3"], env={"OMP_NUM_THREADS": "1"})
     trigger = os.path.join(workdir, "trigger")
     job.script_args = ["--steps", "200", "--step-sleep", "0.03", "--step-log", job.step_log, "--pause-step", "10", "--pause-file", trigger]
-    ports = {n: free_port() for n in "abc"}
+    ports = dict(zip("abc", free_ports(3)))
     try:
         for n in "ab":
             job.start(n, extra_env={"PET_METRICS_PORT": str(ports[n])})

@@ -32,7 +32,7 @@ def find_etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """Ask the kernel for n distinct free ports on ``host`` (all held open until all are chosen)."""
     socks = []
     try:
@@ -125,7 +125,7 @@ class EtcdServer:
             self._own_tmp = tempfile.mkdtemp(prefix="tm-etcd-")
         self.data_dir = self._data_dir or os.path.join(self._own_tmp, "data")
         self.log_path = self._log_file or os.path.join(self._own_tmp, "etcd.log")
-        client, peer, metrics = self.ports or _free_ports(3, self.host)
+        client, peer, metrics = self.ports or free_ports(3, self.host)
         self._spawn(binary, self.data_dir, self.log_path, client, peer, metrics)
 
     def _spawn(self, binary: str, data_dir: str, log_path: str,
@@ -231,7 +231,7 @@ class EtcdCluster:
     def __init__(self, size: int = 3, *, host: str = "127.0.0.1", name: str = "tm"):
         self.host = host
         self._tmp = tempfile.mkdtemp(prefix="tm-etcd-cluster-")
-        ports = _free_ports(3 * size, host)
+        ports = free_ports(3 * size, host)
         self.members = []
         for i in range(size):
             m = EtcdServer(os.path.join(self._tmp, f"m{i}"), name=f"{name}{i}", host=host,

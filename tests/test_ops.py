@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from rendezvous.etcd_server import free_ports
 from tm_launch.localjob import REPO, TRAIN, launcher
 from tm_launch.timeline import append_samples, build, cause_kind, label_rows
 from tm_launch.waits import Every
@@ -98,12 +99,6 @@ def test_every_prints_at_most_once_per_interval():
 
 
 # -- end to end ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scrape(port: int) -> dict:
     """{(name, frozenset(labels)): value} from an agent's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -126,7 +121,7 @@ def test_failover_timeline_and_metrics(local_job, tmp_path):
     trigger, marker = os.path.join(job.workdir, "trigger"), os.path.join(job.workdir, "killed")
     job.script_args = ["--steps", "220", "--step-sleep", "0.03", "--step-log", job.step_log, "--pause-step", "10", "--pause-file", trigger,
                        "--kill-rank", "1", "--kill-step", "40", "--kill-trigger", trigger, "--kill-marker", marker]
-    ports = {n: free_port() for n in "abc"}
+    ports = dict(zip("abc", free_ports(3)))
     for n in "ab":
         job.start(n, extra_env={"PET_METRICS_PORT": str(ports[n])})
         time.sleep(0.2)

@@ -25,6 +25,25 @@ def _loads(text: str):
         raise ValueError("JSON nested too deeply") from None
 
 
+def _record(text: str, cls, what: str) -> dict:
+    """Parse one record of etcd content: a JSON object with none but ``cls``'s fields."""
+    d = _loads(text)
+    if not isinstance(d, dict):
+        raise ValueError(f"a {what} must be a JSON object")
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"a {what} has unknown field(s) {_short(sorted(unknown))}")
+    return d
+
+
+def _check_types(record, what: str, kinds) -> None:
+    """Every (field, type) in ``kinds`` holds; a bool never passes for a number."""
+    for name, kind in kinds:
+        value = getattr(record, name)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise ValueError(f"{what} field '{name}' has the wrong type: {_short(value)}")
+
+
 def _short(value) -> str:
     """A bad value for an error message: etcd values may be megabytes of junk."""
     text = repr(value)
@@ -49,17 +68,9 @@ class NodeInfo:
     @staticmethod
     def from_json(text: str) -> "NodeInfo":
         """Parse and type-check a registration (etcd content is input, not trusted)."""
-        d = _loads(text)
-        if not isinstance(d, dict):
-            raise ValueError("a node record must be a JSON object")
-        unknown = set(d) - {f.name for f in fields(NodeInfo)}
-        if unknown:
-            raise ValueError(f"a node record has unknown field(s) {_short(sorted(unknown))}")
-        info = NodeInfo(**d)
-        for name, kind in (("id", str), ("host", str), ("addr", str), ("store_port", int), ("nproc", int), ("pid", int), ("joined", (int, float))):
-            value = getattr(info, name)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"node record field '{name}' has the wrong type: {_short(value)}")
+        info = NodeInfo(**_record(text, NodeInfo, "node record"))
+        _check_types(info, "node record", (("id", str), ("host", str), ("addr", str), ("store_port", int), ("nproc", int),
+                                           ("pid", int), ("joined", (int, float))))
         # Values other nodes act on (connect to the port, order joins by time) must be sane.
         if not 0 < info.store_port < 65536 or info.nproc < 0 or not math.isfinite(info.joined):  # torchrun's handler registers nproc 0
             raise ValueError("node record has an out-of-range store_port, nproc or joined")
@@ -106,12 +117,7 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        d = _loads(text)
-        if not isinstance(d, dict):
-            raise ValueError("a plan must be a JSON object")
-        unknown = set(d) - {f.name for f in fields(Plan)}
-        if unknown:
-            raise ValueError(f"a plan has unknown field(s) {_short(sorted(unknown))}")
+        d = _record(text, Plan, "plan")
         for key in ("nodes", "joiners", "removed"):
             if not isinstance(d.get(key, ()), list) or not all(isinstance(n, str) for n in d.get(key, ())):
                 raise ValueError(f"plan field '{key}' must be a list of node ids")
@@ -119,12 +125,9 @@ class Plan:
         plan = Plan(**d)
         # etcd content is input: every field an agent acts on is type-checked, so that a bad
         # plan is refused here, in one place, rather than crashing an agent later.
-        for name, kind in (("generation", int), ("nproc", int), ("restarts", int), ("store", dict),
-                           ("cause", str), ("replaced", dict), ("live", bool), ("planned", bool),
-                           ("state", str), ("reason", str), ("created", (int, float))):
-            value = getattr(plan, name)
-            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-                raise ValueError(f"plan field '{name}' has the wrong type: {_short(value)}")
+        _check_types(plan, "plan", (("generation", int), ("nproc", int), ("restarts", int), ("store", dict),
+                                    ("cause", str), ("replaced", dict), ("live", bool), ("planned", bool),
+                                    ("state", str), ("reason", str), ("created", (int, float))))
         if plan.generation < 0 or plan.nproc < 0 or plan.state not in (RUNNING, SUCCEEDED, FAILED):  # torchrun's handler: nproc 0
             raise ValueError("plan has an out-of-range generation, nproc or state")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.replaced.items()):
