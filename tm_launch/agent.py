@@ -726,9 +726,9 @@ class Agent:
         workers entered the generation, for 2 s on end: a worker that got in writes its entry
         key the moment its state arrived, long before its peers' exits reach etcd."""
         plan = self.plan
-        entered = any(self.store.check([f"worker/{lr}/entered/{plan.generation}"]) for lr in self.workers.workers)
-        if entered or not finished_without(view, self.cfg.node_id):
-            self.keepers_done_at = None
+        if not finished_without(view, self.cfg.node_id) or any(
+                self.store.check([f"worker/{lr}/entered/{plan.generation}"]) for lr in self.workers.workers):
+            self.keepers_done_at = None  # the pure check first: this runs on every loop iteration
             return False
         self.keepers_done_at = self.keepers_done_at or time.time()
         return time.time() - self.keepers_done_at >= 2.0
