@@ -117,7 +117,8 @@ class LocalBackend:
         return completed_work(outputs)
 
     def alltoall_base(self, output, inp, *args, **kwargs):
-        output.copy_(inp)
+        piece = inp.chunk(self._size)[self._rank]  # every peer sends us its piece for this rank
+        output.copy_(piece.repeat(self._size, *([1] * (inp.dim() - 1))).view_as(output))
         return completed_work(output)
 
     def barrier(self, *args, **kwargs):
@@ -135,6 +136,14 @@ class LocalBackend:
                 o.copy_(ins[self._rank])
         return completed_work(outputs)
 
+    def allgather_coalesced(self, output_lists, input_tensors, *args, **kwargs):
+        return self.allgather(output_lists, input_tensors)
+
+    def alltoall(self, outputs, inputs, *args, **kwargs):
+        for o in outputs:  # peer j sends its piece for this rank: identical replicas, ours
+            o.copy_(inputs[self._rank])
+        return completed_work(outputs)
+
     def send(self, *args, **kwargs):
         return completed_work(None)
 
@@ -145,17 +154,18 @@ class LocalBackend:
 class LiveGroup(dist.ProcessGroup):
     """A process group whose membership is fixed in global ranks and whose communicator is not."""
 
-    def __init__(self, ranks: tuple[int, ...] | None, rank: int, size: int, poison: StepPoison, backend_name: str = "tm"):
+    def __init__(self, ranks: tuple[int, ...] | None, rank: int, size: int, poison: StepPoison, name: str = "tm-world"):
         super().__init__(max(rank, 0), size)
         self.member_ranks = ranks  # None: the world group
         self._rank, self._size = rank, size
         self._inner = None
         self._poison = poison
-        self._backend_name = backend_name
+        self._name = name
         self.generation = -1
         self.last_submit = 0.0
         self.last_complete = 0.0
         self.broken = False  # a collective of this communicator failed: it is released at the boundary
+        self._pending: list = []  # works handed out this step and not yet settled
 
     # -- identity ----------------------------------------------------------------------------
     def rank(self) -> int:
@@ -167,7 +177,17 @@ class LiveGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         # Not "gloo": DDP's logger would then look up a registered gloo backend object; a name
         # of our own makes it skip that and treat the group as a custom backend.
-        return self._backend_name
+        return "tm"
+
+    @property
+    def group_name(self) -> str:
+        # torch keeps a group's name on its C++ backends, and this group has none: functional
+        # collectives (DTensor, FSDP2, torch.compile) look the group up by this name instead.
+        return self._name
+
+    @property
+    def group_desc(self) -> str:
+        return self._name
 
     @property
     def inner(self):
@@ -178,6 +198,7 @@ class LiveGroup(dist.ProcessGroup):
         old, self._inner = self._inner, inner
         self._rank, self._size, self.generation = rank, size, generation
         self.broken = False
+        self._pending.clear()
         del old  # dropping the last reference closes gloo's sockets: peers still waiting fail fast
 
     def fail(self, error: BaseException) -> None:
@@ -191,22 +212,36 @@ class LiveGroup(dist.ProcessGroup):
         than wait for this rank until the collective timeout (it would, while this rank waits
         for that peer in the new generation's setup)."""
         self._inner = None
+        self._pending.clear()
 
     def release_if_broken(self) -> bool:
         """Close a failed communicator now (main thread, nothing in flight) so peers blocked on
         this rank get 'connection closed' instead of waiting for the collective timeout."""
         if not self.broken or self._inner is None:
             return False
-        self._inner = None  # the last reference: the destructor closes the sockets right here
+        self.release()  # the last reference: the destructor closes the sockets right here
         return True
+
+    def settle(self) -> None:
+        """Wait for every collective this group handed out and the script did not wait for (a
+        step may only be committed once all of its communication is known to have worked)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            try:
+                work.wait()
+            except Exception:  # already recorded as the step's poison by the guard
+                pass
 
     # -- collectives (methods added below by _forward) ---------------------------------------
     def _call(self, name: str, result, args, kwargs):
         self.last_submit = time.perf_counter()
         if self.broken or self._inner is None:
-            return completed_work(result)
+            # The step is poisoned (or this rank is not connected): serve it locally as if every
+            # peer held this rank's values, so shapes stay right and object collectives unpickle.
+            return getattr(LocalBackend(max(self._rank, 0), self._size), _local_name(name))(*args, **kwargs)
+        inner_name = name if hasattr(self._inner, name) else ALIASES.get(name, name)
         try:
-            work = getattr(self._inner, name)(*args, **kwargs)
+            work = getattr(self._inner, inner_name)(*args, **kwargs)
         except Exception as e:  # a broken communicator can fail at submission time too
             self.fail(e)
             if not self._poison.armed:
@@ -214,7 +249,34 @@ class LiveGroup(dist.ProcessGroup):
             return completed_work(result)
         if isinstance(self._inner, LocalBackend):
             return work
-        return _guarded(work, self, result)
+        guarded = _guarded(work, self, result)
+        if self._poison.armed:
+            self._pending.append(guarded)
+        return guarded
+
+
+# torch 2.13's ProcessGroup names some collectives differently from its backends (the communicator
+# behind a LiveGroup may be either); FSDP2 calls the ProcessGroup names.
+ALIASES = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+_LOCAL = {v: k for k, v in ALIASES.items()}
+
+
+def _local_name(name: str) -> str:
+    return name if hasattr(LocalBackend, name) else ALIASES.get(name, _LOCAL.get(name, name))
+
+
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall", "barrier", "reduce", "gather", "scatter",
+    "send", "recv", *ALIASES,
+)
 
 
 def _forward(name: str):
@@ -228,13 +290,37 @@ def _forward(name: str):
     return method
 
 
-for _name in (
-    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
-    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-    "reduce_scatter_tensor_coalesced", "alltoall_base", "barrier", "reduce", "gather", "scatter",
-    "send", "recv",
-):
+for _name in COLLECTIVES:
     setattr(LiveGroup, _name, _forward(_name))
+
+
+class _SettledWork(dist.Work):
+    """A work whose failure poisons the step instead of raising (for backends whose works have
+    no future, e.g. gloo's reduce-scatter)."""
+
+    def __init__(self, work: dist.Work, group: "LiveGroup", result):
+        super().__init__()
+        self._work, self._group, self._result = work, group, result
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self._work.wait()
+        except Exception as e:
+            self._group.fail(e)
+            if not self._group._poison.armed:
+                raise
+        finally:
+            self._group.last_complete = time.perf_counter()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def get_future(self):
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
 
 
 def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
@@ -250,7 +336,11 @@ def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
                 raise  # outside a step: the caller's wait() raises, as in plain torch
         return result
 
-    return _create_work_from_future(work.get_future().then(settle))
+    try:
+        future = work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        return _SettledWork(work, group, result)
+    return _create_work_from_future(future.then(settle))
 
 
 def new_gloo(store: dist.Store, rank: int, size: int, timeout_s: float, hostname: str | None = None,

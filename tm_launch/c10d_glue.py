@@ -1,0 +1,70 @@
+"""Make torch's own group machinery work on live groups.
+
+Why this exists instead of a registered backend: ``dist.new_group`` builds a C++ ProcessGroup
+around backends bound to one store prefix for the group's whole life, and nothing in torch 2.13
+swaps a backend under a live group (``shrink_group`` is NCCL-only, there is no grow). Live
+substitution needs the group *object* that DDP, FSDP2 and DeviceMesh hold to survive while its
+communicator is replaced, so in live mode ``dist.new_group`` (and the copy DeviceMesh imported)
+hands out ``LiveGroup``s, and each is entered in c10d's registries the way torch enters its own:
+the group maps (``get_rank(group)``, ``get_process_group_ranks``), and the by-name registry that
+functional collectives, DTensor and FSDP2 resolve groups through.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .groups import LiveGroup
+
+_names = itertools.count()
+
+
+def unique_name(ranks) -> str:
+    members = "world" if ranks is None else "-".join(map(str, ranks))
+    return f"tm-{next(_names)}-{members}"
+
+
+def register(group: LiveGroup, global_ranks) -> None:
+    """Enter ``group`` in c10d's registries (again after its membership was set)."""
+    c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(global_ranks)}
+    c10d._world.pg_map[group] = ("gloo", None)
+    c10d._world.pg_names[group] = group.group_name
+    c10d._world.pg_backend_config[group] = "cpu:gloo"
+    try:
+        c10d._unregister_process_group(group.group_name)
+    except Exception:  # not registered yet
+        pass
+    c10d._register_process_group(group.group_name, group)
+
+
+def unregister(group: LiveGroup) -> None:
+    for table in (c10d._world.pg_group_ranks, c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_backend_config):
+        table.pop(group, None)
+    try:
+        c10d._unregister_process_group(group.group_name)
+    except Exception:
+        pass
+
+
+def install_world(group: LiveGroup) -> None:
+    """Make ``group`` the default group: ``dist.get_rank()``, ``dist.all_reduce(t)`` use it."""
+    c10d._update_default_pg(group)
+    register(group, range(group.size()))
+
+
+def route_new_group(factory) -> None:
+    """``dist.new_group(ranks, ...)`` returns ``factory(ranks)`` (a LiveGroup), or torch's
+    non-member marker for ranks outside the group, as torch does."""
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                  group_desc=None, device_id=None):
+        group = factory(None if ranks is None else sorted(int(r) for r in ranks))
+        return group if group.rank() >= 0 else c10d.GroupMember.NON_GROUP_MEMBER
+
+    import torch.distributed.device_mesh as device_mesh
+
+    for module in (c10d, dist, device_mesh):
+        module.new_group = new_group
