@@ -1,0 +1,114 @@
+"""Which live ranks hold exactly the state this rank holds: the source a joiner may receive from.
+
+A rank's registered state is made of tensors that are either replicated or sharded across ranks.
+For each tensor the set of ranks holding an identical copy is:
+
+* a DTensor: the ranks with this rank's coordinates on every mesh dimension it is sharded
+  (``Shard``, ``_StridedShard``) or partial on; replicated dimensions and dimensions outside its
+  mesh do not split it (FSDP2 on ``dp`` x TP on ``tp``: nobody; HSDP ``(Replicate, Shard)``: the
+  ``replicate`` peers; TP under DDP on ``dp``: the ranks with the same ``tp`` coordinate);
+* a plain tensor: the members of the group the script declared with
+  ``job.register(..., replicas=group)`` (a pipeline stage's data-parallel peers), else the whole
+  world (plain DDP).
+
+The rank's replica set is the intersection over all its tensors. Unknown layouts (a flattened
+mesh dimension) count as held by this rank alone: a loud checkpoint fallback, never a wrong source.
+The ``mesh_replicas`` rule is pure and table-tested; ``replica_set`` reads it off live objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def mesh_replicas(mesh_ranks: list, sharded_dims: set[int], rank: int) -> frozenset[int]:
+    """Ranks of an n-d mesh (nested lists of global ranks) whose coordinates equal ``rank``'s on
+    every dimension in ``sharded_dims``; empty when ``rank`` is not in the mesh."""
+    coords: dict[int, tuple[int, ...]] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, (*prefix, i))
+        else:
+            coords[int(node)] = prefix
+
+    walk(mesh_ranks, ())
+    if rank not in coords:
+        return frozenset()
+    mine = coords[rank]
+    return frozenset(r for r, c in coords.items() if all(c[d] == mine[d] for d in sharded_dims))
+
+
+def _dtensor_replicas(t, rank: int) -> frozenset[int]:
+    from torch.distributed.tensor import Replicate
+
+    mesh = t.device_mesh
+    sharded = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    if not sharded:
+        root = mesh._get_root_mesh()
+        return frozenset(int(r) for r in root.mesh.flatten().tolist())
+    root = mesh._get_root_mesh()
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if mesh is root:
+        dims = set(sharded)
+    elif names and root_names and all(names[i] in root_names for i in sharded):
+        dims = {root_names.index(names[i]) for i in sharded}
+    else:
+        return frozenset({rank})  # a flattened or unnamed sub-mesh: do not guess
+    return mesh_replicas(root.mesh.tolist(), dims, rank)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def replica_set(states: dict, declared: dict, rank: int, world: int) -> frozenset[int]:
+    """``states``: name -> state dict; ``declared``: name -> ranks replicating that object (or
+    None: the world). The ranks holding everything this rank holds, itself included."""
+    from torch.distributed.tensor import DTensor
+
+    out = frozenset(range(world))
+    for name, state in states.items():
+        plain = frozenset(declared.get(name) or range(world))
+        for t in _tensors(state):
+            out &= _dtensor_replicas(t, rank) if isinstance(t, DTensor) else plain
+    return out | {rank}
+
+
+def fingerprints(states: dict, modules: set) -> tuple[str, str]:
+    """(structure, values) digests of a rank's registered state. Ranks that should be replicas
+    must agree on both at the same step; a joiner must agree with its source on the structure of
+    its ``modules`` (optimizer state only appears after the first step, so it is left out there)."""
+    from torch.distributed.tensor import DTensor
+
+    structure, values = hashlib.sha1(), hashlib.sha1()
+
+    def visit(path, obj):
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if isinstance(obj, DTensor) else obj
+            if path.split("/", 1)[0] in modules:
+                structure.update(f"{path}:{tuple(local.shape)}:{local.dtype};".encode())
+            flat = local.detach().reshape(-1)
+            if flat.numel():
+                sample = flat[:: max(1, flat.numel() // 64)][:64].to("cpu", torch.float64)
+                values.update(f"{path}:{sample.sum().item()!r}:{sample.abs().sum().item()!r};".encode())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                visit(f"{path}/{k}", obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(f"{path}/{i}", v)
+
+    for name in sorted(states):
+        visit(name, states[name])
+    return structure.hexdigest()[:16], values.hexdigest()[:16]

@@ -1,0 +1,230 @@
+"""State transfer between live ranks: the wire format in one place.
+
+A rank that enters a generation behind its peers (a joiner, or a rank that lost a race) receives
+every registered object's ``state_dict()`` point-to-point from a live rank holding the same
+state (``plan_transfer``, a pure function). The format: an int64 header length, a pickled header
+(step, the state dicts with every tensor replaced by a placeholder, the tensor count), then each
+tensor as its own message in index order. The receiver allocates from the placeholders, so
+nothing but the header is ever pickled and tensors never pass through Python objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+
+from .agent_channel import log
+
+TENSOR = "__tensor__"
+
+
+def human_size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def cpu_copy(obj):
+    """A deep copy with every tensor detached and on the CPU (the sandbox's start state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _progress(verb: str, peer: str, total: int):
+    """A callback that says every few seconds how far a long state transfer is (a big model over
+    a slow link must not look like a hang); silent for transfers shorter than that."""
+    from .waits import Every
+
+    ticker = Every()
+    done = [0]
+
+    def step(nbytes: int) -> None:
+        done[0] += nbytes
+        if ticker.due():
+            log(f"{verb} training state {peer}: {human_size(done[0])} of {human_size(total)} after {ticker.elapsed:.0f} s")
+
+    return step
+
+
+def flatten(obj, tensors: list):
+    """``obj`` with every tensor replaced by a placeholder ``(TENSOR, index, shape, dtype, dtensor)``;
+    the tensors (a DTensor's local shard) are appended to ``tensors``. ``dtensor`` is None or the
+    layout the receiver rebuilds the DTensor with on its own mesh: (mesh dim names, placements,
+    global shape, global stride)."""
+    if isinstance(obj, torch.Tensor):
+        layout = None
+        if _is_dtensor(obj):
+            layout = (obj.device_mesh.mesh_dim_names, tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
+            obj = obj.to_local()
+        tensors.append(obj.detach().contiguous())
+        return (TENSOR, len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""), layout)
+    if isinstance(obj, dict):
+        return {k: flatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(flatten(v, tensors) for v in obj)
+    return obj
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _is_placeholder(obj) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 5 and obj[0] == TENSOR
+
+
+def unflatten(obj, tensors: list):
+    if _is_placeholder(obj):
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        return {k: unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(unflatten(v, tensors) for v in obj)
+    return obj
+
+
+def _placeholders(obj, out: list) -> list:
+    if _is_placeholder(obj):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _placeholders(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _placeholders(v, out)
+    return out
+
+
+def _own_layout(objects: dict) -> tuple[dict, torch.device]:
+    """The receiver's meshes by dim names and the device its registered state lives on."""
+    meshes, device = {}, torch.device("cpu")
+    stack = [obj.state_dict() for obj in objects.values()]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if _is_dtensor(item):
+                meshes.setdefault(item.device_mesh.mesh_dim_names, item.device_mesh)
+            if item.device.type != "cpu":
+                device = item.device
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return meshes, device
+
+
+def send_state(pg, dst: int, objects: dict, step: int | None) -> int:
+    """Send ``objects``' state dicts to rank ``dst``; returns the bytes sent."""
+    tensors: list = []
+    skeleton = {name: flatten(obj.state_dict(), tensors) for name, obj in sorted(objects.items())}
+    header = pickle.dumps({"step": step, "skeleton": skeleton, "count": len(tensors)})
+    buf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    total = buf.numel() + sum(t.numel() * t.element_size() for t in tensors)
+    progress = _progress("sending", f"to rank {dst}", total)
+    pg.send([torch.tensor([buf.numel()], dtype=torch.int64)], dst, 0).wait()
+    pg.send([buf], dst, 0).wait()
+    for t in tensors:
+        pg.send([t if t.device.type == "cpu" else t.cpu()], dst, 0).wait()  # gloo sends host memory
+        progress(t.numel() * t.element_size())
+    return total
+
+
+def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
+    """Receive state dicts from rank ``src`` into ``objects``; returns (step, bytes received).
+    DTensors are rebuilt on the receiver's own mesh with the sender's placements, tensors land
+    on the device the receiver's state lives on."""
+    from torch.distributed.tensor import DTensor
+
+    size = torch.zeros(1, dtype=torch.int64)
+    pg.recv([size], src, 0).wait()
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    pg.recv([buf], src, 0).wait()
+    header = pickle.loads(buf.numpy().tobytes())
+    meshes, device = _own_layout(objects)
+    tensors = [None] * header["count"]
+    ordered = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
+    total = buf.numel() + sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, _, shape, dtype, _ in ordered)
+    progress = _progress("receiving", f"from rank {src}", total)
+    for _, index, shape, dtype, layout in ordered:
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        pg.recv([t], src, 0).wait()
+        progress(t.numel() * t.element_size())
+        t = t.to(device)
+        if layout is not None:
+            names, placements, global_shape, global_stride = layout
+            if names not in meshes:
+                raise RuntimeError(f"rank {src} sent a DTensor on a mesh with dims {names}, which this rank's registered state does not use")
+            t = DTensor.from_local(t, meshes[names], placements, run_check=False, shape=torch.Size(global_shape), stride=global_stride)
+        tensors[index] = t
+    for name, skeleton in header["skeleton"].items():
+        if name in objects:
+            objects[name].load_state_dict(unflatten(skeleton, tensors))
+    return header["step"], total
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank says about itself when a generation starts."""
+
+    rank: int
+    step: int  # completed steps; -1: no training state (a fresh process)
+    replicas: frozenset  # ranks that hold exactly what this rank holds
+    structure: str  # digest of the registered modules' shapes
+    values: str  # digest of a sample of every registered value
+
+
+@dataclass
+class TransferPlan:
+    step: int  # the step every rank continues from (-1: nobody holds state)
+    sources: dict = field(default_factory=dict)  # receiver -> sender
+    missing: list = field(default_factory=list)  # receivers no live replica can serve
+    conflicts: list = field(default_factory=list)  # replicas whose state differs (a wrong declaration)
+
+
+def plan_transfer(holdings: list[Holding]) -> TransferPlan:
+    """Who sends to whom. Every rank behind the newest step receives from a rank at that step
+    that holds the same state (mutual replicas, same module shapes); receivers are spread over
+    the candidates so several joiners receive in parallel. A receiver with no such rank is
+    *missing*: its state is gone and the job must fall back to a checkpoint, never continue."""
+    best = max((h.step for h in holdings), default=-1)
+    if best < 0:
+        return TransferPlan(step=-1)
+    holders = [h for h in holdings if h.step == best]
+    plan = TransferPlan(step=best)
+    for i, a in enumerate(holders):
+        for b in holders[i + 1:]:
+            if b.rank in a.replicas and a.rank in b.replicas and (a.values, a.structure) != (b.values, b.structure):
+                plan.conflicts.append((a.rank, b.rank))
+    load = {h.rank: 0 for h in holders}
+    for h in sorted(holdings, key=lambda h: h.rank):
+        if h.step == best:
+            continue
+        candidates = [s for s in holders if s.rank in h.replicas and h.rank in s.replicas and s.structure == h.structure]
+        if not candidates:
+            plan.missing.append(h.rank)
+            continue
+        src = min(candidates, key=lambda s: (load[s.rank], s.rank))
+        load[src.rank] += 1
+        plan.sources[h.rank] = src.rank
+    return plan
+
+
+def allgather_objects(pg, world: int, obj) -> list:
+    """Every rank's ``obj`` (small, picklable) through communicator ``pg``: two allgathers."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    pg.allgather([outs], [padded]).wait()
+    return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
