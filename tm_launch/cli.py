@@ -204,7 +204,10 @@ def _launch(args) -> int:
             shown=set(map(int, args.local_ranks_filter.split(","))) if args.local_ranks_filter else None,
             role=args.role,
         )
-        entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u"]
+        # Live mode runs Python workers through tm_launch.worker: exactly `python SCRIPT`, plus
+        # running the script again when a promoted spare takes other ranks than it warmed up as.
+        wrapper = [] if args.no_live else ["-m", "tm_launch.worker"]
+        entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u", *wrapper]
         cfg = AgentConfig(
             node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
             addr=addr, nproc=nproc,

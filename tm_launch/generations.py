@@ -1,0 +1,260 @@
+"""The generation protocol inside a worker: entering a generation, and planned switches.
+
+Entering generation N: build the world communicator on a fresh ``tm/g<N>/`` prefix of the
+generation's store (the plan names the node hosting it), rebuild only the subgroups whose
+membership changed (delta setup: a group none of whose ranks is served by a new process keeps its
+communicator), point the commit vote at the new store, then agree and transfer: every rank says
+which step it holds and which ranks hold the same state, and ``transfer.plan_transfer`` decides
+who sends to whom. Ranks behind receive their own state from a replica of the same shard; a
+shard that no live rank holds at the newest step stops the job with one clear line, never a
+silent restart from the script's start state.
+
+A planned switch (drain, straggler) has two phases: agree on a switch step and build the new
+world communicator in the background while training goes on, then swap at that boundary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import c10d_glue
+from .agent_channel import log
+from .groups import LocalBackend, new_gloo
+from .replicas import fingerprints, replica_set
+from .transfer import Holding, allgather_objects, human_size, plan_transfer, recv_state, send_state
+
+
+class Superseded(Exception):
+    """A newer generation arrived while this process was entering an older one."""
+
+    def __init__(self, directive: dict):
+        super().__init__(f"generation {directive['generation']}")
+        self.directive = directive
+
+
+class NoReplica(RuntimeError):
+    """No live rank holds some rank's state: continuing would train on wrong weights."""
+
+
+class Generations:
+    Superseded = Superseded
+
+    def __init__(self, job, env):
+        self.job = job
+        self._addr = env.get("TM_LOCAL_ADDR") or None
+        self._timeout = float(env.get("TM_COLLECTIVE_TIMEOUT", "120"))
+        self._setup_timeout = float(env.get("TM_SETUP_TIMEOUT", "600"))  # joiners may start cold
+        self._stores: dict = {}
+        self.current: dict | None = None
+        self.pending: dict | None = None  # a planned switch being prepared
+
+    def close(self) -> None:
+        pending = self.pending
+        if pending and pending.get("thread") is not None:
+            pending["thread"].join(timeout=5)
+        self.pending = None
+        self._stores.clear()
+
+    # -- communicators ---------------------------------------------------------------------------
+    def store(self, where: dict) -> dist.Store:
+        key = (where["addr"], int(where["port"]))
+        if key not in self._stores:
+            self._stores[key] = dist.TCPStore(key[0], key[1], is_master=False, timeout=datetime.timedelta(seconds=self._setup_timeout), wait_for_workers=False)
+        return self._stores[key].clone()
+
+    def build(self, ranks, global_rank: int, gen: int, d: dict | None = None):
+        """A communicator for ``ranks`` (None: the world) in generation ``gen``, via a fresh prefix."""
+        d = d or self.current
+        name = "world" if ranks is None else "sub-" + "-".join(map(str, ranks))
+        store = dist.PrefixStore(f"tm/g{gen}/{name}/", self.store(d["store"]))
+        if ranks is None:
+            return new_gloo(store, global_rank, d["world_size"], self._timeout, self._addr, self._setup_timeout)
+        return new_gloo(store, ranks.index(global_rank), len(ranks), self._timeout, self._addr, self._setup_timeout)
+
+    def _build_watching(self, ranks, global_rank: int, gen: int, d: dict, pending=None):
+        """``build`` in a thread while this one watches for a newer generation: the setup waits
+        for every member, so a member that died would otherwise hold this process for the whole
+        setup timeout. An abandoned build is left to fail at its own timeout (a daemon thread)."""
+        box: dict = {}
+        if pending is None:
+            def work():
+                try:
+                    box["pg"] = self.build(ranks, global_rank, gen, d)
+                except BaseException as e:  # noqa: BLE001 -- handed to the main thread
+                    box["error"] = e
+            pending = threading.Thread(target=work, daemon=True)
+            pending.start()
+        else:
+            pending, box = pending
+        channel = self.job.channel
+        while pending.is_alive():
+            pending.join(0.01)
+            if pending.is_alive() and channel.latest() > gen:
+                raise Superseded(channel.directive(channel.latest()))
+        if "error" in box:
+            raise box["error"]
+        return box.get("pg") or box.get("world")
+
+    # -- following the agent -------------------------------------------------------------------
+    def follow(self, d: dict, interrupted: bool) -> None:
+        if d.get("stop"):
+            self._leave()
+        if d.get("planned") and not interrupted and self._planned_switch(d):
+            return
+        if not d["active"]:
+            self._leave()
+        self.pending = None
+        self.enter(d)
+
+    def _leave(self) -> None:
+        """This node left the job (drained or replaced): end the script without error."""
+        self.job._state = "left"
+        self.job._report(force=True)
+        raise SystemExit(0)
+
+    def _planned_switch(self, d: dict) -> bool:
+        """Two-phase migration. Phase 1: agree on a switch step and build the new communicators in
+        the background while training goes on in the current generation; phase 2, at that step
+        boundary: leavers exit, everyone else swaps communicators and joiners receive state.
+        Returns True while this rank should keep training in the current generation."""
+        job, gen = self.job, d["generation"]
+        if self.pending is None or self.pending["generation"] != gen:
+            store = self.store(d["store"])
+            margin = max(2, math.ceil(0.5 / max(job._stats.median() or 0.01, 1e-3)))
+            agreed = int(store.compare_set(f"tm/g{gen}/switch", "", str(job._step + margin)))
+            built: dict = {}
+            thread = None
+            if d["active"]:
+                rank = d["ranks"][job.local_rank]
+                thread = threading.Thread(target=lambda: built.update(world=self.build(None, rank, gen, d)), daemon=True)
+                thread.start()
+            self.pending = {"generation": gen, "switch": agreed, "thread": thread, "built": built}
+            log(f"planned migration to generation {gen}: switching at step {agreed}")
+        if job._step < self.pending["switch"]:
+            return True
+        pending, self.pending = self.pending, None
+        if not d["active"]:
+            self._leave()
+        prebuilt = (pending["thread"], pending["built"]) if pending["thread"] is not None else None
+        self.enter(d, prebuilt=prebuilt)
+        return True
+
+    # -- entering ------------------------------------------------------------------------------
+    def enter(self, d: dict, prebuilt=None, agree: bool = True) -> None:
+        """Enter generation ``d``; when a peer dies on the way in, enter the generation after it.
+
+        A joiner can die while the others wait for it in the communicator setup (which may wait
+        up to the join timeout: joiners can start cold) or fail the agreement/transfer. Either way
+        the generation can never complete; the agents publish a newer one (the dead node's
+        lease, or this node's report after a while), and this process follows it instead of
+        waiting out the setup timeout or crashing with the training state that only it holds."""
+        job = self.job
+        while True:
+            try:
+                self._enter_once(d, prebuilt, agree)
+                return
+            except Superseded as newer:
+                log(f"generation {d['generation']} was superseded by {newer.directive['generation']} while entering it")
+                d = newer.directive
+            except NoReplica:
+                raise
+            except RuntimeError as e:  # gloo/store errors: a peer died while entering
+                job._state = "recovering"
+                job._report(force=True)
+                log(f"entering generation {d['generation']} failed ({str(e).splitlines()[0][:160]}); waiting for the next generation")
+                d = job.channel.wait_directive(d["generation"])
+            prebuilt, agree = None, True
+            if d.get("stop"):
+                self._leave()
+            if not d["active"]:
+                if job.in_sandbox:
+                    raise Superseded(d)  # a spare that is no longer promoted parks again
+                self._leave()
+
+    def _enter_once(self, d: dict, prebuilt=None, agree: bool = True) -> None:
+        job = self.job
+        t0 = time.perf_counter()
+        gen, rank, world = d["generation"], d["ranks"][job.local_rank], d["world_size"]
+        self.current = d
+        old_rank = job.rank
+        if isinstance(prebuilt, tuple):  # a planned switch's background build: (thread, box)
+            prebuilt = self._build_watching(None, rank, gen, d, pending=prebuilt)
+        elif prebuilt is None and not job.in_sandbox:
+            # Unplanned: a peer may still be blocked in a collective of the old world with this
+            # rank (it moved on at a healthy boundary, e.g. a cordoned node's plan arrived
+            # mid-step); closing it here makes that peer fail now instead of both sides waiting
+            # for each other, the peer in the old collective and this rank in the new setup.
+            job.group.release()
+        inner = prebuilt or self._build_watching(None, rank, gen, d)
+        job.group.swap(inner, rank, world, gen)
+        c10d_glue.register(job.group, range(world))
+        self._rebuild_subgroups(d, rank, old_rank)
+        job._commit.use(dist.PrefixStore(f"tm/g{gen}/commit/", self.store(d["store"])), rank, world, gen)
+        t_comm = time.perf_counter()
+        received = self._agree_and_transfer(inner, rank, world) if agree else False
+        job.in_sandbox = False
+        t_done = time.perf_counter()
+        job.channel.set(f"entered/{gen}", {"communicator": t_comm - t0, "state": t_done - t_comm, "received": received, "step": job._step})
+        job._report(force=True)
+
+    def _rebuild_subgroups(self, d: dict, rank: int, old_rank: int) -> None:
+        """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by
+        a new process (a joiner), when it failed, or when this process took a new rank; the
+        others keep their communicator object and its connections. Groups are built in the
+        order the script created them, the same order on every rank (each setup waits for all
+        of its members, so two ranks building in different orders would wait for each other)."""
+        joiners = set(d.get("joiner_ranks", []))
+        for sub in self.job._subgroups:
+            ranks = sub.member_ranks
+            if rank not in ranks:
+                if sub.inner is not None:
+                    sub.swap(None, -1, len(ranks), d["generation"])  # not a member (any more)
+                continue
+            fresh = (
+                d.get("all_fresh") or rank != old_rank or sub.inner is None
+                or isinstance(sub.inner, LocalBackend) or joiners.intersection(ranks)
+            )
+            if fresh:
+                sub.swap(self._build_watching(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])
+
+    def _agree_and_transfer(self, pg, rank: int, world: int) -> bool:
+        """Every rank says what it holds; ranks behind receive from a replica of their shard."""
+        job = self.job
+        states = {name: obj.state_dict() for name, obj in job._objects.items()}
+        modules = {name for name, obj in job._objects.items() if isinstance(obj, torch.nn.Module)}
+        structure, values = fingerprints(states, modules)
+        mine = Holding(rank, -1 if job._step is None else job._step, replica_set(states, job._declared, rank, world), structure, values)
+        del states
+        plan = plan_transfer(allgather_objects(pg, world, mine))
+        if plan.conflicts:
+            a, b = plan.conflicts[0]
+            raise NoReplica(
+                f"ranks {a} and {b} should hold the same state (the registered objects are declared replicated across them) "
+                f"but their state differs: declare which ranks replicate it, e.g. job.register(model=m, replicas=dp_group)")
+        if plan.missing:
+            raise NoReplica(
+                f"no live rank holds the state of rank(s) {plan.missing} at step {plan.step} (their replicas are gone, or the "
+                f"layout has none, e.g. FSDP without replicas): the job cannot continue live without wrong weights")
+        if plan.step < 0:
+            log("no live replica holds training state: every rank starts from the script's own state (step 'start')")
+            return False
+        what = "+".join(sorted(job._objects)) or "nothing registered"
+        for dst, src in sorted(plan.sources.items()):
+            if src == rank:
+                t0 = time.perf_counter()
+                sent = send_state(pg, dst, job._objects, job._step)
+                log(f"sent the training state of step {job._step} ({what}, {human_size(sent)}) to rank {dst} in {(time.perf_counter() - t0) * 1000:.0f} ms")
+        if rank in plan.sources:
+            src = plan.sources[rank]
+            t0 = time.perf_counter()
+            step, got = recv_state(pg, src, job._objects)
+            log(f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms")
+            job._step = step
+            return True
+        return False
