@@ -211,7 +211,7 @@ def _standin_class():
 def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opts: dict) -> None:
     sys.stderr = open(opts["log"], "a", buffering=1)
     from tm_launch.agent import AgentConfig
-    from tm_launch.planner import Limits
+    from rendezvous.planner import Limits
 
     StandIn = _standin_class()
     lim = Limits(**limits)
@@ -500,14 +500,14 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
 
 
 def _current_plan_nodes(endpoint: str, run_id: str) -> list[str]:
-    from tm_launch.plan import Plan
+    from rendezvous.plan import Plan
 
     with connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=f"/tm-launch/{run_id}")) as kv:
         return list(Plan.from_json(kv.get("state/plan").value).nodes)
 
 
 def _history(endpoint: str, run_id: str) -> list[int]:
-    from tm_launch.plan import Plan
+    from rendezvous.plan import Plan
 
     with connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=f"/tm-launch/{run_id}")) as kv:
         return [Plan.from_json(e.value).generation for e in kv.get_prefix("log/history/")]

@@ -34,10 +34,10 @@ from health.alarms import DEGRADED, FATAL, Alarm
 from health.config import HealthConfig
 from rendezvous.kv import KV, KVError
 from rendezvous.membership import Membership, UnreadablePlan
+from rendezvous.plan import FAILED, SUCCEEDED, NodeInfo, Plan
+from rendezvous.planner import Limits, View, finished_without, next_plan, planners, spares
 
 from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
-from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
-from .planner import Limits, View, finished_without, next_plan, planners, spares
 from .timeline import append_samples, cause_kind
 from .waits import Every
 from .workers import OutputSpec, WorkerSet, describe_exit
