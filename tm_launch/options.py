@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from health.config import HealthConfig
-from rendezvous.rdzv_conf import UsageError  # noqa: F401  (the one user-mistake type; raised here too)
+from rendezvous.rdzv_conf import UsageError  # one user-mistake type for every option, --rdzv-conf included
 
 LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
