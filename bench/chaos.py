@@ -135,7 +135,7 @@ class Chaos:
     def _members(endpoint: str, run_id: str):
         from rendezvous.kv import connect
         from rendezvous.membership import Membership
-        from tm_launch.cli import etcd_options
+        from rendezvous.rdzv_conf import etcd_options
 
         return Membership(connect("v3", etcd_options(endpoint, run_id, None)))
 

@@ -169,6 +169,8 @@ def summarize(counts: Counter) -> dict:
 def _standin_class():
     """Defined lazily: importing the agent imports torch (seconds), only in the child processes."""
     import tm_launch.agent as agent_mod
+    import tm_launch.follower as follower_mod
+    import tm_launch.supervisor as supervisor_mod
 
     class _NoStore:
         """A stand-in runs no workers, so its agent store is never read; no TCPStore per thread.
@@ -179,17 +181,16 @@ def _standin_class():
         def check(self, keys):
             return False
 
-    agent_mod.dist = types.SimpleNamespace(TCPStore=lambda *a, **k: _NoStore())
+    supervisor_mod.dist = types.SimpleNamespace(TCPStore=lambda *a, **k: _NoStore())
 
-    class StandIn(agent_mod.Agent):
-        def __init__(self, cfg, kv: CountingKV):
-            super().__init__(cfg, kv)
+    class RendezvousOnlyFollower(follower_mod.PlanFollower):
+        """The rendezvous part of following a plan: note it; leave when removed or finished."""
+
+        def __init__(self, *parts):
+            super().__init__(*parts)
             self.seen: dict[int, float] = {}
-            self.published: dict[int, float] = {}
-            self.exit_code = None
 
-        def _follow(self, plan, view):
-            """The rendezvous part of following a plan: note it; leave when removed or finished."""
+        def follow(self, plan, view):
             self.seen.setdefault(plan.generation, time.time())
             self.plan = plan
             if plan.finished:
@@ -198,12 +199,23 @@ def _standin_class():
                 return 1
             return None
 
+    class NoProgress:
+        """Operator telemetry (1 put/s per node), not rendezvous: reported separately."""
+
+        def publish(self, plan):
+            pass
+
+    class StandIn(agent_mod.Agent):
+        def __init__(self, cfg, kv: CountingKV):
+            super().__init__(cfg, kv)
+            self.follower = RendezvousOnlyFollower(cfg, self.session, self.supervisor, self.failures, self.metrics, self.say)
+            self.progress = NoProgress()
+            self.published: dict[int, float] = {}
+            self.exit_code = None
+
         def _announce(self, plan):
             self.published[plan.generation] = time.time()
             super()._announce(plan)
-
-        def _publish_progress(self):
-            pass  # operator telemetry (1 put/s per node), not rendezvous: reported separately
 
     return StandIn
 
@@ -211,7 +223,7 @@ def _standin_class():
 def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opts: dict) -> None:
     sys.stderr = open(opts["log"], "a", buffering=1)
     from tm_launch.agent import AgentConfig
-    from tm_launch.planner import Limits
+    from rendezvous.planner import Limits
 
     StandIn = _standin_class()
     lim = Limits(**limits)
@@ -239,7 +251,7 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
             conn.send(time.time())
         elif cmd == "status":
             conn.send({
-                n: {"seen": dict(s.seen), "published": dict(s.published), "counts": dict(s.kv.counts),
+                n: {"seen": dict(s.follower.seen), "published": dict(s.published), "counts": dict(s.kv.counts),
                     "frozen": s.kv.frozen.is_set(), "exit": s.exit_code}
                 for n, s in standins.items()
             })
@@ -247,11 +259,11 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
             s = standins[arg]
             s.kv.freeze()
             t0 = time.time()
-            s.lease.inner.revoke()  # the lease expiring, without the TTL's wait
+            s.session.lease.inner.revoke()  # the lease expiring, without the TTL's wait
             conn.send(t0)
         elif cmd == "stop":
             for s in standins.values():
-                shutil.rmtree(s.scratch, ignore_errors=True)
+                shutil.rmtree(s.supervisor.scratch, ignore_errors=True)
             conn.send("bye")
             os._exit(0)
 
@@ -500,14 +512,14 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
 
 
 def _current_plan_nodes(endpoint: str, run_id: str) -> list[str]:
-    from tm_launch.plan import Plan
+    from rendezvous.plan import Plan
 
     with connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=f"/tm-launch/{run_id}")) as kv:
         return list(Plan.from_json(kv.get("state/plan").value).nodes)
 
 
 def _history(endpoint: str, run_id: str) -> list[int]:
-    from tm_launch.plan import Plan
+    from rendezvous.plan import Plan
 
     with connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=f"/tm-launch/{run_id}")) as kv:
         return [Plan.from_json(e.value).generation for e in kv.get_prefix("log/history/")]

@@ -32,8 +32,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from tm_launch.plan import NodeInfo, Plan
-from tm_launch.planner import View
+from .plan import NodeInfo, Plan
+from .planner import View
 
 from .kv import KV, Entry, KVError, Lease
 

@@ -49,11 +49,12 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError, RendezvousConnectionError, RendezvousHandler,
     RendezvousInfo, RendezvousParameters, RendezvousStoreInfo, RendezvousTimeoutError)
 
-from tm_launch.plan import SUCCEEDED, NodeInfo, Plan
-from tm_launch.planner import Limits, View, next_plan, spares
+from .plan import SUCCEEDED, NodeInfo, Plan
+from .planner import Limits, View, next_plan, spares
 
 from .kv import KVError, connect
 from .membership import Membership
+from .rdzv_conf import etcd_options
 
 log = logging.getLogger(__name__)
 _ETCD_KEYS = ("cacert", "cert", "key", "user", "password_file", "protocol")
@@ -67,8 +68,6 @@ def _is_loopback(endpoint: str) -> bool:
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters):
-        from tm_launch.cli import etcd_options
-
         conf = params.config
         unknown = sorted(set(conf) - set(_ETCD_KEYS) - set(_OWN_KEYS))
         if unknown:

@@ -27,8 +27,8 @@ import pytest
 
 from rendezvous.kv import EtcdOptions, KVError, connect
 from rendezvous.membership import Membership, run_prefix
-from tm_launch.plan import NodeInfo, Plan
-from tm_launch.planner import Limits, next_plan
+from rendezvous.plan import NodeInfo, Plan
+from rendezvous.planner import Limits, next_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = "x" * (1 << 20)

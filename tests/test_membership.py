@@ -19,8 +19,8 @@ import time
 import pytest
 
 from rendezvous.membership import Membership
-from tm_launch.plan import NodeInfo, Plan
-from tm_launch.planner import Limits, next_plan
+from rendezvous.plan import NodeInfo, Plan
+from rendezvous.planner import Limits, next_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,7 +138,7 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from rendezvous.kv import EtcdOptions, connect
 from rendezvous.membership import Membership
-from tm_launch.plan import Plan
+from rendezvous.plan import Plan
 
 api, endpoint, prefix, name, attempts, start_at = sys.argv[2:8]
 kv = connect(api, EtcdOptions(endpoints=(endpoint,), prefix=prefix))

@@ -276,10 +276,10 @@ def test_yaml_error_names_the_file(parse, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# --rdzv-conf -> EtcdOptions (tm_launch.cli.etcd_options)
+# --rdzv-conf -> EtcdOptions (rendezvous.rdzv_conf.etcd_options)
 
 def test_rdzv_conf_to_etcd_options(tmp_path):
-    from tm_launch.cli import etcd_options
+    from rendezvous.rdzv_conf import etcd_options
 
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")
@@ -310,7 +310,7 @@ def test_rdzv_conf_to_etcd_options(tmp_path):
     pytest.param("cacert=/no/such/ca.pem", "cacert=/no/such/ca.pem: no such file", id="missing CA file"),
 ])
 def test_rdzv_conf_errors(conf, fragment):
-    from tm_launch.cli import etcd_options
+    from rendezvous.rdzv_conf import etcd_options
 
     with pytest.raises(UsageError) as e:
         etcd_options("127.0.0.1:2379", "job-1", conf)
@@ -319,7 +319,7 @@ def test_rdzv_conf_errors(conf, fragment):
 
 @pytest.mark.parametrize("conf", ["password=hunter2", "user=u,password=hunter2,timeout", "password=hunter2,=3"])
 def test_rdzv_conf_errors_never_echo_a_password(conf):
-    from tm_launch.cli import etcd_options
+    from rendezvous.rdzv_conf import etcd_options
 
     with pytest.raises(UsageError) as e:
         etcd_options("127.0.0.1:2379", "job-1", conf)

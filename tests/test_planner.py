@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from tm_launch.plan import FAILED, RUNNING, SUCCEEDED, NodeInfo, Plan
-from tm_launch.planner import Limits, View, finished_without, next_plan, spares
+from rendezvous.plan import FAILED, RUNNING, SUCCEEDED, NodeInfo, Plan
+from rendezvous.planner import Limits, View, finished_without, next_plan, spares
 
 NPROC = 2
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tm_launch.plan import NodeInfo
-from tm_launch.planner import PLANNERS, View, planners
+from rendezvous.plan import NodeInfo
+from rendezvous.planner import PLANNERS, View, planners
 
 
 def view(alive: list[tuple[str, float]], failed: str = "") -> View:

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import rendezvous_scale as bench  # noqa: E402
 
-from tm_launch.planner import PLANNERS  # noqa: E402
+from rendezvous.planner import PLANNERS  # noqa: E402
 
 
 def test_standins_form_and_replace(etcd_endpoint, tmp_path):

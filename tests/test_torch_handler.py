@@ -150,7 +150,7 @@ def test_spare_agent_replaces_killed_node(etcd_endpoint, tmp_path):
 
     from rendezvous.kv import connect
     from rendezvous.membership import Membership
-    from tm_launch.cli import etcd_options
+    from rendezvous.rdzv_conf import etcd_options
 
     run = f"spare-{uuid.uuid4().hex[:8]}"
     steps = tmp_path / "steps.log"

@@ -46,7 +46,7 @@ def _connect(args):
     from rendezvous.kv import connect
     from rendezvous.membership import Membership
 
-    from .cli import etcd_options
+    from rendezvous.rdzv_conf import etcd_options
 
     from .options import RUN_ID, UsageError
 
@@ -73,7 +73,7 @@ def _connect(args):
 
 
 def status(members, run_id: str) -> dict:
-    from .planner import spares
+    from rendezvous.planner import spares
 
     snap = members.snapshot(strict=False)   # an operator still sees the nodes when the plan is junk
     if snap.plan_error:

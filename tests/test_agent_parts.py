@@ -1,0 +1,230 @@
+"""The agent's parts on their own, with real objects: a real etcd (the session fixture), a real
+agent TCPStore, real sockets. The whole loop is covered by the multi-process tests
+(test_live, test_ops, test_health_e2e, test_restart_mode, ...); these pin each part's own state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+
+import pytest
+
+from rendezvous.kv import EtcdOptions, KVError, connect
+from rendezvous.membership import Membership
+from rendezvous.plan import NodeInfo, Plan
+from rendezvous.planner import Limits, View
+from tm_launch.agent_config import AgentConfig
+from tm_launch.failures import FailureWatch
+from tm_launch.observers import DrainWaitNote, MetricsFeed
+from tm_launch.session import EtcdSession, Fenced
+from tm_launch.supervisor import WorkerSupervisor
+from tm_launch.waits import Every
+
+
+class Said(list):
+    """A ``say`` that keeps (message, kind) pairs."""
+
+    def __call__(self, message, kind="info", publish=True, **fields):
+        self.append((message, kind))
+
+    def kinds(self):
+        return [kind for _, kind in self]
+
+
+@pytest.fixture
+def members(etcd_endpoint):
+    kv = connect("v3", EtcdOptions(endpoints=(etcd_endpoint,), prefix=f"/tests/parts-{uuid.uuid4().hex[:10]}"))
+    yield Membership(kv)
+    kv.close()
+
+
+def node(node_id: str, port: int = 29500) -> NodeInfo:
+    return NodeInfo(id=node_id, host="localhost", addr="127.0.0.1", store_port=port, nproc=1, pid=os.getpid(),
+                    joined=time.time())
+
+
+def session_for(members, say, progress=(False, None), ttl=2.0) -> EtcdSession:
+    return EtcdSession(members, "n1", lease_ttl=ttl, stall_limit=30.0, say=say, local_progress=lambda: progress)
+
+
+# ------------------------------------------------------------------------------------------------
+# EtcdSession: reachability, the fencing rule, reports
+
+def test_session_says_once_when_etcd_goes_and_once_when_it_is_back(members):
+    said = Said()
+    s = session_for(members, said)
+    for _ in range(3):
+        s.note_etcd(False, KVError("connection refused"))
+    assert said.kinds() == ["etcd_down"] and not s.etcd_ok
+    assert not s.settling()  # etcd never came back yet: nothing to settle
+    s.note_etcd(True)
+    s.note_etcd(True)
+    assert said.kinds() == ["etcd_down", "etcd_back"] and s.etcd_ok
+    assert s.settling()  # right after an outage planners wait for every node to re-register
+
+
+def test_session_fences_when_etcd_is_silent_and_the_workers_are_stuck(members):
+    plan = Plan(generation=0, nodes=("n1", "n2"), nproc=1)
+    stuck = session_for(members, Said(), progress=(True, None))
+    stuck.lease_failing, stuck.lease_ok_at = True, time.time() - 2.0  # a TTL without a refresh
+    with pytest.raises(Fenced, match="etcd unreachable .* recovering from a failed collective"):
+        stuck.apply_fencing_rule(plan)
+    # the same outage while the workers make progress: etcd is what is down, keep training
+    training = session_for(members, Said(), progress=(False, 0.1))
+    training.lease_failing, training.lease_ok_at = True, time.time() - 2.0
+    training.apply_fencing_rule(plan)
+    # a spare owns no rank: never fenced for unreachability
+    stuck.apply_fencing_rule(Plan(generation=0, nodes=("n2",), nproc=1))
+
+
+def test_session_registers_again_after_its_lease_expired_unless_replaced(members):
+    said = Said()
+    s = session_for(members, said, ttl=1.0)
+    s.register(node("n1"))
+    s.lease.revoke()  # the lease expiring, without waiting for the TTL
+    deadline = time.time() + 10
+    while not s.lost_lease.is_set() and time.time() < deadline:
+        time.sleep(0.05)
+    assert s.lost_lease.is_set()
+    s.apply_fencing_rule(None)  # without a fresh read only unreachability counts
+    assert s.lost_lease.is_set()
+    s.apply_fencing_rule(None, members.snapshot())  # etcd answers and nobody took our ranks
+    assert not s.lost_lease.is_set() and "rejoined" in said.kinds()
+    assert "n1" in members.snapshot().view.alive
+    # replaced: a newer plan without this node means another node owns its ranks
+    s.lease.revoke()
+    while not s.lost_lease.is_set() and time.time() < deadline:
+        time.sleep(0.05)
+    followed = Plan(generation=0, nodes=("n1",), nproc=1)
+    assert members.publish(followed, None)
+    assert members.publish(followed.next(nodes=("n2",), removed=("n1",)), members.snapshot().plan_entry)
+    with pytest.raises(Fenced, match="generation 1 no longer has this node"):
+        s.apply_fencing_rule(followed, members.snapshot())
+    s.close()
+
+
+def test_session_reports_make_the_loop_read_again(members):
+    s = session_for(members, Said())
+    assert members.publish(Plan(generation=0, nodes=("n1", "n2"), nproc=1), None)  # reports are per generation
+    assert not s.take_reported()
+    s.report_failure(0, "n2", "worker 0 exited with code 1", kind="exit")
+    assert s.take_reported() and not s.take_reported()  # once per report
+    assert members.snapshot().view.reports == {"n2": "worker 0 exited with code 1"}
+    s.request_drain("n2", "degraded")
+    s.cordon("n3", "fatal alarm")
+    assert s.take_reported()
+    view = members.snapshot().view
+    assert view.drains == {"n2": "degraded"} and view.failed == {"n3": "fatal alarm"}
+
+
+# ------------------------------------------------------------------------------------------------
+# WorkerSupervisor: the agent store protocol (no worker processes needed)
+
+@pytest.fixture
+def supervisor(tmp_path):
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    cfg = AgentConfig(node_id="n2", addr="127.0.0.1", nproc=2, limits=Limits(1, 2, 2, 0), cmd=sleeper, run_id="r")
+    sup = WorkerSupervisor(cfg, Said())
+    yield sup
+    sup.close()
+
+
+def test_supervisor_directs_a_generation_through_the_store_and_the_latest_file(supervisor):
+    plan = Plan(generation=3, nodes=("n1", "n2"), nproc=2, store={"node": "n1", "addr": "127.0.0.1", "port": 1},
+                joiners=("n2",), live=True)
+    supervisor.direct(plan)
+    directive = json.loads(supervisor.store.get("node/plan/3"))
+    assert directive["ranks"] == [2, 3] and directive["joiner_ranks"] == [2, 3] and directive["active"]
+    assert supervisor.store.add("node/latest", 0) == 3
+    supervisor.direct(plan.next(generation=2))  # an older generation never moves node/latest back
+    assert supervisor.store.add("node/latest", 0) == 3
+    with open(supervisor.latest_file) as f:
+        assert f.read().split() == ["3", "2"]
+    env = supervisor.env(plan, 1, sandbox=True)
+    assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"], env["TM_SANDBOX"]) == ("3", "1", "4", "1")
+    assert env["TM_AGENT_STORE"] == f"127.0.0.1:{supervisor.store.port}"
+
+
+def test_supervisor_reads_worker_reports(supervisor):
+    assert supervisor.local_progress() == (False, None)  # no workers
+    supervisor.store.set("worker/0/status", json.dumps({"state": "finished", "step": 9}))  # a previous process's
+    supervisor.start(Plan(generation=0, nodes=("n1",), nproc=2), sandbox=True, master=None)
+    assert set(supervisor.workers.workers) == {0, 1} and supervisor.statuses() == {}
+    supervisor.store.set("worker/0/status", json.dumps({"state": "running", "step": 4}))
+    supervisor.store.set("worker/1/status", "not json")
+    supervisor.new_iteration()
+    assert supervisor.statuses() == {0: {"state": "running", "step": 4}}
+    recovering, stalled = supervisor.local_progress()
+    assert not recovering and 0 <= stalled < 5
+    supervisor.store.set("worker/0/status", json.dumps({"state": "recovering", "step": 4}))
+    assert not supervisor.recovering()  # read once per loop iteration
+    supervisor.new_iteration()
+    assert supervisor.recovering()
+    assert not supervisor.note_live()
+    supervisor.store.set("worker/1/live", "1")
+    assert supervisor.note_live() and not supervisor.note_live()  # said once
+    assert supervisor.entered(5) is None and not supervisor.any_entered(5)
+    supervisor.store.set("worker/0/entered/5", json.dumps({"communicator": 0.1, "state": 0.2, "received": False}))
+    assert supervisor.entered(5) is None and supervisor.any_entered(5)
+    supervisor.store.set("worker/1/entered/5", json.dumps({"communicator": 0.3, "state": 0.1, "received": True}))
+    assert [r["communicator"] for r in supervisor.entered(5)] == [0.1, 0.3]
+
+
+# ------------------------------------------------------------------------------------------------
+# FailureWatch: dead peers are reported at once
+
+def test_a_peer_whose_agent_refuses_connections_is_reported_lost(members, supervisor):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        alive_port = listening.getsockname()[1]
+        dead, live = node("n1", closed_port), node("n3", alive_port)
+        members.register(dead, ttl=10)
+        members.register(live, ttl=10)
+        said = Said()
+        session = session_for(members, said)
+        watch = FailureWatch(supervisor.cfg, session, supervisor, said)
+        plan = Plan(generation=0, nodes=("n1", "n2", "n3"), nproc=2)
+        assert members.publish(plan, None)
+        watch.report_dead_peers(plan, members.snapshot().view)
+    assert said.kinds() == ["node_lost"] and session.take_reported()
+    view = members.snapshot().view
+    assert set(view.reports) == {"n1"} and view.report_kinds == {"n1": "lost"}
+    assert "n1" not in view.alive and "n3" in view.alive  # unregistered: never promoted or waited for
+
+
+# ------------------------------------------------------------------------------------------------
+# observers
+
+def test_drain_wait_is_said_by_group_rank_0_only_while_no_spare_exists():
+    said = Said()
+    note = DrainWaitNote("n1", said)
+    plan = Plan(generation=2, nodes=("n1", "n2"), nproc=1)
+    alive = {n: node(n) for n in ("n1", "n2")}
+    waiting = View(plan=plan, alive=alive, drains={"n2": "operator"})
+    note.note(waiting)
+    note.waiting = Every(first=0)  # due at once, instead of after the first 5 s
+    note.note(waiting)
+    assert said == [(said[0][0], "waiting")] and "drain of n2 waits for a spare" in said[0][0]
+    note.note(View(plan=plan, alive={**alive, "n4": node("n4")}, drains={"n2": "operator"}))  # a spare came
+    assert note.waiting is None
+    DrainWaitNote("n2", said).note(waiting)  # not group rank 0: silent
+    assert len(said) == 1
+
+
+def test_metrics_feed_without_a_port_does_nothing(members):
+    feed = MetricsFeed("n1", members)
+    feed.serve("127.0.0.1", None, Said())
+    plan = Plan(generation=1, nodes=("n1",), nproc=1)
+    feed.on_event("plan", {})
+    feed.on_statuses({})
+    feed.on_state(View(plan=plan, alive={}), plan)
+    feed.on_generation(plan)
+    feed.on_entered(plan)
+    feed.stop()
+    assert feed.metrics is None

@@ -1,0 +1,146 @@
+"""What this node tells the job about its workers' ends and its peers' deaths.
+
+Turns what the supervisor sees into reports for the planner: a worker that failed (blamed on its
+cause: killed by a signal is primary, a non-zero exit may be collateral), workers that finished
+(the node is done), a joiner that came too late (nothing left), and peers whose agent refuses
+connections while a local collective failed (a node lost, known in milliseconds rather than
+after the lease TTL). Each failure is reported once per generation.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Callable
+
+from rendezvous.plan import Plan
+from rendezvous.planner import View, finished_without
+
+from .agent_config import AgentConfig
+from .session import EtcdSession
+from .supervisor import WorkerSupervisor
+from .workers import describe_exit
+
+
+class FailureWatch:
+    def __init__(self, cfg: AgentConfig, session: EtcdSession, supervisor: WorkerSupervisor, say: Callable[..., None]):
+        self.cfg = cfg
+        self.session = session
+        self.supervisor = supervisor
+        self.say = say
+        self.reported_gen = -1  # the generation this node last reported a failure of its own in
+        self.done_gen = -1  # the generation this node's workers were marked done in
+        self.keepers_done_at: float | None = None  # a joiner saw its keepers finish without it
+        self.probed_gen, self.probed_at = -1, 0.0  # the last probe of the peers' agents
+        self.recovering_since: float | None = None  # a local worker waits for a new generation
+
+    def workers_started(self) -> None:
+        """New workers: a failure of theirs is news even in a generation that already had one."""
+        self.reported_gen = -1
+
+    def watch_workers(self, plan: Plan | None, view: View) -> None:
+        sup = self.supervisor
+        if plan is None or not sup.workers:
+            return
+        if sup.note_live():
+            self.session.members.set_live()
+        me = self.cfg.node_id
+        failed = sup.workers.failed()
+        active = me in plan.nodes and not plan.finished
+        if failed and sup.statuses().get(failed[0], {}).get("state") == "finished":
+            # Training finished in that process; a crash on the way out (interpreter teardown)
+            # must not turn a finished job into a failover that nobody can take part in.
+            local_rank, code = failed
+            self.say(f"generation {plan.generation}: worker {local_rank} finished its steps, then {describe_exit(code)} while exiting; counting it as done", kind="warning")
+            sup.workers.forget(local_rank)
+            failed = sup.workers.failed()
+        if failed and self.reported_gen != plan.generation:
+            local_rank, code = failed
+            why = f"worker {local_rank} (pid {sup.workers.pids()[local_rank]}) {describe_exit(code)}"
+            cause = sup.root_cause(local_rank)
+            if cause:
+                why += f": {cause}"
+            sup.workers.stop(grace=0)
+            if active:
+                self.reported_gen = plan.generation
+                self.report_dead_peers(plan, view)  # a dead peer, not this node, may be the cause
+                self.say(f"generation {plan.generation}: {why}; reporting the failure", kind="worker_failed", generation=plan.generation, local_rank=local_rank, exit_code=code)
+                self.session.report_failure(plan.generation, me, why, kind="signal" if code < 0 else "exit")
+            else:
+                self.say(f"spare: sandbox {why}; it will be started again", kind="spare_failed")
+            return
+        if active and self.done_gen != plan.generation and sup.workers.all_succeeded():
+            self.done_gen = plan.generation
+            self.session.members.mark_done(plan.generation, me)
+            self.say(f"generation {plan.generation}: this node's workers finished; waiting for the others")
+        if active and self.done_gen != plan.generation and self._nothing_left(plan, view):
+            self.done_gen = plan.generation
+            sup.workers.stop(grace=0)
+            self.session.members.mark_done(plan.generation, me)
+            self.say(f"generation {plan.generation}: the nodes that kept their workers finished training before this "
+                     "node's workers got in; nothing left for them to do", kind="warning", generation=plan.generation)
+        if active:
+            sup.watch_hangs(plan)
+
+    def report_workers_gone(self, plan: Plan, previous: Plan) -> None:
+        """This node's workers died in the previous generation, but ``plan`` was made before
+        that report was seen: it counts on workers that are gone. Report it again here."""
+        self.reported_gen = plan.generation
+        why = f"this node's workers died in generation {previous.generation}, before generation {plan.generation} took them into account"
+        self.say(f"generation {plan.generation}: {why}; reporting the failure", kind="worker_failed", generation=plan.generation)
+        self.session.report_failure(plan.generation, self.cfg.node_id, why, kind="signal")
+
+    def _nothing_left(self, plan: Plan, view: View) -> bool:
+        """A joiner whose keepers all finished (planner.finished_without) while none of its
+        workers entered the generation, for 2 s on end: a worker that got in writes its entry
+        key the moment its state arrived, long before its peers' exits reach etcd."""
+        if not finished_without(view, self.cfg.node_id) or self.supervisor.any_entered(plan.generation):
+            self.keepers_done_at = None  # the pure check first: this runs on every loop iteration
+            return False
+        self.keepers_done_at = self.keepers_done_at or time.time()
+        return time.time() - self.keepers_done_at >= 2.0
+
+    def probe_peers(self, plan: Plan | None, view: View) -> None:
+        """A local worker saw a collective fail: find out at once whether a peer node died; and if
+        no new generation comes (no node was lost, e.g. a transient network error), report this
+        node after a while so that the job regroups instead of waiting forever."""
+        if plan is None or not (view.live or self.supervisor.live_seen) or self.cfg.node_id not in plan.nodes:
+            return
+        if not self.supervisor.recovering():
+            self.recovering_since = None
+            return
+        if self.probed_gen != plan.generation:
+            self.recovering_since = time.time()
+            self.report_dead_peers(plan, view)
+            return
+        if time.time() - self.probed_at >= 0.5:
+            # Peers can die after the first probe, e.g. a promoted spare killed while the others
+            # wait for it in the communicator setup: keep probing while recovering.
+            self.report_dead_peers(plan, view)
+        patience = max(10.0, 2 * self.cfg.lease_ttl)
+        if self.recovering_since and time.time() - self.recovering_since > patience and self.reported_gen != plan.generation:
+            self.reported_gen = plan.generation
+            why = f"a collective failed {patience:.0f}s ago but no peer node was lost; restarting this node's workers"
+            self.say(f"generation {plan.generation}: {why}", kind="worker_failed", generation=plan.generation)
+            self.session.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
+
+    def report_dead_peers(self, plan: Plan, view: View) -> None:
+        """Report active peers whose agent refuses connections. A dead agent's port refuses at
+        once, so a node loss is known in milliseconds instead of after the lease TTL; anything
+        short of a refusal (a timeout, a partition) is left to the lease, the authority."""
+        self.probed_gen, self.probed_at = plan.generation, time.time()
+        for node in plan.nodes:
+            info = view.alive.get(node)
+            if node == self.cfg.node_id or info is None or node in view.reports:
+                continue
+            try:
+                socket.create_connection((info.addr, info.store_port), timeout=0.5).close()
+            except ConnectionRefusedError:
+                why = f"agent unreachable at {info.addr}:{info.store_port} (connection refused): node lost"
+                self.say(f"generation {plan.generation}: {node}: {why}", kind="node_lost", generation=plan.generation, lost=node)
+                self.session.report_failure(plan.generation, node, why, kind="lost")
+                # Unregister it too: its lease outlives it by a few seconds, and a later
+                # generation must not promote (or wait for) a node already known dead.
+                self.session.members.leave(node)
+            except OSError:
+                continue

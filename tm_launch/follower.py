@@ -1,0 +1,145 @@
+"""Following the plan: what each new generation asks of this node.
+
+Start fresh workers (restart mode, or a live generation this node joins), warm spares up in the
+sandbox, hand the generation to workers that keep running, or leave (a drained node waits for its
+workers to hand their state over first). ``plan`` is the last generation this node acted on;
+the rest of the agent reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from rendezvous.plan import FAILED, SUCCEEDED, Plan
+from rendezvous.planner import View, spares
+
+from .agent_config import AgentConfig
+from .failures import FailureWatch
+from .observers import MetricsFeed
+from .session import EtcdSession, Fenced
+from .supervisor import WorkerSupervisor
+from .waits import Every
+
+
+class PlanFollower:
+    def __init__(self, cfg: AgentConfig, session: EtcdSession, supervisor: WorkerSupervisor, failures: FailureWatch,
+                 metrics: MetricsFeed, say: Callable[..., None]):
+        self.cfg = cfg
+        self.session = session
+        self.supervisor = supervisor
+        self.failures = failures
+        self.metrics = metrics
+        self.say = say
+        self.plan: Plan | None = None  # the last generation this agent acted on
+        self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
+
+    def follow(self, plan: Plan, view: View) -> int | None:
+        """Do what generation ``plan`` asks of this node; an exit code when the agent is done."""
+        me, sup = self.cfg.node_id, self.supervisor
+        previous, self.plan = self.plan, plan
+        if plan.state == SUCCEEDED:
+            sup.stop("job finished")
+            self.say(f"job finished successfully (generation {plan.generation})")
+            return 0
+        if plan.state == FAILED:
+            sup.stop("job failed")
+            self.say(f"generation {plan.generation}: job failed: {plan.reason}", kind="job_failed", generation=plan.generation)
+            return 1
+        if previous is not None:
+            self.metrics.on_generation(plan)
+        if previous is None and me in plan.nodes:
+            self.say(f"generation {plan.generation}: active, group rank {plan.group_rank(me)}, ranks {plan.ranks(me)} of {plan.world_size}")
+        if me in plan.removed:
+            return self._leave(plan)
+        if me not in plan.nodes:
+            self.be_spare(plan, view)
+            return None
+        if not plan.live or not self.cfg.live_enabled:
+            sup.stop(f"generation {plan.generation} restarts every worker")
+            self._start_workers(plan, sandbox=False)
+        elif me in plan.joiners and not (sup.workers and sup.workers.kind == "sandbox"):
+            sup.stop("restarting this node's workers as joiners")
+            self._start_workers(plan, sandbox=True)
+        if me in plan.joiners and previous is not None and me not in (previous.nodes if previous else ()):
+            self.say(f"generation {plan.generation}: promoted from spare to group rank {plan.group_rank(me)} (ranks {plan.ranks(me)})", kind="promoted", generation=plan.generation)
+        sup.direct(plan)
+        self._warn_spares(view, plan)
+        if plan.live and self.cfg.live_enabled and me not in plan.joiners and not sup.workers and previous is not None and me in previous.nodes:
+            self.failures.report_workers_gone(plan, previous)
+        return None
+
+    def be_spare(self, plan: Plan, view: View) -> None:
+        """A spare warms its workers up in the sandbox once the job is known to be live."""
+        sup = self.supervisor
+        if self.plan is not None and (view.live or sup.live_seen) and self.cfg.live_enabled and not sup.workers:
+            self.say(f"spare: warming up {self.cfg.nproc} worker(s) in the sandbox (world size {plan.world_size})", kind="sandbox")
+            self._start_workers(plan, sandbox=True)
+        elif not sup.workers:
+            self.say(f"spare: waiting (generation {plan.generation} has {len(plan.nodes)} active node(s))")
+        sup.direct(plan)
+
+    def _leave(self, plan: Plan) -> int:
+        me, sup = self.cfg.node_id, self.supervisor
+        planned = plan.planned and plan.live and sup.workers
+        if planned:
+            sup.direct(plan)  # the leavers' workers hand over at the switch step, then exit
+            deadline = time.time() + max(60.0, self.cfg.collective_timeout)
+            ticker = Every()
+            while any(code is None for code in sup.workers.poll().values()) and time.time() < deadline:
+                if ticker.due():
+                    running = [lr for lr, code in sup.workers.poll().items() if code is None]
+                    self.say(f"generation {plan.generation}: drained; waiting for local worker(s) {running} to hand over their state "
+                             f"and exit ({ticker.elapsed:.0f} s of {deadline - time.time() + ticker.elapsed:.0f} s)",
+                             kind="waiting", waiting_for="leavers", elapsed_s=round(ticker.elapsed, 1))
+                time.sleep(0.05)
+        sup.stop("this node left the job")
+        successor = next((new for new, old in plan.replaced.items() if old == me), None)
+        how = f"replaced by {successor}" if successor else "removed"
+        if plan.planned:
+            self.say(f"generation {plan.generation}: drained, {how}; exiting", kind="left", generation=plan.generation)
+            return 0
+        self.say(f"generation {plan.generation}: {how} after a failure ({plan.cause}); exiting", kind="left", generation=plan.generation)
+        return 1
+
+    def _warn_spares(self, view: View, plan: Plan) -> None:
+        have = len(spares(dataclasses.replace(view, plan=plan)))
+        if have < self.cfg.spares_wanted and plan.nodes and plan.nodes[0] == self.cfg.node_id:
+            self.say(f"warning: the job wants {self.cfg.spares_wanted} spare node(s) and has {have}", kind="warning")
+
+    def _start_workers(self, plan: Plan, sandbox: bool) -> None:
+        self.supervisor.direct(plan)
+        master = None if sandbox else self.master(plan)
+        self.supervisor.start(plan, sandbox, master)
+        self.failures.workers_started()
+
+    def master(self, plan: Plan) -> tuple[str, int]:
+        """MASTER_ADDR/PORT for a generation of fresh workers: a new TCPStore every generation.
+
+        torch's env:// init does not prefix its keys per attempt (torchrun makes a new store per
+        restart), so reusing one store would hand new workers the old workers' addresses. The
+        plan's store node hosts it and publishes the port; the others wait for it."""
+        members = self.session.members
+        if plan.store.get("node") == self.cfg.node_id:
+            if self.master_gen != plan.generation:
+                self.master_store = dist.TCPStore(self.cfg.addr, 0, None, True, wait_for_workers=False)
+                self.master_gen = plan.generation
+                members.publish_store(plan.generation, self.cfg.addr, self.master_store.port)
+            return self.cfg.addr, self.master_store.port
+        limit = max(60.0, self.cfg.lease_ttl * 4)
+        deadline = time.time() + limit
+        ticker = Every()
+        while time.time() < deadline:
+            where = members.store_for(plan.generation)
+            if where:
+                return where["addr"], int(where["port"])
+            if self.session.lost_lease.is_set():
+                raise Fenced("lease expired")
+            if ticker.due():
+                self.say(f"generation {plan.generation}: waiting for {plan.store.get('node')} to publish the workers' env:// store "
+                         f"({ticker.elapsed:.0f} s of {limit:.0f} s)", kind="waiting", waiting_for="store", elapsed_s=round(ticker.elapsed, 1))
+            time.sleep(0.02)
+        raise SystemExit(f"tm-launch: error: generation {plan.generation}'s store host {plan.store.get('node')} never published its store; is that node alive?")

@@ -1,0 +1,227 @@
+"""This node's worker processes and the agent store they report through.
+
+Starts and stops workers, hands each generation to them (``direct``), reads what they report
+(status, heartbeat, entry into a generation, the live API in use) and kills a worker whose
+heartbeat stopped. Everything here is local to the node (processes and the agent's TCPStore):
+it keeps working while etcd is down, which is what the fencing rule relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from rendezvous.plan import Plan
+
+from .agent_config import AgentConfig
+from .workers import OutputSpec, WorkerSet
+
+
+class WorkerSupervisor:
+    def __init__(self, cfg: AgentConfig, say: Callable[..., None]):
+        self.cfg = cfg
+        self.say = say
+        self.store = dist.TCPStore(cfg.addr, 0, None, True, wait_for_workers=False)
+        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id)
+        self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
+        self.latest_file = os.path.join(self.scratch, "generations")  # grows by a line per directive
+        self.live_seen = False  # a local worker said it uses the live API (tm_launch.init)
+        self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
+        self._statuses_cache: dict | None = None
+
+    def close(self) -> None:
+        self.workers.stop(grace=2)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    # -- what the workers report ----------------------------------------------------------------
+    def new_iteration(self) -> None:
+        """Forget the statuses read in the previous loop iteration."""
+        self._statuses_cache = None
+
+    def statuses(self) -> dict[int, dict]:
+        """This node's workers' last reports (read once per loop iteration)."""
+        if self._statuses_cache is not None:
+            return self._statuses_cache
+        out = {}
+        for lr in self.workers.workers:
+            key = f"worker/{lr}/status"
+            if self.store.check([key]):
+                try:
+                    out[lr] = json.loads(self.store.get(key))
+                except ValueError:
+                    continue
+        self._statuses_cache = out
+        return out
+
+    def recovering(self) -> bool:
+        """A local worker saw a collective fail and waits for a new generation."""
+        return any(s.get("state") == "recovering" for s in self.statuses().values())
+
+    def local_progress(self) -> tuple[bool, float | None]:
+        """(a local worker is recovering from a failed collective, seconds since a local worker
+        last finished a step, None without running workers). Local store only: works without etcd."""
+        if not self.workers:
+            return False, None
+        self._statuses_cache = None
+        statuses = self.statuses()
+        steps = {lr: s.get("step") for lr, s in statuses.items()}
+        now = time.time()
+        if steps != self.step_seen[0]:
+            self.step_seen = (steps, now)
+        recovering = self.recovering()
+        running = recovering or any(s.get("state") == "running" for s in statuses.values())
+        return recovering, (now - self.step_seen[1]) if running else None
+
+    def note_live(self) -> bool:
+        """True the first time a local worker says it uses the live API."""
+        if self.live_seen:
+            return False
+        for lr in self.workers.workers:
+            if self.store.check([f"worker/{lr}/live"]):
+                self.live_seen = True
+                return True
+        return False
+
+    def entered(self, generation: int) -> list[dict] | None:
+        """Every local worker's record of entering ``generation``; None until all have entered."""
+        records = []
+        for lr in self.workers.workers:
+            key = f"worker/{lr}/entered/{generation}"
+            if not self.store.check([key]):
+                return None
+            records.append(json.loads(self.store.get(key)))
+        return records
+
+    def any_entered(self, generation: int) -> bool:
+        return any(self.store.check([f"worker/{lr}/entered/{generation}"]) for lr in self.workers.workers)
+
+    def watch_hangs(self, plan: Plan) -> None:
+        """Kill a worker that stopped beating (SIGSTOP, a wedged process): its peers then fail
+        fast and the node is replaced. A worker waiting in a collective keeps beating, so ranks
+        blocked on a hung peer are never mistaken for the hung one."""
+        cfg = self.cfg.health
+        if cfg is None or not self.live_seen:
+            return
+        from health.hang import hang_timeout
+
+        now = time.time()
+        for lr, status in self.statuses().items():
+            if status.get("state") not in ("running", "recovering") or lr not in self.workers.workers:
+                continue
+            key = f"worker/{lr}/beat"
+            if not self.store.check([key]):
+                continue
+            silent = now - float(self.store.get(key))
+            recent = status.get("step_times") or ([status["step_time"]] if status.get("step_time") else [])
+            limit = hang_timeout(cfg, recent, status.get("steps_run") or 0, False)
+            if silent > limit and self.workers.poll().get(lr) is None:
+                self.say(
+                    f"generation {plan.generation}: worker {lr} (pid {self.workers.pids()[lr]}) silent for {silent:.1f}s "
+                    f"(hang limit {limit:.1f}s): killing it", kind="hang", generation=plan.generation, local_rank=lr,
+                )
+                self.workers.kill(lr)
+
+    def root_cause(self, local_rank: int) -> str:
+        """The first line of the worker's @record error file, when it wrote one."""
+        path = self.error_file(self.workers.generation, local_rank)
+        try:
+            with open(path) as f:
+                message = json.load(f)["message"]
+            text = message.get("message", "") if isinstance(message, dict) else str(message)
+            return text.strip().splitlines()[0][:300] if text.strip() else ""
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return ""
+
+    # -- starting and directing ------------------------------------------------------------------
+    def direct(self, plan: Plan) -> None:
+        """Hand generation ``plan`` to this node's workers through the local store."""
+        me = self.cfg.node_id
+        joiner_ranks = [r for n in plan.joiners for r in plan.ranks(n)]
+        directive = {
+            "generation": plan.generation, "active": me in plan.nodes, "ranks": plan.ranks(me),
+            "world_size": plan.world_size, "store": plan.store, "joiner_ranks": joiner_ranks,
+            "all_fresh": set(plan.joiners) >= set(plan.nodes), "planned": plan.planned, "live": plan.live,
+            "stop": plan.finished,
+        }
+        self.store.set(f"node/plan/{plan.generation}", json.dumps(directive))
+        current = self.store.add("node/latest", 0)
+        if plan.generation > current:
+            self.store.add("node/latest", plan.generation - current)
+        # Workers check this file's size at every step boundary (a stat, no round trip).
+        with open(self.latest_file, "a") as f:
+            f.write(f"{plan.generation}\n")
+
+    def start(self, plan: Plan, sandbox: bool, master: tuple[str, int] | None) -> None:
+        """Start this node's workers for ``plan`` (already directed): sandboxed warm spares, or
+        fresh workers bootstrapping through the env:// store at ``master``."""
+        envs = {lr: self.env(plan, lr, sandbox) for lr in range(self.cfg.nproc)}
+        if master:
+            for env in envs.values():
+                env["MASTER_ADDR"], env["MASTER_PORT"] = master[0], str(master[1])
+        for lr in range(self.cfg.nproc):
+            # The previous process's last status and heartbeat must not be read as the new
+            # one's: the hang watchdog would kill a worker that is still starting up.
+            for key in ("status", "beat"):
+                self.store.delete_key(f"worker/{lr}/{key}")
+        self._statuses_cache = None
+        self.workers.start(envs, plan.generation, "sandbox" if sandbox else "fresh")
+
+    def stop(self, why: str) -> None:
+        if self.workers:
+            self.say(f"stopping {len(self.workers.workers)} worker(s): {why}")
+            self.workers.stop()
+
+    def env(self, plan: Plan, local_rank: int, sandbox: bool) -> dict[str, str]:
+        me, cfg = self.cfg.node_id, self.cfg
+        ranks = plan.ranks(me) or list(range(cfg.nproc))
+        group_rank = plan.group_rank(me)
+        env = dict(os.environ)
+        env.update({
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(ranks[local_rank]),
+            "GROUP_RANK": str(group_rank if group_rank is not None else -1),
+            "ROLE_RANK": str(ranks[local_rank]),
+            "ROLE_NAME": cfg.role,
+            "LOCAL_WORLD_SIZE": str(cfg.nproc),
+            "WORLD_SIZE": str(plan.world_size),
+            "GROUP_WORLD_SIZE": str(len(plan.nodes)),
+            "ROLE_WORLD_SIZE": str(plan.world_size),
+            "MASTER_ADDR": str(plan.store.get("addr", "")),
+            "MASTER_PORT": str(plan.store.get("port", "")),
+            # Every generation is a new worker group, so torchrun's restart counter is the
+            # generation number (the env:// store itself is new per generation: see
+            # PlanFollower.master).
+            "TORCHELASTIC_RESTART_COUNT": str(plan.generation),
+            "TORCHELASTIC_MAX_RESTARTS": str(cfg.limits.max_restarts),
+            "TORCHELASTIC_RUN_ID": cfg.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": self.error_file(plan.generation, local_rank),
+            "TM_NODE_ID": me,
+            "TM_LOCAL_ADDR": cfg.addr,
+            "TM_GENERATION": str(plan.generation),
+            "TM_LATEST_FILE": self.latest_file,
+            "TM_SANDBOX": "1" if sandbox else "0",
+            "TM_SANDBOX_STEPS": str(cfg.sandbox_steps),
+            "TM_COLLECTIVE_TIMEOUT": str(cfg.collective_timeout),
+            "TM_SETUP_TIMEOUT": str(cfg.join_timeout),
+            "TM_STRAGGLER_WINDOW": str(cfg.health.straggler_window if cfg.health else 20),
+        })
+        if cfg.live_enabled:
+            env["TM_AGENT_STORE"] = f"{cfg.addr}:{self.store.port}"
+        else:
+            env.pop("TM_AGENT_STORE", None)
+        return env
+
+    def error_file(self, generation: int, local_rank: int) -> str:
+        """Where a worker decorated with torch's @record writes its exception (torchrun's layout)."""
+        base = (self.cfg.output.log_dir if self.cfg.output and self.cfg.output.log_dir else None) or self.scratch
+        path = os.path.join(base, self.cfg.run_id, f"attempt_{generation}", str(local_rank), "error.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
