@@ -78,7 +78,6 @@ class Agent:
         self.kv = kv
         self.members = Membership(kv)
         self.store = dist.TCPStore(cfg.addr, 0, None, True, wait_for_workers=False)
-        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id)
         self.plan: Plan | None = None  # the last generation this agent acted on
         self.lease = None
         self.info: NodeInfo | None = None
@@ -109,6 +108,7 @@ class Agent:
         self._statuses_cache: dict | None = None
         self.master_store, self.master_gen = None, -1  # this node's env:// store for a fresh generation
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
+        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id, self.scratch)
         self.latest_file = os.path.join(self.scratch, "generations")  # grows by a line per directive
         self.straggler_gen, self.stragglers, self.straggler_window = -1, None, -1  # local rank -> [last step seen, when it changed]
         self.metrics = None  # tm_launch.metrics.AgentMetrics with --metrics-port
@@ -586,14 +586,12 @@ class Agent:
             "ROLE_WORLD_SIZE": str(plan.world_size),
             "MASTER_ADDR": str(plan.store.get("addr", "")),
             "MASTER_PORT": str(plan.store.get("port", "")),
-            # Every generation is a new worker group, so torchrun's restart counter is the
-            # generation number (the env:// store itself is new per generation: see _master).
-            "TORCHELASTIC_RESTART_COUNT": str(plan.generation),
+            "TORCHELASTIC_RESTART_COUNT": str(self.workers.restarts),  # this agent's, as torchrun
             "TORCHELASTIC_MAX_RESTARTS": str(self.cfg.limits.max_restarts),
             "TORCHELASTIC_RUN_ID": self.cfg.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "TORCHELASTIC_ERROR_FILE": self._error_file(plan.generation, local_rank),
+            "TORCHELASTIC_ERROR_FILE": self.workers.error_file(local_rank),
             "TM_NODE_ID": me,
             "TM_LOCAL_ADDR": self.cfg.addr,
             "TM_GENERATION": str(plan.generation),
@@ -610,23 +608,12 @@ class Agent:
             env.pop("TM_AGENT_STORE", None)
         return env
 
-    def _error_file(self, generation: int, local_rank: int) -> str:
-        """Where a worker decorated with torch's @record writes its exception (torchrun's layout)."""
-        base = (self.cfg.output.log_dir if self.cfg.output and self.cfg.output.log_dir else None) or self.scratch
-        path = os.path.join(base, self.cfg.run_id, f"attempt_{generation}", str(local_rank), "error.json")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return path
-
-    def _root_cause(self, local_rank: int) -> str:
-        """The first line of the worker's @record error file, when it wrote one."""
-        path = self._error_file(self.workers.generation, local_rank)
-        try:
-            with open(path) as f:
-                message = json.load(f)["message"]
-            text = message.get("message", "") if isinstance(message, dict) else str(message)
-            return text.strip().splitlines()[0][:300] if text.strip() else ""
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return ""
+    def _root_cause(self) -> str:
+        """Print torchrun's root-cause block for the failed workers; its one-line summary."""
+        block, line = self.workers.failure_report(self.plan.ranks(self.cfg.node_id) if self.plan else [])
+        if block:
+            print(block, file=sys.stderr, flush=True)
+        return line
 
     def _master(self, plan: Plan) -> tuple[str, int]:
         """MASTER_ADDR/PORT for a generation of fresh workers: a new TCPStore every generation.
@@ -657,6 +644,8 @@ class Agent:
 
     def _start_workers(self, plan: Plan, sandbox: bool) -> None:
         self._direct(plan)
+        if self.reported_gen != -1:  # this node's own workers failed: torchrun's restart count goes up
+            self.workers.restarts += 1
         master = None if sandbox else self._master(plan)
         envs = {lr: self._env(plan, lr, sandbox) for lr in range(self.cfg.nproc)}
         if master:
@@ -695,7 +684,7 @@ class Agent:
         if failed and self.reported_gen != plan.generation:
             local_rank, code = failed
             why = f"worker {local_rank} (pid {self.workers.pids()[local_rank]}) {describe_exit(code)}"
-            cause = self._root_cause(local_rank)
+            cause = self._root_cause()
             if cause:
                 why += f": {cause}"
             self.workers.stop(grace=0)

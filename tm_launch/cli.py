@@ -149,6 +149,20 @@ def _is_loopback(endpoint: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _local_addr(local_addr: str | None, endpoints) -> str:
+    """This node's address: workers get it as MASTER_ADDR. torchrun's choice, ``--local-addr`` or
+    the FQDN; only on a single machine (loopback etcd) whose name does not resolve, 127.0.0.1."""
+    if local_addr:
+        return local_addr
+    name = socket.getfqdn()
+    if all(_is_loopback(e) for e in endpoints):
+        try:
+            socket.getaddrinfo(name, None)
+        except OSError:
+            return "127.0.0.1"
+    return name
+
+
 def _launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
     from torch.distributed.run import config_from_args
@@ -191,12 +205,9 @@ def _launch(args) -> int:
         except ValueError as e:  # a malformed --rdzv-endpoint
             raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: {e}") from None
         nproc = config.nproc_per_node
-        if args.local_addr:
-            addr = args.local_addr
-        elif all(_is_loopback(e) for e in options.endpoints):
-            addr = "127.0.0.1"
-        else:
-            addr = socket.getfqdn()
+        addr = _local_addr(args.local_addr, options.endpoints)
+        # torchrun's agent sets this for its workers (launcher/api.py); they inherit it.
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
         output = OutputSpec(
             log_dir=args.log_dir,
             redirects={k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()},
