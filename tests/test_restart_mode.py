@@ -54,7 +54,7 @@ def test_no_spare_and_crashing_worker_fails_clearly_when_restarts_run_out(local_
     job.start_all(["a", "b"])
     codes = job.wait(timeout=240)
     assert codes == {"a": 1, "b": 1}, job.logs_tail()
-    assert "max restarts (1) exhausted" in job.nodes["a"].log()
+    assert "generation 1: job failed: max restarts (1) exhausted" in job.nodes["a"].log()  # 0 failed, 1 failed
     run_dirs = sorted(os.listdir(logs))
     assert len(run_dirs) == 2 and all(d.startswith(f"{job.run_id}_") for d in run_dirs), run_dirs
     assert sorted(sorted(os.listdir(logs / d)) for d in run_dirs) == [["attempt_0"], ["attempt_0", "attempt_1"]], run_dirs

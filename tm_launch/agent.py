@@ -456,11 +456,11 @@ class Agent:
         previous, self.plan = self.plan, plan
         if plan.state == SUCCEEDED:
             self._stop_workers("job finished")
-            self.say(f"job finished successfully (generation {plan.generation})")
+            self.say(f"job finished successfully (generation {plan.last_run})")
             return 0
         if plan.state == FAILED:
             self._stop_workers("job failed")
-            self.say(f"generation {plan.generation}: job failed: {plan.reason}", kind="job_failed", generation=plan.generation)
+            self.say(f"generation {plan.last_run}: job failed: {plan.reason}", kind="job_failed", generation=plan.last_run)
             return 1
         if previous is not None and self.metrics is not None:
             self.metrics.on_generation(self._change_kind(plan))

@@ -163,6 +163,16 @@ def _local_addr(local_addr: str | None, endpoints) -> str:
     return name
 
 
+def _check_standalone(args) -> None:
+    """--standalone's etcd is private to this agent: no other node can ever join it."""
+    min_nodes, _ = parse_nnodes(args.nnodes)
+    if min_nodes > 1:
+        raise UsageError(
+            f"--standalone --nnodes {args.nnodes}: --standalone starts a private etcd on this machine's loopback, so no "
+            f"other node can ever join; run every node with --rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379 "
+            f"--rdzv-id JOB --nnodes {args.nnodes} (an etcd all nodes reach)")
+
+
 def _launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
     from torch.distributed.run import config_from_args
@@ -175,6 +185,7 @@ def _launch(args) -> int:
 
     server = None
     if args.standalone:
+        _check_standalone(args)
         from rendezvous.etcd_server import EtcdServer
 
         server = EtcdServer().start()
