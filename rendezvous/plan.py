@@ -112,6 +112,12 @@ class Plan:
     def finished(self) -> bool:
         return self.state in (SUCCEEDED, FAILED)
 
+    @property
+    def last_run(self) -> int:
+        """The generation workers last ran in, the number people saw: a finished plan is a
+        marker published after that generation (``Plan.next``), not one that ran."""
+        return self.generation - 1 if self.finished and self.generation > 0 else self.generation
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

@@ -86,6 +86,9 @@ USAGE = {
     "YAML: TLS key without cert": (["--config", "{tmp}/tls.yaml", "examples/train.py"], 2, ["key= needs cert= too"]),
     "--node-id with a slash": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--node-id", "a/b",
                                 "examples/train.py"], 2, ["--node-id 'a/b'"]),
+    "--standalone --nnodes 2": (["--standalone", "--nnodes", "2", "examples/train.py"], 2,
+                                ["--standalone --nnodes 2", "no other node can ever join",
+                                 "--rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379"]),
     "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
                               "examples/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
     "etcd: never answers": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung",
@@ -168,7 +171,13 @@ def test_finished_run_id_is_refused(etcd_endpoint):
     job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1"]
     rc, _, err = finish(launch(job + ["examples/train.py", "--steps", "2"]), timeout=120)
     assert rc == 0, err
-    assert "job finished successfully" in err
+    assert "job finished successfully (generation 0)" in err  # the generation that ran, not the end marker
+    status = subprocess.run(CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"], cwd=ROOT,
+                            env=_env(), capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"run {run_id}: generation 0, succeeded" in status.stdout, status.stdout
+    [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change"))]
+    assert row[1] == "finished", status.stdout  # its agent exited after success: not "lost"
     t0 = time.monotonic()
     rc, _, err = finish(launch(job + ["examples/train.py", "--steps", "2"]), timeout=60)
     assert_one_error(rc, err, f"run id '{run_id}' already finished (succeeded)", "new --rdzv-id")

@@ -195,6 +195,8 @@ def test_join_wait_says_what_it_waits_for(local_job):
 
 
 def test_metrics_port_in_use_is_one_clear_line(etcd_endpoint, tmp_path):
+    from tm_launch.cli import _local_addr
+
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -205,7 +207,8 @@ def test_metrics_port_in_use_is_one_clear_line(etcd_endpoint, tmp_path):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     assert out.returncode != 0
     lines = [l for l in out.stderr.splitlines() if l.strip()]
-    assert lines == [f"tm-launch: error: --metrics-port {port}: 127.0.0.1:{port} is already in use; pick a free port "
+    addr = _local_addr(None, [etcd_endpoint])  # the FQDN by default, as torchrun's MASTER_ADDR
+    assert lines == [f"tm-launch: error: --metrics-port {port}: {addr}:{port} is already in use; pick a free port "
                      "(every agent on one machine needs its own, e.g. PET_METRICS_PORT per agent)"], out.stderr
 
 

@@ -44,9 +44,19 @@ def test_crashing_worker_node_is_replaced_by_the_spare(local_job):
     assert os.path.exists(out)
 
 
-def test_no_spare_and_crashing_worker_fails_clearly_when_restarts_run_out(local_job):
-    job, out = _job(local_job, launcher=["--max-restarts", "1"], script=["--crash-node", "b", "--crash-step", "2"])
+def test_no_spare_and_crashing_worker_fails_clearly_when_restarts_run_out(local_job, tmp_path):
+    """Also torchrun's per-agent restart count: only b's workers failed, so only b's agent starts
+    a second attempt (attempt_1, TORCHELASTIC_RESTART_COUNT 1); a restarted its workers for b's
+    failure and stays at attempt_0, each agent in its own <run id>_<random> log directory."""
+    logs = tmp_path / "logs"
+    job, out = _job(local_job, launcher=["--max-restarts", "1", "--log-dir", str(logs), "--redirects", "3"],
+                    script=["--crash-node", "b", "--crash-step", "2"])
     job.start_all(["a", "b"])
     codes = job.wait(timeout=240)
     assert codes == {"a": 1, "b": 1}, job.logs_tail()
-    assert "max restarts (1) exhausted" in job.nodes["a"].log()
+    assert "generation 1: job failed: max restarts (1) exhausted" in job.nodes["a"].log()  # 0 failed, 1 failed
+    run_dirs = sorted(os.listdir(logs))
+    assert len(run_dirs) == 2 and all(d.startswith(f"{job.run_id}_") for d in run_dirs), run_dirs
+    assert sorted(sorted(os.listdir(logs / d)) for d in run_dirs) == [["attempt_0"], ["attempt_0", "attempt_1"]], run_dirs
+    for d in run_dirs:
+        assert (logs / d / "attempt_0" / "0" / "stderr.log").exists()

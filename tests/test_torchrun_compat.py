@@ -7,6 +7,7 @@ Each launcher start costs ~5-10 s here (torch imports on 2 cores), so only
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,16 +20,18 @@ sys.path.insert(0, ROOT)
 from examples.env_dump import TORCHRUN_ENV  # noqa: E402
 
 # Must be equal under both launchers. The rest of TORCHRUN_ENV must be present but may differ:
-# MASTER_ADDR/MASTER_PORT (each picks its own), TORCHELASTIC_RUN_ID (random per --standalone),
-# TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init).
+# MASTER_PORT (each picks its own), TORCHELASTIC_RUN_ID (random per --standalone),
+# TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init),
+# TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory).
 SAME = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-        "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS")
+        "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
+        "MASTER_ADDR", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SCRIPT_ARGS = ["--foo", "bar", "--tag", "${local_rank}"]  # torchrun substitutes ${local_rank} in worker args
 
 
-def launch(launcher: str, args: list[str], timeout: float = 180) -> str:
+def launch(launcher: str, args: list[str], timeout: float = 180, rc: int = 0) -> str:
     """Run `<launcher> --standalone --nproc-per-node 2 ARGS` from the repo root; its output."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith("PET_")}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = ROOT  # tm_launch for examples/train.py under plain torchrun
     cmd = [os.path.join(BIN, launcher), "--standalone", "--nproc-per-node", "2", *args]
     try:
@@ -36,8 +39,13 @@ def launch(launcher: str, args: list[str], timeout: float = 180) -> str:
                               timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{launcher} did not finish in {timeout} s: {' '.join(cmd)}\n{(e.output or '')[-4000:]}")
-    assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-4000:]}"
+    assert done.returncode == rc, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-4000:]}"
     return done.stdout
+
+
+def error_file_pattern(rank: int, attempt: int = 0) -> str:
+    """torchrun's TORCHELASTIC_ERROR_FILE: <log dir>/<run id>_<random>/attempt_<restart count>/<local rank>/error.json."""
+    return rf".*/{{run_id}}_[^/]+/attempt_{attempt}/{rank}/error\.json"
 
 
 def dump(launcher: str, mode: list[str], out) -> dict[int, dict]:
@@ -57,6 +65,9 @@ def assert_same_worker_view(ours: dict, theirs: dict, ours_out, theirs_out) -> N
         assert set(a["env"]) == set(b["env"]), f"rank {rank}: tm-launch env keys differ: " \
             f"missing {sorted(set(b['env']) - set(a['env']))}, extra {sorted(set(a['env']) - set(b['env']))}"
         assert {k: a["env"][k] for k in SAME} == {k: b["env"][k] for k in SAME}, f"rank {rank}"
+        for record in (a, b):
+            pattern = error_file_pattern(rank).format(run_id=re.escape(record["env"]["TORCHELASTIC_RUN_ID"]))
+            assert re.fullmatch(pattern, record["env"]["TORCHELASTIC_ERROR_FILE"]), record["env"]["TORCHELASTIC_ERROR_FILE"]
         assert a["env"]["RANK"] == str(rank) and a["env"]["OMP_NUM_THREADS"] == "1"
         assert a["allreduce"] == b["allreduce"] == 3.0  # 1 + 2 over a real env:// gloo group
         assert a["local_ranks"] == b["local_ranks"] == ["0", "1"]
@@ -73,6 +84,39 @@ def test_script_env_matches_torchrun(tmp_path):
     theirs = dump("torchrun", script, tmp_path / "torchrun")
     ours = dump("tm-launch", script, tmp_path / "tm-launch")
     assert_same_worker_view(ours, theirs, tmp_path / "tm-launch", tmp_path / "torchrun")
+
+
+def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
+    """Rank 1 raises in every attempt, one restart allowed: both launchers restart once with
+    TORCHELASTIC_RESTART_COUNT 1, lay out --log-dir the same way (<run id>_<random>/attempt_N/
+    <local rank>/error.json), fail with exit 1, and print the same root-cause block: the worker's
+    traceback with the file:line that raised, from its @record error file."""
+    blocks, layouts = {}, {}
+    for launcher in ("torchrun", "tm-launch"):
+        out, logs = tmp_path / launcher, tmp_path / f"{launcher}-logs"
+        output = launch(launcher, ["--max-restarts", "1", "--log-dir", str(logs), "examples/env_dump.py",
+                                   "--out", str(out), "--fail-rank", "1"], rc=1)
+        for attempt in (0, 1):
+            for rank in (0, 1):
+                path = out / f"attempt{attempt}" / f"rank{rank}.json"
+                if rank == 0 and not path.exists():
+                    continue  # rank 0 may be stopped before it wrote anything: rank 1 fails at once
+                env = json.loads(path.read_text())["env"]
+                assert env["TORCHELASTIC_RESTART_COUNT"] == str(attempt), (launcher, attempt, rank)
+                pattern = error_file_pattern(rank, attempt).format(run_id=re.escape(env["TORCHELASTIC_RUN_ID"]))
+                assert re.fullmatch(pattern, env["TORCHELASTIC_ERROR_FILE"]), (launcher, env["TORCHELASTIC_ERROR_FILE"])
+                assert env["TORCHELASTIC_ERROR_FILE"].startswith(str(logs) + "/"), (launcher, env["TORCHELASTIC_ERROR_FILE"])
+        [run_dir] = os.listdir(logs)  # one <run id>_<random> directory per agent
+        layouts[launcher] = sorted(os.path.relpath(os.path.join(d, f), logs / run_dir)
+                                   for d, _, files in os.walk(logs / run_dir) for f in files)
+        start = output.rindex("Root Cause (first observed failure):")
+        blocks[launcher] = output[start:output.index("=" * 20, start)]
+    assert layouts["tm-launch"] == layouts["torchrun"] == ["attempt_0/1/error.json", "attempt_1/1/error.json"], layouts
+    for launcher, block in blocks.items():
+        assert "rank      : 1 (local_rank: 1)" in block and "exitcode  : 1" in block, (launcher, block)
+        assert re.search(r'File ".*examples/env_dump\.py", line \d+, in fail', block), (launcher, block)
+        assert "ValueError: env_dump: rank 1 fails on purpose" in block, (launcher, block)
+        assert re.search(r"error_file: .*/attempt_1/1/error\.json", block), (launcher, block)
 
 
 @pytest.mark.slow

@@ -70,6 +70,30 @@ def _is_loopback(endpoint: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _local_addr(local_addr: str | None, endpoints) -> str:
+    """This node's address: workers get it as MASTER_ADDR. torchrun's choice, ``--local-addr`` or
+    the FQDN; only on a single machine (loopback etcd) whose name does not resolve, 127.0.0.1."""
+    if local_addr:
+        return local_addr
+    name = socket.getfqdn()
+    if all(_is_loopback(e) for e in endpoints):
+        try:
+            socket.getaddrinfo(name, None)
+        except OSError:
+            return "127.0.0.1"
+    return name
+
+
+def _check_standalone(args) -> None:
+    """--standalone's etcd is private to this agent: no other node can ever join it."""
+    min_nodes, _ = parse_nnodes(args.nnodes)
+    if min_nodes > 1:
+        raise UsageError(
+            f"--standalone --nnodes {args.nnodes}: --standalone starts a private etcd on this machine's loopback, so no "
+            f"other node can ever join; run every node with --rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379 "
+            f"--rdzv-id JOB --nnodes {args.nnodes} (an etcd all nodes reach)")
+
+
 def _launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
     from torch.distributed.run import config_from_args
@@ -82,6 +106,7 @@ def _launch(args) -> int:
 
     server = None
     if args.standalone:
+        _check_standalone(args)
         from rendezvous.etcd_server import EtcdServer
 
         server = EtcdServer().start()
@@ -112,12 +137,9 @@ def _launch(args) -> int:
         except ValueError as e:  # a malformed --rdzv-endpoint
             raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: {e}") from None
         nproc = config.nproc_per_node
-        if args.local_addr:
-            addr = args.local_addr
-        elif all(_is_loopback(e) for e in options.endpoints):
-            addr = "127.0.0.1"
-        else:
-            addr = socket.getfqdn()
+        addr = _local_addr(args.local_addr, options.endpoints)
+        # torchrun's agent sets this for its workers (launcher/api.py); they inherit it.
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
         output = OutputSpec(
             log_dir=args.log_dir,
             redirects={k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()},

@@ -73,6 +73,7 @@ def _connect(args):
 
 
 def status(members, run_id: str) -> dict:
+    from rendezvous.plan import SUCCEEDED
     from rendezvous.planner import spares
 
     snap = members.snapshot(strict=False)   # an operator still sees the nodes when the plan is junk
@@ -86,6 +87,8 @@ def status(members, run_id: str) -> dict:
         active = bool(plan and node in plan.nodes)
         if node in view.failed:
             role = "failed"
+        elif active and plan.finished:  # its agent has exited (or is about to): not lost
+            role = "finished" if plan.state == SUCCEEDED else "lost" if node in plan.removed else "stopped"
         elif active and node in view.drains:
             role = "draining"
         elif active:
@@ -101,7 +104,7 @@ def status(members, run_id: str) -> dict:
         })
     return {
         "run_id": run_id,
-        "generation": plan.generation if plan else None,
+        "generation": plan.last_run if plan else None,  # a finished plan is the marker after the last one
         "state": plan.state if plan else ("plan unreadable" if snap.plan_error else "forming"),
         "world_size": plan.world_size if plan else 0,
         "live": view.live,

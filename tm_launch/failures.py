@@ -57,7 +57,7 @@ class FailureWatch:
         if failed and self.reported_gen != plan.generation:
             local_rank, code = failed
             why = f"worker {local_rank} (pid {sup.workers.pids()[local_rank]}) {describe_exit(code)}"
-            cause = sup.root_cause(local_rank)
+            cause = sup.root_cause(plan.ranks(me))
             if cause:
                 why += f": {cause}"
             sup.workers.stop(grace=0)

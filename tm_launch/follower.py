@@ -43,11 +43,11 @@ class PlanFollower:
         previous, self.plan = self.plan, plan
         if plan.state == SUCCEEDED:
             sup.stop("job finished")
-            self.say(f"job finished successfully (generation {plan.generation})")
+            self.say(f"job finished successfully (generation {plan.last_run})")
             return 0
         if plan.state == FAILED:
             sup.stop("job failed")
-            self.say(f"generation {plan.generation}: job failed: {plan.reason}", kind="job_failed", generation=plan.generation)
+            self.say(f"generation {plan.last_run}: job failed: {plan.reason}", kind="job_failed", generation=plan.last_run)
             return 1
         if previous is not None:
             self.metrics.on_generation(plan)
@@ -112,6 +112,8 @@ class PlanFollower:
 
     def _start_workers(self, plan: Plan, sandbox: bool) -> None:
         self.supervisor.direct(plan)
+        if self.failures.reported_gen != -1:  # this node's own workers failed: torchrun's restart count goes up
+            self.supervisor.workers.restarts += 1
         master = None if sandbox else self.master(plan)
         self.supervisor.start(plan, sandbox, master)
         self.failures.workers_started()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -28,8 +29,8 @@ class WorkerSupervisor:
         self.cfg = cfg
         self.say = say
         self.store = dist.TCPStore(cfg.addr, 0, None, True, wait_for_workers=False)
-        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id)
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
+        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id, self.scratch)
         self.latest_file = os.path.join(self.scratch, "generations")  # grows by a line per directive
         self.live_seen = False  # a local worker said it uses the live API (tm_launch.init)
         self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
@@ -127,16 +128,13 @@ class WorkerSupervisor:
                 )
                 self.workers.kill(lr)
 
-    def root_cause(self, local_rank: int) -> str:
-        """The first line of the worker's @record error file, when it wrote one."""
-        path = self.error_file(self.workers.generation, local_rank)
-        try:
-            with open(path) as f:
-                message = json.load(f)["message"]
-            text = message.get("message", "") if isinstance(message, dict) else str(message)
-            return text.strip().splitlines()[0][:300] if text.strip() else ""
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return ""
+    def root_cause(self, ranks: list[int]) -> str:
+        """Print torchrun's root-cause block for the failed workers; its one-line summary.
+        ``ranks``: the global rank of each local rank."""
+        block, line = self.workers.failure_report(ranks)
+        if block:
+            print(block, file=sys.stderr, flush=True)
+        return line
 
     # -- starting and directing ------------------------------------------------------------------
     def direct(self, plan: Plan) -> None:
@@ -194,15 +192,12 @@ class WorkerSupervisor:
             "ROLE_WORLD_SIZE": str(plan.world_size),
             "MASTER_ADDR": str(plan.store.get("addr", "")),
             "MASTER_PORT": str(plan.store.get("port", "")),
-            # Every generation is a new worker group, so torchrun's restart counter is the
-            # generation number (the env:// store itself is new per generation: see
-            # PlanFollower.master).
-            "TORCHELASTIC_RESTART_COUNT": str(plan.generation),
+            "TORCHELASTIC_RESTART_COUNT": str(self.workers.restarts),  # this agent's, as torchrun
             "TORCHELASTIC_MAX_RESTARTS": str(cfg.limits.max_restarts),
             "TORCHELASTIC_RUN_ID": cfg.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "TORCHELASTIC_ERROR_FILE": self.error_file(plan.generation, local_rank),
+            "TORCHELASTIC_ERROR_FILE": self.workers.error_file(local_rank),
             "TM_NODE_ID": me,
             "TM_LOCAL_ADDR": cfg.addr,
             "TM_GENERATION": str(plan.generation),
@@ -218,10 +213,3 @@ class WorkerSupervisor:
         else:
             env.pop("TM_AGENT_STORE", None)
         return env
-
-    def error_file(self, generation: int, local_rank: int) -> str:
-        """Where a worker decorated with torch's @record writes its exception (torchrun's layout)."""
-        base = (self.cfg.output.log_dir if self.cfg.output and self.cfg.output.log_dir else None) or self.scratch
-        path = os.path.join(base, self.cfg.run_id, f"attempt_{generation}", str(local_rank), "error.json")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return path

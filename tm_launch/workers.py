@@ -10,17 +10,23 @@ neighbours keep theirs, so tm-launch keeps this small manager. Two things it add
   the workers (the agent decides what they get, like torchrun).
 
 Output follows torchrun's ``--redirects``/``--tee``/``--log-dir``/``--local-ranks-filter``:
-files under ``LOG_DIR/<run id>/attempt_<generation>/<local rank>/{stdout,stderr}.log``, and
-console lines prefixed ``[<role><local rank>]:`` when teed.
+files under ``LOG_DIR/<run id>_<random>/attempt_<restart count>/<local rank>/{stdout,stderr}.log``
+(torchrun's layout: one ``<run id>_<random>`` directory per agent, ``attempt_N`` for the N-th
+restart of this agent's workers, ``error.json`` beside the logs), and console lines prefixed
+``[<role><local rank>]:`` when teed. A failed worker is reported with torchrun's root-cause block
+(``ChildFailedError.format_msg``: the traceback and file:line from its ``@record`` error file).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -101,6 +107,32 @@ class Worker:
             fh.close()
 
 
+def _error_file_ok(path: str) -> bool:
+    """Whether torch's ProcessFailure can read ``path`` (it raises, with a logged traceback, on a
+    malformed one: a worker's file is input, so a bad one is reported as absent)."""
+    try:
+        with open(path) as f:
+            message = json.load(f)["message"]
+        if not isinstance(message, str):
+            int(message["extraInfo"]["timestamp"])
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _summary(message) -> str:
+    """One line for a root cause: the exception line plus the innermost ``file:line``."""
+    if isinstance(message, dict):
+        stack = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        frames = re.findall(r'File "([^"]+)", line (\d+)', stack)
+        text = str(message.get("message", "")).strip()
+        where = f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else ""
+    else:
+        text, where = str(message or "").strip(), ""
+    first = text.splitlines()[0][:300] if text else ""
+    return first + where if first else ""
+
+
 def _pump(pipe, path: str | None, console, prefix: bytes) -> None:
     fh = open(path, "ab") if path else None
     try:
@@ -117,25 +149,71 @@ def _pump(pipe, path: str | None, console, prefix: bytes) -> None:
 
 
 class WorkerSet:
-    """The workers this agent runs right now (a generation's, or a spare's parked ones)."""
+    """The workers this agent runs right now (a generation's, or a spare's parked ones).
 
-    def __init__(self, cmd: list[str], out: OutputSpec, run_id: str):
+    ``restarts`` is torchrun's ``TORCHELASTIC_RESTART_COUNT`` for this agent: how many times its
+    own workers failed and were started again (the agent counts them); it names the attempt
+    directory. Workers restarted because of another node's failure keep the count, as under
+    torchrun, and append to the same attempt's logs."""
+
+    def __init__(self, cmd: list[str], out: OutputSpec, run_id: str, scratch: str):
         self.cmd = cmd
         self.out = out
         self.run_id = run_id
+        self.log_root = out.log_dir or scratch  # error files go somewhere even without --log-dir
+        self._run_dir: str | None = None
         self.workers: dict[int, Worker] = {}
         self.generation = -1
+        self.restarts = 0
         self.kind = ""  # "fresh" | "sandbox"
+
+    def attempt_dir(self) -> str:
+        """``<log root>/<run id>_<random>/attempt_<restarts>`` (torchrun's DefaultLogsSpecs)."""
+        if self._run_dir is None:
+            os.makedirs(self.log_root, exist_ok=True)
+            self._run_dir = tempfile.mkdtemp(prefix=f"{self.run_id}_", dir=self.log_root)
+        return os.path.join(self._run_dir, f"attempt_{self.restarts}")
+
+    def error_file(self, local_rank: int) -> str:
+        """``TORCHELASTIC_ERROR_FILE``: where a worker decorated with torch's @record writes its exception."""
+        path = os.path.join(self.attempt_dir(), str(local_rank), "error.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
 
     def start(self, envs: dict[int, dict[str, str]], generation: int, kind: str) -> None:
         from torch.distributed.elastic.utils import macros
 
-        attempt_dir = os.path.join(self.out.log_dir, self.run_id, f"attempt_{generation}") if self.out.log_dir else None
+        attempt_dir = self.attempt_dir() if self.out.log_dir else None
         for local_rank, env in sorted(envs.items()):
+            try:  # a previous worker's error must never be read as this one's
+                os.unlink(self.error_file(local_rank))
+            except FileNotFoundError:
+                pass
             cmd = macros.substitute(list(self.cmd), str(local_rank))
             self.workers[local_rank] = Worker(local_rank, cmd, env, self.out, attempt_dir)
         self.generation = generation
         self.kind = kind
+
+    def failure_report(self, ranks: list[int]) -> tuple[str, str]:
+        """torchrun's report of this set's failed workers (``ChildFailedError.format_msg``: the
+        root cause's traceback, from its error file) and a one-line summary of the root cause
+        (``ValueError: boom (at train.py:42)``; empty without an error file). ``ranks``: global
+        rank per local rank."""
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+        from torch.distributed.launcher.api import _get_entrypoint_name
+
+        failures = {}
+        for lr, code in sorted(self.poll().items()):
+            if code not in (None, 0):
+                path = self.error_file(lr)
+                readable = _error_file_ok(path)
+                failures[ranks[lr] if lr < len(ranks) else lr] = ProcessFailure(
+                    local_rank=lr, pid=self.workers[lr].pid, exitcode=code, error_file=path if readable else os.devnull)
+        if not failures:
+            return "", ""
+        error = ChildFailedError(name=_get_entrypoint_name(self.cmd[0], self.cmd[1:]), failures=failures)
+        _, root = error.get_first_failure()
+        return error.format_msg(), _summary(root.message) if os.path.isfile(root.error_file) else ""
 
     def __bool__(self) -> bool:
         return bool(self.workers)
