@@ -35,6 +35,7 @@ from health.config import HealthConfig
 from rendezvous.kv import KV, KVError
 from rendezvous.membership import Membership, UnreadablePlan
 
+from .communicators import nccl_error_handling
 from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
 from .planner import Limits, View, finished_without, next_plan, planners, spares
@@ -592,7 +593,7 @@ class Agent:
             "TORCHELASTIC_MAX_RESTARTS": str(self.cfg.limits.max_restarts),
             "TORCHELASTIC_RUN_ID": self.cfg.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(self.cfg.live_enabled, os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")),
             "TORCHELASTIC_ERROR_FILE": self._error_file(plan.generation, local_rank),
             "TM_NODE_ID": me,
             "TM_LOCAL_ADDR": self.cfg.addr,
