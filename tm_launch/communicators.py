@@ -13,17 +13,21 @@ addresses); each backend takes a sub-prefix of it (``cpu/``, ``cuda/``), as torc
 Timeouts: joining may wait long (a joiner may still be warming up or starting cold), a
 collective may not (a dead or hung peer must surface fast).  gloo connects every pair in its
 constructor, under the set-up timeout, and is then switched to the collective timeout.  NCCL
-is created non-blocking (``config.blocking = 0``) and connected eagerly: the constructor
-returns while NCCL bootstraps in the background, the wait for readiness is bounded by
-``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (set from the set-up timeout if the user did not set it),
-and ``abort`` can end a set-up that waits for a member that will never come.  NCCL's
-collective timeout (its watchdog) is the collective timeout.
+is created non-blocking (``config.blocking = 0``) and connected eagerly; ``build`` returns
+once it is connected. The wait for a member is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+(set from the set-up timeout if the user did not set it); ``abort`` cannot cut it short (torch
+holds the communicator's lock while it waits), so a set-up that waits for a member that will
+never come is abandoned by leaving the thread that runs ``build``.  NCCL's collective timeout
+(its watchdog) is the collective timeout.  Groups with NCCL are given up with ``release``
+(abort and destruction off the caller's thread: an abort takes about a second).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -104,6 +108,10 @@ def _nccl(store: dist.Store, rank: int, size: int, device: torch.device, timeout
     os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(setup_timeout_s))))
     backend = ProcessGroupNCCL(store, rank, size, _nccl_options(timeout_s, name))
     backend.eager_connect_single_device(device)  # starts NCCL's bootstrap now, in the background
+    # Enqueueing a collective waits (on this host thread) until the communicator is connected,
+    # so build() returns a group that is ready, like gloo. The runtime runs build() in a thread
+    # it can walk away from: abort() cannot interrupt this wait (see abort).
+    backend.allreduce([torch.zeros(1, device=device)])
     return backend
 
 
@@ -146,16 +154,58 @@ def nccl_backend(pg):
 
 def abort(pg) -> bool:
     """Abort every NCCL communicator of ``pg``: its pending and future CUDA collectives fail
-    instead of waiting for a peer, and a set-up still waiting for a member is abandoned.
+    instead of waiting for a peer. Takes about a second (see ``release``).
 
-    Safe from a thread that does not wait on the GPU (a watchdog or the directive watcher);
-    the thread blocked in the collective then raises. gloo-only groups: nothing to abort
-    (gloo's sockets close when the last reference to the group goes); returns False."""
+    Safe from a thread that does not wait on the GPU (a watchdog or the directive watcher).
+    It cannot interrupt a thread that is waiting for a non-blocking set-up to finish: torch
+    holds the communicator's lock during that wait, so abort() waits too, until the set-up
+    ends or ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (= the set-up timeout here) passes (measured on
+    torch 2.11: a member that never joined held both for the whole timeout). So a set-up is
+    abandoned by walking away from the thread that runs ``build`` (the runtime does), not by
+    aborting it. gloo-only groups: nothing to abort (gloo's sockets close when the last
+    reference to the group goes); returns False."""
     nccl = nccl_backend(pg)
     if nccl is None:
         return False
     nccl.abort()
     return True
+
+
+_releasing: list[threading.Thread] = []
+_releasing_lock = threading.Lock()
+
+
+def release(pg) -> bool:
+    """Give up a group that has NCCL: its communicators are aborted and the group destroyed on
+    a thread of its own, because ``ProcessGroupNCCL.abort()`` takes about a second (measured:
+    1.00 s per group on an H100, torch 2.11 / NCCL 2.28.9, monitoring on or off) and would sit
+    on the recovery path. The caller must drop its own references right away (the thread's is
+    then the last one, and the destructor, ~5 ms after an abort, runs there too). Returns
+    False (nothing done) for a gloo-only group: the caller's drop closes gloo's sockets at
+    once, as peers expect."""
+    if nccl_backend(pg) is None:
+        return False
+
+    def reap(box=[pg]):  # noqa: B006 -- the thread's own reference, dropped after the abort
+        abort(box[0])
+        box.clear()
+
+    t = threading.Thread(target=reap, name="tm-comm-release", daemon=True)
+    with _releasing_lock:
+        _releasing[:] = [r for r in _releasing if r.is_alive()] + [t]
+    t.start()
+    return True
+
+
+def wait_released(timeout_s: float = 30.0) -> bool:
+    """Wait for groups handed to ``release`` to be gone (before the process exits: an NCCL
+    group torn down by interpreter shutdown aborts the process). True when none is left."""
+    deadline = time.monotonic() + timeout_s
+    with _releasing_lock:
+        pending = list(_releasing)
+    for t in pending:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in pending)
 
 
 def shrink(pg: dist.ProcessGroup, exclude: list[int], store: dist.Store, *, timeout_s: float,
