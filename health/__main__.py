@@ -1,7 +1,7 @@
 """``python -m health``: watch this machine's GPUs, or measure what one NVML poll costs.
 
-    python -m health --bench 200              # CPU and wall time per batched poll (JSON)
-    python -m health --watch 60               # print alarms (JSON lines) for 60 s
+    python -m health --bench 200              # CPU and wall time per batched poll, start-up (JSON)
+    python -m health --watch 60               # print alarms (JSON lines) for 60 s, then a summary
     TM_FAKE_NVML=timeline.yaml python -m health --watch 10 --nproc 2
 
 GPUs: the ones local ranks 0..nproc-1 would use under CUDA_VISIBLE_DEVICES (default: every
@@ -71,17 +71,24 @@ def main(argv=None) -> int:
             return 2
     gpus = gpus_for_local_ranks(nproc, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
+    alarms = []
+
     def show(alarm):
+        alarms.append(alarm)
         print(json.dumps(alarm.to_json()), flush=True)
 
     monitor = NvmlMonitor(args.node, gpus, cfg, show, nvml=nvml)
+    t0 = time.perf_counter()
     if not monitor.start():
         return 2
+    started = {"start_ms": round(1000 * (time.perf_counter() - t0), 2), "unsupported": monitor.unsupported()}
     try:
         if args.bench:
-            print(json.dumps(measure_poll_cost(monitor, args.bench, interval)))
+            print(json.dumps({**measure_poll_cost(monitor, args.bench, interval), **started}))
         else:
-            time.sleep(args.watch if args.watch is not None else 10.0)
+            watch = args.watch if args.watch is not None else 10.0
+            time.sleep(watch)
+            print(json.dumps({"watched_s": watch, "alarms": len(alarms), **started}), flush=True)
     finally:
         monitor.stop()
     return 0

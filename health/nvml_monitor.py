@@ -185,6 +185,10 @@ class NvmlMonitor:
         self._spawn("tm-health-poll", self._poll_loop)
         return True
 
+    def unsupported(self) -> dict:
+        """Per watched GPU (its label): the readings NVML refused at start-up, never polled."""
+        return {dev.label: sorted(dev.unsupported) for dev in self._devices}
+
     def stop(self) -> None:
         """Stop the threads and release NVML (unless a call hung).  Idempotent."""
         self._stop.set()

@@ -345,18 +345,8 @@ def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
 
 def new_gloo(store: dist.Store, rank: int, size: int, timeout_s: float, hostname: str | None = None,
              setup_timeout_s: float = 600.0):
-    """A gloo backend bootstrapped through ``store`` (a fresh PrefixStore per generation).
+    """A gloo communicator bootstrapped through ``store``; see ``communicators.build``."""
+    from . import communicators
 
-    Two timeouts: joining may wait long (a joiner can still be warming up or starting cold), a
-    collective may not (a dead or hung peer must surface fast), so the group is built with the
-    setup timeout and switched to the collective timeout once connected."""
-    import datetime
-
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-    opts = ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
-    opts._devices = [ProcessGroupGloo.create_device(hostname=hostname) if hostname else ProcessGroupGloo.create_default_device()]
-    pg = ProcessGroupGloo(store, rank, size, opts)
-    pg.set_timeout(datetime.timedelta(seconds=timeout_s))
-    return pg
+    return communicators.build(store, rank, size, devices=["cpu"], timeout_s=timeout_s,
+                               setup_timeout_s=setup_timeout_s, hostname=hostname)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from rendezvous.plan import Plan
 
 from .agent_config import AgentConfig
+from .communicators import nccl_error_handling
 from .workers import OutputSpec, WorkerSet
 
 
@@ -196,7 +197,7 @@ class WorkerSupervisor:
             "TORCHELASTIC_MAX_RESTARTS": str(cfg.limits.max_restarts),
             "TORCHELASTIC_RUN_ID": cfg.run_id,
             "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(cfg.live_enabled, os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")),
             "TORCHELASTIC_ERROR_FILE": self.workers.error_file(local_rank),
             "TM_NODE_ID": me,
             "TM_LOCAL_ADDR": cfg.addr,

@@ -1,0 +1,228 @@
+"""tm_launch.communicators: real gloo groups on a real TCPStore (ranks are threads: gloo and
+NCCL release the GIL while they connect and reduce); the CUDA branches run where CUDA is."""
+
+import datetime
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tm_launch import communicators
+from tm_launch.groups import LiveGroup, StepPoison, new_gloo
+
+# What the agent gives live workers (read by each ProcessGroupNCCL at construction): an
+# aborted or failed communicator must not take this test process down with it.
+os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", communicators.nccl_error_handling(True, None))
+HAS_CUDA = torch.cuda.is_available() and dist.is_nccl_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and NCCL (this is a CPU build or machine)")
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    yield master
+
+
+def prefix(store, gen: str):
+    """``for_rank() -> PrefixStore``: one fresh prefix, each caller on its own client (a TCPStore
+    client blocked in wait() on one thread would block another thread's set())."""
+    name = f"tm/{gen}/{uuid.uuid4().hex[:6]}/"
+    return lambda: dist.PrefixStore(name, store.clone())
+
+
+def on_ranks(size: int, fn, ranks=None):
+    """Run ``fn(rank)`` for every rank in its own thread; results by rank, errors re-raised."""
+    results, errors = {}, {}
+
+    def run(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 -- re-raised below
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (ranks if ranks is not None else range(size))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise next(iter(errors.values()))
+    return results
+
+
+def build_all(store, size, **kw):
+    kw.setdefault("timeout_s", 10)
+    kw.setdefault("setup_timeout_s", 30)
+    kw.setdefault("devices", ["cpu"])
+    p = prefix(store, "g")
+    return on_ranks(size, lambda r: communicators.build(p(), r, size, **kw))
+
+
+def test_gloo_only_group_routes_cpu_tensors_and_has_nothing_to_abort(store):
+    pgs = build_all(store, 3, hostname="127.0.0.1")
+
+    def step(r):
+        pg = pgs[r]
+        assert isinstance(pg, dist.ProcessGroup) and (pg.rank(), pg.size()) == (r, 3)
+        assert communicators.nccl_backend(pg) is None and communicators.abort(pg) is False
+        assert communicators.release(pg) is False  # gloo: the caller's drop closes the sockets
+        t = torch.tensor([float(r + 1)])
+        pg.allreduce([t]).wait()
+        out = [torch.zeros(1) for _ in range(3)]
+        pg.allgather([out], [torch.tensor([float(r)])]).wait()
+        return t.item(), [o.item() for o in out]
+
+    assert all(v == (6.0, [0.0, 1.0, 2.0]) for v in on_ranks(3, step).values())
+
+
+def test_cuda_requested_without_cuda_is_gloo_only(store):
+    if HAS_CUDA:
+        pytest.skip("CUDA is present: the gloo-only fallback does not apply")
+    assert communicators.cuda_device(["cpu", "cuda:0"]) is None
+    assert communicators.default_devices(3) == [torch.device("cpu")]
+    pg = build_all(store, 1, devices=["cpu", "cuda:0"])[0]
+    assert communicators.nccl_backend(pg) is None
+
+
+def test_setup_waits_long_then_collectives_time_out_fast(store):
+    # Set-up: a member that never comes ends the wait at the set-up timeout, not before.
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        communicators.build(prefix(store, "g1")(), 0, 2, devices=["cpu"], timeout_s=0.5, setup_timeout_s=2)
+    assert 1.5 < time.monotonic() - t0 < 15
+    # Connected: a peer that does not take part fails the collective at the collective timeout.
+    pgs = build_all(store, 2, timeout_s=1, setup_timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        pgs[0].allreduce([torch.ones(1)]).wait()
+    assert time.monotonic() - t0 < 10
+
+
+def test_each_generation_on_a_fresh_prefix_reinits_in_the_same_processes(store):
+    for gen in range(3):
+        pgs = build_all(store, 2)
+        def step(r):
+            t = torch.tensor([float(gen + r)])
+            pgs[r].allreduce([t]).wait()
+            return t.item()
+
+        assert on_ranks(2, step) == {0: 2.0 * gen + 1, 1: 2.0 * gen + 1}
+        del pgs
+
+
+def test_shrink_without_nccl_rebuilds_and_renumbers_survivors(store):
+    pgs = build_all(store, 3)
+    p = prefix(store, "shrunk")
+
+    def survive(r):
+        new = communicators.shrink(pgs[r], [1], p(), timeout_s=10, setup_timeout_s=30)
+        t = torch.tensor([float(r)])
+        new.allreduce([t]).wait()
+        return new.rank(), new.size(), t.item()
+
+    assert on_ranks(3, survive, ranks=[0, 2]) == {0: (0, 2, 2.0), 2: (1, 2, 2.0)}
+    with pytest.raises(ValueError):
+        communicators.shrink(pgs[1], [1], p(), timeout_s=1, setup_timeout_s=1)
+
+
+def test_live_group_forwards_to_the_composite_group(store):
+    """groups.new_gloo now delegates here; LiveGroup's forwarding still works on top."""
+    p = prefix(store, "live")
+
+    def step(r):
+        group = LiveGroup(None, r, 2, StepPoison())
+        group.swap(new_gloo(p(), r, 2, 10, None, 30), r, 2, 0)
+        t = torch.tensor([1.0, float(r)])
+        dist.all_reduce(t, group=group)
+        b = torch.tensor([float(r)])
+        dist.broadcast(b, group_src=1, group=group)
+        out = [torch.zeros(2) for _ in range(2)]
+        dist.all_gather(out, torch.tensor([float(r), 9.0]), group=group)
+        return (t.tolist(), b.item(), [o.tolist() for o in out]), group
+
+    got = on_ranks(2, step)
+    assert {r: v for r, (v, _) in got.items()} == {r: ([2.0, 1.0], 1.0, [[0.0, 9.0], [1.0, 9.0]]) for r in (0, 1)}
+    # Dropped here, not at the end of the rank threads: a collective's completion callback
+    # holds its LiveGroup, and if gloo's own worker thread dropped the last reference, the
+    # group's destructor would join that thread from itself (std::terminate, "Resource
+    # deadlock avoided"; seen with short-lived LiveGroups in this test, not in the runtime,
+    # whose LiveGroups live as long as the job).
+    del got
+
+
+@pytest.mark.parametrize("live,user,expected", [
+    (True, None, "2"), (True, "1", "2"), (True, "3", "2"), (True, "0", "0"), (True, "2", "2"),
+    (False, None, "1"), (False, "3", "3"),
+])
+def test_nccl_error_handling_keeps_live_survivors_alive(live, user, expected):
+    assert communicators.nccl_error_handling(live, user) == expected
+
+
+# -- CUDA: one GPU, so world size 1 (NCCL refuses two ranks on one GPU) -------------------------
+
+@needs_cuda
+def test_cuda_tensors_go_to_nccl_and_cpu_tensors_to_gloo(store):
+    pg = build_all(store, 1, devices=communicators.default_devices(0))[0]
+    nccl = communicators.nccl_backend(pg)
+    assert nccl is not None and type(nccl).__name__ == "ProcessGroupNCCL"
+    g = torch.full((4,), 3.0, device="cuda")
+    c = torch.full((4,), 5.0)
+    pg.allreduce([g]).wait()
+    pg.allreduce([c]).wait()
+    torch.cuda.synchronize()
+    assert g.tolist() == [3.0] * 4 and c.tolist() == [5.0] * 4
+    assert communicators.abort(pg) is True
+    with pytest.raises(Exception):
+        pg.allreduce([g]).wait()
+        torch.cuda.synchronize()
+
+
+@needs_cuda
+def test_nccl_setup_waiting_for_a_member_that_never_joins_ends_at_the_setup_timeout(store):
+    """Rank 1 joins gloo but never NCCL (it has no GPU): rank 0's NCCL set-up waits for it,
+    and the wait ends at the set-up timeout (build sets TORCH_NCCL_NONBLOCKING_TIMEOUT from
+    it) with an error, not never. (An abort() from another thread does not cut such a wait
+    short: measured on torch 2.11, a waiting allreduce held its lock for the whole timeout.)
+    In a child process: torch reads TORCH_NCCL_NONBLOCKING_TIMEOUT once per process."""
+    code = textwrap.dedent("""
+        import threading, time, torch, torch.distributed as dist
+        from tm_launch import communicators
+        s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        threading.Thread(target=communicators.build, args=(dist.PrefixStore("p/", s.clone()), 1, 2),
+                         kwargs=dict(devices=["cpu"], timeout_s=60, setup_timeout_s=120), daemon=True).start()
+        t0 = time.monotonic()
+        try:
+            communicators.build(dist.PrefixStore("p/", s), 0, 2, devices=["cuda:0"], timeout_s=60, setup_timeout_s=15)
+            print("RESULT built")
+        except Exception as e:
+            print("RESULT raised", type(e).__name__)
+        print("ELAPSED", round(time.monotonic() - t0, 2))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "TORCH_NCCL_NONBLOCKING_TIMEOUT"})
+    out = r.stdout
+    assert "RESULT raised" in out, out + r.stderr[-2000:]
+    assert 10 < float(out.split("ELAPSED")[1].split()[0]) < 60, out
+
+
+@needs_cuda
+def test_release_aborts_and_destroys_off_the_callers_thread(store):
+    pgs = [build_all(store, 1, devices=["cpu", "cuda:0"])[0] for _ in range(3)]
+    for pg in pgs:
+        pg.allreduce([torch.ones(8, device="cuda")]).wait()
+    torch.cuda.synchronize()
+    used = torch.cuda.mem_get_info()
+    t0 = time.monotonic()
+    while pgs:
+        assert communicators.release(pgs.pop()) is True
+    assert time.monotonic() - t0 < 0.5  # an abort in this thread takes ~1 s per group
+    assert communicators.wait_released(30)
+    assert torch.cuda.mem_get_info()[0] > used[0]  # the communicators' memory came back

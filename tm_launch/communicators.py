@@ -1,0 +1,238 @@
+"""The one place that builds a generation's communicator: gloo for CPU tensors, NCCL for CUDA.
+
+``build`` returns a plain ``torch.distributed.ProcessGroup`` with one backend per device type,
+the composite torch builds for ``init_process_group(backend="cpu:gloo,cuda:nccl")``: a
+collective goes to the backend of its tensors' device (the c10d dispatcher picks it), so CPU
+control traffic (step agreement, pickled state) and CUDA gradients share one group object.
+The group is registered nowhere in ``torch.distributed``'s global state: it is reached only
+through the ``LiveGroup`` that wraps it, and dropping the last reference releases it.
+
+Every generation bootstraps on a fresh ``PrefixStore`` (reusing a prefix reads stale
+addresses); each backend takes a sub-prefix of it (``cpu/``, ``cuda/``), as torch does.
+
+Timeouts: joining may wait long (a joiner may still be warming up or starting cold), a
+collective may not (a dead or hung peer must surface fast).  gloo connects every pair in its
+constructor, under the set-up timeout, and is then switched to the collective timeout.  NCCL
+is created non-blocking (``config.blocking = 0``) and connected eagerly; ``build`` returns
+once it is connected. The wait for a member is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+(set from the set-up timeout if the user did not set it); ``abort`` cannot cut it short (torch
+holds the communicator's lock while it waits), so a set-up that waits for a member that will
+never come is abandoned by leaving the thread that runs ``build``.  NCCL's collective timeout
+(its watchdog) is the collective timeout.  Groups with NCCL are given up with ``release``
+(abort and destruction off the caller's thread: an abort takes about a second).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+GLOO = dist.ProcessGroup.BackendType.GLOO
+NCCL = dist.ProcessGroup.BackendType.NCCL
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch's ErrorHandlingMode).
+NCCL_NO_HANDLING, NCCL_TEAR_DOWN, NCCL_CLEANUP_ONLY, NCCL_SKIP_CLEANUP = "0", "1", "2", "3"
+
+
+def nccl_error_handling(live: bool, user_value: str | None) -> str:
+    """The ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` a worker gets.
+
+    Live mode: 2 (clean up only). When a collective fails or times out, NCCL's watchdog aborts
+    that communicator and fails its pending works, so the survivor's wait raises and its
+    stream is freed, and the process lives on to enter the next generation. 1 (tear down) and
+    3 (tear down, skip clean-up) kill the survivor on the first NCCL error, which is what live
+    substitution exists to avoid, so they are overridden; 0 (no handling) is honoured when the
+    user asks for it (the runtime then has to call ``abort`` itself, or a timed-out kernel
+    keeps its stream busy for ever).  Restart mode: every worker restarts anyway, so the
+    user's value, else 1 (tear down, the fastest way out).
+    """
+    if live:
+        return user_value if user_value in (NCCL_NO_HANDLING, NCCL_CLEANUP_ONLY) else NCCL_CLEANUP_ONLY
+    return user_value or NCCL_TEAR_DOWN
+
+
+def default_devices(local_rank: int) -> list[torch.device]:
+    """CPU, plus this local rank's GPU when CUDA is usable (rank i uses visible device i)."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        devices.append(torch.device("cuda", local_rank % torch.cuda.device_count()))
+    return devices
+
+
+def cuda_device(devices) -> torch.device | None:
+    """The CUDA device among ``devices`` (strings or ``torch.device``), if CUDA is usable here."""
+    for d in devices:
+        d = torch.device(d)
+        if d.type == "cuda":
+            if not (torch.cuda.is_available() and dist.is_nccl_available()):
+                return None
+            return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+    return None
+
+
+def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeout_s: float,
+          hostname: str | None):
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
+    opts._devices = [ProcessGroupGloo.create_device(hostname=hostname) if hostname
+                     else ProcessGroupGloo.create_default_device()]
+    backend = ProcessGroupGloo(store, rank, size, opts)  # connects every pair, or raises
+    backend.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+def _nccl_options(timeout_s: float, name: str):
+    from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts.config.blocking = 0  # init returns at once; abort() can end a set-up stuck on a dead peer
+    opts.group_name = name
+    return opts
+
+
+def _nccl(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
+          setup_timeout_s: float, name: str):
+    from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+    # Read once per process by torch, at the first non-blocking wait: bound it by the set-up
+    # timeout unless the user chose a value.
+    os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(setup_timeout_s))))
+    backend = ProcessGroupNCCL(store, rank, size, _nccl_options(timeout_s, name))
+    backend.eager_connect_single_device(device)  # starts NCCL's bootstrap now, in the background
+    # Enqueueing a collective waits (on this host thread) until the communicator is connected,
+    # so build() returns a group that is ready, like gloo. The runtime runs build() in a thread
+    # it can walk away from: abort() cannot interrupt this wait (see abort).
+    backend.allreduce([torch.zeros(1, device=device)])
+    return backend
+
+
+def _assemble(store: dist.Store, rank: int, size: int, gloo, nccl, device, name: str) -> dist.ProcessGroup:
+    pg = dist.ProcessGroup(store, rank, size)
+    pg._register_backend(torch.device("cpu"), GLOO, gloo)
+    if nccl is not None:
+        pg._register_backend(torch.device("cuda"), NCCL, nccl)
+        pg._set_default_backend(NCCL)
+        pg.bound_device_id = device
+    else:
+        pg._set_default_backend(GLOO)
+    pg._set_group_name(name)
+    return pg
+
+
+def build(store: dist.Store, rank: int, size: int, *, devices, timeout_s: float,
+          setup_timeout_s: float, hostname: str | None = None) -> dist.ProcessGroup:
+    """A communicator for ``size`` ranks bootstrapped through ``store`` (a fresh PrefixStore of
+    this generation): gloo always, NCCL too when ``devices`` names a CUDA device and CUDA is
+    usable. Blocks until gloo has connected every pair (at most ``setup_timeout_s``)."""
+    name = f"tm-{id(store):x}-r{rank}"
+    gloo = _gloo(dist.PrefixStore("cpu/", store), rank, size, timeout_s, setup_timeout_s, hostname)
+    device = cuda_device(devices)
+    nccl = None
+    if device is not None:
+        nccl = _nccl(dist.PrefixStore("cuda/", store), rank, size, device, timeout_s, setup_timeout_s, name)
+    return _assemble(store, rank, size, gloo, nccl, device, name)
+
+
+def nccl_backend(pg):
+    """The group's NCCL backend, or None (a gloo-only group, or any other object)."""
+    if not isinstance(pg, dist.ProcessGroup):
+        return None
+    try:
+        return pg._get_backend(torch.device("cuda"))
+    except RuntimeError:  # no backend registered for CUDA
+        return None
+
+
+def abort(pg) -> bool:
+    """Abort every NCCL communicator of ``pg``: its pending and future CUDA collectives fail
+    instead of waiting for a peer. Takes about a second (see ``release``).
+
+    Safe from a thread that does not wait on the GPU (a watchdog or the directive watcher).
+    It cannot interrupt a thread that is waiting for a non-blocking set-up to finish: torch
+    holds the communicator's lock during that wait, so abort() waits too, until the set-up
+    ends or ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (= the set-up timeout here) passes (measured on
+    torch 2.11: a member that never joined held both for the whole timeout). So a set-up is
+    abandoned by walking away from the thread that runs ``build`` (the runtime does), not by
+    aborting it. gloo-only groups: nothing to abort (gloo's sockets close when the last
+    reference to the group goes); returns False."""
+    nccl = nccl_backend(pg)
+    if nccl is None:
+        return False
+    nccl.abort()
+    return True
+
+
+_releasing: list[threading.Thread] = []
+_releasing_lock = threading.Lock()
+
+
+def release(pg) -> bool:
+    """Give up a group that has NCCL: its communicators are aborted and the group destroyed on
+    a thread of its own, because ``ProcessGroupNCCL.abort()`` takes about a second (measured:
+    1.00 s per group on an H100, torch 2.11 / NCCL 2.28.9, monitoring on or off) and would sit
+    on the recovery path. The caller must drop its own references right away (the thread's is
+    then the last one, and the destructor, ~5 ms after an abort, runs there too). Returns
+    False (nothing done) for a gloo-only group: the caller's drop closes gloo's sockets at
+    once, as peers expect."""
+    if nccl_backend(pg) is None:
+        return False
+
+    def reap(box=[pg]):  # noqa: B006 -- the thread's own reference, dropped after the abort
+        abort(box[0])
+        box.clear()
+
+    t = threading.Thread(target=reap, name="tm-comm-release", daemon=True)
+    with _releasing_lock:
+        _releasing[:] = [r for r in _releasing if r.is_alive()] + [t]
+    t.start()
+    return True
+
+
+def wait_released(timeout_s: float = 30.0) -> bool:
+    """Wait for groups handed to ``release`` to be gone (before the process exits: an NCCL
+    group torn down by interpreter shutdown aborts the process). True when none is left."""
+    deadline = time.monotonic() + timeout_s
+    with _releasing_lock:
+        pending = list(_releasing)
+    for t in pending:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in pending)
+
+
+def shrink(pg: dist.ProcessGroup, exclude: list[int], store: dist.Store, *, timeout_s: float,
+           setup_timeout_s: float, hostname: str | None = None) -> dist.ProcessGroup:
+    """``pg`` without the ranks ``exclude`` (group ranks), for a group that only loses members;
+    survivors keep their order, so rank r becomes r minus the excluded ranks below it. Only
+    survivors call it. ``store`` is a fresh prefix for this generation.
+
+    NCCL: ``ncclCommShrink`` (NCCL >= 2.27, torch's ``Backend.shrink``) with in-flight work of
+    the old communicator aborted; it reuses the survivors' connections instead of
+    bootstrapping from scratch. Where the backend cannot shrink, NCCL is rebuilt. gloo cannot
+    shrink: it is rebuilt (milliseconds). The old group is left to the caller to drop."""
+    from torch.distributed.distributed_c10d import SHRINK_ABORT
+
+    gone = sorted(set(exclude))
+    rank, size = pg.rank(), pg.size()
+    if rank in gone or not gone or gone[0] < 0 or gone[-1] >= size or len(gone) >= size:
+        raise ValueError(f"cannot exclude {gone} from a group of {size} as rank {rank}")
+    new_rank, new_size = rank - sum(1 for g in gone if g < rank), size - len(gone)
+    name = f"tm-{id(store):x}-r{new_rank}"
+    gloo = _gloo(dist.PrefixStore("cpu/", store), new_rank, new_size, timeout_s, setup_timeout_s, hostname)
+    old = nccl_backend(pg)
+    nccl = device = None
+    if old is not None:
+        device = pg.bound_device_id
+        if getattr(old, "supports_shrinking", False):
+            nccl = old.shrink(gone, SHRINK_ABORT, _nccl_options(timeout_s, name))
+        else:
+            nccl = _nccl(dist.PrefixStore("cuda/", store), new_rank, new_size, device, timeout_s, setup_timeout_s, name)
+    return _assemble(store, new_rank, new_size, gloo, nccl, device, name)
