@@ -5,7 +5,11 @@ CPU: the model is seeded, each step's batch is seeded by (step, rank), so a run 
 must end with exactly the parameters of a run without.
 
 Fault injection (a real SIGKILL of this worker, once: a marker file remembers it happened):
-    --kill-rank R --kill-step S --kill-phase {forward,allreduce,optimizer}
+    --kill-rank R --kill-step S --kill-phase PHASE
+where PHASE is a point of a step: ``forward``, ``allreduce`` (inside the gradient allreduce),
+``vote`` (inside tm-launch's commit vote: its vote counted, the decision not read),
+``optimizer`` (after the commit, before the update), ``logging`` (after the update, before the
+loss allreduce of --log-loss), ``logged`` (after it), ``checkpoint`` (mid-write, with --ckpt-dir).
 
 Repeated fault injection for a long run (the chaos soak, bench/chaos.py): ``--chaos-dir DIR``.
 A file ``DIR/kill.<rank>`` holding "<phase> <step>" arms one SIGKILL of the rank's worker at that
@@ -31,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tm_launch  # noqa: E402
 
 
-PHASES = ["forward", "allreduce", "optimizer", "checkpoint"]
+PHASES = ["forward", "allreduce", "vote", "optimizer", "logging", "logged", "checkpoint"]
 
 
 def parse():
@@ -50,6 +54,7 @@ def parse():
     p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
     p.add_argument("--crash-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) SIGKILL themselves at --crash-step, every time")
     p.add_argument("--crash-step", type=int, default=5)
+    p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step, as training loops log it")
     p.add_argument("--subgroups", type=int, default=0, help="also allreduce in subgroups of this many consecutive ranks (TP-style)")
     p.add_argument("--subgroup-log", default=None, help="append 'rank step generation communicator-id' per step")
     p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
@@ -109,6 +114,8 @@ def kill_now(args, job, step, phase):
 
 def main():
     args = parse()
+    if args.kill_phase == "vote" and args.kill_rank >= 0:  # a point inside the runtime (tm_launch.failpoints)
+        os.environ["TM_FAILPOINT"] = f"vote:{args.kill_rank}:{args.kill_step}:{args.kill_marker or ''}"
     job = tm_launch.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -168,6 +175,13 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if args.log_loss:
+            kill_now(args, job, step, "logging")
+            logged = loss.detach().clone()
+            dist.all_reduce(logged, group=job.group)
+            kill_now(args, job, step, "logged")
+            if job.rank == 0 and not job.in_sandbox and step % 20 == 0 and getattr(job, "step_ok", True):
+                print(f"[train] step {step}: mean loss {logged.item() / job.world_size:.5f}", flush=True)
         if args.step_sleep and not (args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, "fast"))):
             slow = args.slow_node is not None and os.environ.get("TM_NODE_ID") == args.slow_node
             slow = slow or bool(args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, f"slow.{os.environ.get('TM_NODE_ID')}")))

@@ -72,13 +72,18 @@ def assert_bitwise(params, ref):
 
 
 @pytest.mark.parametrize("phase", [
-    "forward",
+    pytest.param("forward", marks=pytest.mark.slow),
     pytest.param("allreduce", marks=pytest.mark.slow),
+    "vote",
     pytest.param("optimizer", marks=pytest.mark.slow),
+    "logging",
+    pytest.param("logged", marks=pytest.mark.slow),
 ])
 def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
-    # The worker SIGKILLs itself at an exact point of a step, once the spare is parked.
-    script = ["--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", phase, "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    """The worker of rank 2 SIGKILLs itself at one point of a step (the loss is all-reduced after
+    the optimizer step, as loops log it), once the spare is parked: whatever the point, every
+    rank's update of that step is applied exactly once or not at all, job-wide."""
+    script = ["--log-loss", "--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", phase, "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
     victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")  # whoever held rank 2
     survivor = ({"a", "b"} - {victim}).pop()

@@ -26,6 +26,8 @@ import threading
 
 import torch.distributed as dist
 
+from . import failpoints
+
 COMMIT, ABORT = b"commit", b"abort"
 _PATIENCE = datetime.timedelta(seconds=5)
 
@@ -78,7 +80,9 @@ class StepCommit:
         try:
             if not ok:
                 return store.compare_set(f"{key}/d", "", ABORT.decode()) == COMMIT
-            if store.add(f"{key}/n", 1) == self.world:
+            votes = store.add(f"{key}/n", 1)
+            failpoints.reached("vote", self.rank, self.step)
+            if votes == self.world:
                 return store.compare_set(f"{key}/d", "", COMMIT.decode()) == COMMIT
             while True:
                 try:  # the watcher thread writes 'abort' here if a peer is gone

@@ -1,0 +1,30 @@
+"""Named fault-injection points inside the runtime, for tests and the chaos soak.
+
+A script can kill itself at any point of its own code, but not in the middle of the runtime's
+commit vote; ``TM_FAILPOINT="<name>:<rank>:<step>[:<marker file>]"`` SIGKILLs the worker of
+``<rank>`` when it reaches point ``<name>`` at the first step >= ``<step>``. With a marker file it
+fires once per job, whichever process holds the rank (etcd's gofail, in spirit).
+
+Points: ``vote`` (this rank's vote is counted, the decision not yet read).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def reached(name: str, rank: int, step: int) -> None:
+    spec = os.environ.get("TM_FAILPOINT")
+    if not spec:
+        return
+    want, want_rank, want_step, marker = (spec.split(":", 3) + [""])[:4]
+    if want != name or int(want_rank) != rank or step < int(want_step):
+        return
+    if marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    print(f"[tm-launch] failpoint {name}: SIGKILL rank {rank} at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
