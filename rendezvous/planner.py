@@ -9,7 +9,9 @@ Rules, in order:
 
 1. Job finished: every active node reported its workers done -> SUCCEEDED.
 2. Unplanned loss: an active node whose lease expired, that is cordoned, or that reported a
-   failure (worker exit, fatal alarm). Each loss consumes one restart of the job-wide
+   failure (worker exit, fatal alarm). A report that the live state of some rank exists nowhere
+   any more (no replica survived) blames nobody but restarts every worker from the script's
+   checkpoint: continuing live would train on wrong weights. Each loss consumes one restart of the job-wide
    ``--max-restarts`` budget. A warm spare takes the lost node's group rank; with no spare, a
    node that is still alive restarts its own workers in place (torchrun's behaviour), and a dead
    node is dropped if the job may shrink (``--nnodes MIN:MAX``). Otherwise the job FAILS with a
@@ -50,7 +52,8 @@ class View:
     drains: dict[str, str] = field(default_factory=dict)  # node -> why it should leave
     done: frozenset[str] = frozenset()  # nodes whose workers finished in this generation
     # What kind of failure each report is: "exit" (a worker exited non-zero: perhaps only
-    # because a peer died), or a primary failure ("signal", "lost", "alarm"); missing = primary.
+    # because a peer died), a primary failure ("signal", "lost", "alarm"; missing = primary),
+    # or "state": the live state of some rank exists nowhere any more (every worker restarts).
     report_kinds: dict[str, str] = field(default_factory=dict)
     report_times: dict[str, float] = field(default_factory=dict)
     now: float = 0.0
@@ -115,7 +118,7 @@ def _lost(view: View) -> tuple[dict[str, str], set[str]] | None:
         elif node in view.reports:
             if view.report_kinds.get(node) == "exit":
                 exits[node] = view.reports[node]
-            else:
+            elif view.report_kinds.get(node) != "state":  # state: the node is fine (see next_plan)
                 lost[node] = view.reports[node]
     if lost:
         return lost, set(exits)
@@ -152,8 +155,11 @@ def next_plan(view: View, limits: Limits) -> Plan | None:
     if found is None:
         return None
     lost, collateral = found
-    if lost:
-        return _replace_lost(view, limits, lost, collateral)
+    # A live rank found that some rank's state exists nowhere any more (no replica): nobody is
+    # to blame, but continuing live would train on wrong weights; every worker restarts.
+    state_lost = [n for n in plan.nodes if view.report_kinds.get(n) == "state" and n in view.reports]
+    if lost or state_lost:
+        return _replace_lost(view, limits, lost, collateral, state_lost=view.reports[state_lost[0]] if state_lost else "")
     drains = [n for n in plan.nodes if n in view.drains]
     if drains:
         return _migrate(view, drains)
@@ -171,9 +177,11 @@ def _describe(lost: dict[str, str]) -> str:
     return "; ".join(f"{node}: {why}" for node, why in lost.items())
 
 
-def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: set[str] = frozenset()) -> Plan:
+def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: set[str] = frozenset(),
+                  state_lost: str = "") -> Plan:
+    """Replace the lost nodes; ``state_lost`` (a reason) makes every worker restart."""
     plan = view.plan
-    cause = _describe(lost)
+    cause = "; ".join(filter(None, [_describe(lost), state_lost]))
     restarts = plan.restarts + 1
     if restarts > limits.max_restarts:
         return plan.next(
@@ -211,7 +219,7 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
     nodes_t, joiners_t = tuple(nodes), tuple(joiners)
     # Live needs the same world size and a surviving process that holds the training state;
     # otherwise every worker starts afresh (from the script's own start or checkpoint).
-    live = view.live and len(nodes) == len(plan.nodes) and any(n not in joiners for n in nodes)
+    live = view.live and not state_lost and len(nodes) == len(plan.nodes) and any(n not in joiners for n in nodes)
     if not live:
         joiners_t = nodes_t
     return plan.next(

@@ -56,6 +56,16 @@ class FailureWatch:
             failed = sup.workers.failed()
         if failed and self.reported_gen != plan.generation:
             local_rank, code = failed
+            lost = sup.state_lost(local_rank)
+            if lost is not None and active:
+                # Not this node's fault: the live state of some rank exists nowhere any more.
+                sup.workers.stop(grace=0)
+                self.reported_gen = plan.generation
+                why = f"{lost.get('why', 'training state lost')}; every worker restarts from the script's checkpoint"
+                self.say(f"generation {plan.generation}: {why}", kind="state_lost", generation=plan.generation,
+                         lost_step=lost.get("step"), lost_ranks=lost.get("ranks"))
+                self.session.report_failure(plan.generation, me, why, kind="state")
+                return
             why = f"worker {local_rank} (pid {sup.workers.pids()[local_rank]}) {describe_exit(code)}"
             cause = sup.root_cause(plan.ranks(me))
             if cause:

@@ -90,6 +90,16 @@ class WorkerSupervisor:
                 return True
         return False
 
+    def state_lost(self, local_rank: int) -> dict | None:
+        """What a worker said before it ended because no live rank holds some rank's state."""
+        key = f"worker/{local_rank}/state_lost"
+        if not self.store.check([key]):
+            return None
+        try:
+            return json.loads(self.store.get(key))
+        except ValueError:
+            return None
+
     def entered(self, generation: int) -> list[dict] | None:
         """Every local worker's record of entering ``generation``; None until all have entered."""
         records = []
@@ -166,7 +176,7 @@ class WorkerSupervisor:
         for lr in range(self.cfg.nproc):
             # The previous process's last status and heartbeat must not be read as the new
             # one's: the hang watchdog would kill a worker that is still starting up.
-            for key in ("status", "beat"):
+            for key in ("status", "beat", "state_lost"):
                 self.store.delete_key(f"worker/{lr}/{key}")
         self._statuses_cache = None
         self.workers.start(envs, plan.generation, "sandbox" if sandbox else "fresh")
