@@ -17,7 +17,7 @@ import itertools
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .groups import LiveGroup
+from .groups import LiveGroup, LocalBackend
 
 _names = itertools.count()
 
@@ -68,3 +68,55 @@ def route_new_group(factory) -> None:
 
     for module in (c10d, dist, device_mesh):
         module.new_group = new_group
+
+
+def forget_layouts() -> None:
+    """Drop DTensor's caches of sharding decisions. ``DeviceMesh`` equality ignores the groups
+    behind a mesh, so after a process takes other ranks (a promoted spare running the script
+    again) a cached decision would hand its new tensors the old ranks' mesh, whose groups are
+    gone ("Could not resolve the process group registered under the name ...")."""
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()  # keyed by weak references, which compare meshes by value
+
+
+class NoPeersYet(RuntimeError):
+    """A rooted object collective ran before ``job.steps()`` on a rank that has no peers yet."""
+
+
+def refuse_rooted_objects_without_peers() -> None:
+    """``broadcast_object_list`` / ``scatter_object_list`` from another rank cannot be served
+    locally: a spare's sandbox or a joining rank runs the script's set-up before it has peers
+    (the group is a ``LocalBackend``), and the object it should receive exists only on the
+    source. torch would unpickle uninitialised memory; say what is wrong instead. Typical cause:
+    loading a checkpoint (``torch.distributed.checkpoint.load``) before ``job.steps()`` without
+    ``if not job.in_sandbox`` (a joiner receives the live state from a replica instead)."""
+
+    def guard(fn, name):
+        def guarded(*args, **kwargs):
+            group = kwargs.get("group") or c10d._get_default_group()
+            src = kwargs.get("src", args[2] if name == "scatter_object_list" and len(args) > 2 else
+                             args[1] if name == "broadcast_object_list" and len(args) > 1 else None)
+            group_src = kwargs.get("group_src")
+            if isinstance(group, LiveGroup) and isinstance(group.inner, LocalBackend):
+                root = group_src if group_src is not None else c10d.get_group_rank(group, src if src is not None else 0)
+                if root != group.rank():
+                    raise NoPeersYet(
+                        f"tm-launch: {name} from rank {src if src is not None else root} ran before job.steps() on a spare "
+                        f"or joining rank, which has no peers yet (its state comes from a live replica): guard it "
+                        f"with `if not job.in_sandbox:` (e.g. loading a checkpoint)")
+            return fn(*args, **kwargs)
+
+        guarded.__name__ = name
+        return guarded
+
+    for name in ("broadcast_object_list", "scatter_object_list"):  # once per process (LiveJob)
+        wrapped = guard(getattr(c10d, name), name)
+        for module in (c10d, dist):
+            setattr(module, name, wrapped)

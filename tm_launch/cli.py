@@ -149,8 +149,12 @@ def _launch(args) -> int:
         )
         # Live mode runs Python workers through tm_launch.worker: exactly `python SCRIPT`, plus
         # running the script again when a promoted spare takes other ranks than it warmed up as.
-        wrapper = [] if args.no_live else ["-m", "tm_launch.worker"]
-        entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u", *wrapper]
+        # torchrun's cmd_args for a Python worker are ["-u", ("-m",) SCRIPT, ...]; --no-python
+        # runs the program itself, which has no script to run again.
+        cmd_args = list(cmd_args)
+        if not args.no_live and not args.no_python and cmd_args[:1] == ["-u"]:
+            cmd_args[1:1] = ["-m", "tm_launch.worker"]
+        entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u"]
         cfg = AgentConfig(
             node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
             addr=addr, nproc=nproc,

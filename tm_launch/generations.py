@@ -38,8 +38,14 @@ class Superseded(Exception):
         self.directive = directive
 
 
-class NoReplica(RuntimeError):
-    """No live rank holds some rank's state: continuing would train on wrong weights."""
+class StateLost(RuntimeError):
+    """No live rank holds some rank's state (or replicas disagree): continuing would train on
+    wrong weights. Every rank computes the same transfer plan, so every rank raises it alike;
+    the job then restarts every worker from the script's own checkpoint (restart mode)."""
+
+    def __init__(self, message: str, step: int, ranks: list):
+        super().__init__(message)
+        self.step, self.ranks = step, list(ranks)
 
 
 class Generations:
@@ -162,7 +168,7 @@ class Generations:
             except Superseded as newer:
                 log(f"generation {d['generation']} was superseded by {newer.directive['generation']} while entering it")
                 d = newer.directive
-            except NoReplica:
+            except StateLost:
                 raise
             except RuntimeError as e:  # gloo/store errors: a peer died while entering
                 job._state = "recovering"
@@ -234,16 +240,16 @@ class Generations:
         plan = plan_transfer(allgather_objects(pg, world, mine))
         if plan.conflicts:
             a, b = plan.conflicts[0]
-            raise NoReplica(
-                f"ranks {a} and {b} should hold the same state (the registered objects are declared replicated across them) "
-                f"but their state differs: declare which ranks replicate it, e.g. job.register(model=m, replicas=dp_group)")
+            raise StateLost(
+                f"ranks {a} and {b} should hold the same state (the registered objects are declared replicated across "
+                f"them) but it differs at step {plan.step}: declare which ranks replicate it, e.g. "
+                f"job.register(model=m, replicas=dp_group)", plan.step, [a, b])
         if plan.missing:
-            raise NoReplica(
-                f"no live rank holds the state of rank(s) {plan.missing} at step {plan.step} (their replicas are gone, or the "
-                f"layout has none, e.g. FSDP without replicas): the job cannot continue live without wrong weights")
+            raise StateLost(
+                f"no live rank holds the state of rank(s) {plan.missing} at step {plan.step} (every replica is gone, or the "
+                f"layout has none, e.g. FSDP without replicas)", plan.step, plan.missing)
         if plan.step < 0:
-            log("no live replica holds training state: every rank starts from the script's own state (step 'start')")
-            return False
+            raise StateLost("no live rank holds any training state (every process of this generation is new)", -1, list(range(world)))
         what = "+".join(sorted(job._objects)) or "nothing registered"
         for dst, src in sorted(plan.sources.items()):
             if src == rank:

@@ -301,8 +301,14 @@ class _SettledWork(dist.Work):
     def __init__(self, work: dist.Work, group: "LiveGroup", result):
         super().__init__()
         self._work, self._group, self._result = work, group, result
+        self._waited = False
 
     def wait(self, timeout=None) -> bool:
+        # Once only: the script waits, then the commit settles every work of the step again,
+        # and a second wait() on gloo's send/recv works blocks for another message.
+        if self._waited:
+            return True
+        self._waited = True
         try:
             self._work.wait()
         except Exception as e:
@@ -314,7 +320,7 @@ class _SettledWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._waited or self._work.is_completed()
 
     def get_future(self):
         self.wait()

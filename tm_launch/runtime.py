@@ -40,11 +40,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import c10d_glue
 from .agent_channel import AgentChannel, log
 from .commit import StepCommit
-from .generations import Generations
+from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
-from .transfer import cpu_copy
 
 PR_SET_PDEATHSIG = 1
+EXIT_STATE_LOST = 3  # the agent reads worker/<local rank>/state_lost for the reason
 
 
 def die_with_parent() -> None:
@@ -188,6 +188,7 @@ class LiveJob:
         self.group = LiveGroup(None, rank, world, self._poison, name=c10d_glue.unique_name(None))
         self._detach(rank)
         c10d_glue.route_new_group(self.new_group)
+        c10d_glue.refuse_rooted_objects_without_peers()
         register_optimizer_step_pre_hook(self._before_optimizer_step)
         self.gens = Generations(self, env)
         self.in_sandbox = True
@@ -273,12 +274,26 @@ class LiveJob:
 
     def steps(self, total: int, start: int = 0):
         """Yield the next step to run; membership changes take effect between steps."""
-        if self.in_sandbox and self._entering is None:
+        try:
+            yield from self._live_steps(total, start)
+        except StateLost as lost:
+            self._state_lost(lost)
+
+    def _live_steps(self, total: int, start: int):
+        if self.in_sandbox:
+            # A spare warms up, and warms up again as the ranks it was promoted to: real steps
+            # without peers, so that the framework's lazy set-up is done before this process
+            # meets the job (DDP rebuilds its buckets with a broadcast in its second step; a
+            # fresh DDP would send it while its peers run a normal step).
             yield from self._warm_up(start)
-            self._park()
+            if self._entering is None:
+                self._park()
         if self._entering is not None:  # the script ran again for the ranks this spare took
             entering, self._entering = self._entering, None
-            self.gens.enter(entering)
+            try:
+                self.gens.enter(entering)
+            except self.gens.Superseded:  # no longer promoted before it got in: a spare again
+                self._park()
         if self._step is None:
             self._step = start
         if not self._live_marked:
@@ -306,19 +321,27 @@ class LiveJob:
         self._state = "finished"
         self._report(force=True)
 
+    def _state_lost(self, lost: StateLost) -> None:
+        """No live rank can give some rank its state: tell the agent (the job restarts every
+        worker from the script's own checkpoint) and end this process without touching its
+        communicators (peers are ending theirs the same way)."""
+        log(f"{lost}: this job cannot continue live without wrong weights; every worker restarts from the script's checkpoint")
+        self.channel.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STATE_LOST)
+
     # -- steps ---------------------------------------------------------------------------------
     def _warm_up(self, start: int):
-        """Real steps on local backends; they must leave no trace (if no live replica holds the
-        state later, this process has to hold exactly what a fresh one would): a CPU copy of
-        the start state, only while warming up."""
+        """Real steps on local backends (kernels, allocator, the framework's lazy set-up). What
+        they leave in the registered objects is overwritten when the process enters the job:
+        a joiner always receives its state from a live replica (where none exists, every worker
+        restarts), so no copy of the start state is kept: a spare costs no extra memory."""
         self._state = "warmup"
-        start_state = {name: cpu_copy(obj.state_dict()) for name, obj in self._objects.items()}
         for i in range(self._sandbox_steps):
             self._report(force=True)
             yield start + i
         self._clear_step_effects()
-        for name, state in start_state.items():
-            self._objects[name].load_state_dict(state)
 
     def _effect_allowed(self) -> bool:
         """The current step's job-wide decision (voted on first use); outside a step, True."""
@@ -352,7 +375,7 @@ class LiveJob:
     def _on_directive(self, d: dict) -> None:
         """Watcher thread: an unplanned generation means a peer is gone; a vote waiting for it
         is settled as aborted at once (a planned one switches at an agreed step instead)."""
-        if not d.get("planned") or not d.get("active", True):
+        if not d.get("planned"):  # a drained rank hands over at the switch step instead
             self._commit.abort(d["generation"])
 
     def _boundary(self) -> None:
@@ -405,11 +428,11 @@ class LiveJob:
         for g in self._subgroups:
             c10d_glue.unregister(g)
         self._subgroups.clear()
+        c10d_glue.forget_layouts()
         self._objects.clear()
         self._declared.clear()
         self._detach(rank)
-        self._entering = d
-        self.in_sandbox = False
+        self._entering = d  # still in the sandbox (no peers) until steps() enters generation d
         raise RankChanged(f"promoted to rank {rank}")
 
     def _clear_step_effects(self) -> None:
@@ -437,17 +460,24 @@ class LiveJob:
 
 
 def _guard(obj, method: str, allowed, on_skip) -> None:
-    """``obj.<method>`` runs only on a step that commits (``on_skip(obj)`` runs instead)."""
-    original = getattr(obj, method)
+    """``obj.<method>`` runs only on a step that commits (``on_skip(obj)`` runs instead).
 
-    def guarded(*args, **kwargs):
+    The object's class is swapped for a subclass overriding the method, not the method set on
+    the instance: an LR scheduler's ``state_dict()`` is its ``__dict__``, so an instance
+    attribute would travel (unpicklable) to a joiner and be loaded over its own."""
+    cls = type(obj)
+    if getattr(cls, "_tm_guarded", None) == method:
+        return
+    original = getattr(cls, method)
+
+    def guarded(self, *args, **kwargs):
         if allowed():
-            return original(*args, **kwargs)
+            return original(self, *args, **kwargs)
         if on_skip is not None:
-            on_skip(obj)
+            on_skip(self)
         return None
 
-    setattr(obj, method, guarded)
+    obj.__class__ = type(cls.__name__, (cls,), {method: guarded, "_tm_guarded": method, "__module__": cls.__module__})
 
 
 def _reset_scaler(scaler) -> None:
