@@ -1,0 +1,248 @@
+"""The live runtime's decisions, without agents: which ranks replicate a rank's state, who sends
+state to whom, and the job-wide commit vote (on a real TCPStore, ranks as threads).
+
+Layouts are built for real (``init_device_mesh``, ``fully_shard``, ``parallelize_module``) in one
+process on torch's ``fake`` backend, which gives any rank of any world size without peers.
+"""
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tm_launch.commit import StepCommit
+from tm_launch.replicas import mesh_replicas, replica_set
+from tm_launch.transfer import Holding, plan_transfer
+
+# ------------------------------------------------------------------------------------------------
+# replicas: the pure rule
+
+
+@pytest.mark.parametrize("mesh, sharded, rank, want", [
+    pytest.param([[0, 1], [2, 3]], {0, 1}, 1, {1}, id="sharded on both dims (FSDP x TP): nobody else"),
+    pytest.param([[0, 1], [2, 3]], {1}, 1, {1, 3}, id="sharded on dim 1 only (HSDP shard / TP under DDP): the dim-0 peer"),
+    pytest.param([[0, 1], [2, 3]], {0}, 1, {0, 1}, id="sharded on dim 0 only: the dim-1 peer"),
+    pytest.param([[0, 1], [2, 3]], set(), 2, {0, 1, 2, 3}, id="replicated everywhere: the whole mesh"),
+    pytest.param([[0, 1, 2], [3, 4, 5]], {1}, 4, {1, 4}, id="2 x 3, sharded on dim 1"),
+    pytest.param([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], {1, 2}, 5, {1, 5}, id="3-d: HSDP x TP, replicated on dim 0"),
+    pytest.param([[0, 1], [2, 3]], {0}, 7, set(), id="a rank outside the mesh holds none of it"),
+])
+def test_mesh_replicas(mesh, sharded, rank, want):
+    assert mesh_replicas(mesh, sharded, rank) == frozenset(want)
+
+
+# ------------------------------------------------------------------------------------------------
+# replicas: read off real layouts
+
+
+@pytest.fixture
+def fake_world():
+    """``join(rank, world)``: this process becomes ``rank`` of a fake world of ``world`` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tm_launch.c10d_glue import forget_layouts
+
+    def join(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        forget_layouts()  # meshes compare by value: cached sharding decisions would cross worlds
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _layout(name: str):
+    """(model, optimizer, ``replicas=`` declaration) as examples/hybrid.py builds them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    declared = None
+    if name in ("fsdp-tp", "ddp-tp"):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        if name == "fsdp-tp":
+            fully_shard(net, mesh=mesh["dp"])
+    elif name == "hsdp":
+        fully_shard(net, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    elif name == "fsdp":
+        fully_shard(net, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",)))
+    elif name == "pp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        declared = tuple(dist.get_process_group_ranks(mesh["dp"].get_group()))
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()  # optimizer state exists (and follows the parameters' layout)
+    return net, opt, declared
+
+
+@pytest.mark.parametrize("layout, want", [
+    pytest.param("ddp-tp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="TP under data parallel: the dp peer, same TP shard"),
+    pytest.param("hsdp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="HSDP: the replicate peer"),
+    pytest.param("pp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="pipeline stages: the declared dp group"),
+    pytest.param("fsdp-tp", {r: {r} for r in range(4)}, id="FSDP x TP: no replica"),
+    pytest.param("fsdp", {r: {r} for r in range(4)}, id="FSDP: no replica"),
+])
+def test_replica_set_of_real_layouts(fake_world, layout, want):
+    for rank in range(4):
+        fake_world(rank, 4)
+        net, opt, declared = _layout(layout)
+        states = {"model": net.state_dict(), "optimizer": opt.state_dict()}
+        decl = {"model": declared, "optimizer": declared}
+        assert replica_set(states, decl, rank, 4) == frozenset(want[rank]), (layout, rank)
+
+
+# ------------------------------------------------------------------------------------------------
+# the transfer plan
+
+
+def H(rank, step, replicas, structure="s", values="v"):
+    return Holding(rank=rank, step=step, replicas=frozenset(replicas), structure=structure, values=values)
+
+
+@pytest.mark.parametrize("holdings, want_step, want_sources, want_missing", [
+    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}), H(3, 5, {1, 3})], 5, {2: 0}, [],
+                 id="a joiner receives from the replica of its own shard"),
+    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, 5, {0, 2}), H(3, -1, {1, 3})], 5, {3: 1}, [],
+                 id="never from the first rank at the newest step when that rank holds another shard"),
+    pytest.param([H(0, -1, {0, 2}), H(1, -1, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})], 5, {0: 2, 1: 3}, [],
+                 id="two joiners, two different sources (in parallel)"),
+    pytest.param([H(0, 5, {0, 1, 2, 3}), H(1, 5, {0, 1, 2, 3}), H(2, -1, {0, 1, 2, 3}), H(3, -1, {0, 1, 2, 3})],
+                 5, {2: 0, 3: 1}, [], id="plain DP: joiners spread over the holders"),
+    pytest.param([H(0, 5, {0}), H(1, 5, {1}), H(2, -1, {2}), H(3, 5, {3})], 5, {}, [2],
+                 id="no replica (FSDP): the joiner's shard is missing"),
+    pytest.param([H(0, 6, {0, 2}), H(1, 6, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})], 6, {2: 0, 3: 1}, [],
+                 id="ranks behind the newest committed step catch up from their replica"),
+    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}, structure="other"), H(3, 5, {1, 3})], 5, {}, [2],
+                 id="a source whose module shapes differ is no source"),
+    pytest.param([H(0, -1, {0, 1}), H(1, -1, {0, 1})], -1, {}, [], id="nobody holds state"),
+])
+def test_plan_transfer(holdings, want_step, want_sources, want_missing):
+    plan = plan_transfer(holdings)
+    assert (plan.step, plan.sources, plan.missing, plan.conflicts) == (want_step, want_sources, want_missing, [])
+
+
+def test_plan_transfer_reports_replicas_that_disagree():
+    plan = plan_transfer([H(0, 5, {0, 1}, values="a"), H(1, 5, {0, 1}, values="b")])
+    assert plan.conflicts == [(0, 1)]
+
+
+# ------------------------------------------------------------------------------------------------
+# the commit vote: every rank gets the same decision
+
+
+def _voters(world: int):
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    commits = []
+    for rank in range(world):
+        c = StepCommit()
+        c.use(dist.PrefixStore("commit/", dist.TCPStore("127.0.0.1", server.port, world, False, wait_for_workers=False)), rank, world, 0)
+        commits.append(c)
+    return server, commits
+
+
+def _vote_all(commits, oks, step=3, newer=lambda: False):
+    decisions = {}
+
+    def vote(rank):
+        commits[rank].begin(step)
+        decisions[rank] = commits[rank].decide(oks[rank], newer)
+
+    threads = [threading.Thread(target=vote, args=(r,)) for r in range(len(commits)) if oks[r] is not None]
+    for t in threads:
+        t.start()
+    return threads, decisions
+
+
+@pytest.mark.parametrize("oks, want", [
+    pytest.param([True, True, True], True, id="everyone's collectives worked -> commit everywhere"),
+    pytest.param([True, False, True], False, id="one rank saw a failure -> abort everywhere"),
+    pytest.param([False, False, False], False, id="everyone saw it -> abort"),
+])
+def test_vote_is_the_same_on_every_rank(oks, want):
+    server, commits = _voters(3)
+    threads, decisions = _vote_all(commits, oks)
+    for t in threads:
+        t.join(30)
+    assert decisions == {r: want for r in range(3)}
+
+
+def test_a_rank_that_never_votes_is_settled_by_the_next_generation():
+    """Rank 2 died before voting: the others wait until their agent hands them a newer
+    generation (the watcher calls abort()), then all abort; none commits alone."""
+    server, commits = _voters(3)
+    threads, decisions = _vote_all(commits, [True, True, None])
+    for t in threads:
+        t.join(0.5)
+    assert not decisions, "nobody may decide while a rank's vote is missing"
+    commits[0].abort(newer=1)  # the watcher thread of rank 0 sees generation 1
+    for t in threads:
+        t.join(30)
+    assert decisions == {0: False, 1: False}
+
+
+def test_a_decision_once_written_never_changes():
+    """The last voter commits; an abort arriving afterwards (the watcher saw a failure after
+    the step committed) changes nothing: the step stays committed on every rank."""
+    server, commits = _voters(2)
+    threads, decisions = _vote_all(commits, [True, True])
+    for t in threads:
+        t.join(30)
+    commits[1].abort(newer=1)
+    assert decisions == {0: True, 1: True}
+    assert commits[0].store.get("3/d") == b"commit"
+
+
+# ------------------------------------------------------------------------------------------------
+# a spare promoted to ranks it did not warm up as
+
+
+RERUN = r'''
+import os, sys
+import torch, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROUP_RANK="-1", WORLD_SIZE="4",
+                  LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
+sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
+import hybrid, tm_launch
+from tm_launch import c10d_glue
+job = tm_launch.init()
+
+def build_and_step():
+    model, _, dp_index, _, mesh = hybrid.build("ddp-tp", job.rank, job.world_size)
+    x, y = hybrid.batch(0, dp_index)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    w = model.blocks[0].w1.weight
+    return w.device_mesh._dim_group_names == mesh["tp"]._dim_group_names, mesh["tp"].mesh.tolist()
+
+print("warm", job.rank, *build_and_step())
+try:
+    job._take_other_ranks({"ranks": [1], "generation": 1, "active": True})
+except tm_launch.runtime.RankChanged:
+    pass
+print("again", job.rank, *build_and_step())
+'''
+
+
+def test_a_promoted_spare_builds_its_new_ranks_layout(tmp_path):
+    """A spare warms up as rank 3 (TP group {2, 3}) and is promoted to rank 1: running the script
+    again for rank 1 gives DTensors on rank 1's mesh (TP group {0, 1}). DTensor caches sharding
+    decisions by mesh *value*, which ignores the groups behind it: without forgetting them, the
+    new parameters got the old rank's groups, unregistered by then (a crash in the first step)."""
+    import os
+    import subprocess
+    import sys
+
+    from tm_launch.localjob import REPO
+
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RERUN, REPO], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [l.split() for l in out.stdout.splitlines() if l.startswith(("warm", "again"))]
+    assert lines == [["warm", "3", "True", "[2,", "3]"], ["again", "1", "True", "[0,", "1]"]], out.stdout
