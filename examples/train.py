@@ -2,7 +2,9 @@
 
 Runs unchanged under torchrun, tm-launch restart mode and tm-launch live mode. Deterministic on
 CPU: the model is seeded, each step's batch is seeded by (step, rank), so a run with failures
-must end with exactly the parameters of a run without.
+must end with exactly the parameters of a run without. With ``--random`` the model has dropout
+and each rank draws its batches from its own random stream: both are per-rank state
+(``job.register(per_rank=True, ...)``) that a re-run step and a joiner must get exactly.
 
 Fault injection (a real SIGKILL of this worker, once: a marker file remembers it happened):
     --kill-rank R --kill-step S --kill-phase PHASE
@@ -62,7 +64,26 @@ def parse():
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
     p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (see the module docstring)")
+    p.add_argument("--random", action="store_true",
+                   help="dropout and a per-rank random data stream, registered as per-rank state (RNG and data position)")
     return p.parse_args()
+
+
+class RandomBatches:
+    """A per-rank data stream whose position is its generator's state (what a stateful
+    sampler or loader keeps in its state_dict)."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self):
+        return torch.randn(16, 32, generator=self.gen), torch.randn(16, 8, generator=self.gen)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["generator"])
 
 
 def chaos_kill(args, job, step, phase):
@@ -122,6 +143,11 @@ def main():
         torch.nn.Linear(32, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, args.width),
         torch.nn.Tanh(), torch.nn.Linear(args.width, 8),
     )
+    data = None
+    if args.random:
+        model.insert(2, torch.nn.Dropout(0.2))
+        torch.manual_seed(1000 + job.rank)  # dropout masks differ per rank
+        data = RandomBatches(seed=2000 + job.rank)
     ddp = DDP(model, process_group=job.group)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     start = 0
@@ -134,6 +160,8 @@ def main():
             start = state["step"]
             print(f"[train] rank {job.rank}: resumed from checkpoint at step {start}", flush=True)
     job.register(model=model, optimizer=opt)
+    if data is not None:
+        job.register(per_rank=True, rng=tm_launch.RNGState(), data=data)
     world = job.world_size
     subgroups = [job.new_group(range(i, i + args.subgroups)) for i in range(0, world, args.subgroups)] if args.subgroups else []
     state = {"step": None}
@@ -147,9 +175,12 @@ def main():
 
     for step in job.steps(args.steps, start=start):
         state["step"] = step
-        g = torch.Generator().manual_seed(step * 1000 + job.rank)
-        x = torch.randn(16, 32, generator=g)
-        y = torch.randn(16, 8, generator=g)
+        if data is not None:
+            x, y = data.next()
+        else:
+            g = torch.Generator().manual_seed(step * 1000 + job.rank)
+            x = torch.randn(16, 32, generator=g)
+            y = torch.randn(16, 8, generator=g)
         if step == args.pause_step and args.pause_file and not job.in_sandbox:
             while not os.path.exists(args.pause_file):
                 time.sleep(0.02)

@@ -50,12 +50,12 @@ def reference(tmp_path_factory, etcd_server):
 
     cache = {}
 
-    def get(nodes: int, nproc: int, steps: int = STEPS):
-        key = (nodes, nproc, steps)
+    def get(nodes: int, nproc: int, steps: int = STEPS, extra: tuple = ()):
+        key = (nodes, nproc, steps, extra)
         if key not in cache:
             workdir = str(tmp_path_factory.mktemp(f"ref{nodes}x{nproc}x{steps}"))
             job = LocalJob(endpoint=etcd_server.endpoint, run_id=f"ref-{nodes}x{nproc}-{time.time_ns()}", workdir=workdir,
-                           nnodes=str(nodes), nproc=nproc, script_args=["--steps", str(steps), "--out", os.path.join(workdir, "p.pt")])
+                           nnodes=str(nodes), nproc=nproc, script_args=["--steps", str(steps), "--out", os.path.join(workdir, "p.pt"), *extra])
             job.start_all([f"r{i}" for i in range(nodes)])
             codes = job.wait(timeout=240)
             assert set(codes.values()) == {0}, job.logs_tail()
@@ -92,6 +92,19 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     assert_bitwise(params, reference(2, 2))
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
     assert plans and plans[0]["replaced"] == {"c": victim} and plans[0]["live"], job.events()
+
+
+@pytest.mark.parametrize("phase", ["forward", pytest.param("logging", marks=pytest.mark.slow)])
+def test_per_rank_rng_and_data_position_survive_bitwise(local_job, reference, phase):
+    """Dropout masks and batches come from per-rank random state (registered per_rank): the
+    survivors re-run the interrupted step with the state it started with, and the joiner gets
+    the dead rank's own state from its mirror (written with each commit vote)."""
+    script = ["--random", "--log-loss", "--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", phase,
+              "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
+    assert codes["c"] == 0 and sorted(codes.values()) == [0, 0, 1], job.logs_tail()
+    assert not [e for e in job.events() if e["kind"] == "state_lost"], job.logs_tail()
+    assert_bitwise(params, reference(2, 2, extra=("--random",)))
 
 
 def _kill_at_step(step, action, victim="b"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tm_launch.commit import StepCommit
+from tm_launch.commit import StepCommit, commit_store
 from tm_launch.replicas import mesh_replicas, replica_set
 from tm_launch.transfer import Holding, plan_transfer
 
@@ -246,3 +246,89 @@ def test_a_promoted_spare_builds_its_new_ranks_layout(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [l.split() for l in out.stdout.splitlines() if l.startswith(("warm", "again"))]
     assert lines == [["warm", "3", "True", "[2,", "3]"], ["again", "1", "True", "[0,", "1]"]], out.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# per-rank state: snapshot and restore, mirrors for joiners
+
+
+class Counter:
+    """Per-rank state a step advances (a data position)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def _mirroring_rank():
+    from tm_launch.per_rank import PerRankState
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    commit = StepCommit()
+    where = (4, "127.0.0.1", server.port)
+    commit.use(commit_store(dist.TCPStore("127.0.0.1", server.port, 1, False, wait_for_workers=False), 4), 0, 1, 4, where=where)
+    state = PerRankState()
+    state.objects["data"] = Counter()
+    return server, commit, state, where
+
+
+def _step(commit, state, step, consume=1, after_commit=0):
+    """One committed step: the body consumes ``consume``, then ``after_commit`` after the vote."""
+    state.begin_step(step, commit)
+    commit.begin(step)
+    state.objects["data"].n += consume
+    assert commit.decide(True, lambda: False, state.vote_mirror(step))
+    state.objects["data"].n += after_commit
+
+
+def test_an_interrupted_step_runs_again_with_the_state_it_started_with():
+    server, commit, state, _ = _mirroring_rank()
+    _step(commit, state, 0)
+    state.begin_step(1, commit)
+    state.objects["data"].n += 5  # the step's body ran, then a peer failed
+    state.restore()
+    assert state.objects["data"].n == 1
+
+
+def test_a_joiner_gets_the_mirror_of_the_agreed_step():
+    server, commit, state, where = _mirroring_rank()
+    for step in range(3):
+        _step(commit, state, step)
+    joiner = _mirroring_rank()[2]
+    assert joiner.fetch(commit.last_commit_where, 0, 3) is None
+    assert joiner.objects["data"].n == 3
+    assert "not mirrored" in joiner.fetch(commit.last_commit_where, 0, 7)  # a step nobody mirrored
+    assert "not mirrored" in joiner.fetch(where, 0, 0)  # deleted: only the last two are kept
+
+
+def test_state_changed_after_the_commit_makes_vote_time_mirrors_inexact():
+    """A script that draws randomness after the optimizer step: the vote-time mirror is not the
+    state the next step starts with. The rank mirrors the exact state at the next step's start,
+    and a joiner refuses a vote-time mirror from then on (its rank may have died before
+    reaching the next step: that is lost state, never a silently different stream)."""
+    server, commit, state, _ = _mirroring_rank()
+    _step(commit, state, 0, after_commit=10)
+    state.begin_step(1, commit)  # sees the change, mirrors step 1 exactly
+    joiner = _mirroring_rank()[2]
+    assert joiner.fetch(commit.last_commit_where, 0, 1) is None and joiner.objects["data"].n == 11
+    commit.begin(1)
+    state.objects["data"].n += 1
+    assert commit.decide(True, lambda: False, state.vote_mirror(1))  # the rank dies after this vote
+    assert "only at its vote" in joiner.fetch(commit.last_commit_where, 0, 2)
+
+
+def test_rng_state_round_trips():
+    import random
+
+    from tm_launch.per_rank import RNGState
+
+    rng = RNGState()
+    saved = rng.state_dict()
+    first = (torch.rand(3), random.random())
+    rng.load_state_dict(saved)
+    assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]

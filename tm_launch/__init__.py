@@ -18,4 +18,12 @@ def init(backend: str | None = None):
     return _init(backend)
 
 
-__all__ = ["init"]
+def __getattr__(name: str):
+    if name == "RNGState":  # job.register(per_rank=True, rng=tm_launch.RNGState())
+        from .per_rank import RNGState
+
+        return RNGState
+    raise AttributeError(name)
+
+
+__all__ = ["init", "RNGState"]

@@ -32,6 +32,11 @@ COMMIT, ABORT = b"commit", b"abort"
 _PATIENCE = datetime.timedelta(seconds=5)
 
 
+def commit_store(store: dist.Store, generation: int) -> dist.Store:
+    """Generation ``generation``'s votes (and per-rank mirrors) within its bootstrap store."""
+    return dist.PrefixStore(f"tm/g{generation}/commit/", store)
+
+
 class StepCommit:
     """One decision per step on one generation's store; ``None`` until the vote is taken."""
 
@@ -43,11 +48,15 @@ class StepCommit:
         self.step = -1
         self.decision: bool | None = None
         self.uncertain = False  # the store was lost mid-vote: the outcome is unknown here
+        self.where: tuple | None = None  # (generation, address, port) of the store in use
+        self.last_commit_where: tuple | None = None  # the store of the last committed step (per-rank mirrors)
 
-    def use(self, store: dist.Store | None, rank: int, world: int, generation: int) -> None:
-        """Generation ``generation``'s store (None: the sandbox, where every step commits locally)."""
+    def use(self, store: dist.Store | None, rank: int, world: int, generation: int, where: tuple | None = None) -> None:
+        """Generation ``generation``'s store (None: the sandbox, where every step commits
+        locally); ``where``: (generation, address, port) of that store, for joiners."""
         with self._lock:
             self.store, self.rank, self.world, self.generation = store, rank, world, generation
+            self.where = where
             self._abort_store = None if store is None else store.clone()
 
     def begin(self, step: int) -> None:
@@ -67,19 +76,34 @@ class StepCommit:
         except (RuntimeError, dist.DistError):
             pass
 
-    def decide(self, ok: bool, newer_generation) -> bool:
-        """Vote once per step; later calls return the same decision."""
+    def decide(self, ok: bool, newer_generation, mirror: tuple[int, bytes] | None = None) -> bool:
+        """Vote once per step; later calls return the same decision. ``mirror``: this rank's
+        per-rank state after the step, (tag, record), written before the vote counts."""
         if self.decision is None:
-            self.decision = True if self.store is None else self._vote(ok, newer_generation)
-            if self.store is not None and self.decision and self.step % self.world == self.rank and self.step >= 2:
-                self._forget(self.step - 2)
+            self.decision = True if self.store is None else self._vote(ok, newer_generation, mirror)
+            if self.decision and self.store is not None:
+                self.last_commit_where = self.where
+                if self.step % self.world == self.rank and self.step >= 2:
+                    self._forget(self.step - 2)
         return self.decision
 
-    def _vote(self, ok: bool, newer_generation) -> bool:
+    def mirror(self, tag: int, record: bytes) -> None:
+        """Keep this rank's per-rank state for step ``tag`` in the store (``per_rank``); the
+        record two steps older goes."""
+        try:
+            self.store.set(f"pr/{self.rank}/{tag}", record)
+            if tag >= 2:
+                self.store.delete_key(f"pr/{self.rank}/{tag - 2}")
+        except (RuntimeError, dist.DistError):
+            pass  # the store is gone: a joiner will find no mirror and say so
+
+    def _vote(self, ok: bool, newer_generation, mirror) -> bool:
         store, key = self.store, str(self.step)
         try:
             if not ok:
                 return store.compare_set(f"{key}/d", "", ABORT.decode()) == COMMIT
+            if mirror is not None:
+                self.mirror(*mirror)
             votes = store.add(f"{key}/n", 1)
             failpoints.reached("vote", self.rank, self.step)
             if votes == self.world:

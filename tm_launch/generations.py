@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import c10d_glue
 from .agent_channel import log
+from .commit import commit_store
 from .groups import LocalBackend, new_gloo
 from .replicas import fingerprints, replica_set
 from .transfer import Holding, allgather_objects, human_size, plan_transfer, recv_state, send_state
@@ -201,7 +202,8 @@ class Generations:
         job.group.swap(inner, rank, world, gen)
         c10d_glue.register(job.group, range(world))
         self._rebuild_subgroups(d, rank, old_rank)
-        job._commit.use(dist.PrefixStore(f"tm/g{gen}/commit/", self.store(d["store"])), rank, world, gen)
+        job._commit.use(commit_store(self.store(d["store"]), gen), rank, world, gen,
+                        where=(gen, d["store"]["addr"], int(d["store"]["port"])))
         t_comm = time.perf_counter()
         received = self._agree_and_transfer(inner, rank, world) if agree else False
         job.in_sandbox = False
@@ -235,9 +237,11 @@ class Generations:
         states = {name: obj.state_dict() for name, obj in job._objects.items()}
         modules = {name for name, obj in job._objects.items() if isinstance(obj, torch.nn.Module)}
         structure, values = fingerprints(states, modules)
-        mine = Holding(rank, -1 if job._step is None else job._step, replica_set(states, job._declared, rank, world), structure, values)
+        mine = Holding(rank, -1 if job._step is None else job._step, replica_set(states, job._declared, rank, world), structure, values,
+                       mirrors=job._commit.last_commit_where)
         del states
-        plan = plan_transfer(allgather_objects(pg, world, mine))
+        holdings = allgather_objects(pg, world, mine)
+        plan = plan_transfer(holdings)
         if plan.conflicts:
             a, b = plan.conflicts[0]
             raise StateLost(
@@ -261,6 +265,9 @@ class Generations:
             t0 = time.perf_counter()
             step, got = recv_state(pg, src, job._objects)
             log(f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms")
+            lost = job._per_rank.fetch(holdings[src].mirrors, rank, step)
+            if lost:
+                raise StateLost(f"{lost}: its RNG or data position exists nowhere else", step, [rank])
             job._step = step
             return True
         return False

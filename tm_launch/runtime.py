@@ -42,6 +42,7 @@ from .agent_channel import AgentChannel, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
+from .per_rank import PerRankState
 
 PR_SET_PDEATHSIG = 1
 EXIT_STATE_LOST = 3  # the agent reads worker/<local rank>/state_lost for the reason
@@ -108,7 +109,7 @@ class PlainJob:
     def world_size(self) -> int:
         return dist.get_world_size()
 
-    def register(self, replicas=None, **objects) -> None:
+    def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
         self._objects.update(objects)
 
     def new_group(self, ranks):
@@ -170,6 +171,7 @@ class LiveJob:
         self._sandbox_steps = int(env.get("TM_SANDBOX_STEPS", "2"))
         self._objects: dict = {}
         self._declared: dict = {}
+        self._per_rank = PerRankState()
         self._subgroups: list[LiveGroup] = []
         self._poison = StepPoison()
         self._commit = StepCommit()
@@ -236,13 +238,20 @@ class LiveJob:
         a collective after its commit failed (what it logs may be this rank's value only)."""
         return not self._poison.active and self._commit.decision is not False
 
-    def register(self, replicas=None, **objects) -> None:
+    def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
         """Objects with state_dict()/load_state_dict() that a joining rank must receive.
 
         ``replicas``: the ranks holding identical copies of these objects' plain tensors (a
         group, a DeviceMesh or ranks; default the world). DTensors (FSDP2, tensor parallel)
         carry their own layout. Optimizers skip their update on a step that does not commit;
-        LR schedulers and GradScaler updates are guarded the same way."""
+        LR schedulers and GradScaler updates are guarded the same way.
+
+        ``per_rank=True``: state this rank alone advances in every step (``tm_launch.RNGState()``,
+        a sampler's or loader's position): restored when a step runs again, and mirrored so that
+        a rank that joins in its place continues from it (``tm_launch.per_rank``)."""
+        if per_rank:
+            self._per_rank.objects.update(objects)
+            return
         for name, obj in objects.items():
             if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
                 _guard(obj, "step", self._effect_allowed, None)
@@ -306,6 +315,7 @@ class LiveJob:
                 break
             t0 = time.perf_counter()
             self.group.last_submit = 0.0
+            self._per_rank.begin_step(self._step, self._commit)
             self._commit.begin(self._step)
             self._poison.armed = self._in_step = True
             try:
@@ -353,7 +363,8 @@ class LiveJob:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # a step commits only once its GPU work is complete
             ok = not self._poison.active
-            if not self._commit.decide(ok, lambda: self.channel.latest() > self.group.generation) and ok:
+            mirror = self._per_rank.vote_mirror(self._commit.step) if ok else None
+            if not self._commit.decide(ok, lambda: self.channel.latest() > self.group.generation, mirror) and ok:
                 self._poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
         return bool(self._commit.decision)
 
@@ -389,6 +400,8 @@ class LiveJob:
             self._clear_step_effects()
             for g in [self.group, *self._subgroups]:
                 g.release_if_broken()
+            if not self._commit.decision:  # it runs again, with the RNG and data it started with
+                self._per_rank.restore()
             d = self.channel.wait_directive(self.group.generation)
             self._poison.clear()
             self.gens.follow(d, interrupted=True)
@@ -431,6 +444,7 @@ class LiveJob:
         c10d_glue.forget_layouts()
         self._objects.clear()
         self._declared.clear()
+        self._per_rank = PerRankState()
         self._detach(rank)
         self._entering = d  # still in the sandbox (no peers) until steps() enters generation d
         raise RankChanged(f"promoted to rank {rank}")

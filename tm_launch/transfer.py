@@ -179,6 +179,7 @@ class Holding:
     replicas: frozenset  # ranks that hold exactly what this rank holds
     structure: str  # digest of the registered modules' shapes
     values: str  # digest of a sample of every registered value
+    mirrors: tuple | None = None  # (generation, addr, port): the store of its last committed step (per-rank state)
 
 
 @dataclass
