@@ -60,3 +60,33 @@ def test_no_spare_and_crashing_worker_fails_clearly_when_restarts_run_out(local_
     assert sorted(sorted(os.listdir(logs / d)) for d in run_dirs) == [["attempt_0"], ["attempt_0", "attempt_1"]], run_dirs
     for d in run_dirs:
         assert (logs / d / "attempt_0" / "0" / "stderr.log").exists()
+
+
+@pytest.mark.slow
+def test_a_loop_without_job_steps_is_never_repaired_live(local_job, tmp_path):
+    """A script that calls tm_launch.init() but runs its own loop (a framework's shape) cannot be
+    substituted in place: the job stays in restart mode, the spare never runs the script in a
+    sandbox (it would train alone as some rank), and a worker SIGKILL ends with exactly the
+    parameters of the same script under plain torchrun."""
+    import subprocess
+    import sys
+
+    from tm_launch.localjob import REPO
+
+    script = os.path.join(REPO, "examples", "plain_loop.py")
+    ref = tmp_path / "ref.pt"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+                          "--steps", "30", "--out", str(ref), "--step-sleep", "0"],
+                         capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-2000:]
+    job = local_job(nnodes="2", nproc=1, script=script, launcher_args=["--max-restarts", "2"])
+    params = os.path.join(job.workdir, "params.pt")
+    job.script_args = ["--steps", "30", "--out", params, "--ckpt-dir", os.path.join(job.workdir, "ckpt"),
+                       "--kill-rank", "1", "--kill-step", "15", "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.start_all(["a", "b", "c"])
+    codes = job.wait(timeout=240)
+    assert sorted(codes.values()) == [0, 0, 1], job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan"]
+    assert len(plans) == 2 and not any(p["live"] for p in plans), [p["message"] for p in plans]
+    assert not [e for e in job.events() if e["kind"] == "sandbox"], "a spare ran the script in a sandbox"
+    assert_bitwise(torch.load(params), torch.load(ref))
