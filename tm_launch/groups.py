@@ -43,6 +43,7 @@ class StepPoison:
         self.error: BaseException | None = None
         self.armed = False
         self._lock = threading.Lock()
+        self._broken: list = []  # groups whose communicator failed and is not closed yet
 
     def set(self, error: BaseException) -> None:
         with self._lock:
@@ -59,6 +60,20 @@ class StepPoison:
     def clear(self) -> None:
         with self._lock:
             self.error = None
+
+    def note_broken(self, group) -> None:
+        with self._lock:
+            self._broken.append(group)
+
+    def release_broken(self) -> None:
+        """Close every failed communicator now (main thread). A peer may be blocked in that
+        communicator waiting for this rank, while this rank goes on to a collective of a
+        healthy group that needs the peer: only closing the failed one breaks the cycle
+        (the peer fails at once and joins the interrupted step) before the collective timeout."""
+        with self._lock:
+            broken, self._broken = self._broken, []
+        for group in broken:
+            group.release_if_broken()
 
 
 def _op_name(args) -> str:
@@ -205,6 +220,7 @@ class LiveGroup(dist.ProcessGroup):
         """A collective of this communicator failed: poison the step, stop using the communicator."""
         self.broken = True
         self._poison.set(error)
+        self._poison.note_broken(self)  # closed by the main thread (not a gloo callback thread)
 
     def release(self) -> None:
         """Close the communicator now, healthy or not: this rank is leaving it for a new
@@ -235,6 +251,8 @@ class LiveGroup(dist.ProcessGroup):
     # -- collectives (methods added below by _forward) ---------------------------------------
     def _call(self, name: str, result, args, kwargs):
         self.last_submit = time.perf_counter()
+        if self._poison.active:
+            self._poison.release_broken()
         if self.broken or self._inner is None:
             # The step is poisoned (or this rank is not connected): serve it locally as if every
             # peer held this rank's values, so shapes stay right and object collectives unpickle.

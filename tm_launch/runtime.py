@@ -360,6 +360,7 @@ class LiveJob:
         if self._commit.decision is None:
             for g in [self.group, *self._subgroups]:
                 g.settle()
+            self._poison.release_broken()  # peers blocked in a failed communicator fail now, before the vote waits
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # a step commits only once its GPU work is complete
             ok = not self._poison.active
