@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tm_launch.breakdown import PHASES, breakdown, node_stamps, plan_stamps
+from tm_launch.timeline import build
 
 T = 1000.0
 PLAN = {"planner": "a", "published": T + 0.07, "detected": T + 0.05, "detected_by": "b"}
@@ -86,3 +87,13 @@ def test_node_stamps_take_the_slowest_worker_at_each_stamp():
 ])
 def test_plan_stamps_name_the_first_report(reports, detected, by):
     assert plan_stamps("p", T + 1, reports) == {"planner": "p", "published": T + 1, "detected": detected, "detected_by": by}
+
+
+def test_timeline_gives_each_change_its_breakdown():
+    history = [{"generation": 0, "created": T - 10, "state": "running"},
+               {"generation": 1, "created": T + 0.06, "state": "running", "live": True},
+               {"generation": 2, "created": T + 5, "state": "succeeded"}]
+    data = build("r", history, {}, [], {}, {1: {"plan": PLAN, "nodes": {"a": SURVIVOR}}, 2: {"plan": PLAN, "nodes": {}}})
+    by_gen = {g["generation"]: g["breakdown"] for g in data["generations"]}
+    assert by_gen[0] is None and by_gen[2] is None  # no change to break down: the start, the end marker
+    assert by_gen[1]["origin"] == 10.0 and by_gen[1]["total_s"] == 0.3 and by_gen[1]["critical_node"] == "a"
