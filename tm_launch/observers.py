@@ -303,7 +303,8 @@ class DowntimeStamps:
             members.downtime_stamps(gen, None, self.published[gen])
             del self.published[gen]
         for gen in sorted(self.seen):
-            entered, firsts = sup.entered(gen), sup.first_steps(gen)
+            firsts = sup.first_steps(gen)
+            entered = sup.entered(gen) if firsts else None
             if entered and firsts:
                 members.downtime_stamps(gen, self.node_id, node_stamps(self.seen[gen], sup.directed_at.get(gen), entered, firsts))
                 del self.seen[gen]
