@@ -37,5 +37,5 @@ def test_breakdown_table_has_a_column_per_node_and_names_who_did_what():
     lines = breakdown_table(parts, 0.42)
     assert lines[0].split()[-2:] == ["node0", "node2"]
     assert "node1 reported the failure" in lines[1] and "node0 published the plan" in lines[2]
-    assert lines[-1].split()[1:3] == ["0.300s", "0.400s"] and lines[-1].endswith("node2 resumed last; the step log says 0.420s")
+    assert lines[-1].split()[1:3] == ["0.300s", "0.400s"] and lines[-1].endswith("node2 resumed last; step log: 0.420s from the last step every rank logged")
     assert len(lines) == 9  # header, seven phases, total

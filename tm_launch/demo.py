@@ -108,7 +108,7 @@ def breakdown_table(parts: dict, step_log_s: float | None) -> list[str]:
         lines.append(f"  {'':<15}  {phase:<13}{row}   {notes.get(phase, '')}".rstrip())
     row = "".join(cell(parts["nodes"][n]["total_s"]) for n in nodes)
     last = f"{parts['critical_node']} resumed last" if parts["critical_node"] else "no node recorded its first step"
-    measured = f"; the step log says {step_log_s:.3f}s" if step_log_s is not None else ""
+    measured = f"; step log: {step_log_s:.3f}s from the last step every rank logged" if step_log_s is not None else ""
     lines.append(f"  {'':<15}  {'total':<13}{row}   {last}{measured}")
     return lines
 
