@@ -18,7 +18,10 @@ change another's keys. Two subtrees:
 ``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
 ``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role),
 ``log/steps/<node>`` (not leased: a bounded list of [time, generation, rank, step, step_time,
-state] worker samples, rewritten with each progress publish; ``ctl timeline`` draws it).
+state] worker samples, rewritten with each progress publish; ``ctl timeline`` draws it),
+``log/breakdown/<gen>/plan`` and ``log/breakdown/<gen>/nodes/<node>`` (the stamps of a
+generation change, one write by the planner that published it and one per active node:
+``tm_launch.breakdown``).
 
 Consistency: a plan changes only through compare-and-swap on ``state/plan``, one key, so a node
 killed while publishing leaves either the old plan or the new one, never half of each. Everything
@@ -289,6 +292,28 @@ class Membership:
             key.rsplit("/", 1)[-1]: v["samples"]
             for key, v in self._json_values("log/steps/").items() if isinstance(v.get("samples"), list)
         }
+
+    def downtime_stamps(self, generation: int, node: str | None, record: dict) -> None:
+        """Record one agent's stamps of generation ``generation``'s change: the publishing
+        planner's (``node`` None) or an active node's (once per generation, never per step)."""
+        part = "plan" if node is None else f"nodes/{node}"
+        self.kv.put(f"log/breakdown/{generation:08d}/{part}", json.dumps(record, sort_keys=True))
+
+    def all_downtime_stamps(self) -> dict[int, dict]:
+        """Generation -> {"plan": record or None, "nodes": {node: record}}; keys of any other
+        shape are skipped like every unreadable value."""
+        out: dict[int, dict] = {}
+        for key, value in self._json_values("log/breakdown/").items():
+            parts = key.split("/")
+            if len(parts) < 4 or not parts[2].isdigit() or not (parts[3:] == ["plan"] or (len(parts) == 5 and parts[3] == "nodes")):
+                self._skip(key, ValueError("a key of an unexpected shape"))
+                continue
+            entry = out.setdefault(int(parts[2]), {"plan": None, "nodes": {}})
+            if parts[3] == "plan":
+                entry["plan"] = value
+            else:
+                entry["nodes"][parts[4]] = value
+        return out
 
     def reports_for(self, generation: int) -> dict[str, dict]:
         """The failure reports of ``generation`` ({node: {reason, kind, time}})."""

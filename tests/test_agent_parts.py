@@ -19,7 +19,7 @@ from rendezvous.plan import NodeInfo, Plan
 from rendezvous.planner import Limits, View
 from tm_launch.agent_config import AgentConfig
 from tm_launch.failures import FailureWatch
-from tm_launch.observers import DrainWaitNote, MetricsFeed
+from tm_launch.observers import DowntimeStamps, DrainWaitNote, MetricsFeed
 from tm_launch.session import EtcdSession, Fenced
 from tm_launch.supervisor import WorkerSupervisor
 from tm_launch.waits import Every
@@ -172,6 +172,38 @@ def test_supervisor_reads_worker_reports(supervisor):
     assert supervisor.entered(5) is None and supervisor.any_entered(5)
     supervisor.store.set("worker/1/entered/5", json.dumps({"communicator": 0.3, "state": 0.1, "received": True}))
     assert [r["communicator"] for r in supervisor.entered(5)] == [0.1, 0.3]
+
+
+def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(members, supervisor):
+    """One etcd write per node and generation, once every local worker completed a step in it
+    (never on the way there, never per step); the publishing planner's stamps once; nothing for
+    generation 0, a plan without this node, or a generation superseded twice."""
+    stamps = DowntimeStamps("n2", session_for(members, Said()), supervisor)
+    supervisor.start(Plan(generation=0, nodes=("n1", "n2"), nproc=2), sandbox=True, master=None)
+    stamps.plan_seen(Plan(generation=0, nodes=("n1", "n2"), nproc=2, live=True), time.time())
+    stamps.plan_seen(Plan(generation=1, nodes=("n1", "n3"), nproc=2, live=True), time.time())
+    plan = Plan(generation=2, nodes=("n1", "n2"), nproc=2, live=True)
+    seen = time.time()
+    stamps.plan_seen(plan, seen)
+    supervisor.direct(plan)
+    stamps.plan_published(plan, seen - 0.01, View(plan=None, alive={}, report_times={"n3": seen - 0.2, "n1": seen - 0.1}))
+    for lr, last in ((0, seen - 1.0), (1, None)):
+        supervisor.store.set(f"worker/{lr}/entered/2", json.dumps({"began": seen + 0.1, "communicator": 0.1 * (lr + 1), "state": 0.05, "last_step_at": last}))
+    supervisor.store.set("worker/0/first_step/2", json.dumps({"time": seen + 0.5, "step": 7}))
+    stamps.write()
+    assert members.all_downtime_stamps() == {2: {"plan": {"planner": "n2", "published": seen - 0.01, "detected": seen - 0.2, "detected_by": "n3"},
+                                                 "nodes": {}}}  # worker 1 has yet to complete a step
+    supervisor.store.set("worker/1/first_step/2", json.dumps({"time": seen + 0.6, "step": 7}))
+    stamps.write()
+    revision = members.kv.current_revision()
+    stamps.write()
+    assert members.kv.current_revision() == revision  # written once
+    record = members.all_downtime_stamps()[2]["nodes"]["n2"]
+    assert record["seen"] == seen and seen <= record["directed"] < seen + 5 and record["last_step"] == seen - 1.0
+    assert (record["communicator"], record["entered"], record["first_step"]) == pytest.approx((seen + 0.3, seen + 0.35, seen + 0.6))
+    for gen in (3, 4, 5):  # superseded before any step: only the newest two are still waited for
+        stamps.plan_seen(Plan(generation=gen, nodes=("n1", "n2"), nproc=2, live=True), time.time())
+    assert sorted(stamps.seen) == [4, 5]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ Every test ends with the bitwise check: the job that lost a worker, a node or wa
 with exactly the parameters of the same job without the fault.
 """
 
+import json
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tm_launch.breakdown import PHASES
 from tm_launch.localjob import downtime
 
 STEPS = 80
@@ -136,6 +138,28 @@ def test_node_loss_agent_sigkill(local_job, reference):
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
     assert_bitwise(params, reference(2, 2))
     assert any(e["kind"] == "node_lost" for e in job.events()), "node loss should be detected by probing, not the lease"
+    assert_breakdown_is_the_downtime(job, info["fault_time"], {"a", "c"})
+
+
+def assert_breakdown_is_the_downtime(job, fault_time, nodes):
+    """`ctl timeline --json` names every phase of generation 1's change for every node, in order
+    (no phase negative: each stamp follows the one before), the slowest node's phases add up to
+    the total, and the total is the step log's downtime. The step log may count one step more:
+    a rank that dies after its step committed but before logging it leaves the survivors' copy
+    of that step out of 'every rank completed it'."""
+    out = job.ctl("timeline", "--json")
+    assert out.returncode == 0, out.stderr
+    g1 = next(g for g in json.loads(out.stdout)["generations"] if g["generation"] == 1)
+    b = g1["breakdown"]
+    assert b is not None and [p["phase"] for p in b["phases"]] == list(PHASES) and set(b["nodes"]) == nodes, g1
+    for node, v in b["nodes"].items():
+        assert all(v["phases"][p] is not None and v["phases"][p] >= 0 for p in PHASES), (node, b)
+    assert sum(b["nodes"][b["critical_node"]]["phases"].values()) == pytest.approx(b["total_s"], abs=0.005), b
+    rows = job.step_records()
+    d = downtime(rows, fault_time)
+    times = sorted(t for t, r, s, g, pid in rows if r == 0 and t < fault_time)[-6:]
+    step = max(b - a for a, b in zip(times, times[1:]))
+    assert -0.05 <= d["downtime_s"] - b["total_s"] <= step + 0.1, (b, d, step)
 
 
 def test_planned_drain(local_job, reference):

@@ -300,6 +300,10 @@ GARBAGE = {
     "log/events/0001-x": "{not json",
     "log/alarms/x/y": "[",
     "log/progress/x": "]",
+    "log/breakdown/00000001/plan": "[1]",
+    "log/breakdown/00000001/nodes/b/c": "{}",
+    "log/breakdown/junk/plan": "{}",
+    "log/breakdown/00000001/other": "{}",
 }
 
 
@@ -324,6 +328,10 @@ def test_garbage_values_are_ignored(kv_factory):
     next_plan(v, Limits(min_nodes=1, max_nodes=1, nproc=1, max_restarts=3))
     assert m.events() == [] and m.alarms() == [] and m.all_progress() == {}
     assert [p.generation for p in m.history()] == [0]
+    assert m.all_downtime_stamps() == {}
+    m.downtime_stamps(1, None, {"published": 2.0})
+    m.downtime_stamps(1, "a", {"seen": 3.0})
+    assert m.all_downtime_stamps() == {1: {"plan": {"published": 2.0}, "nodes": {"a": {"seen": 3.0}}}}
     lease.revoke()
 
 

@@ -15,7 +15,8 @@ the lease is lost the agent stops its workers (fencing) and exits.
 The loop composes parts that each own their state: ``session`` (lease, etcd reachability, the
 fencing rule, reports), ``supervisor`` (worker processes and the agent store), ``failures``
 (reports about workers' ends and dead peers), ``follower`` (acting on a new plan) and the
-``observers`` (alarms, progress and stragglers, entry timings, metrics, waiting drains).
+``observers`` (alarms, progress and stragglers, entry timings, downtime stamps, metrics,
+waiting drains).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .agent_config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
 from .follower import PlanFollower
-from .observers import AlarmWatch, DrainWaitNote, EntryReport, MetricsFeed, ProgressPublisher, StragglerWatch
+from .observers import AlarmWatch, DowntimeStamps, DrainWaitNote, EntryReport, MetricsFeed, ProgressPublisher, StragglerWatch
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
 from .waits import Every
@@ -59,6 +60,7 @@ class Agent:
         self.progress = ProgressPublisher(cfg.node_id, self.session, self.supervisor, self.metrics,
                                           StragglerWatch(cfg, self.session, say))
         self.entry = EntryReport(cfg.node_id, self.supervisor, self.metrics, say)
+        self.stamps = DowntimeStamps(cfg.node_id, self.session, self.supervisor)
         self.drain_wait = DrainWaitNote(cfg.node_id, say)
         # The loop's own state: when to read etcd again, and whether this node plans.
         self.started = time.time()
@@ -128,8 +130,10 @@ class Agent:
         view, me = snap.view, self.cfg.node_id
         followed = self.follower.plan
         if view.plan is not None and (followed is None or view.plan.generation != followed.generation):
+            self.stamps.plan_seen(view.plan, view.now)
             code = self.follower.follow(view.plan, view)
             if code is not None:
+                self.stamps.flush()
                 return code
         plan = self.follower.plan
         if view.plan is None:
@@ -139,6 +143,7 @@ class Agent:
         self.failures.watch_workers(plan, view)
         self.failures.probe_peers(plan, view)
         self.entry.report(plan)
+        self.stamps.write()
         self.alarms.handle(plan)
         self.progress.publish(plan)
         self.metrics.on_state(view, plan)
@@ -151,8 +156,10 @@ class Agent:
         decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
         if decision is not None and decision.state != SUCCEEDED and view.plan is not None and self.session.settling():
             decision = None  # right after an etcd outage: let every node re-register first
+        sent_at = time.time()
         if decision is not None and self.session.members.publish(decision, snap.plan_entry):
             self._announce(decision)
+            self.stamps.plan_published(decision, sent_at, view)
             self.state_changed = True  # look at the new state at once
             return None
         # Our own writes (reports, cordons) move the revision past the snapshot's too, so the

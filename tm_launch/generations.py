@@ -186,7 +186,7 @@ class Generations:
 
     def _enter_once(self, d: dict, prebuilt=None, agree: bool = True) -> None:
         job = self.job
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         gen, rank, world = d["generation"], d["ranks"][job.local_rank], d["world_size"]
         self.current = d
         old_rank = job.rank
@@ -208,7 +208,8 @@ class Generations:
         received = self._agree_and_transfer(inner, rank, world) if agree else False
         job.in_sandbox = False
         t_done = time.perf_counter()
-        job.channel.set(f"entered/{gen}", {"communicator": t_comm - t0, "state": t_done - t_comm, "received": received, "step": job._step})
+        job.channel.set(f"entered/{gen}", {"communicator": t_comm - t0, "state": t_done - t_comm, "received": received, "step": job._step,
+                                           "began": began, "last_step_at": job._step_done_at})  # wall clock: tm_launch.breakdown
         job._report(force=True)
 
     def _rebuild_subgroups(self, d: dict, rank: int, old_rank: int) -> None:

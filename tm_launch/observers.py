@@ -7,6 +7,7 @@
   (``ctl status``, ``ctl timeline``); group rank 0's agent then looks for stragglers.
 * ``StragglerWatch``: C4-style per-window compute-time comparison -> a drain request.
 * ``EntryReport``: the phase timings of workers entering a live generation (and its downtime).
+* ``DowntimeStamps``: this node's stamps of each generation change, once, to etcd (``ctl timeline``).
 * ``DrainWaitNote``: a drain waiting for a spare, said every few seconds.
 """
 
@@ -25,6 +26,7 @@ from rendezvous.plan import Plan
 from rendezvous.planner import View, spares
 
 from .agent_config import AgentConfig
+from .breakdown import node_stamps, plan_stamps
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
 from .timeline import append_samples, cause_kind
@@ -266,6 +268,53 @@ class EntryReport:
             f"(communicators {comm * 1000:.0f} ms, state {'received' if received else 'sent/kept'} in {state * 1000:.0f} ms)",
             kind="entered", generation=plan.generation, communicator_s=comm, state_s=state, received=received, after_plan_s=since,
         )
+
+
+class DowntimeStamps:
+    """What this agent knows of each live generation change, for ``tm_launch.breakdown``: when it
+    read the plan and handed it to its workers, and (from the workers) when they built their
+    communicators, entered and completed their first step; as the publishing planner, when the
+    failure was reported and when it sent the plan. One etcd write per node and generation, made
+    after the workers are back to training (never on the way there), never per step."""
+
+    def __init__(self, node_id: str, session: EtcdSession, supervisor: WorkerSupervisor):
+        self.node_id = node_id
+        self.session = session
+        self.supervisor = supervisor
+        self.seen: dict[int, float] = {}  # generation -> when this agent read its plan (record not written yet)
+        self.published: dict[int, dict] = {}  # generation -> this planner's stamps (not written yet)
+
+    def plan_seen(self, plan: Plan, at: float) -> None:
+        if not plan.live or plan.generation == 0 or plan.finished or self.node_id not in plan.nodes:
+            return
+        self.seen[plan.generation] = at
+        for old in [g for g in self.seen if g < plan.generation - 1]:
+            del self.seen[old]  # superseded before its workers ran a step in it: nothing to record
+
+    def plan_published(self, plan: Plan, sent_at: float, view: View) -> None:
+        if plan.generation > 0 and not plan.finished:
+            self.published[plan.generation] = plan_stamps(self.node_id, sent_at, view.report_times)
+
+    def write(self) -> None:
+        """Write what is complete: the planner's stamps, and a generation whose local workers all
+        completed a step in it. A KVError leaves the rest for the next call."""
+        members, sup = self.session.members, self.supervisor
+        for gen in sorted(self.published):
+            members.downtime_stamps(gen, None, self.published[gen])
+            del self.published[gen]
+        for gen in sorted(self.seen):
+            firsts = sup.first_steps(gen)
+            entered = sup.entered(gen) if firsts else None
+            if entered and firsts:
+                members.downtime_stamps(gen, self.node_id, node_stamps(self.seen[gen], sup.directed_at.get(gen), entered, firsts))
+                del self.seen[gen]
+
+    def flush(self) -> None:
+        """Before the agent exits: what is complete, if etcd answers."""
+        try:
+            self.write()
+        except KVError:
+            pass
 
 
 class DrainWaitNote:

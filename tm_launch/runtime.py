@@ -182,6 +182,8 @@ class LiveJob:
         self._state = "sandbox"
         self._live_marked = False
         self._entering: dict | None = None  # a generation to finish entering once the script re-ran
+        self._step_done_at: float | None = None  # wall clock of the last step that completed cleanly
+        self._first_step_gen = -1  # the generation whose first completed step was reported
         world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1"))
         spare = env.get("TM_SANDBOX", "1") == "1" and env.get("GROUP_RANK") == "-1"
         # A spare warms up as the last node's ranks: rank-0-only side effects of the script's
@@ -327,9 +329,21 @@ class LiveJob:
             if committed:
                 self._stats.record(self._step, time.perf_counter() - t0, t0, self.group)
                 self._step += 1
+                self._note_step_done()
                 self._report()
         self._state = "finished"
         self._report(force=True)
+
+    def _note_step_done(self) -> None:
+        """Stamps for the downtime breakdown (``tm_launch.breakdown``): when the last clean step
+        ended (the origin of the next change, sent in the ``entered`` record) and, once per
+        generation, when its first step completed (``first_step/<gen>``: one write per generation)."""
+        now = time.time()
+        if self.step_ok:
+            self._step_done_at = now
+        if self._first_step_gen != self.generation:
+            self._first_step_gen = self.generation
+            self.channel.set(f"first_step/{self.generation}", {"time": now, "step": self._step})
 
     def _state_lost(self, lost: StateLost) -> None:
         """No live rank can give some rank its state: tell the agent (the job restarts every

@@ -36,6 +36,7 @@ class WorkerSupervisor:
         self.live_seen = False  # a local worker said it uses the live API (tm_launch.init)
         self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
         self._statuses_cache: dict | None = None
+        self.directed_at: dict[int, float] = {}  # generation -> when it was first handed to the workers
 
     def close(self) -> None:
         self.workers.stop(grace=2)
@@ -102,13 +103,20 @@ class WorkerSupervisor:
 
     def entered(self, generation: int) -> list[dict] | None:
         """Every local worker's record of entering ``generation``; None until all have entered."""
+        return self._from_every_worker(f"entered/{generation}")
+
+    def first_steps(self, generation: int) -> list[dict] | None:
+        """Every local worker's first completed step in ``generation``; None until all have one."""
+        return self._from_every_worker(f"first_step/{generation}")
+
+    def _from_every_worker(self, what: str) -> list[dict] | None:
         records = []
         for lr in self.workers.workers:
-            key = f"worker/{lr}/entered/{generation}"
+            key = f"worker/{lr}/{what}"
             if not self.store.check([key]):
                 return None
             records.append(json.loads(self.store.get(key)))
-        return records
+        return records or None
 
     def any_entered(self, generation: int) -> bool:
         return any(self.store.check([f"worker/{lr}/entered/{generation}"]) for lr in self.workers.workers)
@@ -151,6 +159,7 @@ class WorkerSupervisor:
     def direct(self, plan: Plan) -> None:
         """Hand generation ``plan`` to this node's workers through the local store."""
         me = self.cfg.node_id
+        self.directed_at.setdefault(plan.generation, time.time())  # before the write: workers act on it at once
         joiner_ranks = [r for n in plan.joiners for r in plan.ranks(n)]
         directive = {
             "generation": plan.generation, "active": me in plan.nodes, "ranks": plan.ranks(me),

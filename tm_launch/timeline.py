@@ -10,7 +10,9 @@ works for a running job and for one that finished hours ago:
   ``time`` is the fault's detection time);
 * ``log/events/``: ``entered`` events carry ``after_plan_s`` (plan -> live workers entered);
 * ``log/steps/<node>``: a bounded per-node series of worker samples, appended by each agent
-  with its once-a-second progress publish (see ``append_samples``).
+  with its once-a-second progress publish (see ``append_samples``);
+* ``log/breakdown/<gen>/``: the agents' stamps of each change, turned into its downtime
+  breakdown by ``tm_launch.breakdown``.
 
 The pure parts (``append_samples``, ``cause_kind``, ``build``, ``label_rows``) are table-tested;
 ``render`` is the only place that touches matplotlib, imported lazily so ``ctl status`` stays fast.
@@ -19,6 +21,8 @@ The pure parts (``append_samples``, ``cause_kind``, ``build``, ``label_rows``) a
 from __future__ import annotations
 
 import json
+
+from .breakdown import breakdown
 
 # One sample per worker per progress publish: [time, generation, rank, step, step_time, state].
 SAMPLE_FIELDS = ("time", "generation", "rank", "step", "step_time", "state")
@@ -62,14 +66,18 @@ def cause_kind(plan: dict, reports: dict) -> str:
     return "failure" if cause else "unknown"
 
 
-def build(run_id: str, history: list[dict], reports: dict[int, dict], events: list[dict], steps: dict[str, list]) -> dict:
+def build(run_id: str, history: list[dict], reports: dict[int, dict], events: list[dict], steps: dict[str, list],
+          stamps: dict[int, dict] | None = None) -> dict:
     """Everything the picture shows, as plain JSON (also what ``ctl timeline --json`` prints).
 
     ``history``: plans as dicts; ``reports``: generation -> {node: report}; ``events``: the job's
     event log; ``steps``: node -> sample rows. Times in the output are seconds since generation
     0's plan (the job's start); ``downtime_s`` runs from the fault (the first failure report, or
     the plan itself for a planned change) to the new generation's workers running again (their
-    ``entered`` event in live mode; else the first sample that ran a step in that generation)."""
+    ``entered`` event in live mode; else the first sample that ran a step in that generation).
+    ``stamps``: generation -> {"plan", "nodes"} records; each change gets its ``breakdown``
+    (``tm_launch.breakdown``, its ``origin`` made relative like the other times), None without."""
+    stamps = stamps or {}
     plans = sorted(history, key=lambda p: p.get("generation", 0))
     rows = sorted((r + [node] for node, rs in steps.items() for r in rs if isinstance(r, list) and len(r) == len(SAMPLE_FIELDS)), key=lambda r: r[0])
     start = plans[0].get("created", 0.0) if plans else (rows[0][0] if rows else 0.0)
@@ -93,13 +101,16 @@ def build(run_id: str, history: list[dict], reports: dict[int, dict], events: li
             if first is not None:
                 back = first[0]
         change = g > 0 and p.get("state") == "running"
+        parts = breakdown(stamps[g].get("plan"), stamps[g].get("nodes", {})) if change and g in stamps else None
+        if parts is not None:
+            parts["origin"] = round(parts["origin"] - start, 3)
         generations.append({
             "generation": g, "time": created - start, "fault_time": fault - start,
             "resumed_time": None if back is None else back - start,
             "downtime_s": round(back - fault, 3) if change and back is not None else None,
             "cause": p.get("cause", ""), "kind": cause_kind(p, before), "state": p.get("state", "running"),
             "live": bool(p.get("live")), "planned": bool(p.get("planned")),
-            "replaced": p.get("replaced", {}), "nodes": list(p.get("nodes", ())),
+            "replaced": p.get("replaced", {}), "nodes": list(p.get("nodes", ())), "breakdown": parts,
         })
     series: dict[str, list] = {}
     for t, gen, rank, step, step_time, state, node in rows:
@@ -125,7 +136,7 @@ def read(members, run_id: str) -> dict:
             continue
         if isinstance(value, dict):
             reports.setdefault(int(parts[2]), {})[parts[3]] = value
-    return build(run_id, history, reports, members.events(), members.all_steps())
+    return build(run_id, history, reports, members.events(), members.all_steps(), members.all_downtime_stamps())
 
 
 def label_rows(xs: list[float], min_gap: float) -> list[int]:
