@@ -5,7 +5,8 @@
 PHASE is a point of a step: ``forward``, ``backward`` (inside the backward pass, mid gradient
 communication for DDP/FSDP), ``vote`` (inside tm-launch's commit vote: its vote counted, the
 decision not read), ``optimizer`` (after the commit, before the update), ``logging`` (after the
-update, before the loss all-reduce) or ``logged`` (after it). With ``--kill-trigger`` the kill
+update, before the loss all-reduce) or ``logged`` (after it); a script may add points of its own
+(``examples/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
 whichever process holds rank R by then.
 """
@@ -16,7 +17,7 @@ import os
 import signal
 import time
 
-PHASES = ["forward", "backward", "vote", "optimizer", "logging", "logged"]
+PHASES = ["forward", "backward", "allreduce", "vote", "optimizer", "logging", "logged", "checkpoint"]
 
 
 class Faults:
@@ -57,7 +58,7 @@ class Faults:
                 os.close(os.open(a.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return
-        print(f"[faults] rank {job.rank}: SIGKILL myself at step {step} ({phase})", flush=True)
+        print(f"[faults] rank {job.rank}: SIGKILL myself at step {step} ({phase})", flush=True)  # noqa: T201
         os.kill(os.getpid(), signal.SIGKILL)
 
     def arm_backward(self, model, job) -> None:

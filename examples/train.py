@@ -7,11 +7,9 @@ and each rank draws its batches from its own random stream: both are per-rank st
 (``job.register(per_rank=True, ...)``) that a re-run step and a joiner must get exactly.
 
 Fault injection (a real SIGKILL of this worker, once: a marker file remembers it happened):
-    --kill-rank R --kill-step S --kill-phase PHASE
-where PHASE is a point of a step: ``forward``, ``allreduce`` (inside the gradient allreduce),
-``vote`` (inside tm-launch's commit vote: its vote counted, the decision not read),
-``optimizer`` (after the commit, before the update), ``logging`` (after the update, before the
-loss allreduce of --log-loss), ``logged`` (after it), ``checkpoint`` (mid-write, with --ckpt-dir).
+``--kill-rank R --kill-step S --kill-phase PHASE`` (``examples/faults.py``; here ``allreduce`` is
+inside the gradient allreduce, ``checkpoint`` mid-write with --ckpt-dir, ``logging``/``logged``
+around the loss allreduce of --log-loss).
 
 Repeated fault injection for a long run (the chaos soak, bench/chaos.py): ``--chaos-dir DIR``.
 A file ``DIR/kill.<rank>`` holding "<phase> <step>" arms one SIGKILL of the rank's worker at that
@@ -35,9 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tm_launch  # noqa: E402
-
-
-PHASES = ["forward", "allreduce", "vote", "optimizer", "logging", "logged", "checkpoint"]
+from faults import Faults  # noqa: E402  (examples/faults.py, beside this script)
 
 
 def parse():
@@ -49,18 +45,12 @@ def parse():
     p.add_argument("--step-log", default=None, help="append 'time rank step generation' per finished step")
     p.add_argument("--ckpt-dir", default=None, help="restart mode: checkpoint here and resume from it")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--kill-rank", type=int, default=-1)
-    p.add_argument("--kill-step", type=int, default=-1)
-    p.add_argument("--kill-phase", default="forward", choices=PHASES)
-    p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
-    p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
+    Faults.add_arguments(p)  # --kill-*, --pause-step, --pause-file
     p.add_argument("--crash-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) SIGKILL themselves at --crash-step, every time")
     p.add_argument("--crash-step", type=int, default=5)
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step, as training loops log it")
     p.add_argument("--subgroups", type=int, default=0, help="also allreduce in subgroups of this many consecutive ranks (TP-style)")
     p.add_argument("--subgroup-log", default=None, help="append 'rank step generation communicator-id' per step")
-    p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
-    p.add_argument("--pause-file", default=None)
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
     p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (see the module docstring)")
@@ -116,27 +106,15 @@ def chaos_end(args) -> int:
         return args.steps
 
 
-def kill_now(args, job, step, phase):
+def kill_now(args, faults, job, step, phase):
     chaos_kill(args, job, step, phase)
-    if job.in_sandbox or job.rank != args.kill_rank or step is None or phase != args.kill_phase:
-        return
-    if args.kill_trigger:
-        if step < args.kill_step or not os.path.exists(args.kill_trigger):
-            return
-    elif step != args.kill_step:
-        return
-    if args.kill_marker:
-        if os.path.exists(args.kill_marker):
-            return
-        open(args.kill_marker, "w").close()
-    print(f"[train] rank {job.rank}: SIGKILL myself at step {step} ({phase})", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    faults.step = step
+    faults.at(job, phase)
 
 
 def main():
     args = parse()
-    if args.kill_phase == "vote" and args.kill_rank >= 0:  # a point inside the runtime (tm_launch.failpoints)
-        os.environ["TM_FAILPOINT"] = f"vote:{args.kill_rank}:{args.kill_step}:{args.kill_marker or ''}"
+    faults = Faults(args)
     job = tm_launch.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -167,11 +145,11 @@ def main():
     state = {"step": None}
 
     def on_grad(grad):
-        kill_now(args, job, state["step"], "allreduce")
+        kill_now(args, faults, job, state["step"], "allreduce")
         return grad
 
     model[0].weight.register_hook(on_grad)
-    opt.register_step_pre_hook(lambda *a: kill_now(args, job, state["step"], "optimizer"))
+    opt.register_step_pre_hook(lambda *a: kill_now(args, faults, job, state["step"], "optimizer"))
 
     for step in job.steps(args.steps, start=start):
         state["step"] = step
@@ -181,9 +159,6 @@ def main():
             g = torch.Generator().manual_seed(step * 1000 + job.rank)
             x = torch.randn(16, 32, generator=g)
             y = torch.randn(16, 8, generator=g)
-        if step == args.pause_step and args.pause_file and not job.in_sandbox:
-            while not os.path.exists(args.pause_file):
-                time.sleep(0.02)
         if args.chaos_dir and step >= chaos_end(args):
             # The soak is over: the remaining steps do nothing, so the parameters are those of a
             # run of exactly chaos_end steps. (Not a break: steps() must run out and report the
@@ -197,9 +172,9 @@ def main():
             os.makedirs(args.ckpt_dir, exist_ok=True)
             tmp = os.path.join(args.ckpt_dir, "ckpt.pt.tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-            kill_now(args, job, step, "checkpoint")  # dies with the new checkpoint half-written
+            kill_now(args, faults, job, step, "checkpoint")  # dies with the new checkpoint half-written
             os.replace(tmp, os.path.join(args.ckpt_dir, "ckpt.pt"))
-        kill_now(args, job, step, "forward")
+        kill_now(args, faults, job, step, "forward")
         if args.crash_node and os.environ.get("TM_NODE_ID") == args.crash_node and step == args.crash_step and not job.in_sandbox:
             os.kill(os.getpid(), signal.SIGKILL)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -207,10 +182,10 @@ def main():
         loss.backward()
         opt.step()
         if args.log_loss:
-            kill_now(args, job, step, "logging")
+            kill_now(args, faults, job, step, "logging")
             logged = loss.detach().clone()
             dist.all_reduce(logged, group=job.group)
-            kill_now(args, job, step, "logged")
+            kill_now(args, faults, job, step, "logged")
             if job.rank == 0 and not job.in_sandbox and step % 20 == 0 and getattr(job, "step_ok", True):
                 print(f"[train] step {step}: mean loss {logged.item() / job.world_size:.5f}", flush=True)
         if args.step_sleep and not (args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, "fast"))):
