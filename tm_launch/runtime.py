@@ -192,6 +192,9 @@ class LiveJob:
         self.group = LiveGroup(None, rank, world, self._poison, name=c10d_glue.unique_name(None))
         self._detach(rank)
         c10d_glue.route_new_group(self.new_group)
+        # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
+        # layouts, and the module's first import costs ~0.5-0.9 s on a loaded 2-core machine.
+        import torch.distributed.tensor  # noqa: F401
         c10d_glue.refuse_rooted_objects_without_peers()
         register_optimizer_step_pre_hook(self._before_optimizer_step)
         self.gens = Generations(self, env)
