@@ -31,6 +31,11 @@ Launchers
   tm-restart      tm-launch ``--no-live`` with one spare node, same checkpointing.
   tm-live         tm-launch live mode with one spare node (parked), no checkpoint.
 
+Scripts: ``examples/train.py`` (DDP) by default; ``--layout ddp-tp|hsdp|pp|fsdp-tp|fsdp`` runs
+``examples/hybrid.py`` instead (4 ranks = 2 nodes x 2 workers; the worker killed holds rank 2).
+Layouts without replicas (fsdp-tp, fsdp) cannot be repaired live: tm-live falls back to the
+same DCP checkpoint restart as the others, and the table says so.
+
 World sizes: 2 ranks = 2 nodes x 1 worker (torchrun's anchor layout); N > 2 = N/2 nodes x 2
 workers. The size sweep runs worker-sigkill for torchrun and tm-live; the other cases run at the
 smallest size with all launchers.
@@ -67,6 +72,9 @@ sys.path.insert(0, REPO)
 
 from rendezvous.etcd_server import free_ports  # noqa: E402
 from tm_launch.localjob import LocalJob, Node, downtime  # noqa: E402
+
+HYBRID = os.path.join(REPO, "examples", "hybrid.py")
+NO_REPLICA = ("fsdp-tp", "fsdp")  # layouts whose lost shards only a checkpoint holds
 
 TAG_VAR = "TM_BENCH_TAG"
 TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -288,6 +296,9 @@ class Bench:
             if spec.launcher == "tm-restart":
                 launcher_args.append("--no-live")
             job = LocalJob(endpoint=self.etcd_endpoint(), launcher_args=launcher_args, **common)
+        if self.args.layout:
+            job.script = HYBRID
+            script_args = ["--layout", self.args.layout, *script_args]
         job.script_args = [*script_args, "--step-log", job.step_log]
         if os.path.exists(job.step_log):
             os.remove(job.step_log)
@@ -303,7 +314,7 @@ class Bench:
         pause, fault_step = a.pause_step, a.pause_step + a.fault_after
         script = ["--steps", str(a.steps), "--step-sleep", str(a.step_sleep),
                   "--pause-step", str(pause), "--pause-file", trigger]
-        if spec.launcher in ("torchrun", "tm-restart"):
+        if spec.launcher in ("torchrun", "tm-restart") or a.layout in NO_REPLICA:
             script += ["--ckpt-dir", os.path.join(workdir, "ckpt"), "--ckpt-every", str(a.ckpt_every)]
         tm = spec.launcher != "torchrun"
         standby = spec.launcher == "torchrun" and spec.case == "node-sigkill"
@@ -680,14 +691,15 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
                 dt += f" ({r['failed']}/{r['runs']} runs failed)"
             redone = fmt_num(r["steps_redone"], "{:g}")
             ratio = "1.0x (ref)" if r["launcher"] == "torchrun" else (fmt_num(r["ratio"], "{:.1f}x") if r["ratio"] else "n/a")
-        lines.append(f"| {r['case']} | {r['size']} | {r['launcher']} | {dt} | {redone} | {ratio} |")
+        case = f"{r['case']} ({args.layout})" if args.layout else r["case"]
+        lines.append(f"| {case} | {r['size']} | {r['launcher']} | {dt} | {redone} | {ratio} |")
     if overhead:
         lines += ["" if rows else None, "| steady state (no fault) | world size | torchrun median step ms | tm-live median step ms | overhead (median of A/B pairs) | CPU ms/step, workers: torchrun / tm-live | CPU ms/step, agents: torchrun / tm-live |",
                   "|---|---|---|---|---|---|---|"]
         for o in overhead:
             pct = "—" if o["overhead_pct"] is None else f"{o['overhead_pct']:+.1f} % (pairs: {', '.join(f'{p:+.0f}' for p in o['pair_overheads_pct'])} %)"
             acpu, wcpu = o["agent_cpu_ms_per_step"], o["worker_cpu_ms_per_step"]
-            lines.append(f"| overhead | {o['size']} | {fmt_num(o['torchrun_step_s'] and o['torchrun_step_s'] * 1000, '{:.1f}')} | "
+            lines.append(f"| overhead{f' ({args.layout})' if args.layout else ''} | {o['size']} | {fmt_num(o['torchrun_step_s'] and o['torchrun_step_s'] * 1000, '{:.1f}')} | "
                          f"{fmt_num(o['tm_live_step_s'] and o['tm_live_step_s'] * 1000, '{:.1f}')} | {pct} | "
                          f"{fmt_num(wcpu.get('torchrun'))} / {fmt_num(wcpu.get('tm-live'))} | "
                          f"{fmt_num(acpu.get('torchrun'))} / {fmt_num(acpu.get('tm-live'))} |")
@@ -697,7 +709,8 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
     steps = [r["step_time_s"] for r in rows if r.get("step_time_s")]
     lines += ["",
               f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']} (CPU, gloo), loopback. "
-              f"Step = {args.step_sleep * 1000:.0f} ms sleep + a tiny MLP forward/backward/allreduce "
+              f"Step = {args.step_sleep * 1000:.0f} ms sleep + "
+              f"{f'examples/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
               f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
               f"Training paused at step {args.pause_step} until ready, fault at step {args.pause_step + args.fault_after}; "
               f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
@@ -714,6 +727,8 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description="Downtime and step-time overhead: tm-launch against torchrun, in one run.")
     p.add_argument("--quick", action="store_true", help="worker-sigkill at 2 ranks under all three launchers + overhead (~2-3 min)")
+    p.add_argument("--layout", default="", choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp"),
+                   help="run examples/hybrid.py with this layout (4 ranks) instead of the DDP script")
     p.add_argument("--sizes", default="2,4,8", help="world sizes for the worker-sigkill sweep (torchrun vs tm-live), e.g. 2,4,8,16; the largest is the cap")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
@@ -748,6 +763,10 @@ def parse(argv=None):
     for s in args.sizes:
         if s < 2 or (s > 2 and s % 2):
             p.error(f"--sizes: {s} must be 2 or an even number (N/2 nodes x 2 workers)")
+    if args.layout:
+        if args.sizes != [4] or args.overhead_size not in (2, 4):
+            say("--layout: hybrid layouts run at 4 ranks (2 nodes x 2 workers)")
+        args.sizes, args.overhead_size = [4], 4
     if args.quick:
         args.sizes = [2]
         args.cases = ["worker-sigkill", "overhead"]

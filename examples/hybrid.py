@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,7 @@ def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--layout", choices=LAYOUTS, default="fsdp-tp")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
     p.add_argument("--out", default=None, help="each rank writes its local state to OUT.rank<r>")
     p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint with torch.distributed.checkpoint and resume from it")
@@ -223,6 +225,8 @@ def main():
         faults.at(job, "logged")
         if rank == 0 and not job.in_sandbox and step % 10 == 0 and job.step_ok:
             print(f"[hybrid] step {step}: loss {logged.item() / world:.5f}", flush=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if args.step_log and not job.in_sandbox:
             faults.log_step(args.step_log, job, step)
     if args.out:
