@@ -252,6 +252,7 @@ def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference
         assert comms[(r, 0)] != comms[(r, 1)], comms  # node b's: rebuilt by the spare
 
 
+@pytest.mark.slow
 def test_v2_backend_live_failover(local_job, reference):
     """The same live failover over etcd's v2 API (--rdzv-backend etcd-v2, python-etcd)."""
     original = local_job

@@ -109,9 +109,9 @@ def received(job) -> list[str]:
     pytest.param("ddp-tp", 3, "vote", marks=pytest.mark.slow),
     pytest.param("hsdp", 0, "optimizer", marks=pytest.mark.slow),
     pytest.param("hsdp", 1, "logged", marks=pytest.mark.slow),
-    ("hsdp", 2, "forward"),
+    pytest.param("hsdp", 2, "forward", marks=pytest.mark.slow),
     pytest.param("hsdp", 3, "backward", marks=pytest.mark.slow),
-    ("pp", 2, "logging"),
+    pytest.param("pp", 2, "logging", marks=pytest.mark.slow),
     pytest.param("pp", 1, "vote", marks=pytest.mark.slow),
 ])
 def test_joiner_receives_its_own_shard_from_a_replica(local_job, reference, layout, rank, phase):
