@@ -58,7 +58,7 @@ class Faults:
                 os.close(os.open(a.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return
-        print(f"[faults] rank {job.rank}: SIGKILL myself at step {step} ({phase})", flush=True)  # noqa: T201
+        print(f"[faults] rank {job.rank}: SIGKILL myself at step {step} ({phase})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def arm_backward(self, model, job) -> None:

@@ -332,3 +332,40 @@ def test_rng_state_round_trips():
     first = (torch.rand(3), random.random())
     rng.load_state_dict(saved)
     assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]
+
+
+SANDBOX_DCP = r'''
+import os, sys
+import torch, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROUP_RANK="-1", WORLD_SIZE="2",
+                  LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
+import tm_launch
+from tm_launch.c10d_glue import NoPeersYet
+job = tm_launch.init()  # a spare: warms up as rank 1, no peers
+objects = [None]
+try:
+    dist.broadcast_object_list(objects, src=0)
+except NoPeersYet as e:
+    print("refused:", e)
+mine = [{"from": "me"}]
+dist.broadcast_object_list(mine, 1)  # its own rank is the source: served locally
+print("own:", mine[0])
+'''
+
+
+def test_a_rooted_object_collective_from_another_rank_before_steps_says_what_is_wrong():
+    """A spare (or joiner) has no peers before job.steps(): an object broadcast from rank 0 there
+    (a DCP load, say) has nothing to receive; it is refused with one clear line instead of
+    unpickling uninitialised memory. From its own rank it is served locally."""
+    import os
+    import subprocess
+    import sys
+
+    from tm_launch.localjob import REPO
+
+    out = subprocess.run([sys.executable, "-c", SANDBOX_DCP], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: tm-launch: broadcast_object_list from rank 0 ran before job.steps()" in out.stdout, out.stdout
+    assert "own: {'from': 'me'}" in out.stdout, out.stdout

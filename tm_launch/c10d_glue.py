@@ -98,22 +98,26 @@ def refuse_rooted_objects_without_peers() -> None:
     loading a checkpoint (``torch.distributed.checkpoint.load``) before ``job.steps()`` without
     ``if not job.in_sandbox`` (a joiner receives the live state from a replica instead)."""
 
+    import functools
+    import inspect
+
     def guard(fn, name):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
         def guarded(*args, **kwargs):
-            group = kwargs.get("group") or c10d._get_default_group()
-            src = kwargs.get("src", args[2] if name == "scatter_object_list" and len(args) > 2 else
-                             args[1] if name == "broadcast_object_list" and len(args) > 1 else None)
-            group_src = kwargs.get("group_src")
+            call = signature.bind(*args, **kwargs).arguments
+            group = call.get("group") or c10d._get_default_group()
             if isinstance(group, LiveGroup) and isinstance(group.inner, LocalBackend):
+                src, group_src = call.get("src"), call.get("group_src")
                 root = group_src if group_src is not None else c10d.get_group_rank(group, src if src is not None else 0)
                 if root != group.rank():
                     raise NoPeersYet(
-                        f"tm-launch: {name} from rank {src if src is not None else root} ran before job.steps() on a spare "
+                        f"tm-launch: {name} from rank {root if src is None else src} ran before job.steps() on a spare "
                         f"or joining rank, which has no peers yet (its state comes from a live replica): guard it "
                         f"with `if not job.in_sandbox:` (e.g. loading a checkpoint)")
             return fn(*args, **kwargs)
 
-        guarded.__name__ = name
         return guarded
 
     for name in ("broadcast_object_list", "scatter_object_list"):  # once per process (LiveJob)
