@@ -171,12 +171,9 @@ class WorkerSupervisor:
         current = self.store.add("node/latest", 0)
         if plan.generation > current:
             self.store.add("node/latest", plan.generation - current)
-        # Workers check this file's size at every step boundary (a stat, no round trip); their
-        # watcher thread blocks on the numbered wake-up key (tm_launch.agent_channel.watch).
+        # Workers check this file's size at every step boundary (a stat, no round trip).
         with open(self.latest_file, "a") as f:
             f.write(f"{plan.generation}\n")
-        wake = self.store.add("node/wakes", 1)
-        self.store.set(f"node/wake/{wake}", str(plan.generation))
 
     def start(self, plan: Plan, sandbox: bool, master: tuple[str, int] | None) -> None:
         """Start this node's workers for ``plan`` (already directed): sandboxed warm spares, or
