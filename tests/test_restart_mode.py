@@ -37,7 +37,9 @@ def test_agent_sigkill_spare_takes_rank_same_world_size(local_job, reference):
 
 def test_crashing_worker_node_is_replaced_by_the_spare(local_job):
     job, out = _job(local_job, launcher=["--max-restarts", "3"], script=["--crash-node", "b", "--crash-step", "3"])
-    job.start_all(["a", "b", "c"])
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")  # b active, c the spare: not a join race
+    job.start("c")
     codes = job.wait(timeout=240)
     assert codes["a"] == 0 and codes["c"] == 0 and codes["b"] != 0, job.logs_tail()
     assert "killed by SIGKILL" in job.nodes["b"].log()
