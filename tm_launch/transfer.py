@@ -26,7 +26,7 @@ def human_size(n: int) -> str:
 
 
 def cpu_copy(obj):
-    """A deep copy with every tensor detached and on the CPU (the sandbox's start state)."""
+    """A deep copy with every tensor detached and on the CPU (per-rank snapshots and mirrors)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
