@@ -112,6 +112,8 @@ def refuse_rooted_objects_without_peers() -> None:
                 src, group_src = call.get("src"), call.get("group_src")
                 root = group_src if group_src is not None else c10d.get_group_rank(group, src if src is not None else 0)
                 if root != group.rank():
+                    if group.inner.keeps_own_objects and name == "broadcast_object_list":
+                        return None  # the objects stay this rank's own
                     raise NoPeersYet(
                         f"tm-launch: {name} from rank {root if src is None else src} ran before job.steps() on a spare "
                         f"or joining rank, which has no peers yet (its state comes from a live replica): guard it "

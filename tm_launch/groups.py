@@ -85,10 +85,16 @@ def _op_name(args) -> str:
 
 
 class LocalBackend:
-    """Collectives of ``size`` identical replicas, computed in-process (sandbox warmup)."""
+    """Collectives of ``size`` identical replicas, computed in-process (sandbox warmup).
 
-    def __init__(self, rank: int, size: int):
+    ``keeps_own_objects``: a rank that already received its state and is setting up a
+    framework's loop around it (``LiveJob.enter_before_loop``) keeps its own objects in a
+    ``broadcast_object_list`` from another rank (set-up values such as a log directory, the
+    same on every rank) instead of being refused (``c10d_glue.refuse_rooted_objects_without_peers``)."""
+
+    def __init__(self, rank: int, size: int, keeps_own_objects: bool = False):
         self._rank, self._size = rank, size
+        self.keeps_own_objects = keeps_own_objects
 
     def allreduce(self, tensors, *args, **kwargs):
         if "SUM" in _op_name(args) and not any(isinstance(a, dist.ReduceOp) and a != dist.ReduceOp.SUM for a in args):

@@ -43,6 +43,7 @@ from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
 from .per_rank import PerRankState
+from .transfer import cpu_copy
 
 PR_SET_PDEATHSIG = 1
 EXIT_STATE_LOST = 3  # the agent reads worker/<local rank>/state_lost for the reason
@@ -182,6 +183,8 @@ class LiveJob:
         self._state = "sandbox"
         self._live_marked = False
         self._entering: dict | None = None  # a generation to finish entering once the script re-ran
+        self._held: list | None = None  # communicators entered before the loop, used from its first step
+        self._held_per_rank: dict | None = None  # the per-rank state received with them
         self._step_done_at: float | None = None  # wall clock of the last step that completed cleanly
         self._first_step_gen = -1  # the generation whose first completed step was reported
         world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1"))
@@ -286,8 +289,47 @@ class LiveJob:
         Guard effects of your own with it: ``if job.commit(): write_metrics()``."""
         return self._effect_allowed()
 
+    def enter_before_loop(self) -> None:
+        """For loops that put themselves back at the right step from the state they receive
+        (framework integrations such as ``tm_launch.lightning``, which resume through the
+        framework's own checkpoint restore): a spare parks here, before its loop has run, until
+        a generation names it; it then enters at once, receiving the registered state, and serves
+        its collectives locally until its loop's first step in ``steps()``, so that what the
+        framework does on resuming (DDP's construction, a barrier) talks to no one. Such a spare
+        runs no warm-up steps: the framework's loop must not run before it knows its position.
+        A worker that is already in the job returns at once."""
+        if not self.in_sandbox:
+            return
+        if self._entering is not None:  # the script ran again for the ranks this spare took
+            d, self._entering = self._entering, None
+            try:
+                self.gens.enter(d)
+            except self.gens.Superseded:
+                self._park()
+        else:
+            self._park()
+        self._held = [(g, g.inner) for g in [self.group, *self._subgroups] if g.inner is not None]
+        for g, _ in self._held:
+            g.swap(LocalBackend(g.rank(), g.size(), keeps_own_objects=True), g.rank(), g.size(), g.generation)
+        self._held_per_rank = {name: cpu_copy(obj.state_dict()) for name, obj in self._per_rank.objects.items()}
+        self._state = "entering"
+        self._report(force=True)
+
+    def _use_held(self) -> None:
+        """The loop reached its first step: talk to the job through the communicators entered
+        before it, with the per-rank state received then (its set-up may have drawn random numbers)."""
+        held, self._held = self._held, None
+        for g, inner in held:
+            if g.generation == self.group.generation:
+                g.swap(inner, g.rank(), g.size(), g.generation)
+        for name, state in (self._held_per_rank or {}).items():
+            self._per_rank.objects[name].load_state_dict(state)
+        self._held_per_rank = None
+
     def steps(self, total: int, start: int = 0):
-        """Yield the next step to run; membership changes take effect between steps."""
+        """Yield the next step to run; membership changes take effect between steps. Closing
+        the generator (``close()``, for loops that end on their own) finishes the step in
+        flight as the end of its body would."""
         try:
             yield from self._live_steps(total, start)
         except StateLost as lost:
@@ -308,6 +350,8 @@ class LiveJob:
                 self.gens.enter(entering)
             except self.gens.Superseded:  # no longer promoted before it got in: a spare again
                 self._park()
+        if self._held is not None:
+            self._use_held()
         if self._step is None:
             self._step = start
         if not self._live_marked:
@@ -323,8 +367,11 @@ class LiveJob:
             self._per_rank.begin_step(self._step, self._commit)
             self._commit.begin(self._step)
             self._poison.armed = self._in_step = True
+            closing = False
             try:
                 yield self._step
+            except GeneratorExit:
+                closing = True
             finally:
                 self._poison.armed = False
             committed = self._effect_allowed()
@@ -334,6 +381,8 @@ class LiveJob:
                 self._step += 1
                 self._note_step_done()
                 self._report()
+            if closing:
+                break
         self._state = "finished"
         self._report(force=True)
 
@@ -391,7 +440,7 @@ class LiveJob:
         gradients are dropped, so torch's optimizers leave parameters and state untouched."""
         if not self._in_step or self.in_sandbox:
             return None
-        if not any(optimizer is obj for obj in self._objects.values()):
+        if not any(optimizer is obj for obj in self._carried()):
             raise RuntimeError(
                 f"tm-launch: an optimizer ({type(optimizer).__name__}) stepped in job.steps() but is not registered: a rank "
                 "that joins would not receive its state. Register it: job.register(optimizer=opt)")
@@ -467,9 +516,15 @@ class LiveJob:
         self._entering = d  # still in the sandbox (no peers) until steps() enters generation d
         raise RankChanged(f"promoted to rank {rank}")
 
+    def _carried(self) -> list:
+        """The registered objects and those whose state they carry: an object holding a whole
+        framework checkpoint (``tm_launch.lightning``) names its modules and optimizers in ``parts()``."""
+        objects = list(self._objects.values())
+        return objects + [part for obj in objects if hasattr(obj, "parts") for part in obj.parts()]
+
     def _clear_step_effects(self) -> None:
         """Discard what an interrupted (or sandbox) step left: gradients and DDP's reduction state."""
-        for obj in self._objects.values():
+        for obj in self._carried():
             if isinstance(obj, torch.nn.Module):
                 for p in obj.parameters():
                     p.grad = None
