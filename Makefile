@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Pinned CPU torch first (a local wheel here); never let pip resolve an unpinned torch.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,frameworks]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,102 @@
+"""Framework loops under tm-launch, with the real frameworks (versions pinned in pyproject.toml's
+``frameworks`` extra, installed by ``make test``): a worker SIGKILLed with a spare present ends
+with exactly the parameters of the fault-free run under plain torchrun, on every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.test_live import assert_bitwise
+from tm_launch.localjob import REPO
+
+pytest.importorskip("lightning")
+
+LIGHTNING = os.path.join(REPO, "examples", "lightning_train.py")
+PAUSE, KILL = 6, 9  # every rank holds at PAUSE until the spare parked; rank 1 dies at KILL (epoch 0 of 3, 16 steps each)
+
+
+def torchrun(script: str, args: list[str], timeout: float = 300) -> None:
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args],
+                         capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def lightning_reference(tmp_path_factory):
+    """Every rank's final parameters of the fault-free run: Lightning's own DDPStrategy, torchrun."""
+    out = tmp_path_factory.mktemp("lightning-ref")
+    torchrun(LIGHTNING, ["--strategy", "ddp", "--out-dir", str(out)])
+    return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
+
+
+def run_with_spare(local_job, script: str, args: list[str]):
+    """2 active nodes + 1 spare; every rank pauses at PAUSE until the spare has parked."""
+    job = local_job(nnodes="2", nproc=1, script=script, launcher_args=["--max-restarts", "2"])
+    trigger = os.path.join(job.workdir, "trigger")
+    out = os.path.join(job.workdir, "out")
+    job.script_args = [*args, "--out-dir", out, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger,
+                       "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 180, "generation 0")
+    job.start("c")
+    job.wait_parked("c", timeout=180)
+    open(trigger, "w").close()
+    codes = job.wait(timeout=300)
+    return job, codes, {r: torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1)}
+
+
+@pytest.mark.parametrize("phase", [
+    "backward",
+    pytest.param("forward", marks=pytest.mark.slow),
+    pytest.param("optimizer", marks=pytest.mark.slow),
+    pytest.param("logged", marks=pytest.mark.slow),
+])
+def test_lightning_live_strategy_spare_takes_over_bitwise(local_job, lightning_reference, phase):
+    """Trainer(strategy=LiveStrategy()): rank 1 dies at one point of a step (inside DDP's gradient
+    all-reduce, before it, after the commit, after the post-step loss all-reduce). The spare,
+    parked before Lightning's loop, resumes through Lightning's own restore from the live state
+    (weights, momentum, LR scheduler, loop position mid-epoch, the dead rank's RNG for dropout),
+    the survivor keeps its process, and every rank ends bitwise equal to torchrun's run."""
+    job, codes, params = run_with_spare(local_job, LIGHTNING, ["--kill-rank", "1", "--kill-step", str(KILL), "--kill-phase", phase])
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes["c"] == 0 and codes[survivor] == 0 and codes[victim] != 0, job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
+    assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
+    for rank in (0, 1):
+        assert_bitwise(params[rank], lightning_reference[rank])
+    steps_by_pid: dict[int, list[int]] = {}
+    for _, rank, step, _, pid in job.step_records():
+        steps_by_pid.setdefault(pid, []).append(step)
+    for pid, steps in steps_by_pid.items():  # no process ran a step twice or skipped one
+        assert steps == list(range(steps[0], steps[0] + len(steps))), (pid, steps)
+    assert len(steps_by_pid) == 3, steps_by_pid  # the survivor kept its process: 2 before, +1 joiner
+
+
+@pytest.mark.slow
+def test_lightning_script_calling_init_without_the_live_strategy_restarts_bitwise(local_job, tmp_path):
+    """The shape the README's `init()` invites: a Lightning script that calls tm_launch.init() and
+    keeps Lightning's own DDPStrategy. Its loop cannot be repaired in place, so the job stays in
+    restart mode (the spare never runs it in a sandbox, where it would train alone as some rank);
+    a worker SIGKILL restarts every worker from Lightning's epoch-end checkpoint and every rank
+    ends bitwise equal to the same script under torchrun."""
+    ref = tmp_path / "ref"
+    torchrun(LIGHTNING, ["--strategy", "ddp", "--init", "--out-dir", str(ref), "--ckpt-dir", str(tmp_path / "ref-ckpt")])
+    job = local_job(nnodes="2", nproc=1, script=LIGHTNING, launcher_args=["--max-restarts", "2"])
+    out = os.path.join(job.workdir, "out")
+    job.script_args = ["--strategy", "ddp", "--init", "--out-dir", out, "--ckpt-dir", os.path.join(job.workdir, "ckpt"),
+                       "--kill-rank", "1", "--kill-step", "20", "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.start_all(["a", "b", "c"])
+    codes = job.wait(timeout=300)
+    assert sorted(codes.values()) == [0, 0, 1], job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan"]
+    assert len(plans) == 2 and not any(p["live"] for p in plans), [p["message"] for p in plans]
+    assert not [e for e in job.events() if e["kind"] == "sandbox"], "a spare ran the script in a sandbox"
+    for rank in (0, 1):
+        assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))
+

@@ -1,0 +1,241 @@
+"""Live failover for PyTorch Lightning: ``Trainer(strategy=tm_launch.lightning.LiveStrategy())``.
+
+Lightning owns the loop, so the script cannot wrap it in ``job.steps()``; this strategy makes
+Lightning's own optimizer step the live step (torchrun or tm-launch restart mode: it is
+Lightning's ``DDPStrategy``, nothing else changes):
+
+* **A step** is one ``optimizer_step``. Its closure (``training_step``, backward, DDP's gradient
+  all-reduce, ``self.log(..., sync_dist=True)``) runs inside a live step and the job-wide
+  commit vote follows it. When a peer fails during the closure, nothing is applied: once the
+  job has replaced the peer the closure runs again on the same batch, so Lightning's loop
+  never counts a step that did not commit and never redoes one that did.
+* **The state** a joining rank receives is Lightning's own checkpoint (``dump_checkpoint``:
+  weights, optimizers, schedulers, callbacks, precision, the loops' progress as of the start
+  of the step), and it resumes through Lightning's checkpoint restore, from memory: its loop
+  starts at the job's step and its train loader skips the batches this epoch already used.
+  Per-rank state (the RNG of the rank it replaces) comes from that rank's mirror.
+* **A spare** parks in ``setup_environment``, before Lightning's loop has run (the loop must
+  not start before it knows its position, so it runs no warm-up steps): imports, the model
+  and the ``Trainer`` are ready when a generation names it.
+
+Live only for what it can repair exactly: automatic optimization with one optimizer step per
+batch (``accumulate_grad_batches=1``) and train loaders it can resume mid-epoch (map-style
+datasets, or loaders with their own ``state_dict``). Anything else runs in restart mode, and
+the log says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import sys
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, IterableDataset
+
+from .agent_channel import log
+
+_TENSOR_KEYS = ("state_dict", "optimizer_states")  # identical on every DDP replica: sent as tensors
+
+
+def not_live_reason(trainer) -> str | None:
+    """Why ``trainer``'s loop cannot be repaired in place (None: it can)."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        return "manual optimization (the forward and backward run before optimizer.step(), outside the live step)"
+    if trainer.accumulate_grad_batches != 1:
+        return f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a step's earlier micro-batches would be lost)"
+    return None
+
+
+class LiveStrategy(DDPStrategy):
+    """Lightning's DDP strategy whose optimizer steps are tm-launch live steps (module docstring)."""
+
+    strategy_name = "tm_launch_live"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._job = None  # the tm-launch job while this run is live
+        self._steps = None  # its job.steps() generator, advanced once per (re)run of a step
+        self._state: LightningState | None = None
+        self._loops_at_step_start: dict | None = None
+        self._snapshot_step: int | None = None
+        self._generation: int | None = None
+
+    # -- set-up --------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        if os.environ.get("TM_AGENT_STORE"):
+            self._join_live()
+        super().setup_environment()  # init_process_group: already done by tm_launch.init()
+
+    def _join_live(self) -> None:
+        import tm_launch
+
+        trainer = self.lightning_module.trainer
+        job = tm_launch.init()
+        reason = not_live_reason(trainer)
+        if reason is not None:
+            log(f"tm_launch.lightning: restart mode, not live: {reason}")
+            return
+        self._job = job
+        self._state = LightningState(self)
+        job.register(lightning=self._state)
+        job.register(per_rank=True, rng=tm_launch.RNGState())
+        job.enter_before_loop()  # a spare parks here; promoted, it receives the state at once
+        if self._state.received is not None:
+            trainer._checkpoint_connector._loaded_checkpoint = self._state.received
+            log(f"tm_launch.lightning: resuming Lightning at step {self._state.received['global_step']} "
+                f"(epoch {self._state.received['epoch']}) from the state received")
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        """A joining rank resumes from the live state, not from the checkpoint the script names."""
+        if self._state is not None and self._state.received is not None:
+            return self._state.received
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def process_dataloader(self, dataloader):
+        dataloader = super().process_dataloader(dataloader)
+        if self._job is None or not isinstance(dataloader, DataLoader) or hasattr(dataloader, "state_dict"):
+            return dataloader
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise RuntimeError(
+                "tm_launch.lightning.LiveStrategy cannot resume an IterableDataset mid-epoch on a joining rank: use a "
+                "map-style dataset or a loader with state_dict()/load_state_dict() (torchdata's StatefulDataLoader), or "
+                "Lightning's DDPStrategy (restart mode)")
+        return resumable(dataloader, self.lightning_module.trainer)
+
+    # -- the live step -------------------------------------------------------------------------
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        if self._job is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer
+        if self._steps is None:
+            self._steps = self._job.steps(sys.maxsize, start=trainer.global_step)
+        while True:
+            step = next(self._steps)  # a failed attempt is repaired here, then the same step again
+            self._begin(step, trainer)
+            result = closure()
+            if self._job.commit():
+                break
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def _begin(self, step: int, trainer) -> None:
+        if step != trainer.global_step:
+            raise RuntimeError(f"tm_launch.lightning: the job is at step {step} but Lightning at global_step "
+                               f"{trainer.global_step}: one optimizer step per batch is required for live mode")
+        if self._generation is not None and self._generation != self._job.generation:
+            self._new_ddp()
+        self._generation = self._job.generation
+        if step != self._snapshot_step:  # not a re-run: what the loops look like at a step's start
+            self._loops_at_step_start = copy.deepcopy(trainer.fit_loop.state_dict())
+            self._snapshot_step = step
+
+    def _new_ddp(self) -> None:
+        """A new generation: this rank continues with a new DDP, as a joining rank does.
+
+        A new DDP lays its gradient bucket out in parameter order until its second step, when
+        it adopts rank 0's backward order (a broadcast); a DDP that has stepped keeps the
+        backward-order layout. A joiner's new DDP and a survivor's old one would all-reduce
+        buffers laid out differently, element by element: wrong gradients, no error. So every
+        rank that stepped in an earlier generation starts over with a new one too (without
+        DDP's start-up broadcast: the parameters are already equal)."""
+        old = self.model
+        if not isinstance(old, DistributedDataParallel):
+            return
+        old._remove_autograd_hooks()
+        self.model = DistributedDataParallel(module=old.module, device_ids=self.determine_ddp_device_ids(),
+                                             **{**self._ddp_kwargs, "init_sync": False})
+        self._register_ddp_hooks()
+
+    def on_train_end(self) -> None:
+        if self._steps is not None:
+            self._steps.close()  # the last step's bookkeeping; the agent sees the worker finish
+            self._steps = None
+        super().on_train_end()
+
+
+class LightningState:
+    """Lightning's checkpoint as the one registered object: what a joining rank resumes from.
+
+    Weights and optimizer states are sent as tensors (and compared between replicas); the rest
+    (callbacks, schedulers, loops, precision, hyperparameters) travels pickled, because
+    per-rank values there (a callback's best score from an unsynced metric) differ between
+    DDP replicas by design."""
+
+    def __init__(self, strategy: LiveStrategy):
+        self.strategy = strategy
+        self.received: dict | None = None
+
+    def parts(self) -> list:
+        """What this state carries (``LiveJob`` lets these optimizers step and clears these
+        gradients and DDP reducers when a step is interrupted)."""
+        s = self.strategy
+        return ([s.model] if s.model is not None else []) + list(s.optimizers)
+
+    def state_dict(self) -> dict:
+        s = self.strategy
+        if s._loops_at_step_start is None:
+            return {}  # no step has run: nothing to give (a rank still joining)
+        ckpt = s.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        ckpt["loops"] = {**ckpt["loops"], "fit_loop": s._loops_at_step_start}
+        ckpt["global_step"] = s._snapshot_step
+        tensors = {k: ckpt.pop(k) for k in _TENSOR_KEYS if k in ckpt}
+        return {**tensors, "rest": pickle.dumps(ckpt)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.received = {**pickle.loads(state["rest"]), **{k: state[k] for k in _TENSOR_KEYS if k in state}}
+
+
+# -- train loaders resumed mid-epoch ---------------------------------------------------------------
+class _Resumable:
+    """What a train loader's class gains (``resumable``): its position in the epoch is part of
+    Lightning's loop state, and after ``load_state_dict`` its next iterator starts after the
+    batches already used (the sampler skips their indices: no batch is loaded twice)."""
+
+    def state_dict(self) -> dict:
+        trainer = self._tm_trainer
+        return {"epoch": trainer.current_epoch, "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._tm_resume = (state["epoch"], state["batches"])
+
+    @property
+    def _index_sampler(self):
+        base = DataLoader._index_sampler.fget(self)
+        return _Skipping(base, self) if getattr(self, "_tm_resume", None) else base
+
+
+class _Skipping:
+    """The sampler of the first iterator after a resume: the epoch's first batches left out."""
+
+    def __init__(self, base, loader):
+        self.base, self.loader = base, loader
+
+    def __len__(self) -> int:
+        return len(self.base)  # the epoch's length: Lightning counts the batches left out as done
+
+    def __iter__(self):
+        it = iter(self.base)
+        resume, self.loader._tm_resume = self.loader._tm_resume, None
+        if resume is not None:
+            epoch, batches = resume
+            if epoch == self.loader._tm_trainer.current_epoch and 0 < batches < len(self.base):
+                for _ in range(batches):
+                    next(it)
+        return it
+
+
+def resumable(loader: DataLoader, trainer) -> DataLoader:
+    """``loader`` itself, its class swapped for one that can resume mid-epoch (``_Resumable``)."""
+    cls = type(loader)
+    # The methods are copied into a subclass rather than mixed in first: CPython refuses a
+    # __class__ change to a class whose bases differ in layout from the object's own.
+    gained = {k: v for k, v in vars(_Resumable).items() if not k.startswith("__")}
+    loader.__class__ = type(cls.__name__, (cls,), {**gained, "__module__": cls.__module__, "__slots__": ()})
+    object.__setattr__(loader, "_tm_trainer", trainer)
+    object.__setattr__(loader, "_tm_resume", None)
+    return loader
