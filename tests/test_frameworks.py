@@ -100,3 +100,28 @@ def test_lightning_script_calling_init_without_the_live_strategy_restarts_bitwis
     for rank in (0, 1):
         assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))
 
+
+ACCELERATE = os.path.join(REPO, "examples", "accelerate_train.py")
+
+
+@pytest.fixture(scope="module")
+def accelerate_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("accelerate-ref")
+    torchrun(ACCELERATE, ["--out-dir", str(out)])
+    return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
+
+
+@pytest.mark.parametrize("victim_rank", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_accelerate_loop_spare_takes_over_bitwise(local_job, accelerate_reference, victim_rank):
+    """An accelerate loop on job.steps(): rank 0 (the spare warmed up as rank 1, so it runs the
+    script again as rank 0 and accelerate must see rank 0) or rank 1 dies before its backward.
+    Every rank ends bitwise equal to the same script under torchrun; the scheduler wrapped by
+    AcceleratedScheduler and the optimizer inside AcceleratedOptimizer step exactly once per step."""
+    job, codes, params = run_with_spare(local_job, ACCELERATE, ["--kill-rank", str(victim_rank), "--kill-step", str(KILL)])
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes["c"] == 0 and codes[survivor] == 0 and codes[victim] != 0, job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
+    assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
+    for rank in (0, 1):
+        assert_bitwise(params[rank], accelerate_reference[rank])

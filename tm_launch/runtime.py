@@ -261,8 +261,9 @@ class LiveJob:
             self._per_rank.objects.update(objects)
             return
         for name, obj in objects.items():
-            if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
-                _guard(obj, "step", self._effect_allowed, None)
+            scheduler = _wrapped(obj, "scheduler", _SCHEDULERS)  # accelerate's AcceleratedScheduler steps the one it wraps
+            if scheduler is not None:
+                _guard(scheduler, "step", self._effect_allowed, None)
             elif isinstance(obj, torch.amp.GradScaler):
                 _guard(obj, "update", self._effect_allowed, _reset_scaler)
             self._objects[name] = obj
@@ -488,6 +489,8 @@ class LiveJob:
             d = self.channel.wait_directive(after, repeat=False)
             if d.get("stop"):
                 sys.exit(0)
+            if d["active"]:
+                os.environ["GROUP_RANK"] = str(d.get("group_rank", -1))  # a spare's was -1
             if d["active"] and d["ranks"][self.local_rank] != self.rank:
                 self._take_other_ranks(d)
             if d["active"]:
@@ -513,6 +516,7 @@ class LiveJob:
         self._declared.clear()
         self._per_rank = PerRankState()
         self._detach(rank)
+        forget_framework_ranks()
         self._entering = d  # still in the sandbox (no peers) until steps() enters generation d
         raise RankChanged(f"promoted to rank {rank}")
 
@@ -520,7 +524,10 @@ class LiveJob:
         """The registered objects and those whose state they carry: an object holding a whole
         framework checkpoint (``tm_launch.lightning``) names its modules and optimizers in ``parts()``."""
         objects = list(self._objects.values())
-        return objects + [part for obj in objects if hasattr(obj, "parts") for part in obj.parts()]
+        objects += [part for obj in objects if hasattr(obj, "parts") for part in obj.parts()]
+        # A wrapper's optimizer (accelerate's AcceleratedOptimizer) is the one that steps.
+        inners = [getattr(obj, "optimizer", None) for obj in objects]
+        return objects + [inner for inner in inners if isinstance(inner, torch.optim.Optimizer)]
 
     def _clear_step_effects(self) -> None:
         """Discard what an interrupted (or sandbox) step left: gradients and DDP's reduction state."""
@@ -544,6 +551,28 @@ class LiveJob:
             "step": self._step, "generation": self.group.generation, "state": self._state,
             "rank": self.rank, "time": now, "pid": os.getpid(), **self._stats.report(self._step),
         })
+
+
+def forget_framework_ranks() -> None:
+    """Frameworks that cache this process's rank once per process (accelerate's ``PartialState``
+    singleton reads ``dist.get_rank()`` when first built) must read it again when the script
+    runs again for other ranks: their state is dropped, the script's next ``Accelerator()``
+    builds it anew."""
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
+        accelerate_state.GradientState._reset_state()
+
+
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _wrapped(obj, attr: str, kind):
+    """``obj`` if it is a ``kind``, else the ``kind`` a framework's wrapper holds as ``obj.<attr>``."""
+    if isinstance(obj, kind):
+        return obj
+    inner = getattr(obj, attr, None)
+    return inner if isinstance(inner, kind) else None
 
 
 def _guard(obj, method: str, allowed, on_skip) -> None:

@@ -162,7 +162,7 @@ class WorkerSupervisor:
         self.directed_at.setdefault(plan.generation, time.time())  # before the write: workers act on it at once
         joiner_ranks = [r for n in plan.joiners for r in plan.ranks(n)]
         directive = {
-            "generation": plan.generation, "active": me in plan.nodes, "ranks": plan.ranks(me),
+            "generation": plan.generation, "active": me in plan.nodes, "ranks": plan.ranks(me), "group_rank": plan.group_rank(me),
             "world_size": plan.world_size, "store": plan.store, "joiner_ranks": joiner_ranks,
             "all_fresh": set(plan.joiners) >= set(plan.nodes), "planned": plan.planned, "live": plan.live,
             "stop": plan.finished,
