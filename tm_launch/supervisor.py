@@ -82,8 +82,8 @@ class WorkerSupervisor:
         return recovering, (now - self.step_seen[1]) if running else None
 
     def note_live(self) -> bool:
-        """True the first time a local worker says it uses the live API."""
-        if self.live_seen:
+        """True the first time a local worker says it uses the live API (never under --no-live)."""
+        if self.live_seen or not self.cfg.live_enabled:
             return False
         for lr in self.workers.workers:
             if self.store.check([f"worker/{lr}/live"]):
@@ -228,8 +228,11 @@ class WorkerSupervisor:
             "TM_SETUP_TIMEOUT": str(cfg.join_timeout),
             "TM_STRAGGLER_WINDOW": str(cfg.health.straggler_window if cfg.health else 20),
         })
+        # Every worker reports to this agent; under --no-live TM_NO_LIVE keeps it in restart
+        # mode (tm_launch.init() gives a PlainJob, which never goes live).
+        env["TM_AGENT_STORE"] = f"{cfg.addr}:{self.store.port}"
         if cfg.live_enabled:
-            env["TM_AGENT_STORE"] = f"{cfg.addr}:{self.store.port}"
+            env.pop("TM_NO_LIVE", None)
         else:
-            env.pop("TM_AGENT_STORE", None)
+            env["TM_NO_LIVE"] = "1"
         return env
