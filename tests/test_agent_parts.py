@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from health.config import HealthConfig
 from rendezvous.kv import EtcdOptions, KVError, connect
 from rendezvous.membership import Membership
 from rendezvous.plan import NodeInfo, Plan
@@ -196,6 +197,32 @@ def test_no_live_workers_report_to_the_agent_but_never_go_live(tmp_path):
         live.close()
     finally:
         del os.environ["TM_NO_LIVE"]
+
+
+def test_hang_watchdog_watches_restart_mode_workers_once_they_reported_a_step(tmp_path):
+    """No worker here said it is live. Worker 0 reported a step (restart mode) and stopped
+    beating: killed. Worker 1 never reported a step (its script may not report): left alone,
+    however silent."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    health = HealthConfig(hang_timeout=1, hang_warmup_steps=0)
+    cfg = AgentConfig(node_id="n2", addr="127.0.0.1", nproc=2, limits=Limits(1, 2, 2, 0), cmd=sleeper, run_id="r", health=health)
+    said = Said()
+    sup = WorkerSupervisor(cfg, said)
+    try:
+        plan = Plan(generation=0, nodes=("n2",), nproc=2)
+        sup.start(plan, sandbox=False, master=None)
+        sup.store.set("worker/0/status", json.dumps({"state": "running", "step": 5, "mode": "restart", "step_times": [0.1], "steps_run": 4}))
+        sup.store.set("worker/1/status", json.dumps({"state": "started", "step": None}))
+        for lr in (0, 1):
+            sup.store.set(f"worker/{lr}/beat", f"{time.time() - 5:.3f}")
+        sup.watch_hangs(plan)
+        assert said.kinds() == ["hang"] and "worker 0" in said[0][0]
+        deadline = time.time() + 10
+        while sup.workers.poll()[0] is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert sup.workers.poll()[0] is not None and sup.workers.poll()[1] is None
+    finally:
+        sup.close()
 
 
 def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(members, supervisor):
