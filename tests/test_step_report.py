@@ -119,3 +119,59 @@ def test_a_script_without_init_reports_through_the_module_function(agent_store):
 @pytest.mark.parametrize("how", ["init", "plain"])
 def test_under_plain_torchrun_reporting_does_nothing(how):
     assert run_worker(how, {})[-2:] == ["channel", "False"]
+
+
+LIVE_WORKER = r'''
+import json, time
+import tm_launch
+job = tm_launch.init()  # a LiveJob that entered generation 0, not live until job.steps()
+
+def status():
+    s = json.loads(job.channel.store.get("worker/0/status"))
+    return s["state"], s["step"]
+
+job.report_step(7)
+print("before", *status(), flush=True)
+time.sleep(0.3)  # past the rate limit: a report inside job.steps() would be written at once
+for step in job.steps(2):
+    job.report_step(100)
+    print("inside", *status(), flush=True)
+'''
+
+
+def test_report_step_is_restart_modes_only_a_live_loop_counts_its_own_steps(tmp_path):
+    """A LiveJob reports restart-mode steps until it runs job.steps(); inside, report_step does
+    nothing, and at exit its status stays the live loop's ``finished``."""
+    from rendezvous.planner import Limits
+    from rendezvous.plan import Plan
+    from tm_launch.agent_config import AgentConfig
+    from tm_launch.supervisor import WorkerSupervisor
+
+    bootstrap = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    cfg = AgentConfig(node_id="n1", addr="127.0.0.1", nproc=1, limits=Limits(1, 1, 1, 0), cmd=[], run_id="r")
+    sup = WorkerSupervisor(cfg, lambda *a, **k: None)
+    try:
+        plan = Plan(generation=0, nodes=("n1",), nproc=1, store={"node": "n1", "addr": "127.0.0.1", "port": bootstrap.port}, live=True)
+        sup.direct(plan)
+        env = {**sup.env(plan, 0, sandbox=False), "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", LIVE_WORKER], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = [line.split() for line in out.stdout.splitlines()]
+        assert lines[0] == ["before", "running", "7"]
+        assert [line[0] for line in lines[1:]] == ["inside", "inside"] and all(line[2] != "100" for line in lines[1:]), lines
+        final = json.loads(sup.store.get("worker/0/status"))
+        assert (final["state"], final["step"]) == ("finished", 2)
+    finally:
+        sup.close()
+
+
+def test_a_spare_warming_up_in_the_sandbox_reports_nothing(agent_store):
+    """Before job.steps() a sandboxed spare is not part of the job: its reports are dropped."""
+    script = "import tm_launch\njob = tm_launch.init()\njob.report_step(3)\nprint(job.in_sandbox)\n"
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}",
+           "TM_SANDBOX": "1", "GROUP_RANK": "-1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "RANK": "0"}
+    env.pop("TM_NO_LIVE", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-3000:]
+    s = status(agent_store)
+    assert s["state"] == "sandbox" and s["step"] is None and "mode" not in s
