@@ -7,6 +7,9 @@ the job runs in restart mode: a failure restarts every worker, which resumes fro
 own checkpoint, here ``--ckpt-dir`` (or from scratch without one). Spares never run it in a
 sandbox. Deterministic on CPU: a run with a failure ends with exactly the parameters of a run
 without, as under torchrun.
+
+``job.report_step(step)`` after each step tells the agent how far the loop got: ``ctl status``
+and ``ctl timeline`` show it, and the hang watchdog watches the worker (nothing under torchrun).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.02)
     args = p.parse_args()
 
-    tm_launch.init()  # = init_process_group(); no job.steps() below
+    job = tm_launch.init()  # = init_process_group(); no job.steps() below
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -62,6 +65,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        job.report_step(step + 1)  # the global step count: steps finished
         time.sleep(args.step_sleep)
     if rank == 0 and args.out:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)

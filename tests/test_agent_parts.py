@@ -4,6 +4,7 @@ agent TCPStore, real sockets. The whole loop is covered by the multi-process tes
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import uuid
 
 import pytest
 
+from health.config import HealthConfig
 from rendezvous.kv import EtcdOptions, KVError, connect
 from rendezvous.membership import Membership
 from rendezvous.plan import NodeInfo, Plan
@@ -172,6 +174,55 @@ def test_supervisor_reads_worker_reports(supervisor):
     assert supervisor.entered(5) is None and supervisor.any_entered(5)
     supervisor.store.set("worker/1/entered/5", json.dumps({"communicator": 0.3, "state": 0.1, "received": True}))
     assert [r["communicator"] for r in supervisor.entered(5)] == [0.1, 0.3]
+
+
+def test_no_live_workers_report_to_the_agent_but_never_go_live(tmp_path):
+    """--no-live: workers get the agent store (they report steps) and TM_NO_LIVE, which keeps
+    tm_launch.init() out of live mode; a worker saying it is live anyway is not believed."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    cfg = AgentConfig(node_id="n2", addr="127.0.0.1", nproc=1, limits=Limits(1, 2, 2, 0), cmd=sleeper, run_id="r", live_enabled=False)
+    sup = WorkerSupervisor(cfg, Said())
+    try:
+        env = sup.env(Plan(generation=0, nodes=("n2",), nproc=1), 0, sandbox=False)
+        assert env["TM_AGENT_STORE"] == f"127.0.0.1:{sup.store.port}" and env["TM_NO_LIVE"] == "1"
+        sup.start(Plan(generation=0, nodes=("n2",), nproc=1), sandbox=False, master=None)
+        sup.store.set("worker/0/live", "1")
+        assert not sup.note_live() and not sup.live_seen
+    finally:
+        sup.close()
+    os.environ["TM_NO_LIVE"] = "1"  # inherited from an outer --no-live job: a live job drops it
+    try:
+        live = WorkerSupervisor(dataclasses.replace(cfg, live_enabled=True), Said())
+        assert "TM_NO_LIVE" not in live.env(Plan(generation=0, nodes=("n2",), nproc=1), 0, sandbox=False)
+        live.close()
+    finally:
+        del os.environ["TM_NO_LIVE"]
+
+
+def test_hang_watchdog_watches_restart_mode_workers_once_they_reported_a_step(tmp_path):
+    """No worker here said it is live. Worker 0 reported a step (restart mode) and stopped
+    beating: killed. Worker 1 never reported a step (its script may not report): left alone,
+    however silent."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    health = HealthConfig(hang_timeout=1, hang_warmup_steps=0)
+    cfg = AgentConfig(node_id="n2", addr="127.0.0.1", nproc=2, limits=Limits(1, 2, 2, 0), cmd=sleeper, run_id="r", health=health)
+    said = Said()
+    sup = WorkerSupervisor(cfg, said)
+    try:
+        plan = Plan(generation=0, nodes=("n2",), nproc=2)
+        sup.start(plan, sandbox=False, master=None)
+        sup.store.set("worker/0/status", json.dumps({"state": "running", "step": 5, "mode": "restart", "step_times": [0.1], "steps_run": 4}))
+        sup.store.set("worker/1/status", json.dumps({"state": "started", "step": None}))
+        for lr in (0, 1):
+            sup.store.set(f"worker/{lr}/beat", f"{time.time() - 5:.3f}")
+        sup.watch_hangs(plan)
+        assert said.kinds() == ["hang"] and "worker 0" in said[0][0]
+        deadline = time.time() + 10
+        while sup.workers.poll()[0] is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert sup.workers.poll()[0] is not None and sup.workers.poll()[1] is None
+    finally:
+        sup.close()
 
 
 def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(members, supervisor):

@@ -15,7 +15,7 @@ import pytest
 
 from rendezvous.etcd_server import free_ports
 from tm_launch.localjob import REPO, TRAIN, launcher
-from tm_launch.timeline import append_samples, build, cause_kind, label_rows
+from tm_launch.timeline import append_samples, build, by_generation, cause_kind, label_rows
 from tm_launch.waits import Every
 
 
@@ -63,6 +63,17 @@ def test_label_rows_never_put_close_labels_on_one_row(xs, gap, rows):
     assert label_rows(xs, gap) == rows
 
 
+@pytest.mark.parametrize("gens, runs", [
+    ([], []),
+    ([0, 0, 0], [[0, 0, 0]]),
+    ([0, 0, 1, 1, 2], [[0, 0], [1, 1], [2]]),  # no line drawn across a generation change
+])
+def test_by_generation_cuts_a_ranks_samples_at_each_generation_change(gens, runs):
+    samples = [{"generation": g, "step": i} for i, g in enumerate(gens)]
+    assert [[s["generation"] for s in run] for run in by_generation(samples)] == runs
+    assert [s for run in by_generation(samples) for s in run] == samples
+
+
 def test_build_downtime_from_fault_to_entry():
     t0 = 1000.0
     history = [
@@ -83,6 +94,21 @@ def test_build_downtime_from_fault_to_entry():
     assert by_gen[0]["downtime_s"] is None and by_gen[3]["downtime_s"] is None
     assert [s["step"] for s in data["series"]["0"]] == [10, 30]  # parked samples are not training
     json.dumps(data)  # `ctl timeline --json` prints exactly this
+
+
+def test_build_restart_mode_downtime_from_the_step_series():
+    """Restart mode has no ``entered`` events: the workers run again at the first sample of the
+    new generation that ran a step (the step count starts again from the checkpoint)."""
+    t0 = 1000.0
+    history = [{"generation": 0, "created": t0, "state": "running"},
+               {"generation": 1, "created": t0 + 10.1, "cause": "b: worker 0 killed by SIGKILL", "state": "running"}]
+    reports = {0: {"b": {"kind": "signal", "time": t0 + 10.0}}}
+    steps = {"a": [[t0 + 9, 0, 0, 42, 0.02, "running"], [t0 + 16, 1, 0, 41, None, "running"], [t0 + 17, 1, 0, 80, 0.02, "running"]],
+             "b": [[t0 + 9, 0, 1, 43, 0.02, "running"], [t0 + 16.5, 1, 1, 41, None, "running"]]}
+    data = build("r", history, reports, [], steps)
+    change = data["generations"][1]
+    assert (change["live"], change["kind"], change["downtime_s"]) == (False, "signal", 6.0)
+    assert [s["step"] for s in data["series"]["0"]] == [42, 41, 80]
 
 
 def test_every_prints_at_most_once_per_interval():

@@ -1,7 +1,10 @@
 """Restart mode (scripts that do not use the live API, or --no-live): a spare takes the failed
 node's group rank and every worker restarts at once, from the script's own checkpoint."""
 
+import json
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -92,3 +95,59 @@ def test_a_loop_without_job_steps_is_never_repaired_live(local_job, tmp_path):
     assert len(plans) == 2 and not any(p["live"] for p in plans), [p["message"] for p in plans]
     assert not [e for e in job.events() if e["kind"] == "sandbox"], "a spare ran the script in a sandbox"
     assert_bitwise(torch.load(params), torch.load(ref))
+
+
+def _wait_steps_in_status(job, at_least: int, timeout: float = 120) -> None:
+    """Until ``ctl status`` shows a step >= ``at_least`` for nodes a and b (its STEP column)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = [line.split() for line in job.ctl("status").stdout.splitlines()]
+        steps = {row[0]: row[-1] for row in rows if row[:1] in (["a"], ["b"])}
+        if len(steps) == 2 and all(step.isdigit() and int(step) >= at_least for step in steps.values()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"ctl status never showed step {at_least} for a and b: {rows}\n{job.logs_tail()}")
+
+
+def _timeline_when(job, ready, timeout: float) -> dict:
+    """``ctl timeline --json`` once ``ready(data)``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out = job.ctl("timeline", "--json")
+        if out.returncode == 0 and ready(json.loads(out.stdout)):
+            return json.loads(out.stdout)
+        time.sleep(0.5)
+    raise TimeoutError(f"ctl timeline never showed it\n{job.logs_tail()}")
+
+
+@pytest.mark.parametrize("launcher", [[], pytest.param(["--no-live"], marks=pytest.mark.slow)], ids=["init", "no-live"])
+def test_a_hung_restart_mode_worker_is_killed_and_every_worker_restarts(local_job, tmp_path, launcher):
+    """A loop of its own that reports its steps (examples/plain_loop.py, job.report_step): no
+    worker is live, yet ``ctl status`` shows each worker's step, the hang watchdog kills the
+    SIGSTOPped worker of b, every worker restarts from the checkpoint, and ``ctl timeline``
+    draws both ranks' steps and the restart's downtime. Under ``--no-live`` the same through a
+    PlainJob. (The run is long: the test ends it once the restart is drawn.)"""
+    from tm_launch.localjob import REPO
+
+    job = local_job(nnodes="2", nproc=1, script=os.path.join(REPO, "examples", "plain_loop.py"),
+                    launcher_args=["--max-restarts", "1", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0", *launcher])
+    job.script_args = ["--steps", "100000", "--step-sleep", "0.02", "--ckpt-dir", os.path.join(job.workdir, "ckpt")]
+    job.start_all(["a", "b"])
+    _wait_steps_in_status(job, 12)
+    job.kill_worker("b", signal.SIGSTOP)
+
+    def restart_drawn(data):
+        change = next((g for g in data["generations"] if g["generation"] == 1), None)
+        return change is not None and change["downtime_s"] is not None
+
+    _timeline_when(job, restart_drawn, 120)
+    assert [e["local_rank"] for e in job.events() if e["kind"] == "hang"] == [0], job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan"]
+    assert [p["generation"] for p in plans] == [0, 1] and not any(p["live"] for p in plans), [p["message"] for p in plans]
+    out = job.ctl("timeline", "--json", "--out", str(tmp_path / "timeline.png"))
+    assert out.returncode == 0 and "1 generation change(s), 2 rank(s)" in out.stderr, out.stderr
+    data = json.loads(out.stdout)
+    assert sorted(data["series"]) == ["0", "1"]
+    assert {s["generation"] for ss in data["series"].values() for s in ss} == {0, 1}
+    change = data["generations"][1]
+    assert change["kind"] == "signal" and not change["live"] and 0 < change["downtime_s"] < 60, change

@@ -8,6 +8,10 @@ Worker API (see ``tm_launch.runtime``)::
     job.register(model=model, optimizer=opt)
     for step in job.steps(total_steps):
         ...
+
+A loop of its own (a framework's, or any plain loop: restart mode) reports its progress instead::
+
+    job.report_step(global_step)   # or tm_launch.report_step(global_step) without init()
 """
 
 
@@ -18,6 +22,13 @@ def init(backend: str | None = None):
     return _init(backend)
 
 
+def report_step(step: int) -> None:
+    """This worker finished step ``step`` (the global step count; see ``tm_launch.runtime``)."""
+    from .runtime import report_step as _report_step
+
+    _report_step(step)
+
+
 def __getattr__(name: str):
     if name == "RNGState":  # job.register(per_rank=True, rng=tm_launch.RNGState())
         from .per_rank import RNGState
@@ -26,4 +37,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["init", "RNGState"]
+__all__ = ["init", "report_step", "RNGState"]

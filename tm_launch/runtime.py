@@ -20,7 +20,18 @@ Under tm-launch (live mode) each worker talks only to its own agent (``agent_cha
 A worker is *live* (its failures are repaired in place) once it runs ``job.steps()``; until
 then, and for scripts that never call it, failures restart every worker (restart mode).
 Under plain torchrun, or with ``tm-launch --no-live``, ``init`` is ``init_process_group`` and
-``steps`` is ``range``.
+``steps`` is ``range`` (a ``PlainJob``; ``--no-live`` sets ``TM_NO_LIVE=1``, so it never goes live).
+
+**Restart mode's progress**: a loop of its own (a framework's, or any plain loop) calls
+``job.report_step(step)`` after each step, ``step`` being the global step count it keeps (1
+after the first step), or ``tm_launch.report_step(step)`` when it never calls ``init``. The
+agent then sees what it sees of a live worker: ``ctl status`` shows the step, ``ctl timeline``
+draws the steps and each restart's downtime, and the hang watchdog kills the worker when it
+stops (limit from the reported step times; a worker that never reports is never watched). A
+report costs a few list operations, the status is written at most every 0.25 s
+(``tm_launch.step_report``). Inside ``job.steps()`` it does nothing (the live loop counts), a
+``PlainJob``'s ``steps()`` reports by itself under ``--no-live``, and under plain torchrun
+reporting does nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
 from .per_rank import PerRankState
+from .step_report import StepReporter, StepStats, process_reporter
 from .transfer import cpu_copy
 
 PR_SET_PDEATHSIG = 1
@@ -63,11 +75,22 @@ _LIVE: "LiveJob | None" = None  # one per process: a script run again after a ra
 def init(backend: str | None = None):
     """Start this worker's part of the job; returns a ``Job`` (see module docstring)."""
     global _LIVE
-    if os.environ.get("TM_AGENT_STORE"):
+    if os.environ.get("TM_AGENT_STORE") and os.environ.get("TM_NO_LIVE") != "1":
         if _LIVE is None:
             _LIVE = LiveJob()
         return _LIVE
     return PlainJob(backend)
+
+
+def report_step(step: int) -> None:
+    """``tm_launch.report_step(step)``: ``job.report_step(step)`` for scripts that never call
+    ``init()`` (they call ``init_process_group`` themselves); nothing under plain torchrun."""
+    if _LIVE is not None:
+        _LIVE.report_step(step)
+        return
+    reporter = process_reporter()
+    if reporter is not None:
+        reporter.step(step)
 
 
 class RankChanged(BaseException):
@@ -90,7 +113,8 @@ def _replica_ranks(replicas, world: int):
 
 
 class PlainJob:
-    """The same API over a normal process group, for torchrun and tm-launch's restart mode."""
+    """The same API over a normal process group, for torchrun and tm-launch's restart mode
+    (``--no-live``: there it reports its steps to the agent, ``tm_launch.step_report``)."""
 
     in_sandbox = False
     step_ok = True
@@ -120,44 +144,19 @@ class PlainJob:
         return True
 
     def steps(self, total: int, start: int = 0):
-        yield from range(start, total)
+        for step in range(start, total):
+            yield step
+            self.report_step(step + 1)
+        reporter = process_reporter()
+        if reporter is not None:
+            reporter.finished()
 
-
-class StepStats:
-    """Step and compute times for the agent's hang watchdog and straggler statistic."""
-
-    def __init__(self, window: int):
-        self.window = max(1, window)
-        self.step_times: list[float] = []
-        self.compute: list[float] = []
-        self.windows: dict[int, float] = {}
-
-    def record(self, step: int, seconds: float, t0: float, group: LiveGroup) -> None:
-        """Compute time = step time minus the wait in the step's last collective: peers of a
-        straggler wait for it there, the straggler does not (C4's observation)."""
-        self.step_times.append(seconds)
-        submit, complete = group.last_submit, group.last_complete
-        waited = complete - submit if submit > t0 and complete > submit else 0.0
-        compute = max(seconds - waited, 0.0)
-        self.compute.append(compute)
-        window = step // self.window
-        self.windows[window] = self.windows.get(window, 0.0) + compute
-        for old in [w for w in self.windows if w < window - 3]:
-            del self.windows[old]
-        if len(self.step_times) > 200:
-            del self.step_times[:100], self.compute[:100]
-
-    def median(self) -> float:
-        xs = sorted(self.step_times[-20:])
-        return xs[len(xs) // 2] if xs else 0.0
-
-    def report(self, step: int | None) -> dict:
-        return {
-            "step_time": self.median(), "step_times": self.step_times[-20:], "steps_run": len(self.step_times),
-            "compute": self.compute[-20:],
-            # completed straggler windows only: {window index: summed compute seconds}
-            "windows": {str(w): c for w, c in self.windows.items() if step is not None and (w + 1) * self.window <= step},
-        }
+    def report_step(self, step: int) -> None:
+        """This worker finished step ``step`` (the global step count): told to the agent under
+        ``tm-launch --no-live``, nothing under plain torchrun."""
+        reporter = process_reporter()
+        if reporter is not None:
+            reporter.step(step)
 
 
 class LiveJob:
@@ -179,6 +178,7 @@ class LiveJob:
         self._in_step = False
         self._step: int | None = None  # committed steps (= next step to run); None: no state yet
         self._stats = StepStats(int(env.get("TM_STRAGGLER_WINDOW", "20")))
+        self._restart_steps: StepReporter | None = None  # report_step() outside job.steps() (restart mode)
         self._last_report = 0.0
         self._state = "sandbox"
         self._live_marked = False
@@ -326,6 +326,19 @@ class LiveJob:
         for name, state in (self._held_per_rank or {}).items():
             self._per_rank.objects[name].load_state_dict(state)
         self._held_per_rank = None
+
+    def report_step(self, step: int) -> None:
+        """Restart mode (a loop of its own, not ``job.steps()``): this worker finished step
+        ``step``, the global step count its script or framework keeps (1 after the first step).
+        The agent shows it (``ctl status``, ``ctl timeline``) and watches the worker for hangs
+        from the first report on (``tm_launch.step_report``). Inside ``job.steps()``, and in the
+        sandbox, it does nothing: the live loop counts its own steps."""
+        if self._live_marked or self.in_sandbox:
+            return
+        if self._restart_steps is None:
+            reporter = self._restart_steps = StepReporter(self.channel, self.rank, self.generation, self._stats.window)
+            atexit.register(lambda: self._live_marked or reporter.exiting())  # before _close closes the channel
+        self._restart_steps.step(step)
 
     def steps(self, total: int, start: int = 0):
         """Yield the next step to run; membership changes take effect between steps. Closing

@@ -25,6 +25,14 @@ from .communicators import nccl_error_handling
 from .workers import OutputSpec, WorkerSet
 
 
+def watched(status: dict) -> bool:
+    """Does the hang watchdog watch the worker with this status? A live worker from its first
+    step in ``job.steps()``, a restart-mode worker from its first ``report_step`` (both say
+    ``running``). A worker that never reports a step is never watched: its script may simply
+    not report, and nothing tells how long it may stay silent (compiling, loading data)."""
+    return status.get("state") in ("running", "recovering")
+
+
 class WorkerSupervisor:
     def __init__(self, cfg: AgentConfig, say: Callable[..., None]):
         self.cfg = cfg
@@ -82,8 +90,8 @@ class WorkerSupervisor:
         return recovering, (now - self.step_seen[1]) if running else None
 
     def note_live(self) -> bool:
-        """True the first time a local worker says it uses the live API."""
-        if self.live_seen:
+        """True the first time a local worker says it uses the live API (never under --no-live)."""
+        if self.live_seen or not self.cfg.live_enabled:
             return False
         for lr in self.workers.workers:
             if self.store.check([f"worker/{lr}/live"]):
@@ -123,16 +131,17 @@ class WorkerSupervisor:
 
     def watch_hangs(self, plan: Plan) -> None:
         """Kill a worker that stopped beating (SIGSTOP, a wedged process): its peers then fail
-        fast and the node is replaced. A worker waiting in a collective keeps beating, so ranks
-        blocked on a hung peer are never mistaken for the hung one."""
+        fast and the node is replaced (live) or every worker restarts (restart mode). A worker
+        waiting in a collective keeps beating, so ranks blocked on a hung peer are never
+        mistaken for the hung one. Only workers that run steps are watched (``watched``)."""
         cfg = self.cfg.health
-        if cfg is None or not self.live_seen:
+        if cfg is None:
             return
         from health.hang import hang_timeout
 
         now = time.time()
         for lr, status in self.statuses().items():
-            if status.get("state") not in ("running", "recovering") or lr not in self.workers.workers:
+            if not watched(status) or lr not in self.workers.workers:
                 continue
             key = f"worker/{lr}/beat"
             if not self.store.check([key]):
@@ -228,8 +237,11 @@ class WorkerSupervisor:
             "TM_SETUP_TIMEOUT": str(cfg.join_timeout),
             "TM_STRAGGLER_WINDOW": str(cfg.health.straggler_window if cfg.health else 20),
         })
+        # Every worker reports to this agent; under --no-live TM_NO_LIVE keeps it in restart
+        # mode (tm_launch.init() gives a PlainJob, which never goes live).
+        env["TM_AGENT_STORE"] = f"{cfg.addr}:{self.store.port}"
         if cfg.live_enabled:
-            env["TM_AGENT_STORE"] = f"{cfg.addr}:{self.store.port}"
+            env.pop("TM_NO_LIVE", None)
         else:
-            env.pop("TM_AGENT_STORE", None)
+            env["TM_NO_LIVE"] = "1"
         return env

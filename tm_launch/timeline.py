@@ -14,8 +14,9 @@ works for a running job and for one that finished hours ago:
 * ``log/breakdown/<gen>/``: the agents' stamps of each change, turned into its downtime
   breakdown by ``tm_launch.breakdown``.
 
-The pure parts (``append_samples``, ``cause_kind``, ``build``, ``label_rows``) are table-tested;
-``render`` is the only place that touches matplotlib, imported lazily so ``ctl status`` stays fast.
+The pure parts (``append_samples``, ``cause_kind``, ``build``, ``by_generation``, ``label_rows``)
+are table-tested; ``render`` is the only place that touches matplotlib, imported lazily so
+``ctl status`` stays fast.
 """
 
 from __future__ import annotations
@@ -139,6 +140,18 @@ def read(members, run_id: str) -> dict:
     return build(run_id, history, reports, members.events(), members.all_steps(), members.all_downtime_stamps())
 
 
+def by_generation(samples: list[dict]) -> list[list[dict]]:
+    """A rank's samples cut into runs of one generation each: the picture draws no line across
+    a generation change (the band is the downtime; in restart mode no worker ran there, and
+    the step count starts again from the script's checkpoint)."""
+    runs: list[list[dict]] = []
+    for s in samples:
+        if not runs or runs[-1][-1]["generation"] != s["generation"]:
+            runs.append([])
+        runs[-1].append(s)
+    return runs
+
+
 def label_rows(xs: list[float], min_gap: float) -> list[int]:
     """Row (0 = top) for each label at position ``xs`` so that labels in one row are at least
     ``min_gap`` apart: close events stack downwards instead of printing over each other."""
@@ -193,22 +206,12 @@ def render(data: dict, out: str) -> None:
     cmap = plt.get_cmap("tab10")
     for i, (rank, samples) in enumerate(data["series"].items()):
         colour = cmap(i % 10)
-        xs = [s["time"] for s in samples]
-        ax_step.plot(xs, [s["step"] for s in samples], color=colour, lw=1.4, label=f"rank {rank}")
-        # Break the step-time line across generations: a gap is downtime, not a slow step.
-        segments, current, gen = [], [], None
-        for s in samples:
-            if gen is not None and s["generation"] != gen and current:
-                segments.append(current)
-                current = []
-            gen = s["generation"]
-            if s["step_time"] is not None:
-                current.append(s)
-        if current:
-            segments.append(current)
-        for j, seg in enumerate(segments):
-            ax_time.plot([s["time"] for s in seg], [s["step_time"] * 1000 for s in seg], color=colour, lw=1.4,
-                         marker="." if len(samples) < 60 else None, label=f"rank {rank}" if j == 0 else None)
+        for j, run in enumerate(by_generation(samples)):
+            label = f"rank {rank}" if j == 0 else None
+            ax_step.plot([s["time"] for s in run], [s["step"] for s in run], color=colour, lw=1.4, label=label)
+            timed = [s for s in run if s["step_time"] is not None]
+            ax_time.plot([s["time"] for s in timed], [s["step_time"] * 1000 for s in timed], color=colour, lw=1.4,
+                         marker="." if len(samples) < 60 else None, label=label)
     for g, row in zip(changes, rows):
         colour = KIND_COLOURS.get(g["kind"], "#7f7f7f")
         x0 = g["fault_time"]

@@ -1,0 +1,177 @@
+"""``job.report_step`` / ``tm_launch.report_step``: restart mode's progress, written to a real
+agent store (a TCPStore, as the agent's), in-process or from a real worker process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tm_launch.agent_channel import AgentChannel
+from tm_launch.localjob import REPO
+from tm_launch.step_report import STATUS_INTERVAL, StepReporter
+
+
+@pytest.fixture
+def agent_store():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    yield store
+
+
+def status(store) -> dict:
+    return json.loads(store.get("worker/0/status"))
+
+
+def test_reports_are_rate_limited_and_carry_the_step_times(agent_store):
+    channel = AgentChannel({"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}", "LOCAL_RANK": "0"})
+    try:
+        reporter = StepReporter(channel, rank=3, generation=2, window=2)
+        reporter.step(1)
+        t1 = time.perf_counter()
+        first = status(agent_store)  # the first report is written at once: the worker runs
+        assert (first["state"], first["step"], first["rank"], first["generation"], first["steps_run"]) == ("running", 1, 3, 2, 0)
+        for step in range(2, 6):
+            time.sleep(0.01)
+            reporter.step(step)
+        assert status(agent_store)["step"] == 1  # no store write per step
+        time.sleep(STATUS_INTERVAL)
+        reporter.step(8)  # one report for three steps
+        elapsed = time.perf_counter() - t1
+        s = status(agent_store)
+        assert (s["step"], s["steps_run"]) == (8, 5)
+        assert all(t >= 0.009 for t in s["step_times"][:4]) and s["step_times"][4] >= STATUS_INTERVAL / 3
+        assert sum(s["windows"].values()) == pytest.approx(elapsed, rel=0.05)  # every step's time, once
+        reporter.step(8)
+        assert reporter.stats.step_times == s["step_times"]  # a repeated report is not a step
+        assert agent_store.check(["worker/0/beat"])  # the channel's heartbeat runs
+        reporter.exiting()
+        assert (status(agent_store)["state"], status(agent_store)["step"]) == ("exiting", 8)
+    finally:
+        channel.close()
+
+
+def test_a_report_never_breaks_the_loop_when_the_agent_is_gone():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    channel = AgentChannel({"TM_AGENT_STORE": f"127.0.0.1:{store.port}", "LOCAL_RANK": "0"})
+    reporter = StepReporter(channel, rank=0, generation=0, window=20)
+    reporter.step(1)
+    del store  # the agent's store goes away
+    time.sleep(0.1)
+    reporter.step(2)
+    time.sleep(STATUS_INTERVAL)
+    reporter.step(3)
+    reporter.exiting()
+    assert reporter.agent_gone
+    channel.close()
+
+
+WORKER = r'''
+import os, sys
+import torch.distributed as dist
+import tm_launch
+from tm_launch import step_report
+how = sys.argv[1]
+if how == "init":
+    job = tm_launch.init()
+    print("job", type(job).__name__, flush=True)
+    for step in job.steps(3):
+        pass
+else:  # a script that never calls tm_launch.init()
+    dist.init_process_group("gloo")
+    tm_launch.report_step(1)
+    tm_launch.report_step(2)
+print("channel", step_report._PROCESS is not None, flush=True)
+'''
+
+
+def run_worker(how: str, agent_env: dict) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "TM_GENERATION": "4", **agent_env}
+    for name in ("TM_AGENT_STORE", "TM_NO_LIVE"):
+        if name not in agent_env:
+            env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", WORKER, how], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def test_a_no_live_worker_is_a_plain_job_whose_steps_reach_the_agent(agent_store):
+    """Under --no-live (TM_NO_LIVE=1) init() gives a PlainJob, never a live one, and its steps()
+    loop reports to the agent: the status ends ``finished`` at the last step."""
+    out = run_worker("init", {"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}", "TM_NO_LIVE": "1"})
+    assert out == ["job", "PlainJob", "channel", "True"]
+    s = status(agent_store)
+    assert (s["state"], s["step"], s["generation"], s["rank"]) == ("finished", 3, 4, 0)
+    assert not agent_store.check(["worker/0/live"])
+
+
+def test_a_script_without_init_reports_through_the_module_function(agent_store):
+    out = run_worker("plain", {"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}"})
+    assert out == ["channel", "True"]
+    s = status(agent_store)  # its last report, written at exit (the loop itself is rate-limited)
+    assert (s["state"], s["step"]) == ("exiting", 2)
+
+
+@pytest.mark.parametrize("how", ["init", "plain"])
+def test_under_plain_torchrun_reporting_does_nothing(how):
+    assert run_worker(how, {})[-2:] == ["channel", "False"]
+
+
+LIVE_WORKER = r'''
+import json, time
+import tm_launch
+job = tm_launch.init()  # a LiveJob that entered generation 0, not live until job.steps()
+
+def status():
+    s = json.loads(job.channel.store.get("worker/0/status"))
+    return s["state"], s["step"]
+
+job.report_step(7)
+print("before", *status(), flush=True)
+time.sleep(0.3)  # past the rate limit: a report inside job.steps() would be written at once
+for step in job.steps(2):
+    job.report_step(100)
+    print("inside", *status(), flush=True)
+'''
+
+
+def test_report_step_is_restart_modes_only_a_live_loop_counts_its_own_steps(tmp_path):
+    """A LiveJob reports restart-mode steps until it runs job.steps(); inside, report_step does
+    nothing, and at exit its status stays the live loop's ``finished``."""
+    from rendezvous.planner import Limits
+    from rendezvous.plan import Plan
+    from tm_launch.agent_config import AgentConfig
+    from tm_launch.supervisor import WorkerSupervisor
+
+    bootstrap = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    cfg = AgentConfig(node_id="n1", addr="127.0.0.1", nproc=1, limits=Limits(1, 1, 1, 0), cmd=[], run_id="r")
+    sup = WorkerSupervisor(cfg, lambda *a, **k: None)
+    try:
+        plan = Plan(generation=0, nodes=("n1",), nproc=1, store={"node": "n1", "addr": "127.0.0.1", "port": bootstrap.port}, live=True)
+        sup.direct(plan)
+        env = {**sup.env(plan, 0, sandbox=False), "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-c", LIVE_WORKER], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = [line.split() for line in out.stdout.splitlines()]
+        assert lines[0] == ["before", "running", "7"]
+        assert [line[0] for line in lines[1:]] == ["inside", "inside"] and all(line[2] != "100" for line in lines[1:]), lines
+        final = json.loads(sup.store.get("worker/0/status"))
+        assert (final["state"], final["step"]) == ("finished", 2)
+    finally:
+        sup.close()
+
+
+def test_a_spare_warming_up_in_the_sandbox_reports_nothing(agent_store):
+    """Before job.steps() a sandboxed spare is not part of the job: its reports are dropped."""
+    script = "import tm_launch\njob = tm_launch.init()\njob.report_step(3)\nprint(job.in_sandbox)\n"
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}",
+           "TM_SANDBOX": "1", "GROUP_RANK": "-1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "RANK": "0"}
+    env.pop("TM_NO_LIVE", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-3000:]
+    s = status(agent_store)
+    assert s["state"] == "sandbox" and s["step"] is None and "mode" not in s
