@@ -125,3 +125,30 @@ def test_accelerate_loop_spare_takes_over_bitwise(local_job, accelerate_referenc
     assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
     for rank in (0, 1):
         assert_bitwise(params[rank], accelerate_reference[rank])
+
+
+HF = os.path.join(REPO, "examples", "hf_train.py")
+
+
+@pytest.mark.slow
+def test_hf_trainer_restarts_from_its_checkpoint_bitwise_and_reports_its_steps(local_job, tmp_path):
+    """A Hugging Face Trainer (restart mode) with ReportSteps: rank 1 is SIGKILLed at step 15,
+    every worker restarts (the spare takes the node's place, it never ran the script before) and
+    the Trainer resumes from checkpoint-10; every rank ends bitwise equal to torchrun's run, and
+    the agents saw the steps (the status and the step series ctl timeline draws)."""
+    pytest.importorskip("transformers")
+    ref = tmp_path / "ref"
+    torchrun(HF, ["--output-dir", str(tmp_path / "ref-ckpt"), "--out-dir", str(ref)])
+    job = local_job(nnodes="2", nproc=1, script=HF, launcher_args=["--max-restarts", "2"])
+    out = os.path.join(job.workdir, "out")
+    job.script_args = ["--output-dir", os.path.join(job.workdir, "ckpt"), "--out-dir", out,
+                       "--kill-rank", "1", "--kill-step", "15", "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.start_all(["a", "b", "c"])
+    job.wait_for(lambda s: any(any((w.get("step") or 0) >= 5 for w in (n["progress"] or {}).values()) for n in s["nodes"]),
+                 180, "a reported step")
+    codes = job.wait(timeout=300)
+    assert sorted(codes.values()) == [0, 0, 1], job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan"]
+    assert len(plans) == 2 and not any(p["live"] for p in plans), [p["message"] for p in plans]
+    for rank in (0, 1):
+        assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))

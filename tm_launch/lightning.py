@@ -32,9 +32,12 @@ import pickle
 import sys
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
+
+import tm_launch
 
 from .agent_channel import log
 
@@ -72,8 +75,6 @@ class LiveStrategy(DDPStrategy):
         super().setup_environment()  # init_process_group: already done by tm_launch.init()
 
     def _join_live(self) -> None:
-        import tm_launch
-
         trainer = self.lightning_module.trainer
         job = tm_launch.init()
         reason = not_live_reason(trainer)
@@ -109,9 +110,11 @@ class LiveStrategy(DDPStrategy):
 
     # -- the live step -------------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        if self._job is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
+        if self._job is None:  # restart mode (or torchrun): the agent still sees the steps
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            tm_launch.report_step(trainer.global_step + 1)  # Lightning counts it when this returns
+            return result
         if self._steps is None:
             self._steps = self._job.steps(sys.maxsize, start=trainer.global_step)
         while True:
@@ -155,6 +158,15 @@ class LiveStrategy(DDPStrategy):
             self._steps.close()  # the last step's bookkeeping; the agent sees the worker finish
             self._steps = None
         super().on_train_end()
+
+
+class ReportSteps(Callback):
+    """Restart mode's progress for Lightning's own strategies (``Trainer(callbacks=[ReportSteps()])``):
+    the agent sees the ``global_step`` after every batch (``ctl status``, ``ctl timeline``, the
+    hang watchdog). ``LiveStrategy`` reports by itself."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        tm_launch.report_step(trainer.global_step)
 
 
 class LightningState:

@@ -1,0 +1,93 @@
+"""A Hugging Face ``Trainer`` job under tm-launch (restart mode: the ``Trainer`` owns its loop).
+
+    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... examples/hf_train.py --output-dir ckpt
+    torchrun --standalone --nproc-per-node 2 examples/hf_train.py --output-dir ckpt     # the same job
+
+A failure restarts every worker; the ``Trainer`` resumes from its newest checkpoint in
+``--output-dir`` (``save_steps``) exactly as after a torchrun restart. ``ReportSteps`` lets the
+agent see the steps (``ctl status``, ``ctl timeline``, the hang watchdog).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tm_launch.huggingface import ReportSteps  # noqa: E402
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class KillOnce(TrainerCallback):
+    """SIGKILL this worker once per job when it holds --kill-rank at --kill-step."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        a = self.args
+        if int(os.environ.get("RANK", 0)) != a.kill_rank or state.global_step != a.kill_step:
+            return
+        try:
+            os.close(os.open(a.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        print(f"[faults] rank {a.kill_rank}: SIGKILL myself at step {state.global_step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--out-dir", default=None, help="every rank saves its final parameters here (rank<R>.pt)")
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--kill-marker", default="killed")
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    model = Regression()
+    training = TrainingArguments(
+        output_dir=args.output_dir, num_train_epochs=args.epochs, per_device_train_batch_size=8, learning_rate=0.05,
+        optim="sgd", lr_scheduler_type="linear", save_steps=10, logging_steps=10, report_to=[], use_cpu=True,
+        seed=0, data_seed=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=training, train_dataset=Data(256), callbacks=[ReportSteps(), KillOnce(args)])
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    trainer.train(resume_from_checkpoint=last)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        rank = int(os.environ.get("RANK", 0))
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out_dir, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
