@@ -22,10 +22,14 @@ from examples.env_dump import TORCHRUN_ENV  # noqa: E402
 # Must be equal under both launchers. The rest of TORCHRUN_ENV must be present but may differ:
 # MASTER_PORT (each picks its own), TORCHELASTIC_RUN_ID (random per --standalone),
 # TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init),
-# TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory).
+# TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory),
+# TORCH_NCCL_ASYNC_ERROR_HANDLING (on purpose: 2 in live mode, torchrun's 1 with --no-live; see NCCL_MODE).
 SAME = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
         "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
-        "MASTER_ADDR", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        "MASTER_ADDR", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+# TORCH_NCCL_ASYNC_ERROR_HANDLING, a difference on purpose (README): torchrun gives 1 (tear the process
+# down on an NCCL error); tm-launch's live mode gives 2 (clean up only: a survivor must live on).
+NCCL_MODE = {"torchrun": "1", "tm-launch": "2"}
 SCRIPT_ARGS = ["--foo", "bar", "--tag", "${local_rank}"]  # torchrun substitutes ${local_rank} in worker args
 
 
@@ -65,6 +69,8 @@ def assert_same_worker_view(ours: dict, theirs: dict, ours_out, theirs_out) -> N
         assert set(a["env"]) == set(b["env"]), f"rank {rank}: tm-launch env keys differ: " \
             f"missing {sorted(set(b['env']) - set(a['env']))}, extra {sorted(set(a['env']) - set(b['env']))}"
         assert {k: a["env"][k] for k in SAME} == {k: b["env"][k] for k in SAME}, f"rank {rank}"
+        assert (a["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], b["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == \
+            (NCCL_MODE["tm-launch"], NCCL_MODE["torchrun"])
         for record in (a, b):
             pattern = error_file_pattern(rank).format(run_id=re.escape(record["env"]["TORCHELASTIC_RUN_ID"]))
             assert re.fullmatch(pattern, record["env"]["TORCHELASTIC_ERROR_FILE"]), record["env"]["TORCHELASTIC_ERROR_FILE"]
