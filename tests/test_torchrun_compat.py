@@ -150,3 +150,29 @@ def test_train_parameters_bitwise_equal(tmp_path):
     assert theirs.keys() == ours.keys() and len(theirs) > 0
     for name in theirs:
         assert torch.equal(theirs[name], ours[name]), f"{name} differs"
+
+
+BOOM = '''import sys
+print(__file__, sys.argv, __name__, file=sys.stderr)
+def fail():
+    raise ValueError("boom")
+fail()
+'''
+
+
+@pytest.mark.parametrize("mode", [["pkg/boom.py", "--x", "1"], ["-m", "pkg.boom", "--x", "1"]], ids=["script", "module"])
+def test_worker_wrapper_is_invisible(tmp_path, mode):
+    """Live mode starts Python workers as ``python -u -m tm_launch.worker SCRIPT``: the script must
+    see and show what ``python -u SCRIPT`` (torchrun's command) gives: ``__file__`` (absolute),
+    ``sys.argv`` as given, ``__main__``, and on an uncaught exception the same traceback on
+    stderr, without the wrapper's or runpy's frames."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "boom.py").write_text(BOOM)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    runs = {how: subprocess.run([sys.executable, "-u", *prefix, *mode], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=60)
+            for how, prefix in (("python", []), ("wrapper", ["-m", "tm_launch.worker"]))}
+    assert runs["python"].returncode == runs["wrapper"].returncode == 1
+    assert "Traceback" in runs["python"].stderr and 'line 4, in fail' in runs["python"].stderr
+    assert runs["wrapper"].stderr == runs["python"].stderr
