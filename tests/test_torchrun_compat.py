@@ -96,8 +96,11 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
     """Rank 1 raises in every attempt, one restart allowed: both launchers restart once with
     TORCHELASTIC_RESTART_COUNT 1, lay out --log-dir the same way (<run id>_<random>/attempt_N/
     <local rank>/error.json), fail with exit 1, and print the same root-cause block: the worker's
-    traceback with the file:line that raised, from its @record error file."""
-    blocks, layouts = {}, {}
+    traceback with the file:line that raised, from its @record error file. What the user reads is
+    the same text: the block names the script (not tm-launch's worker wrapper), and the worker's
+    own traceback on the console and in the error file has the script's frames only, with the
+    absolute paths ``python SCRIPT`` gives (``__file__`` is absolute under both)."""
+    blocks, layouts, names, consoles = {}, {}, {}, {}
     for launcher in ("torchrun", "tm-launch"):
         out, logs = tmp_path / launcher, tmp_path / f"{launcher}-logs"
         output = launch(launcher, ["--max-restarts", "1", "--log-dir", str(logs), "examples/env_dump.py",
@@ -117,6 +120,13 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
                                    for d, _, files in os.walk(logs / run_dir) for f in files)
         start = output.rindex("Root Cause (first observed failure):")
         blocks[launcher] = output[start:output.index("=" * 20, start)]
+        names[launcher] = re.findall(r"^(\S+) FAILED$", output, re.M)
+        first = output.index("Traceback (most recent call last):")  # the worker's, printed by Python
+        consoles[launcher] = output[first:output.index("ValueError: env_dump", first)]
+    assert names["tm-launch"][-1] == names["torchrun"][-1] == "examples/env_dump.py", names
+    assert consoles["tm-launch"] == consoles["torchrun"], consoles
+    tracebacks = {launcher: block[block.index("traceback :"):] for launcher, block in blocks.items()}
+    assert tracebacks["tm-launch"] == tracebacks["torchrun"], tracebacks
     assert layouts["tm-launch"] == layouts["torchrun"] == ["attempt_0/1/error.json", "attempt_1/1/error.json"], layouts
     for launcher, block in blocks.items():
         assert "rank      : 1 (local_rank: 1)" in block and "exitcode  : 1" in block, (launcher, block)

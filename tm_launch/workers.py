@@ -211,7 +211,10 @@ class WorkerSet:
                     local_rank=lr, pid=self.workers[lr].pid, exitcode=code, error_file=path if readable else os.devnull)
         if not failures:
             return "", ""
-        error = ChildFailedError(name=_get_entrypoint_name(self.cmd[0], self.cmd[1:]), failures=failures)
+        args = list(self.cmd[1:])
+        if args[1:3] == ["-m", "tm_launch.worker"]:  # live mode's wrapper (cli): name the script, as torchrun
+            del args[1:3]
+        error = ChildFailedError(name=_get_entrypoint_name(self.cmd[0], args), failures=failures)
         _, root = error.get_first_failure()
         return error.format_msg(), _summary(root.message) if os.path.isfile(root.error_file) else ""
 
