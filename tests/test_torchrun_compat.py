@@ -33,9 +33,10 @@ NCCL_MODE = {"torchrun": "1", "tm-launch": "2"}
 SCRIPT_ARGS = ["--foo", "bar", "--tag", "${local_rank}"]  # torchrun substitutes ${local_rank} in worker args
 
 
-def launch(launcher: str, args: list[str], timeout: float = 180, rc: int = 0) -> str:
+def launch(launcher: str, args: list[str], timeout: float = 180, rc: int = 0, env: dict | None = None) -> str:
     """Run `<launcher> --standalone --nproc-per-node 2 ARGS` from the repo root; its output."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))},
+           **(env or {})}
     env["PYTHONPATH"] = ROOT  # tm_launch for examples/train.py under plain torchrun
     cmd = [os.path.join(BIN, launcher), "--standalone", "--nproc-per-node", "2", *args]
     try:
@@ -133,6 +134,29 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
         assert re.search(r'File ".*examples/env_dump\.py", line \d+, in fail', block), (launcher, block)
         assert "ValueError: env_dump: rank 1 fails on purpose" in block, (launcher, block)
         assert re.search(r"error_file: .*/attempt_1/1/error\.json", block), (launcher, block)
+
+
+def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
+    """``--redirects 3`` without ``--log-dir``: torchrun writes worker output to files under a
+    temporary ``torchelastic_*`` directory it keeps (DefaultLogsSpecs), not to the console; so does
+    tm-launch (it says where)."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('out-of', os.environ['RANK'])\nprint('err-of', os.environ['RANK'], file=sys.stderr)\n")
+    layouts = {}
+    for launcher in ("torchrun", "tm-launch"):
+        tmp = tmp_path / launcher
+        tmp.mkdir()
+        output = launch(launcher, ["--redirects", "3", str(script)], env={"TMPDIR": str(tmp)})
+        assert "out-of" not in output and "err-of" not in output, (launcher, output)
+        [logs] = [d for d in os.listdir(tmp) if d.startswith("torchelastic_")]
+        [run_dir] = os.listdir(tmp / logs)
+        layouts[launcher] = sorted(os.path.relpath(os.path.join(d, f), tmp / logs / run_dir)
+                                   for d, _, files in os.walk(tmp / logs / run_dir) for f in files)
+        for rank in (0, 1):
+            assert (tmp / logs / run_dir / "attempt_0" / str(rank) / "stdout.log").read_text() == f"out-of {rank}\n"
+            assert f"err-of {rank}\n" in (tmp / logs / run_dir / "attempt_0" / str(rank) / "stderr.log").read_text()
+    assert layouts["tm-launch"] == layouts["torchrun"], layouts
+    assert "worker output" in output and str(tmp_path / "tm-launch" / "torchelastic_") in output, output
 
 
 @pytest.mark.slow

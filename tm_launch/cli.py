@@ -140,10 +140,18 @@ def _launch(args) -> int:
         addr = _local_addr(args.local_addr, options.endpoints)
         # torchrun's agent sets this for its workers (launcher/api.py); they inherit it.
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
+        redirects = {k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()}
+        tee = {k: int(v) for k, v in to_map(Std.from_str(args.tee), nproc).items()}
+        log_dir = args.log_dir
+        if not log_dir:  # torchrun's DefaultLogsSpecs (made by config_from_args) made a temporary one
+            made = config.logs_specs.root_log_dir
+            if any(redirects.values()) or any(tee.values()):  # output files go there and are kept, as torchrun
+                log_dir = made
+                print(f"[tm-launch] worker output (--redirects/--tee) goes to files under {log_dir}", file=sys.stderr, flush=True)
+            elif os.path.isdir(made) and not os.listdir(made):
+                os.rmdir(made)  # unused: error files go to the agent's own scratch directory
         output = OutputSpec(
-            log_dir=args.log_dir,
-            redirects={k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()},
-            tee={k: int(v) for k, v in to_map(Std.from_str(args.tee), nproc).items()},
+            log_dir=log_dir, redirects=redirects, tee=tee,
             shown=set(map(int, args.local_ranks_filter.split(","))) if args.local_ranks_filter else None,
             role=args.role,
         )
