@@ -136,6 +136,19 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
         assert re.search(r"error_file: .*/attempt_1/1/error\.json", block), (launcher, block)
 
 
+def test_root_cause_without_record_is_read_from_stderr_log(tmp_path):
+    """A script without torch's ``@record`` writes no error file: torchrun's block then has no
+    traceback ("To enable traceback see ..."). When its stderr goes to a file, tm-launch still
+    names the root cause in its failure line (the one etcd, the plan and every node repeat):
+    the exception and the innermost file:line of the last traceback there."""
+    script = tmp_path / "norecord.py"
+    script.write_text("import os\ndef fail():\n    raise KeyError('no @record here')\nif os.environ['RANK'] == '1':\n    fail()\n")
+    output = launch("tm-launch", ["--redirects", "2", "--log-dir", str(tmp_path / "logs"), str(script)], rc=1)
+    assert "To enable traceback see" in output  # torchrun's block, as torch formats it
+    assert re.search(rf"worker 1 \(pid \d+\) exited with code 1: KeyError: 'no @record here' \(at {re.escape(str(script))}:3\); "
+                     "reporting the failure", output), output
+
+
 def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
     """``--redirects 3`` without ``--log-dir``: torchrun writes worker output to files under a
     temporary ``torchelastic_*`` directory it keeps (DefaultLogsSpecs), not to the console; so does

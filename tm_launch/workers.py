@@ -133,6 +133,21 @@ def _summary(message) -> str:
     return first + where if first else ""
 
 
+def _stderr_summary(path: str) -> str:
+    """The root cause of a worker that wrote no error file (no ``@record``), from its stderr log:
+    the last traceback's exception line and innermost ``file:line``; empty if there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 65536))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    start = text.rfind("Traceback (most recent call last):")
+    lines = text[start:].splitlines()[1:] if start >= 0 else []
+    exception = next((line for line in lines if line.strip() and not line.startswith(" ")), "")
+    return _summary({"message": exception, "extraInfo": {"py_callstack": "\n".join(lines)}}) if exception else ""
+
+
 def _pump(pipe, path: str | None, console, prefix: bytes) -> None:
     fh = open(path, "ab") if path else None
     try:
@@ -197,8 +212,8 @@ class WorkerSet:
     def failure_report(self, ranks: list[int]) -> tuple[str, str]:
         """torchrun's report of this set's failed workers (``ChildFailedError.format_msg``: the
         root cause's traceback, from its error file) and a one-line summary of the root cause
-        (``ValueError: boom (at train.py:42)``; empty without an error file). ``ranks``: global
-        rank per local rank."""
+        (``ValueError: boom (at train.py:42)``, from the error file, else from a stderr log;
+        empty without either). ``ranks``: global rank per local rank."""
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
         from torch.distributed.launcher.api import _get_entrypoint_name
 
@@ -216,7 +231,9 @@ class WorkerSet:
             del args[1:3]
         error = ChildFailedError(name=_get_entrypoint_name(self.cmd[0], args), failures=failures)
         _, root = error.get_first_failure()
-        return error.format_msg(), _summary(root.message) if os.path.isfile(root.error_file) else ""
+        if os.path.isfile(root.error_file):
+            return error.format_msg(), _summary(root.message)
+        return error.format_msg(), _stderr_summary(os.path.join(self.attempt_dir(), str(root.local_rank), "stderr.log"))
 
     def __bool__(self) -> bool:
         return bool(self.workers)
