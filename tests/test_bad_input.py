@@ -185,6 +185,22 @@ def test_finished_run_id_is_refused(etcd_endpoint):
     assert "joined run" not in err  # refused before registering
 
 
+def test_failed_run_status_says_what_happened(etcd_endpoint, tmp_path):
+    """A job whose only worker fails with --max-restarts 0: the lines and `ctl status` name the
+    generation that ran (0), no restart (none happened), and the node as failed, not lost (its
+    agent was there to the end)."""
+    run_id = _run_id()
+    job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0"]
+    rc, _, err = finish(launch(job + ["examples/env_dump.py", "--out", str(tmp_path), "--fail-rank", "0"]), timeout=120)
+    assert rc == 1 and "generation 0: job failed: max restarts (0) exhausted" in err, err
+    status = subprocess.run(CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"], cwd=ROOT,
+                            env=_env(), capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"run {run_id}: generation 0, failed" in status.stdout and " 0 restart(s)" in status.stdout, status.stdout
+    [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change"))]
+    assert row[1] == "failed", status.stdout
+
+
 def test_duplicate_node_id_while_the_first_agent_is_alive(etcd_endpoint):
     run_id = _run_id()
     job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "2", "--nproc-per-node", "1", "--node-id", "twin"]
