@@ -89,6 +89,8 @@ USAGE = {
     "--standalone --nnodes 2": (["--standalone", "--nnodes", "2", "examples/train.py"], 2,
                                 ["--standalone --nnodes 2", "no other node can ever join",
                                  "--rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379"]),
+    "--standalone --nnodes 2:4": (["--standalone", "--nnodes", "2:4", "examples/train.py"], 2,
+                                  ["--standalone --nnodes 2:4", "no other node can ever join", "--nnodes 2:4"]),
     "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
                               "examples/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
     "etcd: never answers": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung",
@@ -139,6 +141,15 @@ CTL_USAGE = {
                                       "user=u,password=hunter2", "cordon", "a"], ["password_file="]),
     "no run id": (["--rdzv-endpoint", "127.0.0.1:1", "status"], ["--rdzv-id"]),
 }
+
+
+def test_standalone_with_a_range_from_one_runs_alone(tmp_path):
+    """``--standalone --nnodes 1:2`` is torchrun's spirit too: MIN nodes can form, so the job runs
+    on this node alone (after --last-call) instead of being refused."""
+    rc, _, err = finish(launch(["--standalone", "--nnodes", "1:2", "--nproc-per-node", "1", "examples/env_dump.py",
+                                "--out", str(tmp_path)]), timeout=120)
+    assert rc == 0 and "job finished successfully (generation 0)" in err, err
+    assert (tmp_path / "rank0.json").exists()
 
 
 def test_ctl_usage_errors(tmp_path):
