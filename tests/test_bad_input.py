@@ -79,6 +79,8 @@ USAGE = {
     "missing script": (["--nproc-per-node", "1", "no/such/train.py"], 2, ["training script 'no/such/train.py' not found"]),
     "bad --rdzv-conf": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "timeout=soon",
                          "examples/train.py"], 2, ["timeout=soon"]),
+    "bad last_call_timeout": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
+                               "last_call_timeout=soon", "examples/train.py"], 2, ["last_call_timeout=soon"]),
     "bad --nproc-per-node": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "abc",
                               "examples/train.py"], 2, ["nproc_per_node", "abc"]),
     "password on the command line": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",

@@ -149,6 +149,23 @@ def test_root_cause_without_record_is_read_from_stderr_log(tmp_path):
                      "reporting the failure", output), output
 
 
+@pytest.mark.slow
+def test_rdzv_conf_last_call_timeout_keeps_torchruns_meaning(local_job):
+    """``--rdzv-conf last_call_timeout=S`` (torchrun's key; tm-launch's own is --last-call): with
+    --nnodes 1:2 the first node waits S seconds for more before generation 0 forms, so a node
+    that joins 3 s later is in it (with --last-call's 1 s it would have started alone)."""
+    import time
+
+    job = local_job(nnodes="1:2", launcher_args=["--rdzv-conf", "last_call_timeout=30"], script_args=["--steps", "3"])
+    job.start("a")
+    job.wait_for(lambda s: {n["id"] for n in s["nodes"]} == {"a"}, 60, "a to join")
+    time.sleep(3)
+    job.start("b")
+    assert job.wait(timeout=120) == {"a": 0, "b": 0}, job.logs_tail()
+    [first] = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 0]
+    assert sorted(first["nodes"]) == ["a", "b"], first
+
+
 def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
     """``--redirects 3`` without ``--log-dir``: torchrun writes worker output to files under a
     temporary ``torchelastic_*`` directory it keeps (DefaultLogsSpecs), not to the console; so does

@@ -65,6 +65,12 @@ def _join_timeout(args) -> float:
     return args.join_timeout if raw is None else positive_seconds("timeout", raw)
 
 
+def _last_call(args) -> float:
+    """--last-call, or torchrun's ``--rdzv-conf last_call_timeout=`` (same meaning)."""
+    raw = parse_rdzv_conf(args.rdzv_conf).get("last_call_timeout")
+    return args.last_call if raw is None else positive_seconds("last_call_timeout", raw)
+
+
 def _is_loopback(endpoint: str) -> bool:
     host = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}").hostname or ""
     return host in ("localhost", "::1") or host.startswith("127.")
@@ -168,7 +174,7 @@ def _launch(args) -> int:
             addr=addr, nproc=nproc,
             limits=Limits(min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, max_restarts=args.max_restarts),
             cmd=entry + list(cmd_args), run_id=run_id, role=args.role, lease_ttl=args.lease_ttl,
-            monitor_interval=args.monitor_interval, join_timeout=_join_timeout(args), last_call=args.last_call,
+            monitor_interval=args.monitor_interval, join_timeout=_join_timeout(args), last_call=_last_call(args),
             spares_wanted=args.spares, live_enabled=not args.no_live, collective_timeout=args.collective_timeout,
             sandbox_steps=args.sandbox_steps, output=output, health=args.health, event_log=args.event_log,
             metrics_port=args.metrics_port,
