@@ -149,6 +149,16 @@ def test_root_cause_without_record_is_read_from_stderr_log(tmp_path):
                      "reporting the failure", output), output
 
 
+def test_log_dir_devnull_means_no_log_files(tmp_path):
+    """``--log-dir /dev/null`` is torchrun's "no log files": --redirects/--tee are ignored and
+    worker output stays on the console, unprefixed (tm-launch crashed making directories in it)."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('out-of', os.environ['RANK'])\nprint('err-of', os.environ['RANK'], file=sys.stderr)\n")
+    output = launch("tm-launch", ["--log-dir", os.devnull, "--redirects", "1", "--tee", "2", str(script)])
+    lines = output.splitlines()
+    assert {"out-of 0", "out-of 1", "err-of 0", "err-of 1"} <= set(lines), output
+
+
 @pytest.mark.slow
 def test_rdzv_conf_last_call_timeout_keeps_torchruns_meaning(local_job):
     """``--rdzv-conf last_call_timeout=S`` (torchrun's key; tm-launch's own is --last-call): with

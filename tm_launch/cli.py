@@ -149,7 +149,9 @@ def _launch(args) -> int:
         redirects = {k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()}
         tee = {k: int(v) for k, v in to_map(Std.from_str(args.tee), nproc).items()}
         log_dir = args.log_dir
-        if not log_dir:  # torchrun's DefaultLogsSpecs (made by config_from_args) made a temporary one
+        if log_dir == os.devnull:  # torchrun's "no log files": output stays on the console
+            log_dir, redirects, tee = None, {}, {}
+        elif not log_dir:  # torchrun's DefaultLogsSpecs (made by config_from_args) made a temporary one
             made = config.logs_specs.root_log_dir
             if any(redirects.values()) or any(tee.values()):  # output files go there and are kept, as torchrun
                 log_dir = made
