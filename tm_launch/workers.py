@@ -64,6 +64,7 @@ class Worker:
         self.started = time.time()
         self._threads: list[threading.Thread] = []
         self._files = []
+        self.stderr_log: tuple[str, int] | None = None  # (stderr.log, its size before this worker wrote to it)
         streams, pipes = {}, {}
         for bit, name in ((1, "stdout"), (2, "stderr")):
             teed = out.tee.get(local_rank, 0) & bit
@@ -72,6 +73,8 @@ class Worker:
             path = os.path.join(attempt_dir, str(local_rank), f"{name}.log") if attempt_dir and (teed or redirected) else None
             if path:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
+                if name == "stderr":  # an attempt directory may be reused: this worker's part starts here
+                    self.stderr_log = (path, os.path.getsize(path) if os.path.exists(path) else 0)
             if teed:
                 streams[name] = subprocess.PIPE
                 pipes[name] = (path, None if hidden else getattr(sys, name), f"[{out.role}{local_rank}]:".encode())
@@ -100,9 +103,13 @@ class Worker:
         except ProcessLookupError:
             pass
 
-    def close(self) -> None:
+    def flush_output(self) -> None:
+        """Wait (briefly) until teed output of an exited worker has reached its files."""
         for t in self._threads:
             t.join(timeout=1)
+
+    def close(self) -> None:
+        self.flush_output()
         for fh in self._files:
             fh.close()
 
@@ -133,12 +140,13 @@ def _summary(message) -> str:
     return first + where if first else ""
 
 
-def _stderr_summary(path: str) -> str:
-    """The root cause of a worker that wrote no error file (no ``@record``), from its stderr log:
-    the last traceback's exception line and innermost ``file:line``; empty if there is none."""
+def _stderr_summary(path: str, start: int) -> str:
+    """The root cause of a worker that wrote no error file (no ``@record``), from its stderr log
+    (from offset ``start``: its own part): the last traceback's exception line and innermost
+    ``file:line``; empty if there is none."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 65536))
+            f.seek(max(start, os.path.getsize(path) - 65536))
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
@@ -233,7 +241,11 @@ class WorkerSet:
         _, root = error.get_first_failure()
         if os.path.isfile(root.error_file):
             return error.format_msg(), _summary(root.message)
-        return error.format_msg(), _stderr_summary(os.path.join(self.attempt_dir(), str(root.local_rank), "stderr.log"))
+        worker = self.workers[root.local_rank]
+        if root.exitcode > 0 and worker.stderr_log:  # an uncaught exception's traceback is the last one
+            worker.flush_output()
+            return error.format_msg(), _stderr_summary(*worker.stderr_log)
+        return error.format_msg(), ""
 
     def __bool__(self) -> bool:
         return bool(self.workers)
