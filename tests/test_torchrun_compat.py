@@ -1,9 +1,10 @@
 """The same scripts under `torchrun` and `tm-launch` (both --standalone, 2 workers): what a worker
 sees must be the same: torchrun's env vars, argv (with torchrun's ``${local_rank}`` macro), a
-working env:// gloo group, and, for examples/train.py, bitwise-equal final parameters.
+working env:// gloo group, and, for examples/train.py, bitwise-equal final parameters; what the
+user sees too: the failure report, the worker's traceback, the --log-dir/--redirects layout.
 
-Each launcher start costs ~5-10 s here (torch imports on 2 cores), so only
-``test_script_env_matches_torchrun`` is in the fast suite; the rest are ``slow``.
+Each launcher start costs ~5-10 s here (torch imports on 2 cores): the fast suite starts each
+launcher once per behaviour (script mode); other modes, training and multi-node are ``slow``.
 """
 import json
 import os

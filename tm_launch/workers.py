@@ -150,8 +150,8 @@ def _stderr_summary(path: str, start: int) -> str:
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
-    start = text.rfind("Traceback (most recent call last):")
-    lines = text[start:].splitlines()[1:] if start >= 0 else []
+    last = text.rfind("Traceback (most recent call last):")
+    lines = text[last:].splitlines()[1:] if last >= 0 else []
     exception = next((line for line in lines if line.strip() and not line.startswith(" ")), "")
     return _summary({"message": exception, "extraInfo": {"py_callstack": "\n".join(lines)}}) if exception else ""
 
