@@ -64,7 +64,7 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     endpoints = tuple(e.strip() for e in (endpoint or "localhost:2379").split(",") if e.strip())
     if values.get("cacert") or values.get("protocol") == "https":
         endpoints = tuple(e if "://" in e else f"https://{e}" for e in endpoints)
-    for name in ("timeout", "join_timeout"):
+    for name in ("timeout", "join_timeout", "last_call_timeout"):
         if name in values:
             positive_seconds(name, values[name])
     timeout = positive_seconds("read_timeout", values.get("read_timeout", 5.0))

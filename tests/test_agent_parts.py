@@ -311,3 +311,35 @@ def test_metrics_feed_without_a_port_does_nothing(members):
     feed.on_entered(plan)
     feed.stop()
     assert feed.metrics is None
+
+
+def _run_to_exit(ws, code: str) -> None:
+    """Start ``ws``'s one worker running ``code`` and wait for it to exit."""
+    ws.cmd = [sys.executable, "-c", code]
+    ws.start({0: dict(os.environ)}, generation=0, kind="fresh")
+    deadline = time.time() + 30
+    while ws.poll()[0] is None and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def test_root_cause_from_stderr_is_this_workers_own_uncaught_exception(tmp_path):
+    """Without an error file the failure line's root cause comes from the worker's stderr.log: only
+    from what this worker wrote (a reused attempt directory appends to an earlier worker's log),
+    and only for an exit code (a worker killed by a signal printed no traceback of its death)."""
+    from tm_launch.workers import OutputSpec, WorkerSet
+
+    ws = WorkerSet([], OutputSpec(log_dir=str(tmp_path), redirects={0: 2}), "r", str(tmp_path))
+    _run_to_exit(ws, "def f():\n    raise KeyError('boom')\nf()")
+    assert ws.failure_report([0])[1] == "KeyError: 'boom' (at <string>:2)"
+    ws.stop()
+    _run_to_exit(ws, "import sys; sys.exit(3)")  # the same attempt (restart count), so the same stderr.log
+    block, line = ws.failure_report([0])
+    assert "exitcode  : 3" in block and line == "", line
+    ws.stop()
+    _run_to_exit(ws, "import os, signal, traceback\ntry:\n    1/0\nexcept ZeroDivisionError:\n    traceback.print_exc()\n"
+                     "os.kill(os.getpid(), signal.SIGKILL)")
+    block, line = ws.failure_report([0])
+    assert "SIGKILL" in block and line == "", line
+    ws.stop()
+    [log] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == "stderr.log"]
+    assert open(log).read().count("Traceback") == 2  # all three wrote to one file

@@ -79,6 +79,8 @@ USAGE = {
     "missing script": (["--nproc-per-node", "1", "no/such/train.py"], 2, ["training script 'no/such/train.py' not found"]),
     "bad --rdzv-conf": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "timeout=soon",
                          "examples/train.py"], 2, ["timeout=soon"]),
+    "bad last_call_timeout": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
+                               "last_call_timeout=soon", "examples/train.py"], 2, ["last_call_timeout=soon"]),
     "bad --nproc-per-node": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "abc",
                               "examples/train.py"], 2, ["nproc_per_node", "abc"]),
     "password on the command line": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
@@ -89,6 +91,8 @@ USAGE = {
     "--standalone --nnodes 2": (["--standalone", "--nnodes", "2", "examples/train.py"], 2,
                                 ["--standalone --nnodes 2", "no other node can ever join",
                                  "--rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379"]),
+    "--standalone --nnodes 2:4": (["--standalone", "--nnodes", "2:4", "examples/train.py"], 2,
+                                  ["--standalone --nnodes 2:4", "no other node can ever join", "--nnodes 2:4"]),
     "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
                               "examples/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
     "etcd: never answers": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung",
@@ -141,6 +145,15 @@ CTL_USAGE = {
 }
 
 
+def test_standalone_with_a_range_from_one_runs_alone(tmp_path):
+    """``--standalone --nnodes 1:2`` is torchrun's spirit too: MIN nodes can form, so the job runs
+    on this node alone (after --last-call) instead of being refused."""
+    rc, _, err = finish(launch(["--standalone", "--nnodes", "1:2", "--nproc-per-node", "1", "examples/env_dump.py",
+                                "--out", str(tmp_path)]), timeout=120)
+    assert rc == 0 and "job finished successfully (generation 0)" in err, err
+    assert (tmp_path / "rank0.json").exists()
+
+
 def test_ctl_usage_errors(tmp_path):
     """``tm-launch ctl`` on bad input: one ``tm-launch ctl: error:`` line, exit 1, no traceback."""
     (tmp_path / "broken.yaml").write_text("rdzv_id: [x\n")
@@ -183,6 +196,22 @@ def test_finished_run_id_is_refused(etcd_endpoint):
     assert_one_error(rc, err, f"run id '{run_id}' already finished (succeeded)", "new --rdzv-id")
     assert time.monotonic() - t0 < 30
     assert "joined run" not in err  # refused before registering
+
+
+def test_failed_run_status_says_what_happened(etcd_endpoint, tmp_path):
+    """A job whose only worker fails with --max-restarts 0: the lines and `ctl status` name the
+    generation that ran (0), no restart (none happened), and the node as failed, not lost (its
+    agent was there to the end)."""
+    run_id = _run_id()
+    job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0"]
+    rc, _, err = finish(launch(job + ["examples/env_dump.py", "--out", str(tmp_path), "--fail-rank", "0"]), timeout=120)
+    assert rc == 1 and "generation 0: job failed: max restarts (0) exhausted" in err, err
+    status = subprocess.run(CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"], cwd=ROOT,
+                            env=_env(), capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"run {run_id}: generation 0, failed" in status.stdout and " 0 restart(s)" in status.stdout, status.stdout
+    [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change"))]
+    assert row[1] == "failed", status.stdout
 
 
 def test_duplicate_node_id_while_the_first_agent_is_alive(etcd_endpoint):

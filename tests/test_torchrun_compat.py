@@ -1,9 +1,10 @@
 """The same scripts under `torchrun` and `tm-launch` (both --standalone, 2 workers): what a worker
 sees must be the same: torchrun's env vars, argv (with torchrun's ``${local_rank}`` macro), a
-working env:// gloo group, and, for examples/train.py, bitwise-equal final parameters.
+working env:// gloo group, and, for examples/train.py, bitwise-equal final parameters; what the
+user sees too: the failure report, the worker's traceback, the --log-dir/--redirects layout.
 
-Each launcher start costs ~5-10 s here (torch imports on 2 cores), so only
-``test_script_env_matches_torchrun`` is in the fast suite; the rest are ``slow``.
+Each launcher start costs ~5-10 s here (torch imports on 2 cores): the fast suite starts each
+launcher once per behaviour (script mode); other modes, training and multi-node are ``slow``.
 """
 import json
 import os
@@ -22,16 +23,21 @@ from examples.env_dump import TORCHRUN_ENV  # noqa: E402
 # Must be equal under both launchers. The rest of TORCHRUN_ENV must be present but may differ:
 # MASTER_PORT (each picks its own), TORCHELASTIC_RUN_ID (random per --standalone),
 # TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init),
-# TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory).
+# TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory),
+# TORCH_NCCL_ASYNC_ERROR_HANDLING (on purpose: 2 in live mode, torchrun's 1 with --no-live; see NCCL_MODE).
 SAME = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
         "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
-        "MASTER_ADDR", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        "MASTER_ADDR", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+# TORCH_NCCL_ASYNC_ERROR_HANDLING, a difference on purpose (README): torchrun gives 1 (tear the process
+# down on an NCCL error); tm-launch's live mode gives 2 (clean up only: a survivor must live on).
+NCCL_MODE = {"torchrun": "1", "tm-launch": "2"}
 SCRIPT_ARGS = ["--foo", "bar", "--tag", "${local_rank}"]  # torchrun substitutes ${local_rank} in worker args
 
 
-def launch(launcher: str, args: list[str], timeout: float = 180, rc: int = 0) -> str:
+def launch(launcher: str, args: list[str], timeout: float = 180, rc: int = 0, env: dict | None = None) -> str:
     """Run `<launcher> --standalone --nproc-per-node 2 ARGS` from the repo root; its output."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))},
+           **(env or {})}
     env["PYTHONPATH"] = ROOT  # tm_launch for examples/train.py under plain torchrun
     cmd = [os.path.join(BIN, launcher), "--standalone", "--nproc-per-node", "2", *args]
     try:
@@ -65,6 +71,8 @@ def assert_same_worker_view(ours: dict, theirs: dict, ours_out, theirs_out) -> N
         assert set(a["env"]) == set(b["env"]), f"rank {rank}: tm-launch env keys differ: " \
             f"missing {sorted(set(b['env']) - set(a['env']))}, extra {sorted(set(a['env']) - set(b['env']))}"
         assert {k: a["env"][k] for k in SAME} == {k: b["env"][k] for k in SAME}, f"rank {rank}"
+        assert (a["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], b["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == \
+            (NCCL_MODE["tm-launch"], NCCL_MODE["torchrun"])
         for record in (a, b):
             pattern = error_file_pattern(rank).format(run_id=re.escape(record["env"]["TORCHELASTIC_RUN_ID"]))
             assert re.fullmatch(pattern, record["env"]["TORCHELASTIC_ERROR_FILE"]), record["env"]["TORCHELASTIC_ERROR_FILE"]
@@ -90,8 +98,11 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
     """Rank 1 raises in every attempt, one restart allowed: both launchers restart once with
     TORCHELASTIC_RESTART_COUNT 1, lay out --log-dir the same way (<run id>_<random>/attempt_N/
     <local rank>/error.json), fail with exit 1, and print the same root-cause block: the worker's
-    traceback with the file:line that raised, from its @record error file."""
-    blocks, layouts = {}, {}
+    traceback with the file:line that raised, from its @record error file. What the user reads is
+    the same text: the block names the script (not tm-launch's worker wrapper), and the worker's
+    own traceback on the console and in the error file has the script's frames only, with the
+    absolute paths ``python SCRIPT`` gives (``__file__`` is absolute under both)."""
+    blocks, layouts, names, consoles = {}, {}, {}, {}
     for launcher in ("torchrun", "tm-launch"):
         out, logs = tmp_path / launcher, tmp_path / f"{launcher}-logs"
         output = launch(launcher, ["--max-restarts", "1", "--log-dir", str(logs), "examples/env_dump.py",
@@ -111,12 +122,82 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
                                    for d, _, files in os.walk(logs / run_dir) for f in files)
         start = output.rindex("Root Cause (first observed failure):")
         blocks[launcher] = output[start:output.index("=" * 20, start)]
+        names[launcher] = re.findall(r"^(\S+) FAILED$", output, re.M)
+        first = output.index("Traceback (most recent call last):")  # the worker's, printed by Python
+        consoles[launcher] = output[first:output.index("ValueError: env_dump", first)]
+    assert names["tm-launch"][-1] == names["torchrun"][-1] == "examples/env_dump.py", names
+    assert consoles["tm-launch"] == consoles["torchrun"], consoles
+    tracebacks = {launcher: block[block.index("traceback :"):] for launcher, block in blocks.items()}
+    assert tracebacks["tm-launch"] == tracebacks["torchrun"], tracebacks
     assert layouts["tm-launch"] == layouts["torchrun"] == ["attempt_0/1/error.json", "attempt_1/1/error.json"], layouts
     for launcher, block in blocks.items():
         assert "rank      : 1 (local_rank: 1)" in block and "exitcode  : 1" in block, (launcher, block)
         assert re.search(r'File ".*examples/env_dump\.py", line \d+, in fail', block), (launcher, block)
         assert "ValueError: env_dump: rank 1 fails on purpose" in block, (launcher, block)
         assert re.search(r"error_file: .*/attempt_1/1/error\.json", block), (launcher, block)
+
+
+def test_root_cause_without_record_is_read_from_stderr_log(tmp_path):
+    """A script without torch's ``@record`` writes no error file: torchrun's block then has no
+    traceback ("To enable traceback see ..."). When its stderr goes to a file, tm-launch still
+    names the root cause in its failure line (the one etcd, the plan and every node repeat):
+    the exception and the innermost file:line of the last traceback there."""
+    script = tmp_path / "norecord.py"
+    script.write_text("import os\ndef fail():\n    raise KeyError('no @record here')\nif os.environ['RANK'] == '1':\n    fail()\n")
+    output = launch("tm-launch", ["--redirects", "2", "--log-dir", str(tmp_path / "logs"), str(script)], rc=1)
+    assert "To enable traceback see" in output  # torchrun's block, as torch formats it
+    assert re.search(rf"worker 1 \(pid \d+\) exited with code 1: KeyError: 'no @record here' \(at {re.escape(str(script))}:3\); "
+                     "reporting the failure", output), output
+
+
+def test_log_dir_devnull_means_no_log_files(tmp_path):
+    """``--log-dir /dev/null`` is torchrun's "no log files": --redirects/--tee are ignored and
+    worker output stays on the console, unprefixed (tm-launch crashed making directories in it)."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('out-of', os.environ['RANK'])\nprint('err-of', os.environ['RANK'], file=sys.stderr)\n")
+    output = launch("tm-launch", ["--log-dir", os.devnull, "--redirects", "1", "--tee", "2", str(script)])
+    lines = output.splitlines()
+    assert {"out-of 0", "out-of 1", "err-of 0", "err-of 1"} <= set(lines), output
+
+
+@pytest.mark.slow
+def test_rdzv_conf_last_call_timeout_keeps_torchruns_meaning(local_job):
+    """``--rdzv-conf last_call_timeout=S`` (torchrun's key; tm-launch's own is --last-call): with
+    --nnodes 1:2 the first node waits S seconds for more before generation 0 forms, so a node
+    that joins 3 s later is in it (with --last-call's 1 s it would have started alone)."""
+    import time
+
+    job = local_job(nnodes="1:2", launcher_args=["--rdzv-conf", "last_call_timeout=30"], script_args=["--steps", "3"])
+    job.start("a")
+    job.wait_for(lambda s: {n["id"] for n in s["nodes"]} == {"a"}, 60, "a to join")
+    time.sleep(3)
+    job.start("b")
+    assert job.wait(timeout=120) == {"a": 0, "b": 0}, job.logs_tail()
+    [first] = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 0]
+    assert sorted(first["nodes"]) == ["a", "b"], first
+
+
+def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
+    """``--redirects 3`` without ``--log-dir``: torchrun writes worker output to files under a
+    temporary ``torchelastic_*`` directory it keeps (DefaultLogsSpecs), not to the console; so does
+    tm-launch (it says where)."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('out-of', os.environ['RANK'])\nprint('err-of', os.environ['RANK'], file=sys.stderr)\n")
+    layouts = {}
+    for launcher in ("torchrun", "tm-launch"):
+        tmp = tmp_path / launcher
+        tmp.mkdir()
+        output = launch(launcher, ["--redirects", "3", str(script)], env={"TMPDIR": str(tmp)})
+        assert "out-of" not in output and "err-of" not in output, (launcher, output)
+        [logs] = [d for d in os.listdir(tmp) if d.startswith("torchelastic_")]
+        [run_dir] = os.listdir(tmp / logs)
+        layouts[launcher] = sorted(os.path.relpath(os.path.join(d, f), tmp / logs / run_dir)
+                                   for d, _, files in os.walk(tmp / logs / run_dir) for f in files)
+        for rank in (0, 1):
+            assert (tmp / logs / run_dir / "attempt_0" / str(rank) / "stdout.log").read_text() == f"out-of {rank}\n"
+            assert f"err-of {rank}\n" in (tmp / logs / run_dir / "attempt_0" / str(rank) / "stderr.log").read_text()
+    assert layouts["tm-launch"] == layouts["torchrun"], layouts
+    assert "worker output" in output and str(tmp_path / "tm-launch" / "torchelastic_") in output, output
 
 
 @pytest.mark.slow
@@ -144,3 +225,29 @@ def test_train_parameters_bitwise_equal(tmp_path):
     assert theirs.keys() == ours.keys() and len(theirs) > 0
     for name in theirs:
         assert torch.equal(theirs[name], ours[name]), f"{name} differs"
+
+
+BOOM = '''import sys
+print(__file__, sys.argv, __name__, file=sys.stderr)
+def fail():
+    raise ValueError("boom")
+fail()
+'''
+
+
+@pytest.mark.parametrize("mode", [["pkg/boom.py", "--x", "1"], ["-m", "pkg.boom", "--x", "1"]], ids=["script", "module"])
+def test_worker_wrapper_is_invisible(tmp_path, mode):
+    """Live mode starts Python workers as ``python -u -m tm_launch.worker SCRIPT``: the script must
+    see and show what ``python -u SCRIPT`` (torchrun's command) gives: ``__file__`` (absolute),
+    ``sys.argv`` as given, ``__main__``, and on an uncaught exception the same traceback on
+    stderr, without the wrapper's or runpy's frames."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "boom.py").write_text(BOOM)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    runs = {how: subprocess.run([sys.executable, "-u", *prefix, *mode], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=60)
+            for how, prefix in (("python", []), ("wrapper", ["-m", "tm_launch.worker"]))}
+    assert runs["python"].returncode == runs["wrapper"].returncode == 1
+    assert "Traceback" in runs["python"].stderr and 'line 4, in fail' in runs["python"].stderr
+    assert runs["wrapper"].stderr == runs["python"].stderr

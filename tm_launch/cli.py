@@ -65,6 +65,12 @@ def _join_timeout(args) -> float:
     return args.join_timeout if raw is None else positive_seconds("timeout", raw)
 
 
+def _last_call(args) -> float:
+    """--last-call, or torchrun's ``--rdzv-conf last_call_timeout=`` (same meaning)."""
+    raw = parse_rdzv_conf(args.rdzv_conf).get("last_call_timeout")
+    return args.last_call if raw is None else positive_seconds("last_call_timeout", raw)
+
+
 def _is_loopback(endpoint: str) -> bool:
     host = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}").hostname or ""
     return host in ("localhost", "::1") or host.startswith("127.")
@@ -94,15 +100,39 @@ def _check_standalone(args) -> None:
             f"--rdzv-id JOB --nnodes {args.nnodes} (an etcd all nodes reach)")
 
 
-def _launch(args) -> int:
+def _output(args, config, nproc: int):
+    """Where worker output goes, as torchrun's DefaultLogsSpecs decides it (its layout under
+    ``--log-dir``; see tm_launch.workers)."""
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
+
+    from .workers import OutputSpec
+
+    redirects = {k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()}
+    tee = {k: int(v) for k, v in to_map(Std.from_str(args.tee), nproc).items()}
+    log_dir = args.log_dir
+    if log_dir == os.devnull:  # torchrun's "no log files": output stays on the console
+        log_dir, redirects, tee = None, {}, {}
+    elif not log_dir:  # torchrun's DefaultLogsSpecs (made by config_from_args) made a temporary one
+        made = config.logs_specs.root_log_dir
+        if any(redirects.values()) or any(tee.values()):  # output files go there and are kept, as torchrun
+            log_dir = made
+            print(f"[tm-launch] worker output (--redirects/--tee) goes to files under {log_dir}", file=sys.stderr, flush=True)
+        elif os.path.isdir(made) and not os.listdir(made):
+            os.rmdir(made)  # unused: error files go to the agent's own scratch directory
+    return OutputSpec(
+        log_dir=log_dir, redirects=redirects, tee=tee,
+        shown=set(map(int, args.local_ranks_filter.split(","))) if args.local_ranks_filter else None,
+        role=args.role,
+    )
+
+
+def _launch(args) -> int:
     from torch.distributed.run import config_from_args
 
     from rendezvous.kv import AccessDenied, KVError, connect
 
     from .agent import Agent, AgentConfig
     from rendezvous.planner import Limits
-    from .workers import OutputSpec
 
     server = None
     if args.standalone:
@@ -140,13 +170,7 @@ def _launch(args) -> int:
         addr = _local_addr(args.local_addr, options.endpoints)
         # torchrun's agent sets this for its workers (launcher/api.py); they inherit it.
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle
-        output = OutputSpec(
-            log_dir=args.log_dir,
-            redirects={k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()},
-            tee={k: int(v) for k, v in to_map(Std.from_str(args.tee), nproc).items()},
-            shown=set(map(int, args.local_ranks_filter.split(","))) if args.local_ranks_filter else None,
-            role=args.role,
-        )
+        output = _output(args, config, nproc)
         # Live mode runs Python workers through tm_launch.worker: exactly `python SCRIPT`, plus
         # running the script again when a promoted spare takes other ranks than it warmed up as.
         # torchrun's cmd_args for a Python worker are ["-u", ("-m",) SCRIPT, ...]; --no-python
@@ -160,7 +184,7 @@ def _launch(args) -> int:
             addr=addr, nproc=nproc,
             limits=Limits(min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, max_restarts=args.max_restarts),
             cmd=entry + list(cmd_args), run_id=run_id, role=args.role, lease_ttl=args.lease_ttl,
-            monitor_interval=args.monitor_interval, join_timeout=_join_timeout(args), last_call=args.last_call,
+            monitor_interval=args.monitor_interval, join_timeout=_join_timeout(args), last_call=_last_call(args),
             spares_wanted=args.spares, live_enabled=not args.no_live, collective_timeout=args.collective_timeout,
             sandbox_steps=args.sandbox_steps, output=output, health=args.health, event_log=args.event_log,
             metrics_port=args.metrics_port,

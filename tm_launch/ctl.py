@@ -73,7 +73,7 @@ def _connect(args):
 
 
 def status(members, run_id: str) -> dict:
-    from rendezvous.plan import SUCCEEDED
+    from rendezvous.plan import FAILED, SUCCEEDED
     from rendezvous.planner import spares
 
     snap = members.snapshot(strict=False)   # an operator still sees the nodes when the plan is junk
@@ -88,7 +88,8 @@ def status(members, run_id: str) -> dict:
         if node in view.failed:
             role = "failed"
         elif active and plan.finished:  # its agent has exited (or is about to): not lost
-            role = "finished" if plan.state == SUCCEEDED else "lost" if node in plan.removed else "stopped"
+            # the failed plan's removed nodes are the ones blamed (a worker failed or the node was lost)
+            role = "finished" if plan.state == SUCCEEDED else "failed" if node in plan.removed else "stopped"
         elif active and node in view.drains:
             role = "draining"
         elif active:
@@ -108,7 +109,8 @@ def status(members, run_id: str) -> dict:
         "state": plan.state if plan else ("plan unreadable" if snap.plan_error else "forming"),
         "world_size": plan.world_size if plan else 0,
         "live": view.live,
-        "restarts": plan.restarts if plan else 0,
+        # restarts done: a failed plan also counts the failure that found none left
+        "restarts": (plan.restarts - (plan.state == FAILED and plan.restarts > 0)) if plan else 0,
         "cause": plan.cause if plan else "",
         "spares_left": len(spares(view)),  # not the removed node that has yet to exit, nor a draining one
         "nodes": nodes,

@@ -5,23 +5,74 @@ not warm up as (``tm_launch.runtime.RankChanged``) runs the script again from th
 process, so everything the script derives from its rank (tensor-parallel shards, pipeline stage,
 sampler, rank-0 duties) is built for the ranks it actually took, while imports, the CUDA context
 and compilation caches stay warm.
+
+The script sees and shows what ``python SCRIPT`` gives: ``sys.argv`` as given, an absolute
+``__file__`` (and frame file names), and an uncaught exception's traceback without this
+wrapper's frames (and runpy's, beyond those ``python -m MODULE`` shows too).
 """
 
 from __future__ import annotations
 
 import gc
+import io
 import os
 import runpy
 import sys
+import types
+import zipfile
+
+
+def _run_script(path: str) -> None:
+    """``runpy.run_path`` as ``python PATH`` runs it: the code named by its absolute path, but
+    ``sys.argv[0]`` left as given (run_path would set it to the path it was handed)."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path) or zipfile.is_zipfile(path):  # a directory or zip with __main__.py
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+
+
+def _as_python_shows_it(kind, value, tb) -> None:
+    """``sys.excepthook``: the traceback without this wrapper's frames, as Python prints it."""
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    names = [f.tb_frame.f_code.co_filename for f in frames]
+    if __file__ in names:
+        start = end = names.index(__file__)  # before it: the interpreter's runpy frames, as under `python -m M`
+        while end < len(names) and names[end] in (__file__, runpy.__file__, "<frozen runpy>"):
+            end += 1
+        if end < len(frames):  # else the error is the wrapper's own: show it all
+            frames = (frames[:start] if _AS_MODULE else []) + frames[end:]
+    for f in reversed(frames):
+        tb = types.TracebackType(tb, f.tb_frame, f.tb_lasti, f.tb_lineno)
+    sys.__excepthook__(kind, value.with_traceback(tb), tb)  # Python prints the exception's own traceback
+
+
+_AS_MODULE = False
 
 
 def main(argv: list[str]) -> None:
+    global _AS_MODULE
     if not argv:
         raise SystemExit("usage: python -m tm_launch.worker SCRIPT [ARGS] | -m MODULE [ARGS]")
     from tm_launch.runtime import RankChanged
 
     as_module = argv[0] == "-m"
     target, args = (argv[1], argv[2:]) if as_module else (argv[0], argv[1:])
+    _AS_MODULE = as_module
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _as_python_shows_it
     while True:
         if as_module:
             sys.argv = [target, *args]
@@ -33,7 +84,7 @@ def main(argv: list[str]) -> None:
             if as_module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
-                runpy.run_path(target, run_name="__main__")
+                _run_script(target)
             return
         except RankChanged:
             gc.collect()  # the old ranks' model, optimizer and groups go before the new ones are built

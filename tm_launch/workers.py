@@ -64,6 +64,7 @@ class Worker:
         self.started = time.time()
         self._threads: list[threading.Thread] = []
         self._files = []
+        self.stderr_log: tuple[str, int] | None = None  # (stderr.log, its size before this worker wrote to it)
         streams, pipes = {}, {}
         for bit, name in ((1, "stdout"), (2, "stderr")):
             teed = out.tee.get(local_rank, 0) & bit
@@ -72,6 +73,8 @@ class Worker:
             path = os.path.join(attempt_dir, str(local_rank), f"{name}.log") if attempt_dir and (teed or redirected) else None
             if path:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
+                if name == "stderr":  # an attempt directory may be reused: this worker's part starts here
+                    self.stderr_log = (path, os.path.getsize(path) if os.path.exists(path) else 0)
             if teed:
                 streams[name] = subprocess.PIPE
                 pipes[name] = (path, None if hidden else getattr(sys, name), f"[{out.role}{local_rank}]:".encode())
@@ -100,9 +103,13 @@ class Worker:
         except ProcessLookupError:
             pass
 
-    def close(self) -> None:
+    def flush_output(self) -> None:
+        """Wait (briefly) until teed output of an exited worker has reached its files."""
         for t in self._threads:
             t.join(timeout=1)
+
+    def close(self) -> None:
+        self.flush_output()
         for fh in self._files:
             fh.close()
 
@@ -131,6 +138,22 @@ def _summary(message) -> str:
         text, where = str(message or "").strip(), ""
     first = text.splitlines()[0][:300] if text else ""
     return first + where if first else ""
+
+
+def _stderr_summary(path: str, start: int) -> str:
+    """The root cause of a worker that wrote no error file (no ``@record``), from its stderr log
+    (from offset ``start``: its own part): the last traceback's exception line and innermost
+    ``file:line``; empty if there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, os.path.getsize(path) - 65536))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    last = text.rfind("Traceback (most recent call last):")
+    lines = text[last:].splitlines()[1:] if last >= 0 else []
+    exception = next((line for line in lines if line.strip() and not line.startswith(" ")), "")
+    return _summary({"message": exception, "extraInfo": {"py_callstack": "\n".join(lines)}}) if exception else ""
 
 
 def _pump(pipe, path: str | None, console, prefix: bytes) -> None:
@@ -197,8 +220,8 @@ class WorkerSet:
     def failure_report(self, ranks: list[int]) -> tuple[str, str]:
         """torchrun's report of this set's failed workers (``ChildFailedError.format_msg``: the
         root cause's traceback, from its error file) and a one-line summary of the root cause
-        (``ValueError: boom (at train.py:42)``; empty without an error file). ``ranks``: global
-        rank per local rank."""
+        (``ValueError: boom (at train.py:42)``, from the error file, else from a stderr log;
+        empty without either). ``ranks``: global rank per local rank."""
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
         from torch.distributed.launcher.api import _get_entrypoint_name
 
@@ -211,9 +234,18 @@ class WorkerSet:
                     local_rank=lr, pid=self.workers[lr].pid, exitcode=code, error_file=path if readable else os.devnull)
         if not failures:
             return "", ""
-        error = ChildFailedError(name=_get_entrypoint_name(self.cmd[0], self.cmd[1:]), failures=failures)
+        args = list(self.cmd[1:])
+        if args[1:3] == ["-m", "tm_launch.worker"]:  # live mode's wrapper (cli): name the script, as torchrun
+            del args[1:3]
+        error = ChildFailedError(name=_get_entrypoint_name(self.cmd[0], args), failures=failures)
         _, root = error.get_first_failure()
-        return error.format_msg(), _summary(root.message) if os.path.isfile(root.error_file) else ""
+        if os.path.isfile(root.error_file):
+            return error.format_msg(), _summary(root.message)
+        worker = self.workers[root.local_rank]
+        if root.exitcode > 0 and worker.stderr_log:  # an uncaught exception's traceback is the last one
+            worker.flush_output()
+            return error.format_msg(), _stderr_summary(*worker.stderr_log)
+        return error.format_msg(), ""
 
     def __bool__(self) -> bool:
         return bool(self.workers)
