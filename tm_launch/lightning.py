@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import sys
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -40,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import tm_launch
 
 from .agent_channel import log
+from .live_loop import LiveLoop, new_ddp_like
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # identical on every DDP replica: sent as tensors
 
@@ -61,12 +61,9 @@ class LiveStrategy(DDPStrategy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._job = None  # the tm-launch job while this run is live
-        self._steps = None  # its job.steps() generator, advanced once per (re)run of a step
+        self._loop: LiveLoop | None = None  # while this run is live
         self._state: LightningState | None = None
         self._loops_at_step_start: dict | None = None
-        self._snapshot_step: int | None = None
-        self._generation: int | None = None
 
     # -- set-up --------------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -81,7 +78,7 @@ class LiveStrategy(DDPStrategy):
         if reason is not None:
             log(f"tm_launch.lightning: restart mode, not live: {reason}")
             return
-        self._job = job
+        self._loop = LiveLoop(job)
         self._state = LightningState(self)
         job.register(lightning=self._state)
         job.register(per_rank=True, rng=tm_launch.RNGState())
@@ -99,7 +96,7 @@ class LiveStrategy(DDPStrategy):
 
     def process_dataloader(self, dataloader):
         dataloader = super().process_dataloader(dataloader)
-        if self._job is None or not isinstance(dataloader, DataLoader) or hasattr(dataloader, "state_dict"):
+        if self._loop is None or not isinstance(dataloader, DataLoader) or hasattr(dataloader, "state_dict"):
             return dataloader
         if isinstance(dataloader.dataset, IterableDataset):
             raise RuntimeError(
@@ -111,52 +108,27 @@ class LiveStrategy(DDPStrategy):
     # -- the live step -------------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         trainer = self.lightning_module.trainer
-        if self._job is None:  # restart mode (or torchrun): the agent still sees the steps
+        if self._loop is None:  # restart mode (or torchrun): the agent still sees the steps
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
             tm_launch.report_step(trainer.global_step + 1)  # Lightning counts it when this returns
             return result
-        if self._steps is None:
-            self._steps = self._job.steps(sys.maxsize, start=trainer.global_step)
-        while True:
-            step = next(self._steps)  # a failed attempt is repaired here, then the same step again
-            self._begin(step, trainer)
-            result = closure()
-            if self._job.commit():
-                break
+        result = self._loop.run(trainer.global_step, closure, on_new_generation=self._new_ddp, on_new_step=self._snapshot_loops)
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
-    def _begin(self, step: int, trainer) -> None:
-        if step != trainer.global_step:
-            raise RuntimeError(f"tm_launch.lightning: the job is at step {step} but Lightning at global_step "
-                               f"{trainer.global_step}: one optimizer step per batch is required for live mode")
-        if self._generation is not None and self._generation != self._job.generation:
-            self._new_ddp()
-        self._generation = self._job.generation
-        if step != self._snapshot_step:  # not a re-run: what the loops look like at a step's start
-            self._loops_at_step_start = copy.deepcopy(trainer.fit_loop.state_dict())
-            self._snapshot_step = step
+    def _snapshot_loops(self, step: int) -> None:
+        """What the loops look like at the start of a step: the position a joining rank resumes at."""
+        self._loops_at_step_start = copy.deepcopy(self.lightning_module.trainer.fit_loop.state_dict())
 
     def _new_ddp(self) -> None:
-        """A new generation: this rank continues with a new DDP, as a joining rank does.
-
-        A new DDP lays its gradient bucket out in parameter order until its second step, when
-        it adopts rank 0's backward order (a broadcast); a DDP that has stepped keeps the
-        backward-order layout. A joiner's new DDP and a survivor's old one would all-reduce
-        buffers laid out differently, element by element: wrong gradients, no error. So every
-        rank that stepped in an earlier generation starts over with a new one too (without
-        DDP's start-up broadcast: the parameters are already equal)."""
-        old = self.model
-        if not isinstance(old, DistributedDataParallel):
-            return
-        old._remove_autograd_hooks()
-        self.model = DistributedDataParallel(module=old.module, device_ids=self.determine_ddp_device_ids(),
-                                             **{**self._ddp_kwargs, "init_sync": False})
-        self._register_ddp_hooks()
+        """A new generation: this rank continues with a new DDP, as a joining rank does
+        (``live_loop.new_ddp_like``)."""
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = new_ddp_like(self.model)
+            self._register_ddp_hooks()
 
     def on_train_end(self) -> None:
-        if self._steps is not None:
-            self._steps.close()  # the last step's bookkeeping; the agent sees the worker finish
-            self._steps = None
+        if self._loop is not None:
+            self._loop.close()
         super().on_train_end()
 
 
@@ -193,7 +165,7 @@ class LightningState:
             return {}  # no step has run: nothing to give (a rank still joining)
         ckpt = s.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         ckpt["loops"] = {**ckpt["loops"], "fit_loop": s._loops_at_step_start}
-        ckpt["global_step"] = s._snapshot_step
+        ckpt["global_step"] = s._loop.started
         tensors = {k: ckpt.pop(k) for k in _TENSOR_KEYS if k in ckpt}
         return {**tensors, "rest": pickle.dumps(ckpt)}
 

@@ -1,0 +1,70 @@
+"""Live steps driven from a framework's own step hook (``tm_launch.lightning``, ``tm_launch.huggingface``).
+
+A framework's loop cannot be wrapped in ``job.steps()``, but each framework calls one hook per
+optimizer step that contains the step's forward and backward (Lightning's ``optimizer_step``
+closure, the HF ``Trainer``'s ``training_step``). ``LiveLoop.run`` makes that hook a live step:
+it advances ``job.steps()`` (where a failure is repaired and a new generation entered), runs the
+body, takes the commit vote, and runs the body again when the step did not commit, so the
+framework's loop never counts a step that was not applied job-wide.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.nn.parallel import DistributedDataParallel
+
+
+class LiveLoop:
+    def __init__(self, job):
+        self.job = job
+        self._steps = None  # job.steps(): advanced once per attempt of a step
+        self._generation: int | None = None
+        self.started: int | None = None  # the step whose first attempt began last
+
+    def run(self, framework_step: int, body, on_new_generation=None, on_new_step=None):
+        """One optimizer step of the framework, at its ``framework_step`` (its global step):
+        ``on_new_generation()`` before the first attempt in a new generation (this rank stepped
+        in an earlier one), ``on_new_step(step)`` before the first attempt of a step, ``body()``
+        for each attempt; returns the committed attempt's result."""
+        if self._steps is None:
+            self._steps = self.job.steps(sys.maxsize, start=framework_step)
+        while True:
+            step = next(self._steps)
+            if step != framework_step:
+                raise RuntimeError(f"tm-launch: the job is at step {step} but the framework at {framework_step}: one "
+                                   "optimizer step per batch (no gradient accumulation) is required for live mode")
+            if self._generation is not None and self._generation != self.job.generation and on_new_generation:
+                on_new_generation()
+            self._generation = self.job.generation
+            if step != self.started:
+                if on_new_step:
+                    on_new_step(step)
+                self.started = step
+            result = body()
+            if self.job.commit():
+                return result
+
+    def close(self) -> None:
+        """The framework's loop ended: the last step's bookkeeping; the agent sees it finish."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+
+
+def new_ddp_like(old: DistributedDataParallel) -> DistributedDataParallel:
+    """A new DDP over ``old``'s module, configured as ``old``, without DDP's start-up broadcast.
+
+    For a new generation on every rank that stepped in an earlier one: a DDP that has stepped
+    lays its gradient bucket out in backward order, a new one in parameter order until its second
+    step (when all adopt rank 0's order, a broadcast). A joining rank's new DDP and a survivor's
+    old one would all-reduce buffers laid out differently, element by element: wrong gradients,
+    no error. With a new DDP everywhere, every rank lays out and re-buckets the same way at the
+    same step. ``old``'s autograd hooks are removed (it must not reduce again)."""
+    old._remove_autograd_hooks()
+    return DistributedDataParallel(
+        old.module, device_ids=old.device_ids, output_device=old.output_device, dim=old.dim,
+        process_group=old.process_group, bucket_cap_mb=old.bucket_bytes_cap / 2**20,
+        find_unused_parameters=old.find_unused_parameters, gradient_as_bucket_view=old.gradient_as_bucket_view,
+        static_graph=old.static_graph, forward_sync_buffers=old.forward_sync_buffers, init_sync=False,
+    )
