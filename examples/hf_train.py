@@ -1,11 +1,13 @@
-"""A Hugging Face ``Trainer`` job under tm-launch (restart mode: the ``Trainer`` owns its loop).
+"""A Hugging Face ``Trainer`` job under tm-launch.
 
-    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... examples/hf_train.py --output-dir ckpt
+    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... examples/hf_train.py --live --output-dir ckpt
     torchrun --standalone --nproc-per-node 2 examples/hf_train.py --output-dir ckpt     # the same job
 
-A failure restarts every worker; the ``Trainer`` resumes from its newest checkpoint in
-``--output-dir`` (``save_steps``) exactly as after a torchrun restart. ``ReportSteps`` lets the
-agent see the steps (``ctl status``, ``ctl timeline``, the hang watchdog).
+``--live``: ``tm_launch.init()`` first, then ``LiveTrainer`` instead of ``Trainer``: a spare takes
+a failed rank's place in the running job (``tm_launch.huggingface``). Without it: restart mode,
+every worker restarts and the ``Trainer`` resumes from its newest checkpoint in ``--output-dir``
+(``save_steps``) as after a torchrun restart; ``ReportSteps`` lets the agent see the steps
+(``ctl status``, ``ctl timeline``, the hang watchdog).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tm_launch.huggingface import ReportSteps  # noqa: E402
+import tm_launch  # noqa: E402
+from tm_launch.huggingface import LiveTrainer, ReportSteps  # noqa: E402
 
 
 class Regression(torch.nn.Module):
@@ -46,13 +50,22 @@ class Data(torch.utils.data.Dataset):
 
 
 class KillOnce(TrainerCallback):
-    """SIGKILL this worker once per job when it holds --kill-rank at --kill-step."""
+    """SIGKILL this worker once per job when it holds --kill-rank at --kill-step (before its
+    forward); --pause-step/--pause-file hold every rank; --step-log records each step."""
 
     def __init__(self, args):
         self.args = args
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.args.step_log:
+            with open(self.args.step_log, "a") as f:
+                f.write(f"{time.time():.6f} {os.environ.get('RANK', 0)} {state.global_step - 1} 0 {os.getpid()}\n")
+
     def on_step_begin(self, args, state, control, **kwargs):
         a = self.args
+        if state.global_step == a.pause_step and a.pause_file:
+            while not os.path.exists(a.pause_file):
+                time.sleep(0.02)
         if int(os.environ.get("RANK", 0)) != a.kill_rank or state.global_step != a.kill_step:
             return
         try:
@@ -66,6 +79,10 @@ class KillOnce(TrainerCallback):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--output-dir", required=True)
+    p.add_argument("--live", action="store_true", help="LiveTrainer (tm_launch.init() first)")
+    p.add_argument("--step-log", default=None)
+    p.add_argument("--pause-step", type=int, default=-1)
+    p.add_argument("--pause-file", default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--out-dir", default=None, help="every rank saves its final parameters here (rank<R>.pt)")
     p.add_argument("--kill-rank", type=int, default=-1)
@@ -73,6 +90,8 @@ def main() -> None:
     p.add_argument("--kill-marker", default="killed")
     args = p.parse_args()
 
+    if args.live:
+        tm_launch.init()  # before TrainingArguments, which starts a process group otherwise
     torch.manual_seed(0)
     model = Regression()
     training = TrainingArguments(
@@ -80,7 +99,8 @@ def main() -> None:
         optim="sgd", lr_scheduler_type="linear", save_steps=10, logging_steps=10, report_to=[], use_cpu=True,
         seed=0, data_seed=0, disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training, train_dataset=Data(256), callbacks=[ReportSteps(), KillOnce(args)])
+    trainer = (LiveTrainer if args.live else Trainer)(model=model, args=training, train_dataset=Data(256),
+                                                      callbacks=[ReportSteps(), KillOnce(args)])
     last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
     trainer.train(resume_from_checkpoint=last)
     if args.out_dir:

@@ -39,6 +39,7 @@ def run_with_spare(local_job, script: str, args: list[str]):
     job = local_job(nnodes="2", nproc=1, script=script, launcher_args=["--max-restarts", "2"])
     trigger = os.path.join(job.workdir, "trigger")
     out = os.path.join(job.workdir, "out")
+    args = [os.path.join(job.workdir, "ckpt") if a == "CKPT" else a for a in args]
     job.script_args = [*args, "--out-dir", out, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger,
                        "--kill-marker", os.path.join(job.workdir, "killed")]
     job.start_all(["a", "b"])
@@ -152,3 +153,32 @@ def test_hf_trainer_restarts_from_its_checkpoint_bitwise_and_reports_its_steps(l
     assert len(plans) == 2 and not any(p["live"] for p in plans), [p["message"] for p in plans]
     for rank in (0, 1):
         assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf-ref")
+    torchrun(HF, ["--output-dir", str(out / "ckpt"), "--out-dir", str(out)])
+    return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
+
+
+@pytest.mark.parametrize("victim_rank", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_hf_live_trainer_spare_takes_over_bitwise(local_job, hf_reference, victim_rank):
+    """LiveTrainer: a worker dies before its forward at step 9; the spare, parked in train(),
+    resumes through the Trainer's own resume_from_checkpoint from the state a survivor sent (at
+    step 9, mid-epoch), the survivor keeps its process and runs step 9 once more; every rank ends
+    bitwise equal to a plain Trainer under torchrun, and no process runs a step twice."""
+    pytest.importorskip("transformers")
+    job, codes, params = run_with_spare(local_job, HF, ["--live", "--output-dir", "CKPT", "--kill-rank", str(victim_rank),
+                                                        "--kill-step", str(KILL)])
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes["c"] == 0 and codes[survivor] == 0 and codes[victim] != 0, job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
+    assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
+    for rank in (0, 1):
+        assert_bitwise(params[rank], hf_reference[rank])
+    steps_by_pid: dict[int, list[int]] = {}
+    for _, rank, step, _, pid in job.step_records():
+        steps_by_pid.setdefault(pid, []).append(step)
+    assert len(steps_by_pid) == 3 and all(s == list(range(s[0], s[0] + len(s))) for s in steps_by_pid.values()), steps_by_pid
