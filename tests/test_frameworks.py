@@ -34,6 +34,17 @@ def lightning_reference(tmp_path_factory):
     return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
 
 
+def assert_each_process_ran_each_step_once(job) -> None:
+    """Three processes logged steps (the survivor kept its process: 2 before the fault, +1
+    joiner), each a run of consecutive steps: none ran twice, none was skipped."""
+    steps_by_pid: dict[int, list[int]] = {}
+    for _, rank, step, _, pid in job.step_records():
+        steps_by_pid.setdefault(pid, []).append(step)
+    assert len(steps_by_pid) == 3, steps_by_pid
+    for pid, steps in steps_by_pid.items():
+        assert steps == list(range(steps[0], steps[0] + len(steps))), (pid, steps)
+
+
 def run_with_spare(local_job, script: str, args: list[str]):
     """2 active nodes + 1 spare; every rank pauses at PAUSE until the spare has parked."""
     job = local_job(nnodes="2", nproc=1, script=script, launcher_args=["--max-restarts", "2"])
@@ -71,12 +82,7 @@ def test_lightning_live_strategy_spare_takes_over_bitwise(local_job, lightning_r
     assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
     for rank in (0, 1):
         assert_bitwise(params[rank], lightning_reference[rank])
-    steps_by_pid: dict[int, list[int]] = {}
-    for _, rank, step, _, pid in job.step_records():
-        steps_by_pid.setdefault(pid, []).append(step)
-    for pid, steps in steps_by_pid.items():  # no process ran a step twice or skipped one
-        assert steps == list(range(steps[0], steps[0] + len(steps))), (pid, steps)
-    assert len(steps_by_pid) == 3, steps_by_pid  # the survivor kept its process: 2 before, +1 joiner
+    assert_each_process_ran_each_step_once(job)
 
 
 @pytest.mark.slow
@@ -126,6 +132,7 @@ def test_accelerate_loop_spare_takes_over_bitwise(local_job, accelerate_referenc
     assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
     for rank in (0, 1):
         assert_bitwise(params[rank], accelerate_reference[rank])
+    assert_each_process_ran_each_step_once(job)
 
 
 HF = os.path.join(REPO, "examples", "hf_train.py")
@@ -178,7 +185,4 @@ def test_hf_live_trainer_spare_takes_over_bitwise(local_job, hf_reference, victi
     assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
     for rank in (0, 1):
         assert_bitwise(params[rank], hf_reference[rank])
-    steps_by_pid: dict[int, list[int]] = {}
-    for _, rank, step, _, pid in job.step_records():
-        steps_by_pid.setdefault(pid, []).append(step)
-    assert len(steps_by_pid) == 3 and all(s == list(range(s[0], s[0] + len(s))) for s in steps_by_pid.values()), steps_by_pid
+    assert_each_process_ran_each_step_once(job)
