@@ -30,7 +30,6 @@ import shutil
 import tempfile
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -38,7 +37,7 @@ from transformers.trainer_callback import ExportableState
 import tm_launch
 
 from .agent_channel import log
-from .live_loop import LiveLoop, new_ddp_like
+from .live_loop import LiveLoop, live_job, new_ddp_like
 
 
 class ReportSteps(TrainerCallback):
@@ -58,8 +57,9 @@ class LiveTrainer(Trainer):
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         resume_dir = None
-        if os.environ.get("TM_AGENT_STORE"):
-            received = self._join_live()
+        job = live_job()
+        if job is not None:
+            received = self._join_live(job)
             if received is not None:
                 resume_dir = tempfile.mkdtemp(prefix="tm-launch-hf-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
                 resume_from_checkpoint = received.write(resume_dir)
@@ -74,19 +74,13 @@ class LiveTrainer(Trainer):
             self._loop.close()
         return result
 
-    def _join_live(self):
+    def _join_live(self, job):
         """Go live if this run can be repaired in place; a spare parks here. Returns what a
         joining rank received (a ``Received``), else None."""
         if self.args.gradient_accumulation_steps != 1:
             log(f"tm_launch.huggingface: restart mode, not live: gradient_accumulation_steps="
                 f"{self.args.gradient_accumulation_steps} (a step's earlier micro-batches would be lost)")
             return None
-        job = tm_launch.init()
-        if not hasattr(job, "enter_before_loop"):  # --no-live
-            return None
-        if dist.group.WORLD is not job.group:
-            raise RuntimeError("tm_launch.huggingface.LiveTrainer: call tm_launch.init() before TrainingArguments "
-                               "(which starts a process group of its own otherwise)")
         self._loop = LiveLoop(job)
         self._live_state = TrainerCheckpoint(self)
         job.register(trainer=self._live_state)

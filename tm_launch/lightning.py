@@ -27,7 +27,6 @@ the log says why.
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 
 import torch
@@ -39,7 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import tm_launch
 
 from .agent_channel import log
-from .live_loop import LiveLoop, new_ddp_like
+from .live_loop import LiveLoop, live_job, new_ddp_like
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # identical on every DDP replica: sent as tensors
 
@@ -67,13 +66,13 @@ class LiveStrategy(DDPStrategy):
 
     # -- set-up --------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        if os.environ.get("TM_AGENT_STORE"):
-            self._join_live()
+        job = live_job()
+        if job is not None:
+            self._join_live(job)
         super().setup_environment()  # init_process_group: already done by tm_launch.init()
 
-    def _join_live(self) -> None:
+    def _join_live(self, job) -> None:
         trainer = self.lightning_module.trainer
-        job = tm_launch.init()
         reason = not_live_reason(trainer)
         if reason is not None:
             log(f"tm_launch.lightning: restart mode, not live: {reason}")

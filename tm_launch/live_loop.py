@@ -10,9 +10,26 @@ framework's loop never counts a step that was not applied job-wide.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torch.nn.parallel import DistributedDataParallel
+
+
+def live_job():
+    """The job (``tm_launch.init()``) when this worker may be repaired in place: under tm-launch
+    and not ``--no-live``; None otherwise (torchrun, restart mode)."""
+    if not os.environ.get("TM_AGENT_STORE"):
+        return None
+    import torch.distributed as dist
+
+    from . import runtime
+
+    if runtime._LIVE is None and dist.is_initialized():
+        raise RuntimeError("tm-launch: the process group was started before tm_launch.init(); call tm_launch.init() "
+                           "first in the script (before TrainingArguments or Accelerator, which start one of their own)")
+    job = runtime.init()
+    return job if isinstance(job, runtime.LiveJob) else None
 
 
 class LiveLoop:

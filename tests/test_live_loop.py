@@ -1,0 +1,72 @@
+"""tm_launch.live_loop: the framework step driver's rules, on a scripted job (the real one is
+exercised end to end with each framework in test_frameworks.py)."""
+
+import pytest
+
+from tm_launch.live_loop import LiveLoop, live_job
+
+
+class ScriptedJob:
+    """``steps()`` yields the step until it commits; ``commit()`` answers from a script;
+    ``generation`` changes when the script says so (a failure repaired inside ``steps()``)."""
+
+    def __init__(self, commits, generations):
+        self.commits, self.generations = list(commits), list(generations)
+        self.generation, self.step, self.closed = 0, None, False
+
+    def steps(self, total, start=0):
+        self.step = start
+        try:
+            while True:
+                self.generation = self.generations.pop(0)
+                yield self.step
+                if self.last:
+                    self.step += 1
+        except GeneratorExit:
+            self.closed = True
+
+    def commit(self):
+        self.last = self.commits.pop(0)
+        return self.last
+
+
+@pytest.mark.parametrize("commits, generations, attempts, renewals", [
+    ([True], [0], 1, 0),  # one attempt, committed
+    ([False, True], [0, 1], 2, 1),  # interrupted: repaired in generation 1, run again, a new DDP first
+    ([False, False, True], [0, 1, 2], 3, 2),  # interrupted twice
+    ([False, True], [0, 0], 2, 0),  # not committed, same generation (a vote that failed): no renewal
+])
+def test_a_step_runs_until_it_commits(commits, generations, attempts, renewals):
+    job = ScriptedJob(commits, generations)
+    loop, calls, renewed, new_steps = LiveLoop(job), [], [], []
+    result = loop.run(5, lambda: calls.append(1) or len(calls), on_new_generation=lambda: renewed.append(1),
+                      on_new_step=new_steps.append)
+    assert result == attempts == len(calls)  # the committed attempt's result
+    assert len(renewed) == renewals and new_steps == [5]  # snapshot once per step, not per attempt
+    loop.close()
+    assert job.closed
+
+
+def test_the_framework_and_the_job_must_agree_on_the_step():
+    job = ScriptedJob([True, True], [0, 0])
+    loop = LiveLoop(job)
+    loop.run(3, lambda: None)
+    with pytest.raises(RuntimeError, match="one optimizer step per batch"):
+        loop.run(3, lambda: None)  # the framework did not count the committed step (e.g. accumulation)
+
+
+def test_a_process_group_started_before_init_is_one_clear_error(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TM_AGENT_STORE", "127.0.0.1:1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="call tm_launch.init\\(\\) first"):
+            live_job()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_outside_tm_launch_there_is_no_live_job(monkeypatch):
+    monkeypatch.delenv("TM_AGENT_STORE", raising=False)
+    assert live_job() is None
