@@ -17,6 +17,11 @@ Under tm-launch (live mode) each worker talks only to its own agent (``agent_cha
   agree on the newest committed step, and the ranks behind receive their own state from a live
   replica of the same shard (``replicas``, ``transfer``).
 
+A framework's loop cannot be wrapped in ``job.steps()``: its integration (``tm_launch.live_loop``,
+used by ``tm_launch.lightning`` and ``tm_launch.huggingface``) advances ``steps()`` from the
+framework's step hook, and ``enter_before_loop()`` lets its spare enter before the loop runs, so
+the framework resumes its own loop from the state received.
+
 A worker is *live* (its failures are repaired in place) once it runs ``job.steps()``; until
 then, and for scripts that never call it, failures restart every worker (restart mode).
 Under plain torchrun, or with ``tm-launch --no-live``, ``init`` is ``init_process_group`` and
@@ -253,6 +258,10 @@ class LiveJob:
         group, a DeviceMesh or ranks; default the world). DTensors (FSDP2, tensor parallel)
         carry their own layout. Optimizers skip their update on a step that does not commit;
         LR schedulers and GradScaler updates are guarded the same way.
+
+        An object may carry others' state (a framework's whole checkpoint): its ``parts()``
+        lists those modules and optimizers, which then may step and are cleared as registered
+        ones are; a wrapper's ``.optimizer``/``.scheduler`` (accelerate's) is found by itself.
 
         ``per_rank=True``: state this rank alone advances in every step (``tm_launch.RNGState()``,
         a sampler's or loader's position): restored when a step runs again, and mirrored so that
