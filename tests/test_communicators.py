@@ -17,11 +17,16 @@ import torch.distributed as dist
 from tm_launch import communicators
 from tm_launch.groups import LiveGroup, StepPoison, new_gloo
 
-# What the agent gives live workers (read by each ProcessGroupNCCL at construction): an
-# aborted or failed communicator must not take this test process down with it.
-os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", communicators.nccl_error_handling(True, None))
 HAS_CUDA = torch.cuda.is_available() and dist.is_nccl_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and NCCL (this is a CPU build or machine)")
+
+
+@pytest.fixture(autouse=True)
+def live_nccl_error_handling(monkeypatch):
+    """What the agent gives live workers (read by each ProcessGroupNCCL at construction): an
+    aborted or failed communicator must not take this test process down with it. Per test, not
+    at import: the whole suite's later launches (torchrun's environment) must not inherit it."""
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", communicators.nccl_error_handling(True, None))
 
 
 @pytest.fixture
