@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -62,6 +63,9 @@ class KillOnce(TrainerCallback):
                 f.write(f"{time.time():.6f} {os.environ.get('RANK', 0)} {state.global_step - 1} 0 {os.getpid()}\n")
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if dist.is_initialized():  # after a promotion to other ranks too: every view of the rank agrees
+            identity = (args.process_index, dist.get_rank(), int(os.environ["RANK"]))
+            assert len(set(identity)) == 1, f"the Trainer's rank {identity[0]}, dist's {identity[1]}, RANK {identity[2]}"
         a = self.args
         if state.global_step == a.pause_step and a.pause_file:
             while not os.path.exists(a.pause_file):

@@ -45,8 +45,9 @@ def assert_each_process_ran_each_step_once(job) -> None:
         assert steps == list(range(steps[0], steps[0] + len(steps))), (pid, steps)
 
 
-def run_with_spare(local_job, script: str, args: list[str]):
-    """2 active nodes + 1 spare; every rank pauses at PAUSE until the spare has parked."""
+def run_with_spare(local_job, script: str, args: list[str], before_release=None):
+    """2 active nodes + 1 spare; every rank pauses at PAUSE until the spare has parked (and
+    ``before_release(job)`` ran)."""
     job = local_job(nnodes="2", nproc=1, script=script, launcher_args=["--max-restarts", "2"])
     trigger = os.path.join(job.workdir, "trigger")
     out = os.path.join(job.workdir, "out")
@@ -57,6 +58,8 @@ def run_with_spare(local_job, script: str, args: list[str]):
     job.wait_for(lambda s: s["generation"] is not None, 180, "generation 0")
     job.start("c")
     job.wait_parked("c", timeout=180)
+    if before_release:
+        before_release(job)
     open(trigger, "w").close()
     codes = job.wait(timeout=300)
     return job, codes, {r: torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1)}
@@ -185,4 +188,27 @@ def test_hf_live_trainer_spare_takes_over_bitwise(local_job, hf_reference, victi
     assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
     for rank in (0, 1):
         assert_bitwise(params[rank], hf_reference[rank])
+    assert_each_process_ran_each_step_once(job)
+
+
+def drain_rank_1(job) -> None:
+    node = next(n["id"] for n in job.status()["nodes"] if n["ranks"] == [1])
+    assert job.ctl("drain", node).returncode == 0
+    job.wait_for(lambda s: s["generation"] == 1, 60, "the drain plan")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["lightning", "hf"])
+def test_drain_hands_a_framework_rank_to_the_spare_bitwise(local_job, framework, request):
+    """``ctl drain`` of rank 1's node: a planned switch at a step boundary, no failure. The spare
+    receives the framework's state as of that step's start, the survivor starts a new DDP, and
+    every rank ends bitwise equal to the framework's own run under torchrun."""
+    script, args, ref = {
+        "lightning": (LIGHTNING, [], "lightning_reference"),
+        "hf": (HF, ["--live", "--output-dir", "CKPT"], "hf_reference"),
+    }[framework]
+    job, codes, params = run_with_spare(local_job, script, args, before_release=drain_rank_1)
+    assert all(c == 0 for c in codes.values()), job.logs_tail()
+    for rank in (0, 1):
+        assert_bitwise(params[rank], request.getfixturevalue(ref)[rank])
     assert_each_process_ran_each_step_once(job)

@@ -46,6 +46,12 @@ class LiveLoop:
         for each attempt; returns the committed attempt's result."""
         if self._steps is None:
             self._steps = self.job.steps(sys.maxsize, start=framework_step)
+        if framework_step != self.started:
+            # Before steps() runs: a joiner entering there (a planned switch) receives the
+            # framework's state as of this step's start.
+            if on_new_step:
+                on_new_step(framework_step)
+            self.started = framework_step
         while True:
             step = next(self._steps)
             if step != framework_step:
@@ -54,10 +60,6 @@ class LiveLoop:
             if self._generation is not None and self._generation != self.job.generation and on_new_generation:
                 on_new_generation()
             self._generation = self.job.generation
-            if step != self.started:
-                if on_new_step:
-                    on_new_step(step)
-                self.started = step
             result = body()
             if self.job.commit():
                 return result
