@@ -322,6 +322,19 @@ def test_state_changed_after_the_commit_makes_vote_time_mirrors_inexact():
     assert "only at its vote" in joiner.fetch(commit.last_commit_where, 0, 2)
 
 
+def test_after_the_state_moved_once_every_step_start_is_mirrored_exactly():
+    """The state moved after one vote (an epoch's new loader iterator), then never again: every
+    later step still gets an exact start-of-step mirror, so a rank drained or lost at any later
+    step can be replaced (a vote-time mirror, marked inexact since the move, is refused)."""
+    server, commit, state, _ = _mirroring_rank()
+    _step(commit, state, 0, after_commit=10)  # moved after the vote: vote-time mirrors untrusted
+    for step in range(1, 4):
+        _step(commit, state, step)  # nothing moves after these votes
+    state.begin_step(4, commit)
+    joiner = _mirroring_rank()[2]
+    assert joiner.fetch(commit.last_commit_where, 0, 4) is None and joiner.objects["data"].n == 14
+
+
 def test_rng_state_round_trips():
     import random
 

@@ -73,9 +73,11 @@ class PerRankState:
         return {name: cpu_copy(obj.state_dict()) for name, obj in self.objects.items()}
 
     def begin_step(self, step: int, commit) -> None:
-        """Snapshot at the start of ``step``. If the previous step committed and the state
-        moved since its vote's mirror, mirror the exact start-of-step state now and stop
-        trusting vote-time mirrors."""
+        """Snapshot at the start of ``step``. Once the state has moved between a committed vote
+        and the next step's start (a loop that draws randomness after its optimizer step, or
+        starts a loader iterator between epochs), vote-time mirrors are no longer trusted and
+        every later step mirrors its exact start-of-step state, also when this step's state
+        happens not to have moved (its vote-time mirror is marked inexact all the same)."""
         if not self.objects:
             return
         self._snapshot = now = self._states()
@@ -84,6 +86,7 @@ class PerRankState:
             return  # nothing voted, or the vote was for a step that did not commit
         if not _same(now, voted[1]):
             self._exact = False
+        if not self._exact:
             commit.mirror(step, pickle.dumps({"step": step, "exact": True, "states": now}))
 
     def restore(self) -> None:
