@@ -310,14 +310,17 @@ class LiveJob:
         A worker that is already in the job returns at once."""
         if not self.in_sandbox:
             return
-        if self._entering is not None:  # the script ran again for the ranks this spare took
-            d, self._entering = self._entering, None
-            try:
-                self.gens.enter(d)
-            except self.gens.Superseded:
+        try:
+            if self._entering is not None:  # the script ran again for the ranks this spare took
+                d, self._entering = self._entering, None
+                try:
+                    self.gens.enter(d)
+                except self.gens.Superseded:
+                    self._park()
+            else:
                 self._park()
-        else:
-            self._park()
+        except StateLost as lost:  # as in steps(): every worker restarts from the checkpoint
+            self._state_lost(lost)
         self._held = [(g, g.inner) for g in [self.group, *self._subgroups] if g.inner is not None]
         for g, _ in self._held:
             g.swap(LocalBackend(g.rank(), g.size(), keeps_own_objects=True), g.rank(), g.size(), g.generation)
