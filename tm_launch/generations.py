@@ -147,6 +147,9 @@ class Generations:
             return True
         pending, self.pending = self.pending, None
         if not d["active"]:
+            # Its per-rank state at the switch step, exactly: the rank taking over starts there
+            # (the vote-time mirror is not trusted once the script moved that state between steps).
+            job._per_rank.begin_step(job._step, job._commit)
             self._leave()
         prebuilt = (pending["thread"], pending["built"]) if pending["thread"] is not None else None
         self.enter(d, prebuilt=prebuilt)
