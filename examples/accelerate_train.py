@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 
@@ -28,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tm_launch  # noqa: E402
+from faults import kill_once  # noqa: E402  (examples/faults.py, beside this script)
 
 
 def main() -> None:
@@ -96,14 +96,8 @@ def main() -> None:
 
 def _maybe_die(args, job, step: int) -> None:
     """SIGKILL this worker once per job, at --kill-step, if it holds --kill-rank (before the backward)."""
-    if job.in_sandbox or job.rank != args.kill_rank or step != args.kill_step:
-        return
-    try:
-        os.close(os.open(args.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return
-    print(f"[faults] rank {job.rank}: SIGKILL myself at step {step}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    if not job.in_sandbox and job.rank == args.kill_rank and step == args.kill_step:
+        kill_once(args.kill_marker, job.rank, f"step {step}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,18 @@ import time
 PHASES = ["forward", "backward", "allreduce", "vote", "optimizer", "logging", "logged", "checkpoint"]
 
 
+def kill_once(marker: str | None, rank: int, where: str) -> None:
+    """SIGKILL this process; with ``marker`` (a file that records the kill) once per job, so
+    the process that takes this rank's place does not die at the same point again."""
+    if marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    print(f"[faults] rank {rank}: SIGKILL myself at {where}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Faults:
     @staticmethod
     def add_arguments(p) -> None:
@@ -53,13 +65,7 @@ class Faults:
                 return
         elif step != a.kill_step:
             return
-        if a.kill_marker:
-            try:
-                os.close(os.open(a.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-        print(f"[faults] rank {job.rank}: SIGKILL myself at step {step} ({phase})", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        kill_once(a.kill_marker, job.rank, f"step {step} ({phase})")
 
     def arm_backward(self, model, job) -> None:
         """The ``backward`` point: when the backward pass reaches the model's first layer, the

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 
@@ -25,6 +24,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tm_launch  # noqa: E402
+from faults import kill_once  # noqa: E402  (examples/faults.py, beside this script)
 from tm_launch.huggingface import LiveTrainer, ReportSteps  # noqa: E402
 
 
@@ -70,14 +70,8 @@ class KillOnce(TrainerCallback):
         if state.global_step == a.pause_step and a.pause_file:
             while not os.path.exists(a.pause_file):
                 time.sleep(0.02)
-        if int(os.environ.get("RANK", 0)) != a.kill_rank or state.global_step != a.kill_step:
-            return
-        try:
-            os.close(os.open(a.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        print(f"[faults] rank {a.kill_rank}: SIGKILL myself at step {state.global_step}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if int(os.environ.get("RANK", 0)) == a.kill_rank and state.global_step == a.kill_step:
+            kill_once(a.kill_marker, a.kill_rank, f"step {state.global_step}")
 
 
 def main() -> None:

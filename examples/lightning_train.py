@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from faults import kill_once  # noqa: E402  (examples/faults.py, beside this script)
 from tm_launch.lightning import LiveStrategy  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer", "logged")
@@ -44,10 +44,12 @@ class Model(pl.LightningModule):
                 time.sleep(0.02)
 
     def on_train_epoch_start(self):
-        # Dropout's random numbers depend only on (epoch, rank): a restart that resumes from an
-        # epoch-end checkpoint (Lightning's checkpoints hold no RNG state) draws what the
-        # uninterrupted run drew. Live failover needs no such care (the RNG is per-rank state).
-        torch.manual_seed(1000 * self.current_epoch + self.global_rank)
+        # Restart mode (--ckpt-dir): dropout's random numbers depend only on (epoch, rank), so a
+        # restart that resumes from an epoch-end checkpoint (Lightning's checkpoints hold no RNG
+        # state) draws what the uninterrupted run drew. Live failover needs no such care: the RNG
+        # is per-rank state, mirrored with every commit.
+        if self.faults and self.faults.ckpt_dir:
+            torch.manual_seed(1000 * self.current_epoch + self.global_rank)
 
     def training_step(self, batch, batch_idx):
         self._fault("forward")
@@ -77,14 +79,8 @@ class Model(pl.LightningModule):
 
     def _fault(self, phase: str) -> None:
         a = self.faults
-        if a is None or phase != a.kill_phase or self.global_rank != a.kill_rank or self.global_step != a.kill_step:
-            return
-        try:
-            os.close(os.open(a.kill_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # once per job
-        except FileExistsError:
-            return
-        print(f"[faults] rank {self.global_rank}: SIGKILL myself at step {self.global_step} ({phase})", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if a is not None and phase == a.kill_phase and self.global_rank == a.kill_rank and self.global_step == a.kill_step:
+            kill_once(a.kill_marker, self.global_rank, f"step {self.global_step} ({phase})")
 
 
 def main() -> None:

@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from tests.test_live import assert_bitwise
+from tests.test_restart_mode import assert_restarted_once_never_live
 from tm_launch.localjob import REPO
 
 pytest.importorskip("lightning")
 
 LIGHTNING = os.path.join(REPO, "examples", "lightning_train.py")
-PAUSE, KILL = 6, 9  # every rank holds at PAUSE until the spare parked; rank 1 dies at KILL (epoch 0 of 3, 16 steps each)
+# Every rank holds at PAUSE until the spare parked; the victim dies at KILL. 16 steps per epoch:
+# epoch 1, after the loader's new iterator moved the per-rank RNG between two steps.
+PAUSE, KILL = 18, 21
 
 
 def torchrun(script: str, args: list[str], timeout: float = 300) -> None:
@@ -28,10 +31,24 @@ def torchrun(script: str, args: list[str], timeout: float = 300) -> None:
 
 @pytest.fixture(scope="module")
 def lightning_reference(tmp_path_factory):
-    """Every rank's final parameters of the fault-free run: Lightning's own DDPStrategy, torchrun."""
+    """Every rank's final parameters of the fault-free run: the same script under torchrun (where
+    LiveStrategy is Lightning's DDPStrategy, its loader iterators leaving the RNG alone)."""
     out = tmp_path_factory.mktemp("lightning-ref")
-    torchrun(LIGHTNING, ["--strategy", "ddp", "--out-dir", str(out)])
+    torchrun(LIGHTNING, ["--strategy", "live", "--out-dir", str(out)])
     return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
+
+
+def assert_spare_took_over_live(job, codes, params, reference) -> None:
+    """The killed worker's node was replaced by the spare c in a live generation 1, every rank
+    ends bitwise equal to ``reference``, and each process ran each step once."""
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes["c"] == 0 and codes[survivor] == 0 and codes[victim] != 0, job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
+    assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
+    for rank in (0, 1):
+        assert_bitwise(params[rank], reference[rank])
+    assert_each_process_ran_each_step_once(job)
 
 
 def assert_each_process_ran_each_step_once(job) -> None:
@@ -78,14 +95,7 @@ def test_lightning_live_strategy_spare_takes_over_bitwise(local_job, lightning_r
     (weights, momentum, LR scheduler, loop position mid-epoch, the dead rank's RNG for dropout),
     the survivor keeps its process, and every rank ends bitwise equal to torchrun's run."""
     job, codes, params = run_with_spare(local_job, LIGHTNING, ["--kill-rank", "1", "--kill-step", str(KILL), "--kill-phase", phase])
-    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
-    survivor = ({"a", "b"} - {victim}).pop()
-    assert codes["c"] == 0 and codes[survivor] == 0 and codes[victim] != 0, job.logs_tail()
-    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
-    assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
-    for rank in (0, 1):
-        assert_bitwise(params[rank], lightning_reference[rank])
-    assert_each_process_ran_each_step_once(job)
+    assert_spare_took_over_live(job, codes, params, lightning_reference)
 
 
 @pytest.mark.slow
@@ -102,11 +112,7 @@ def test_lightning_script_calling_init_without_the_live_strategy_restarts_bitwis
     job.script_args = ["--strategy", "ddp", "--init", "--out-dir", out, "--ckpt-dir", os.path.join(job.workdir, "ckpt"),
                        "--kill-rank", "1", "--kill-step", "20", "--kill-marker", os.path.join(job.workdir, "killed")]
     job.start_all(["a", "b", "c"])
-    codes = job.wait(timeout=300)
-    assert sorted(codes.values()) == [0, 0, 1], job.logs_tail()
-    plans = [e for e in job.events() if e["kind"] == "plan"]
-    assert len(plans) == 2 and not any(p["live"] for p in plans), [p["message"] for p in plans]
-    assert not [e for e in job.events() if e["kind"] == "sandbox"], "a spare ran the script in a sandbox"
+    assert_restarted_once_never_live(job, job.wait(timeout=300))
     for rank in (0, 1):
         assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))
 
@@ -128,14 +134,7 @@ def test_accelerate_loop_spare_takes_over_bitwise(local_job, accelerate_referenc
     Every rank ends bitwise equal to the same script under torchrun; the scheduler wrapped by
     AcceleratedScheduler and the optimizer inside AcceleratedOptimizer step exactly once per step."""
     job, codes, params = run_with_spare(local_job, ACCELERATE, ["--kill-rank", str(victim_rank), "--kill-step", str(KILL)])
-    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
-    survivor = ({"a", "b"} - {victim}).pop()
-    assert codes["c"] == 0 and codes[survivor] == 0 and codes[victim] != 0, job.logs_tail()
-    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
-    assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
-    for rank in (0, 1):
-        assert_bitwise(params[rank], accelerate_reference[rank])
-    assert_each_process_ran_each_step_once(job)
+    assert_spare_took_over_live(job, codes, params, accelerate_reference)
 
 
 HF = os.path.join(REPO, "examples", "hf_train.py")
@@ -157,10 +156,7 @@ def test_hf_trainer_restarts_from_its_checkpoint_bitwise_and_reports_its_steps(l
     job.start_all(["a", "b", "c"])
     job.wait_for(lambda s: any(any((w.get("step") or 0) >= 5 for w in (n["progress"] or {}).values()) for n in s["nodes"]),
                  180, "a reported step")
-    codes = job.wait(timeout=300)
-    assert sorted(codes.values()) == [0, 0, 1], job.logs_tail()
-    plans = [e for e in job.events() if e["kind"] == "plan"]
-    assert len(plans) == 2 and not any(p["live"] for p in plans), [p["message"] for p in plans]
+    assert_restarted_once_never_live(job, job.wait(timeout=300))
     for rank in (0, 1):
         assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))
 
@@ -168,7 +164,7 @@ def test_hf_trainer_restarts_from_its_checkpoint_bitwise_and_reports_its_steps(l
 @pytest.fixture(scope="module")
 def hf_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf-ref")
-    torchrun(HF, ["--output-dir", str(out / "ckpt"), "--out-dir", str(out)])
+    torchrun(HF, ["--live", "--output-dir", str(out / "ckpt"), "--out-dir", str(out)])
     return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
 
 
@@ -181,14 +177,7 @@ def test_hf_live_trainer_spare_takes_over_bitwise(local_job, hf_reference, victi
     pytest.importorskip("transformers")
     job, codes, params = run_with_spare(local_job, HF, ["--live", "--output-dir", "CKPT", "--kill-rank", str(victim_rank),
                                                         "--kill-step", str(KILL)])
-    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
-    survivor = ({"a", "b"} - {victim}).pop()
-    assert codes["c"] == 0 and codes[survivor] == 0 and codes[victim] != 0, job.logs_tail()
-    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
-    assert plans and plans[0]["live"] and plans[0]["replaced"] == {"c": victim}, [e.get("message") for e in job.events()]
-    for rank in (0, 1):
-        assert_bitwise(params[rank], hf_reference[rank])
-    assert_each_process_ran_each_step_once(job)
+    assert_spare_took_over_live(job, codes, params, hf_reference)
 
 
 def drain_rank_1(job) -> None:

@@ -48,3 +48,27 @@ def test_a_resumable_loader_reports_the_batches_processed_this_epoch():
     loader = resumable(DataLoader(TensorDataset(torch.arange(8)), batch_size=2), _trainer(epoch=1, processed=3))
     assert loader.state_dict() == {"epoch": 1, "batches": 3}
     assert type(loader).__name__ == "DataLoader" and isinstance(loader, DataLoader)
+
+
+def test_a_resumed_loader_continues_the_saved_epochs_order():
+    """Lightning starts a resumed run's first iterator before it sets the sampler's epoch: the
+    resumed loader sets it, or the rest of the epoch would follow epoch 0's order."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = TensorDataset(torch.arange(20))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(2)
+    expected = _firsts(DataLoader(data, batch_size=2, sampler=sampler))[3:]
+    sampler.set_epoch(0)  # a fresh process's sampler, as Lightning leaves it at that point
+    loader = resumable(DataLoader(data, batch_size=2, sampler=sampler), _trainer(epoch=2))
+    loader.load_state_dict({"epoch": 2, "batches": 3})
+    assert _firsts(loader) == expected
+
+
+def test_loader_iterators_leave_the_global_rng_alone():
+    from tm_launch.live_loop import keep_rng_across_iterators
+
+    loader = keep_rng_across_iterators(DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True))
+    before = torch.random.get_rng_state()
+    iter(loader)
+    assert torch.equal(before, torch.random.get_rng_state())

@@ -37,7 +37,7 @@ from transformers.trainer_callback import ExportableState
 import tm_launch
 
 from .agent_channel import log
-from .live_loop import LiveLoop, live_job, new_ddp_like
+from .live_loop import LiveLoop, keep_rng_across_iterators, live_job, new_ddp_like
 
 
 class ReportSteps(TrainerCallback):
@@ -87,6 +87,11 @@ class LiveTrainer(Trainer):
         job.register(per_rank=True, rng=tm_launch.RNGState())
         job.enter_before_loop()
         return self._live_state.received
+
+    def get_train_dataloader(self):
+        """Its iterators leave the per-rank RNG alone (``live_loop.keep_rng_across_iterators``),
+        under torchrun too: a LiveTrainer draws the same random numbers wherever it runs."""
+        return keep_rng_across_iterators(super().get_train_dataloader())
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._loop is None:

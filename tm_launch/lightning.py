@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import pickle
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -38,7 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import tm_launch
 
 from .agent_channel import log
-from .live_loop import LiveLoop, live_job, new_ddp_like
+from .live_loop import LiveLoop, gain_methods, keep_rng_across_iterators, live_job, new_ddp_like
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # identical on every DDP replica: sent as tensors
 
@@ -94,14 +93,22 @@ class LiveStrategy(DDPStrategy):
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def process_dataloader(self, dataloader):
+        """Train loaders resume mid-epoch (``resumable``) and their iterators leave the per-rank
+        RNG alone (``live_loop.keep_rng_across_iterators``), under torchrun too: LiveStrategy
+        draws the same random numbers wherever it runs."""
         dataloader = super().process_dataloader(dataloader)
-        if self._loop is None or not isinstance(dataloader, DataLoader) or hasattr(dataloader, "state_dict"):
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        keep_rng_across_iterators(dataloader)
+        if hasattr(dataloader, "state_dict"):
             return dataloader
         if isinstance(dataloader.dataset, IterableDataset):
-            raise RuntimeError(
-                "tm_launch.lightning.LiveStrategy cannot resume an IterableDataset mid-epoch on a joining rank: use a "
-                "map-style dataset or a loader with state_dict()/load_state_dict() (torchdata's StatefulDataLoader), or "
-                "Lightning's DDPStrategy (restart mode)")
+            if self._loop is not None:
+                raise RuntimeError(
+                    "tm_launch.lightning.LiveStrategy cannot resume an IterableDataset mid-epoch on a joining rank: use "
+                    "a map-style dataset or a loader with state_dict()/load_state_dict() (torchdata's "
+                    "StatefulDataLoader), or Lightning's DDPStrategy (restart mode)")
+            return dataloader
         return resumable(dataloader, self.lightning_module.trainer)
 
     # -- the live step -------------------------------------------------------------------------
@@ -202,23 +209,25 @@ class _Skipping:
         return len(self.base)  # the epoch's length: Lightning counts the batches left out as done
 
     def __iter__(self):
-        it = iter(self.base)
         resume, self.loader._tm_resume = self.loader._tm_resume, None
-        if resume is not None:
-            epoch, batches = resume
-            if epoch == self.loader._tm_trainer.current_epoch and 0 < batches < len(self.base):
-                for _ in range(batches):
-                    next(it)
+        epoch, batches = resume if resume is not None else (None, 0)
+        if epoch != self.loader._tm_trainer.current_epoch or not 0 < batches < len(self.base):
+            return iter(self.base)
+        # Lightning starts a resumed run's first iterator before it sets the sampler's epoch
+        # (fit_loop.setup_data, then on_advance_start): a DistributedSampler would hand out
+        # epoch 0's order for the rest of the resumed epoch.
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        it = iter(self.base)
+        for _ in range(batches):
+            next(it)
         return it
 
 
 def resumable(loader: DataLoader, trainer) -> DataLoader:
     """``loader`` itself, its class swapped for one that can resume mid-epoch (``_Resumable``)."""
-    cls = type(loader)
-    # The methods are copied into a subclass rather than mixed in first: CPython refuses a
-    # __class__ change to a class whose bases differ in layout from the object's own.
-    gained = {k: v for k, v in vars(_Resumable).items() if not k.startswith("__")}
-    loader.__class__ = type(cls.__name__, (cls,), {**gained, "__module__": cls.__module__, "__slots__": ()})
+    gain_methods(loader, {k: v for k, v in vars(_Resumable).items() if not k.startswith("__")})
     object.__setattr__(loader, "_tm_trainer", trainer)
     object.__setattr__(loader, "_tm_resume", None)
     return loader

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -87,3 +88,38 @@ def new_ddp_like(old: DistributedDataParallel) -> DistributedDataParallel:
         find_unused_parameters=old.find_unused_parameters, gradient_as_bucket_view=old.gradient_as_bucket_view,
         static_graph=old.static_graph, forward_sync_buffers=old.forward_sync_buffers, init_sync=False,
     )
+
+
+def gain_methods(obj, methods: dict) -> None:
+    """Give ``obj`` (a DataLoader) ``methods`` by swapping its class for a subclass holding them.
+    The methods are copied into the subclass rather than mixed in before it: CPython refuses a
+    ``__class__`` change to a class whose bases differ in layout from the object's own."""
+    cls = type(obj)
+    obj.__class__ = type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__, "__slots__": ()})
+
+
+
+
+def keep_rng_across_iterators(loader):
+    """``loader`` itself, its new iterators leaving the global CPU RNG as they found it.
+
+    A DataLoader iterator draws its workers' base seed from the global RNG, which is also
+    dropout's per-rank stream. A loop that starts an iterator at each epoch would move a rank's
+    per-rank state between a step's commit vote and the next step's start, so the vote-time
+    mirror of that state could not be trusted any more (``tm_launch.per_rank``) and a rank lost
+    in that window could not be replaced live. The base seed is still drawn, from the RNG as it
+    is, and then given back. (An instance attribute, not a class swap: accelerate's
+    DataLoaderShard reports its base class as its ``__class__``, which cannot be assigned; its
+    iterators come from the DataLoader it wraps.)"""
+    target = getattr(loader, "base_dataloader", loader)
+    make_iterator = target._get_iterator
+
+    def keeping_rng():
+        state = torch.random.get_rng_state()
+        try:
+            return make_iterator()
+        finally:
+            torch.random.set_rng_state(state)
+
+    target._get_iterator = keeping_rng
+    return loader
