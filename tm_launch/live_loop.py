@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -22,9 +23,7 @@ def live_job():
     and not ``--no-live``; None otherwise (torchrun, restart mode)."""
     if not os.environ.get("TM_AGENT_STORE"):
         return None
-    import torch.distributed as dist
-
-    from . import runtime
+    from . import runtime  # the worker runtime, imported only where a worker goes live
 
     if runtime._LIVE is None and dist.is_initialized():
         raise RuntimeError("tm-launch: the process group was started before tm_launch.init(); call tm_launch.init() "
@@ -34,6 +33,8 @@ def live_job():
 
 
 class LiveLoop:
+    """One framework's training loop as a sequence of live steps (see the module docstring)."""
+
     def __init__(self, job):
         self.job = job
         self._steps = None  # job.steps(): advanced once per attempt of a step
