@@ -203,6 +203,7 @@ def test_drain_at_the_last_step_finishes_without_the_joiner(local_job, reference
     assert time.time() - t0 < 200
 
 
+@pytest.mark.slow  # the fast tier's hang test is test_restart_mode's (the same watchdog)
 def test_hung_worker_is_killed_and_replaced(local_job, reference):
     job, codes, params, info = run_job(
         local_job, ["a", "b", "c"], launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
@@ -213,6 +214,7 @@ def test_hung_worker_is_killed_and_replaced(local_job, reference):
     assert_bitwise(params, reference(2, 2))
 
 
+@pytest.mark.slow  # ctl status --json is also read by every fast end-to-end test (LocalJob.status)
 def test_status_json_lists_nodes_roles_ranks(local_job):
     job = local_job(nnodes="2", nproc=1)
     trigger = os.path.join(job.workdir, "trigger")
