@@ -219,6 +219,9 @@ class _Skipping:
         sampler = getattr(self.loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
+        if self.loader.num_workers > 0:
+            log(f"tm_launch.lightning: resuming the train loader at batch {batches} of epoch {epoch}: random numbers drawn "
+                "inside its worker processes start afresh here (as after any checkpoint resume)")
         it = iter(self.base)
         for _ in range(batches):
             next(it)
