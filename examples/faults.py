@@ -14,22 +14,16 @@ whichever process holds rank R by then.
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 PHASES = ["forward", "backward", "allreduce", "vote", "optimizer", "logging", "logged", "checkpoint"]
 
 
 def kill_once(marker: str | None, rank: int, where: str) -> None:
-    """SIGKILL this process; with ``marker`` (a file that records the kill) once per job, so
-    the process that takes this rank's place does not die at the same point again."""
-    if marker:
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-    print(f"[faults] rank {rank}: SIGKILL myself at {where}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    """SIGKILL this process; with ``marker`` once per job (``tm_launch.failpoints.kill_once``)."""
+    from tm_launch.failpoints import kill_once as kill
+
+    kill(marker, f"[faults] rank {rank}: SIGKILL myself at {where}")
 
 
 class Faults:

@@ -21,10 +21,17 @@ def reached(name: str, rank: int, step: int) -> None:
     want, want_rank, want_step, marker = (spec.split(":", 3) + [""])[:4]
     if want != name or int(want_rank) != rank or step < int(want_step):
         return
+    kill_once(marker or None, f"[tm-launch] failpoint {name}: SIGKILL rank {rank} at step {step}")
+
+
+def kill_once(marker: str | None, message: str) -> None:
+    """SIGKILL this process, saying ``message``; with ``marker`` (a file that records the kill)
+    once per job, so the process that takes this rank's place does not die at the same point
+    again (also used by the example scripts' fault injection, ``examples/faults.py``)."""
     if marker:
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-    print(f"[tm-launch] failpoint {name}: SIGKILL rank {rank} at step {step}", flush=True)
+    print(message, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
