@@ -63,7 +63,7 @@ class LiveTrainer(Trainer):
             if received is not None:
                 resume_dir = tempfile.mkdtemp(prefix="tm-launch-hf-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
                 resume_from_checkpoint = received.write(resume_dir)
-                log(f"tm_launch.huggingface: resuming the Trainer at step {self._loop.job._step} from the state received")
+                log(f"tm_launch.huggingface: resuming the Trainer at step {received.trainer_state['global_step']} from the state received")
                 if self.args.dataloader_num_workers > 0:
                     log("tm_launch.huggingface: random numbers drawn inside the train loader's worker processes start "
                         "afresh at this step on this rank (as after any checkpoint resume)")
