@@ -85,6 +85,7 @@ class CountingKV(KV):
 
     def __init__(self, inner: KV):
         self.inner = inner
+        self.transactions = inner.transactions
         self.counts: Counter = Counter()
         self.frozen = threading.Event()
 
@@ -119,13 +120,13 @@ class CountingKV(KV):
         self._count("put")
         return self.inner.put(key, value, self._unwrap(lease))
 
-    def create(self, key, value, lease=None):
+    def create(self, key, value, lease=None, also=None):
         self._count("create")
-        return self.inner.create(key, value, self._unwrap(lease))
+        return self.inner.create(key, value, self._unwrap(lease), also)
 
-    def replace(self, key, value, revision):
+    def replace(self, key, value, revision, also=None):
         self._count("replace")
-        return self.inner.replace(key, value, revision)
+        return self.inner.replace(key, value, revision, also)
 
     def delete(self, key):
         self._count("delete")
