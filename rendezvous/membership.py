@@ -249,13 +249,9 @@ class Membership:
             fresh += [n for n in plan.joiners if n in old.nodes]
         alive = {n: info for n, info in before.alive.items() if n not in plan.removed and n not in fresh}
         for n in fresh:
-            key = f"state/nodes/{n}"
-            entry = self.kv.get(key)
-            try:
-                if entry is not None:
-                    alive[n] = _node_record(n, entry.value)
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                self._skip(key, e)
+            info = self.node_record(n)
+            if info is not None:
+                alive[n] = info
         live = before.live or getattr(self.kv.get("state/live"), "value", None) == "1"
         same_gen = plan.generation == old.generation
         return dataclasses.replace(
@@ -263,6 +259,16 @@ class Membership:
             reports=before.reports if same_gen else {}, report_kinds=before.report_kinds if same_gen else {},
             report_times=before.report_times if same_gen else {}, done=before.done if same_gen else frozenset(),
         )
+
+    def node_record(self, node: str) -> NodeInfo | None:
+        """``node``'s registration now, one key: None when it is gone or unreadable."""
+        key = f"state/nodes/{node}"
+        entry = self.kv.get(key)
+        try:
+            return _node_record(node, entry.value) if entry is not None else None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            self._skip(key, e)
+            return None
 
     def plan(self) -> Plan | None:
         """Only the current plan: one small read, where a snapshot reads every node's record."""
