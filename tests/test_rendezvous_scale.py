@@ -45,7 +45,7 @@ def test_standins_form_and_replace_and_all_hold_the_same_plan(results, n):
 def test_a_follower_costs_the_same_per_event_at_8_and_24_nodes(results):
     """Per node that only follows plans, per event: the same operations and bytes whatever N,
     and never the whole state (which grows with N: every node's record is in it)."""
-    (gen0_8, middle_8, first_8), (gen0_24, middle_24, first_24) = results[8]["events"], results[24]["events"]
+    (_, middle_8, first_8), (_, middle_24, first_24) = results[8]["events"], results[24]["events"]
     # A node that did not plan is lost: a new plan and nothing else. One wake, one read of the
     # feed, the record of the spare that took over: the same at 8 and 24 nodes (but for the
     # digits of a position in the delta).
@@ -59,5 +59,3 @@ def test_a_follower_costs_the_same_per_event_at_8_and_24_nodes(results):
     for ev in (middle_8, first_8, middle_24, first_24):
         f = ev["followers"]
         assert f["whole_reads"] == 0 and f["count"] >= ev["live"] - PLANNERS - 4, ev
-    # The whole state, read by the planners, group rank 0 and joiners, does grow with N.
-    assert gen0_24["received"] / 24 > 2 * gen0_8["received"] / 8
