@@ -62,6 +62,16 @@ class EtcdOptions:
     timeout: float = 5.0                # per-request timeout, seconds
 
 
+class Listing(list):
+    """``get_prefix``'s answer: the entries, sorted by key, and ``revision``, the store-wide
+    revision they were read at. Watching from there misses nothing that happened after the read,
+    with no separate ``current_revision`` request."""
+
+    def __init__(self, entries, revision: int):
+        super().__init__(entries)
+        self.revision = revision
+
+
 class Lease(ABC):
     """A TTL that keys written with it share: they vanish together unless refreshed in time."""
 
@@ -86,8 +96,8 @@ class KV(ABC):
     def get(self, key: str) -> Entry | None: ...
 
     @abstractmethod
-    def get_prefix(self, prefix: str) -> list[Entry]:
-        """All entries whose key starts with ``prefix``, sorted by key."""
+    def get_prefix(self, prefix: str) -> Listing:
+        """All entries whose key starts with ``prefix``, sorted by key, and the revision read at."""
 
     @abstractmethod
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
@@ -425,9 +435,10 @@ class EtcdV3(KV):
         kvs = self._call("kv/range", {"key": _b64(self._keys.full(key))}).get("kvs", [])
         return self._entry(kvs[0]) if kvs else None
 
-    def get_prefix(self, prefix: str) -> list[Entry]:
-        kvs = self._call("kv/range", self._prefix_range(prefix)).get("kvs", [])
-        return sorted((self._entry(kv) for kv in kvs), key=lambda e: e.key)
+    def get_prefix(self, prefix: str) -> Listing:
+        reply = self._call("kv/range", self._prefix_range(prefix))
+        entries = sorted((self._entry(kv) for kv in reply.get("kvs", [])), key=lambda e: e.key)
+        return Listing(entries, int(reply["header"]["revision"]))
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         req = {"key": _b64(self._keys.full(key)), "value": _b64(value)}
@@ -748,21 +759,25 @@ class EtcdV2(KV):
         return None if r.dir else Entry(key.lstrip("/"), r.value or "", r.modifiedIndex)
 
     def _listing(self, full_prefix: str):
-        """The v2 nodes under the directory that holds every key starting with full_prefix."""
+        """The v2 nodes under the directory that holds every key starting with full_prefix, and
+        the etcd index read at (None and that index when there is no such directory)."""
         parent = full_prefix[: full_prefix.rfind("/") + 1].rstrip("/") or "/"
         try:
-            return self._call("read", parent, recursive=True)
-        except (etcd.EtcdKeyNotFound, etcd.EtcdNotDir):
-            return None
+            r = self._call("read", parent, recursive=True)
+        except etcd.EtcdKeyNotFound as e:
+            return None, int((e.payload or {}).get("index", 0)) or self.current_revision()
+        except etcd.EtcdNotDir:
+            return None, self.current_revision()
+        return r, r.etcd_index
 
-    def get_prefix(self, prefix: str) -> list[Entry]:
+    def get_prefix(self, prefix: str) -> Listing:
         fp = self._keys.full_prefix(prefix)
-        r = self._listing(fp)
+        r, index = self._listing(fp)
         if r is None:
-            return []
+            return Listing([], index)
         out = [Entry(self._keys.rel(n.key), n.value or "", n.modifiedIndex)
                for n in r.leaves if not n.dir and n.key.startswith(fp)]
-        return sorted(out, key=lambda e: e.key)
+        return Listing(sorted(out, key=lambda e: e.key), index)
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         full = self._keys.full(key)
@@ -824,7 +839,7 @@ class EtcdV2(KV):
         if fp.endswith("/") and fp != "/":
             targets = [fp.rstrip("/")]
         else:
-            r = self._listing(fp)
+            r, _ = self._listing(fp)
             kids = r._children if r is not None and r.dir else []
             targets = [c["key"] for c in kids if c["key"].startswith(fp)]
         for t in targets:

@@ -123,8 +123,8 @@ class Membership:
     def snapshot(self, *, strict: bool = True) -> Snapshot:
         """``strict`` (agents): an unreadable plan raises KVError. Otherwise (operators' views)
         the snapshot has no plan and says why in ``plan_error``."""
-        revision = self.kv.current_revision()
-        entries = {e.key: e for e in self.kv.get_prefix("state/")}
+        listing = self.kv.get_prefix("state/")
+        revision, entries = listing.revision, {e.key: e for e in listing}
         plan_entry = entries.get("state/plan")
         plan_error = ""
         try:
@@ -185,8 +185,8 @@ class Membership:
         if (previous is None or previous.view.plan is None or not self.kv.transactions
                 or not follows_only(previous.view, node, node in previous.planners)):
             return self.snapshot()
-        revision = self.kv.current_revision()
-        feed = {e.key: e for e in self.kv.get_prefix(FEED)}
+        listing = self.kv.get_prefix(FEED)
+        revision, feed = listing.revision, {e.key: e for e in listing}
         chosen = self._chosen_planners(feed)
         if chosen is None or node in chosen:
             return self.snapshot()

@@ -88,6 +88,18 @@ def test_create_and_replace_write_other_keys_in_the_same_transaction(kv_factory)
     assert kv.received > 0   # every answer's bytes are counted
 
 
+def test_get_prefix_says_the_revision_it_read_at(kv_factory):
+    """Watching from a listing's revision misses nothing written after it, with no extra request."""
+    kv = kv_factory("listing")
+    kv.put("feed/a", "1")
+    listing = kv.get_prefix("feed/")
+    assert [e.key for e in listing] == ["feed/a"] and listing.revision == kv.current_revision()
+    assert kv.get_prefix("absent/").revision == listing.revision
+    assert kv.wait("feed/", listing.revision, 0.2) is False
+    kv.put("feed/b", "2")
+    assert kv.wait("feed/", listing.revision, 5) is True
+
+
 def test_delete_and_prefixes(kv_factory):
     kv = kv_factory("del")
     for k in ["nodes/b", "nodes/a", "nodes/c/x", "nodesX", "other"]:
