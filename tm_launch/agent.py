@@ -150,7 +150,6 @@ class Agent:
         self.metrics.on_state(view, plan)
         self.drain_wait.note(view)
         self.planning = me in snap.planners
-        self.session.mark_planner(snap.planners)
         if self.session.take_reported():
             self.state_changed = True  # plan on a view that includes this iteration's reports
             return None
@@ -167,6 +166,8 @@ class Agent:
         # wait returns at once and the next iteration plans on them. An agent that does not
         # plan wakes only for a new plan or planner, except group rank 0, a joiner, and a spare that
         # has yet to learn the job is live (it must warm up): joins and losses cost the others nothing.
+        # After the plan: a change of planners wakes every follower, and etcd serves them first.
+        self.session.mark_planner(snap.planners)
         follow_only = follows_only(view, me, self.planning)
         members = self.session.members
         wait = members.wait_plan if follow_only else members.wait
