@@ -14,7 +14,9 @@ this generation was first seen", and the per-second progress record (operator te
 rendezvous) is left out. The job is a live one (``state/live`` is set before the start, as its
 workers would): a loss is a spare taking the lost node's ranks. Stand-ins are threads spread over
 a few processes (``--procs``; the machine has 2 cores), each with its own etcd v3 client wrapped
-in a counter of operations by type. Leases are long (``--lease-ttl``) so that keepalives do not
+in a counter of operations by type; the first three, which join first and so plan, have a process
+of their own (in a real job every agent has its own CPU; here a planner would otherwise wait for
+the GIL behind every other stand-in). Leases are long (``--lease-ttl``) so that keepalives do not
 disturb the per-event counts; their rate is reported separately, from the agent's schedule.
 
 Events measured, per N:
@@ -61,6 +63,7 @@ sys.path.insert(0, REPO)
 from rendezvous.kv import KV, EtcdOptions, Lease, connect  # noqa: E402
 from rendezvous.membership import Membership, run_prefix  # noqa: E402
 from rendezvous.plan import plan_digest  # noqa: E402
+from rendezvous.planner import PLANNERS  # noqa: E402
 
 
 def say(msg: str) -> None:
@@ -290,6 +293,7 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
             conn.send({
                 n: {"seen": dict(s.follower.seen), "published": dict(s.published), "counts": dict(s.kv.counts),
                     "received": s.kv.inner.received, "follows": s.follows, "reads": s.reads, "whole_reads": s.whole_reads,
+                    "joined": s.session.lease is not None,
                     "plan": plan_digest(s.follower.plan) if arg and s.follower.plan else None,
                     "frozen": s.kv.frozen.is_set(), "exit": s.exit_code}
                 for n, s in standins.items()
@@ -406,12 +410,19 @@ class Children:
 
     def ask(self, i: int, cmd: str, arg=None):
         self.conns[i].send((cmd, arg))
-        return self.conns[i].recv()
+        return self._answer(i)
 
     def all(self, cmd: str, arg=None) -> list:
         for c in self.conns:
             c.send((cmd, arg))
-        return [c.recv() for c in self.conns]
+        return [self._answer(i) for i in range(len(self.conns))]
+
+    def _answer(self, i: int):
+        try:
+            return self.conns[i].recv()
+        except EOFError:
+            self.procs[i].join(5)
+            raise RuntimeError(f"stand-in process {i} ended (exit code {self.procs[i].exitcode})") from None
 
     def close(self) -> None:
         for c in self.conns:
@@ -463,7 +474,10 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
     run_id = f"scale-{n}-{uuid.uuid4().hex[:6]}"
     ids = [f"n{i:04d}" for i in range(n)]
     limits = {"min_nodes": n - spares, "max_nodes": n - spares, "nproc": 1, "max_restarts": 100}
-    groups = _split(ids, procs)
+    # The first stand-ins, started first, join first: they are the planners (and group rank 0).
+    # They get a process of their own, as each agent has its own CPU in a real job: otherwise
+    # their planning waits for the GIL behind a thousand other stand-ins.
+    groups = [ids[:PLANNERS], *_split(ids[PLANNERS:], procs)]
     owner = {node: i for i, g in enumerate(groups) for node in g}
     with _job_kv(endpoint, run_id) as kv:
         Membership(kv).set_live()  # what the job's workers would do: losses are live substitutions
@@ -524,7 +538,11 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
             return ev
 
         before, cpu0 = poll(), cpu()
-        t0 = min(kids.all("go"))
+        t0 = kids.ask(0, "go")
+        while not all(poll()[node]["joined"] for node in groups[0]):
+            time.sleep(0.05)
+        for i in range(1, len(groups)):
+            kids.ask(i, "go")
         result["events"].append(event("gen 0", 0, t0, before, cpu0))
         for gen, pick in ((1, "middle active node"), (2, "first active node")):
             plan_nodes = _current_plan_nodes(endpoint, run_id)
@@ -702,7 +720,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="64,256,1024", help="comma-separated node counts (default: 64,256,1024)")
     p.add_argument("--procs", type=int, default=1,
-                   help="processes the stand-in threads are spread over (default 1: etcd needs the other core)")
+                   help="processes the stand-in threads other than the planners' are spread over (default 1)")
     p.add_argument("--spares", type=int, default=2, help="spare nodes among N (default 2: one per loss event)")
     p.add_argument("--lease-ttl", type=float, default=600.0, help="stand-ins' lease TTL (default 600 s: no keepalive during the events)")
     p.add_argument("--monitor-interval", type=float, default=60.0,
