@@ -2,8 +2,9 @@
 """Rendezvous at scale, by simulation: N stand-in nodes against one real etcd, and torch's c10d
 dynamic rendezvous at the same N.
 
-    .venv/bin/python bench/rendezvous_scale.py                     # 64, 256, 1024 nodes; ~10 min on 2 cores
-    .venv/bin/python bench/rendezvous_scale.py --nodes 8 --procs 2 # a few seconds
+    .venv/bin/python bench/rendezvous_scale.py --nodes 64,256 --c10d-max-nodes 64   # ~2 min on 2 cores
+    .venv/bin/python bench/rendezvous_scale.py --nodes 1024 --procs 2 --skip-c10d --timeout 600  # ~5 min
+    .venv/bin/python bench/rendezvous_scale.py --nodes 8 --skip-c10d                 # a few seconds
 
 A stand-in is the real agent (``tm_launch.agent.Agent``) minus workers and health: it registers
 with a lease (``Membership.register``), and runs the agent's own loop (``Agent._loop`` /
