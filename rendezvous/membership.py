@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .plan import NodeInfo, Plan
@@ -177,6 +178,14 @@ class Membership:
         every join or loss costs a thousand full reads per event; this wakes them once per plan,
         and when a planner leaves (its leased marker goes), so that the next one takes over."""
         return self.kv.wait("state/plan", revision, timeout)
+
+    def watch(self) -> Iterator[tuple[str, int]]:
+        """``wait``'s scope as a long-lived stream (``KV.watch_stream``): what a planner watches."""
+        return self.kv.watch_stream("state/")
+
+    def watch_plan(self) -> Iterator[tuple[str, int]]:
+        """``wait_plan``'s scope as a long-lived stream: what an agent that does not plan watches."""
+        return self.kv.watch_stream("state/plan")
 
     def mark_planner(self, node: str, lease: Lease | None) -> None:
         self.kv.put(f"state/planners/{node}", "1", lease=lease)
