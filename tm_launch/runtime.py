@@ -192,6 +192,8 @@ class LiveJob:
         self._held_per_rank: dict | None = None  # the per-rank state received with them
         self._step_done_at: float | None = None  # wall clock of the last step that completed cleanly
         self._first_step_gen = -1  # the generation whose first completed step was reported
+        self._waiting_for_peers = False  # in a commit vote that has waited long: the agent probes the peers
+        self._commit.on_slow_vote = self._slow_vote
         world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1"))
         spare = env.get("TM_SANDBOX", "1") == "1" and env.get("GROUP_RANK") == "-1"
         # A spare warms up as the last node's ranks: rank-0-only side effects of the script's
@@ -381,7 +383,7 @@ class LiveJob:
         if self._step is None:
             self._step = start
         if not self._live_marked:
-            self.channel.set("live", "1")  # the agent repairs this job in place from now on
+            self.channel.set("live", "1", wake=True)  # the agent repairs this job in place from now on
             self._live_marked = True
         self._state = "running"
         while True:
@@ -421,14 +423,14 @@ class LiveJob:
             self._step_done_at = now
         if self._first_step_gen != self.generation:
             self._first_step_gen = self.generation
-            self.channel.set(f"first_step/{self.generation}", {"time": now, "step": self._step})
+            self.channel.set(f"first_step/{self.generation}", {"time": now, "step": self._step}, wake=True)
 
     def _state_lost(self, lost: StateLost) -> None:
         """No live rank can give some rank its state: tell the agent (the job restarts every
         worker from the script's own checkpoint) and end this process without touching its
         communicators (peers are ending theirs the same way)."""
         log(f"{lost}: this job cannot continue live without wrong weights; every worker restarts from the script's checkpoint")
-        self.channel.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)})
+        self.channel.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)}, wake=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STATE_LOST)
@@ -567,6 +569,13 @@ class LiveJob:
                 obj.zero_grad(set_to_none=True)
 
     # -- agent channel -------------------------------------------------------------------------
+    def _slow_vote(self, waiting: bool) -> None:
+        """The commit vote waits for a peer longer than a step's skew: tell the agent, which then
+        checks whether a peer node died (its agent refuses connections) instead of waiting for
+        its lease; a dead peer failed no collective of ours, so nothing else would start that."""
+        self._waiting_for_peers = waiting
+        self._report(force=True)
+
     def _report(self, force: bool = False) -> None:
         now = time.time()
         if not force and now - self._last_report < 0.25:
@@ -574,8 +583,9 @@ class LiveJob:
         self._last_report = now
         self.channel.set("status", {
             "step": self._step, "generation": self.group.generation, "state": self._state,
-            "rank": self.rank, "time": now, "pid": os.getpid(), **self._stats.report(self._step),
-        })
+            "rank": self.rank, "time": now, "pid": os.getpid(), "waiting_for_peers": self._waiting_for_peers,
+            **self._stats.report(self._step),
+        }, wake=force)
 
 
 def forget_framework_ranks() -> None:
