@@ -134,6 +134,30 @@ def test_plan_transfer_reports_replicas_that_disagree():
 
 
 # ------------------------------------------------------------------------------------------------
+# which communicators a generation changes (rebuilt on entry; NCCL ones aborted when it arrives)
+
+
+def D(joiners=(), all_fresh=False):
+    return {"joiner_ranks": list(joiners), "all_fresh": all_fresh}
+
+
+@pytest.mark.parametrize("ranks, d, rank, old_rank, want", [
+    pytest.param(None, D(), 1, 1, True, id="the world always: somebody failed, left or was replaced"),
+    pytest.param((0, 1), D(joiners=[3]), 1, 1, False, id="a subgroup without the replaced rank is kept"),
+    pytest.param((2, 3), D(joiners=[3]), 2, 2, True, id="a subgroup with the replaced rank changes"),
+    pytest.param((0, 2), D(joiners=[2, 3]), 0, 0, True, id="two joiners, one in the group"),
+    pytest.param((0, 1), D(all_fresh=True), 1, 1, True, id="every process is new"),
+    pytest.param((0, 1), D(), 1, 3, True, id="this process changed rank (a promoted spare)"),
+    pytest.param((0, 1), D(joiners=[3]), -1, 1, True, id="this process is replaced itself"),
+    pytest.param((0, 1), D(), 0, 0, False, id="nothing about the group changed"),
+])
+def test_membership_changed(ranks, d, rank, old_rank, want):
+    from tm_launch.generations import membership_changed
+
+    assert membership_changed(ranks, d, rank, old_rank) is want
+
+
+# ------------------------------------------------------------------------------------------------
 # the commit vote: every rank gets the same decision
 
 
