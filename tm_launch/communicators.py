@@ -196,6 +196,11 @@ def nccl_backend(pg):
         return None
 
 
+def nccl_device(pg) -> torch.device | None:
+    """The CUDA device the group's NCCL communicator is bound to, or None (no NCCL)."""
+    return pg.bound_device_id if nccl_backend(pg) is not None else None
+
+
 def abort(pg) -> bool:
     """Abort every NCCL communicator of ``pg``: its pending and future CUDA collectives fail
     instead of waiting for a peer. Takes about a second (see ``release``).

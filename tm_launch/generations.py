@@ -293,6 +293,9 @@ class Generations:
         if rank in plan.sources:
             src = plan.sources[rank]
             t0 = time.perf_counter()
+            # Received in place: until it is complete this rank holds no step at all, so a
+            # transfer cut short never makes it a source of half-written state.
+            job._step = None
             step, got = recv_state(pg, src, job._objects)
             log(f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms")
             lost = job._per_rank.fetch(holdings[src].mirrors, rank, step)
