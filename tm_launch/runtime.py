@@ -11,6 +11,8 @@ Under tm-launch (live mode) each worker talks only to its own agent (``agent_cha
   real steps without talking to anyone, then parks in ``steps()``. A spare warms up as the last
   node's ranks; promoted to other ranks, it runs the script again from the top for the ranks it
   got (``RankChanged``, caught by ``tm_launch.worker``), so nothing derived from the rank is wrong.
+  After its steps it hands what they left in the CUDA allocator back to the driver
+  (``cuda_warmup.leave_no_trace``; nothing on a CPU job).
 * **a step** is all or nothing job-wide (``commit``): the vote is taken at its first effect
   (an optimizer, scheduler or scaler step) or at the end of the body, and the step counter moves
   exactly when the step committed. A failure before the commit re-runs the step with nothing
@@ -55,14 +57,14 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import c10d_glue, communicators
+from . import c10d_glue, communicators, cuda_warmup
 from .agent_channel import AgentChannel, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
 from .per_rank import PerRankState
 from .step_report import StepReporter, StepStats, process_reporter
-from .transfer import cpu_copy
+from .transfer import cpu_copy, human_size
 
 PR_SET_PDEATHSIG = 1
 EXIT_STATE_LOST = 3  # the agent reads worker/<local rank>/state_lost for the reason
@@ -453,6 +455,10 @@ class LiveJob:
             self._report(force=True)
             yield start + i
         self._clear_step_effects()
+        left = cuda_warmup.leave_no_trace()  # None: CUDA never used here
+        if left is not None:
+            log(f"warm-up done: CUDA pools released, {human_size(left['allocated'])} allocated "
+                f"({human_size(left['reserved'])} reserved) for the model and optimizer")
 
     def _effect_allowed(self) -> bool:
         """The current step's job-wide decision (voted on first use); outside a step, True."""
