@@ -205,6 +205,41 @@ def test_receive_targets_take_only_tensors_that_fit():
     assert targets[0] is own["model"]["w"] and targets[10] is own["opt"]["state"][0]["exp_avg"]
 
 
+class _SelectiveModule(torch.nn.Linear):
+    def load_state_dict(self, state_dict, strict=True, assign=False):  # may keep some of its own
+        return super().load_state_dict({k: v for k, v in state_dict.items() if k != "bias"}, strict=False)
+
+
+class _OwnLoadAdam(torch.optim.Adam):
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+
+
+class _Checkpoint:
+    """A framework's whole checkpoint as one registered object."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("make, want", [
+    pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), True, id="a module: torch's key-by-key load"),
+    pytest.param(lambda: torch.optim.Adam(torch.nn.Linear(2, 2).parameters()), True, id="an optimizer: keeps the tensors given"),
+    pytest.param(lambda: _SelectiveModule(2, 2), False, id="a module with a load of its own"),
+    pytest.param(lambda: _OwnLoadAdam(torch.nn.Linear(2, 2).parameters()), False, id="an optimizer with a load of its own"),
+    pytest.param(_Checkpoint, False, id="any other object"),
+    pytest.param(lambda: torch.optim.lr_scheduler.StepLR(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 1), False,
+                 id="a scheduler"),
+])
+def test_only_torchs_own_loads_receive_in_place(make, want):
+    from tm_launch.transfer import loads_in_place
+
+    assert loads_in_place(make()) is want
+
+
 def test_tied_tensors_receive_into_fresh_memory_the_second_time():
     from tm_launch.transfer import receive_targets
 

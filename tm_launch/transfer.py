@@ -13,8 +13,9 @@ group's NCCL communicator is bound to goes GPU to GPU through NCCL, anything els
 each tensor's wire, so both ends drive the same backend in the same order.
 
 The receiver writes each tensor straight into its own tensor at the same place in its state
-dicts when that is sure to be right (``receive_targets``: same shape, dtype and layout, dense,
-storage shared with no other target); a joiner warmed up in the sandbox, so its model and
+dicts when that is sure to be right (``loads_in_place``: a module or optimizer loaded by torch's
+own ``load_state_dict``; ``receive_targets``: same shape, dtype and layout, dense, storage
+shared with no other target); a joiner warmed up in the sandbox, so its model and
 optimizer exist, and receiving in place keeps their storage (the optimizer's references, the
 parameters DDP or FSDP registered) and needs no second copy of the state, on the host or on the
 GPU. Anything else is received into fresh memory and loaded as before.
@@ -144,6 +145,19 @@ def _own_layout(states: dict) -> tuple[dict, torch.device]:
     return meshes, device
 
 
+def loads_in_place(obj) -> bool:
+    """Whether ``obj`` may receive into its own tensors: only objects whose ``load_state_dict``
+    is torch's own, which puts every entry back where the same entry of ``state_dict()`` came
+    from (a module copies key by key into its parameters and buffers, which its state dict's
+    tensors share storage with; an optimizer keeps the tensors it is given). Any other object
+    (a framework's checkpoint, a wrapper) may load selectively or move entries: fresh memory."""
+    if isinstance(obj, torch.nn.Module):
+        return type(obj).load_state_dict is torch.nn.Module.load_state_dict
+    if isinstance(obj, torch.optim.Optimizer):
+        return type(obj).load_state_dict is torch.optim.Optimizer.load_state_dict
+    return False
+
+
 def fits(placeholder: tuple, mine) -> bool:
     """Can the tensor behind ``placeholder`` be received straight into ``mine`` (the receiver's
     own tensor at the same place)? Only when nothing about it can differ from what loading a
@@ -231,7 +245,8 @@ def send_state(pg, dst: int, objects: dict, step: int | None) -> int:
 
 def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
     """Receive state dicts from rank ``src`` into ``objects``; returns (step, bytes received).
-    Tensors go straight into the receiver's own tensors where ``receive_targets`` allows;
+    Tensors go straight into the receiver's own tensors where ``loads_in_place`` and
+    ``receive_targets`` allow;
     others are allocated on the device the receiver's state lives on, and DTensors among them
     rebuilt on the receiver's own mesh with the sender's placements. The registered objects
     then load the result, as from any state dict. A receive that fails half-way leaves the
@@ -245,7 +260,9 @@ def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
     header = pickle.loads(buf.numpy().tobytes())
     own = {name: obj.state_dict() for name, obj in objects.items()}
     meshes, device = _own_layout(own)
-    targets = receive_targets({k: v for k, v in header["skeleton"].items() if k in own}, own)
+    in_place = {name for name, obj in objects.items() if loads_in_place(obj)}
+    targets = receive_targets({k: v for k, v in header["skeleton"].items() if k in in_place},
+                              {k: v for k, v in own.items() if k in in_place})
     nccl = communicators.nccl_device(pg)
     tensors = [None] * header["count"]
     ordered = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
