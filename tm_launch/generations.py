@@ -2,10 +2,10 @@
 
 Entering generation N: build the world communicator on a fresh ``tm/g<N>/`` prefix of the
 generation's store (the plan names the node hosting it), rebuild only the subgroups whose
-membership changed (``membership_changed``; delta setup: a group none of whose ranks is served by
-a new process keeps its communicator), point the commit vote at the new store, then agree and transfer: every rank says
-which step it holds and which ranks hold the same state, and ``transfer.plan_transfer`` decides
-who sends to whom. Ranks behind receive their own state from a replica of the same shard; a
+membership changed (``membership_changed``; delta setup: a group none of whose ranks is served
+by a new process keeps its communicator), point the commit vote at the new store, then agree
+and transfer: every rank says which step it holds and which ranks hold the same state, and
+``transfer.plan_transfer`` decides who sends to whom. Ranks behind receive their own state from a replica of the same shard; a
 shard that no live rank holds at the newest step stops the job with one clear line, never a
 silent restart from the script's start state.
 
