@@ -7,20 +7,30 @@ dynamic rendezvous at the same N.
 
 A stand-in is the real agent (``tm_launch.agent.Agent``) minus workers and health: it registers
 with a lease (``Membership.register``), and runs the agent's own loop (``Agent._loop`` /
-``_tick``): snapshot, the pure planner, the CAS publish, the watch. Only ``_follow`` (start or
-stop workers) is replaced by "note when this generation was first seen", and the per-second
-progress record (operator telemetry, not rendezvous) is left out. Stand-ins are threads spread
-over a few processes (the machine has 2 cores), each with its own etcd v3 client wrapped in a
-counter of operations by type. Leases are long (``--lease-ttl``) so that keepalives do not
+``_tick``): the read of the job's state (``Membership.refresh``: everything for the planners,
+group rank 0 and joiners, the plan feed for the others), the pure planner, the CAS publish, the
+watch. Only following a plan (start or stop workers, warm a spare up) is replaced by "note when
+this generation was first seen", and the per-second progress record (operator telemetry, not
+rendezvous) is left out. The job is a live one (``state/live`` is set before the start, as its
+workers would): a loss is a spare taking the lost node's ranks. Stand-ins are threads spread over
+a few processes (``--procs``; the machine has 2 cores), each with its own etcd v3 client wrapped
+in a counter of operations by type. Leases are long (``--lease-ttl``) so that keepalives do not
 disturb the per-event counts; their rate is reported separately, from the agent's schedule.
 
 Events measured, per N:
 
     gen 0      from "go" (all stand-ins start registering) to generation 0 published, and seen by all
     loss       an active node freezes and its lease is revoked (a dead node's lease expiring):
-               time to the replacement plan published, and until every live stand-in has seen it
+               time to the replacement plan published (its compare-and-swap landed), and until
+               every live stand-in has seen it
+               (and holds exactly the plan in etcd: the digests are compared)
     ops        etcd operations each event caused (from the event until the counters are quiet),
-               total and per node, and the bytes the range reads returned
+               total, per node, and per *follower* (a stand-in that neither plans nor has another
+               role, before and after the event: ``planner.follows_only``)
+    bytes      what etcd sent each client (HTTP bodies, watch streams included), total and per
+               follower: O(N) per node when every node reads the whole state, O(1) with deltas
+    CPU        user + system seconds of etcd and of the stand-in processes themselves during the
+               event: on 2 cores the stand-ins compete with etcd, and the times say so
 
 torch's side: ``DynamicRendezvousHandler`` over ``C10dRendezvousBackend`` (a TCPStore) at the same
 N (torchrun's elastic flow, ``--nnodes N-1:N``, no spares), counting the backend's ``get_state``
@@ -49,6 +59,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rendezvous.kv import KV, EtcdOptions, Lease, connect  # noqa: E402
+from rendezvous.membership import Membership, run_prefix  # noqa: E402
+from rendezvous.plan import plan_digest  # noqa: E402
 
 
 def say(msg: str) -> None:
@@ -85,8 +97,10 @@ class CountingKV(KV):
 
     def __init__(self, inner: KV):
         self.inner = inner
+        self.transactions = inner.transactions
         self.counts: Counter = Counter()
         self.frozen = threading.Event()
+        self.plan_landed_at = 0.0  # when this client's last compare-and-swap of the plan succeeded
 
     def _count(self, op: str, nbytes: int = 0) -> None:
         if self.frozen.is_set():
@@ -119,13 +133,18 @@ class CountingKV(KV):
         self._count("put")
         return self.inner.put(key, value, self._unwrap(lease))
 
-    def create(self, key, value, lease=None):
+    def create(self, key, value, lease=None, also=None):
         self._count("create")
-        return self.inner.create(key, value, self._unwrap(lease))
+        return self._landed(key, self.inner.create(key, value, self._unwrap(lease), also))
 
-    def replace(self, key, value, revision):
+    def replace(self, key, value, revision, also=None):
         self._count("replace")
-        return self.inner.replace(key, value, revision)
+        return self._landed(key, self.inner.replace(key, value, revision, also))
+
+    def _landed(self, key: str, ok: bool) -> bool:
+        if ok and key == "state/plan":
+            self.plan_landed_at = time.time()
+        return ok
 
     def delete(self, key):
         self._count("delete")
@@ -171,6 +190,7 @@ def _standin_class():
     import tm_launch.agent as agent_mod
     import tm_launch.follower as follower_mod
     import tm_launch.supervisor as supervisor_mod
+    from rendezvous.planner import follows_only
 
     class _NoStore:
         """A stand-in runs no workers, so its agent store is never read; no TCPStore per thread.
@@ -199,6 +219,9 @@ def _standin_class():
                 return 1
             return None
 
+        def be_spare(self, plan, view):
+            pass  # a stand-in has no workers to warm up
+
     class NoProgress:
         """Operator telemetry (1 put/s per node), not rendezvous: reported separately."""
 
@@ -212,9 +235,21 @@ def _standin_class():
             self.progress = NoProgress()
             self.published: dict[int, float] = {}
             self.exit_code = None
+            self.follows = False  # the last read of the job's state found this node only following plans
+            self.reads, self.whole_reads, self.last_snap = 0, 0, None  # reads of the job's state; of all of it
+
+        def _tick(self, snap):
+            if snap is not self.last_snap:  # a new read (the loop goes round without one too)
+                self.reads += 1
+                self.whole_reads += not snap.partial
+                self.follows = follows_only(snap.view, self.cfg.node_id, self.cfg.node_id in snap.planners)
+            self.last_snap = snap
+            return super()._tick(snap)  # it ends waiting for the next change
 
         def _announce(self, plan):
-            self.published[plan.generation] = time.time()
+            # When the plan's CAS landed: the history write after it is the operators' record,
+            # and in one process it waits for the GIL behind every follower the plan woke.
+            self.published[plan.generation] = self.kv.plan_landed_at
             super()._announce(plan)
 
     return StandIn
@@ -250,8 +285,12 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
                 threading.Thread(target=run, args=(s,), daemon=True).start()
             conn.send(time.time())
         elif cmd == "status":
+            # The plans' digests only when asked (arg): hashing N plans of N nodes is O(N^2), and
+            # the controller polls while the stand-ins work.
             conn.send({
                 n: {"seen": dict(s.follower.seen), "published": dict(s.published), "counts": dict(s.kv.counts),
+                    "received": s.kv.inner.received, "follows": s.follows, "reads": s.reads, "whole_reads": s.whole_reads,
+                    "plan": plan_digest(s.follower.plan) if arg and s.follower.plan else None,
                     "frozen": s.kv.frozen.is_set(), "exit": s.exit_code}
                 for n, s in standins.items()
             })
@@ -426,14 +465,14 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
     limits = {"min_nodes": n - spares, "max_nodes": n - spares, "nproc": 1, "max_restarts": 100}
     groups = _split(ids, procs)
     owner = {node: i for i, g in enumerate(groups) for node in g}
+    with _job_kv(endpoint, run_id) as kv:
+        Membership(kv).set_live()  # what the job's workers would do: losses are live substitutions
     kids = Children(tm_child, [(endpoint, run_id, g, limits, opts) for g in groups])
-    result = {"system": "tm-launch", "nodes": n, "spares": spares, "events": []}
+    result = {"system": "tm-launch", "nodes": n, "spares": spares, "procs": procs, "events": []}
     try:
-        status: dict = {}
-
-        def poll() -> dict:
-            status.clear()
-            for part in kids.all("status"):
+        def poll(digests: bool = False) -> dict:
+            status = {}
+            for part in kids.all("status", digests):
                 status.update(part)
             bad = {k: v["exit"] for k, v in status.items() if isinstance(v["exit"], str)}
             if bad:
@@ -444,14 +483,8 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
             c = Counter()
             for v in poll().values():
                 c.update(v["counts"])
+                c["received"] += v["received"]
             return c
-
-        def per_node_max(before: dict, after: dict) -> int:
-            return max(
-                sum(x for k, x in after[node]["counts"].items() if k != "bytes_read")
-                - sum(x for k, x in before[node]["counts"].items() if k != "bytes_read")
-                for node in after
-            )
 
         def wait_seen(gen: int, t0: float) -> tuple[float, float, str]:
             end = time.time() + timeout
@@ -463,46 +496,42 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
                     publisher = next(k for k, v in st.items() if gen in v["published"])
                     return min(pubs) - t0, max(v["seen"][gen] for v in live) - t0, publisher
                 time.sleep(0.2)
-            raise TimeoutError(f"generation {gen} not seen by all {n} stand-ins within {timeout:.0f}s")
+            seen = sum(gen in v["seen"] for v in live)
+            raise TimeoutError(f"generation {gen} {'published' if pubs else 'not published'} and seen by {seen} of the "
+                               f"{len(live)} live stand-ins within {timeout:.0f}s")
 
         def cpu() -> tuple[float, float]:
             return _cpu([etcd_pid] if etcd_pid else []), _cpu([p.pid for p in kids.procs])
 
-        def event(name: str, gen: int, t0: float, before_c: Counter, before_s: dict, cpu0: tuple) -> dict:
+        def event(name: str, gen: int, t0: float, before: dict, cpu0: tuple) -> dict:
             publish, all_seen, publisher = wait_seen(gen, t0)
             _settle(totals)
             cpu1 = cpu()
-            after_s = {k: dict(v) for k, v in poll().items()}
-            after_c = Counter()
-            for v in after_s.values():
-                after_c.update(v["counts"])
-            d = summarize(_delta(after_c, before_c))
+            after = poll(digests=True)
             ev = {"event": name, "generation": gen, "publish_s": round(publish, 3), "all_seen_s": round(all_seen, 3),
-                  "publisher": publisher, **d, "ops_per_node": round(d["ops"] / n, 2),
-                  "max_ops_one_node": per_node_max(before_s, after_s),
+                  "publisher": publisher, **per_event(before, after, _plan_digest(endpoint, run_id)),
                   "etcd_cpu_s": round(cpu1[0] - cpu0[0], 2), "standins_cpu_s": round(cpu1[1] - cpu0[1], 2),
                   "load_avg": os.getloadavg()[0]}
+            f = ev["followers"]
             say(f"tm-launch N={n} {name}: plan published {publish:.3f}s, all saw it {all_seen:.3f}s, "
                 f"CPU: etcd {ev['etcd_cpu_s']}s, stand-ins {ev['standins_cpu_s']}s, load {ev['load_avg']:.1f}; "
-                f"{d['ops']} ops ({ev['ops_per_node']}/node, max {ev['max_ops_one_node']} on one node), "
-                f"{d['bytes_read'] / 1e6:.1f} MB read; {d['by_op']}")
+                f"{ev['ops']} ops ({ev['ops_per_node']}/node, max {ev['max_ops_one_node']} on one node), "
+                f"{ev['received'] / 1e6:.2f} MB from etcd; {f['count']} followers: {f['ops_mean']} ops, "
+                f"{f['bytes_mean']:.0f} B each (max {f['ops_max']} ops, {f['bytes_max']} B), {f['reads']} reads, {f['whole_reads']} whole; "
+                f"{ev['agree']}/{ev['live']} hold etcd's plan; {ev['by_op']}")
+            if ev["agree"] != ev["live"]:
+                raise RuntimeError(f"{name}: only {ev['agree']} of {ev['live']} stand-ins hold the plan in etcd")
             return ev
 
-        before_s = {k: dict(v) for k, v in poll().items()}
-        cpu0 = cpu()
+        before, cpu0 = poll(), cpu()
         t0 = min(kids.all("go"))
-        result["events"].append(event("gen 0", 0, t0, Counter(), before_s, cpu0))
+        result["events"].append(event("gen 0", 0, t0, before, cpu0))
         for gen, pick in ((1, "middle active node"), (2, "first active node")):
-            st = poll()
             plan_nodes = _current_plan_nodes(endpoint, run_id)
             victim = plan_nodes[len(plan_nodes) // 2] if pick.startswith("middle") else plan_nodes[0]
-            before_s = {k: dict(v) for k, v in st.items()}
-            before_c = Counter()
-            for v in before_s.values():
-                before_c.update(v["counts"])
-            cpu0 = cpu()
+            before, cpu0 = poll(), cpu()
             t0 = kids.ask(owner[victim], "kill", victim)
-            ev = event(f"loss of {pick}", gen, t0, before_c, before_s, cpu0)
+            ev = event(f"loss of {pick}", gen, t0, before, cpu0)
             ev["victim"] = victim
             result["events"].append(ev)
         result["history_generations"] = _history(endpoint, run_id)
@@ -511,18 +540,56 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
     return result
 
 
-def _current_plan_nodes(endpoint: str, run_id: str) -> list[str]:
-    from rendezvous.plan import Plan
+def per_event(before: dict, after: dict, digest: str) -> dict:
+    """What one event cost, from the stand-ins' counters before and after it: operations by
+    type, bytes from etcd, and the same per follower (a stand-in that only followed plans both
+    before and after: the planners, group rank 0, joiners and the dead node are the others).
+    ``agree``: the live stand-ins holding exactly etcd's plan."""
+    def ops(node: str, status: dict) -> int:
+        return sum(x for k, x in status[node]["counts"].items() if k != "bytes_read")
 
-    with connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=f"/tm-launch/{run_id}")) as kv:
-        return list(Plan.from_json(kv.get("state/plan").value).nodes)
+    cost = {node: (ops(node, after) - ops(node, before), after[node]["received"] - before[node]["received"]) for node in after}
+    total = Counter()
+    for node in after:
+        total.update(_delta(Counter(after[node]["counts"]), Counter(before[node]["counts"])))
+    d = summarize(total)
+    followers = [node for node in after if before[node]["follows"] and after[node]["follows"] and not after[node]["frozen"]]
+    live = [v for v in after.values() if not v["frozen"]]
+    n = len(after)
+    return {
+        **d, "ops_per_node": round(d["ops"] / n, 2), "max_ops_one_node": max(c[0] for c in cost.values()),
+        "received": sum(c[1] for c in cost.values()),
+        "followers": {
+            "count": len(followers),
+            "ops_mean": round(sum(cost[f][0] for f in followers) / max(len(followers), 1), 2),
+            "ops_max": max((cost[f][0] for f in followers), default=0),
+            "bytes_mean": round(sum(cost[f][1] for f in followers) / max(len(followers), 1)),
+            "bytes_max": max((cost[f][1] for f in followers), default=0),
+            "reads": sum(after[f]["reads"] - before[f]["reads"] for f in followers),
+            "whole_reads": sum(after[f]["whole_reads"] - before[f]["whole_reads"] for f in followers),
+        },
+        "others_bytes": sum(c[1] for node, c in cost.items() if node not in followers),
+        "live": len(live), "agree": sum(v["plan"] == digest for v in live),
+    }
+
+
+def _job_kv(endpoint: str, run_id: str) -> KV:
+    return connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=run_prefix(run_id)))
+
+
+def _plan_digest(endpoint: str, run_id: str) -> str:
+    with _job_kv(endpoint, run_id) as kv:
+        return plan_digest(Membership(kv).plan())
+
+
+def _current_plan_nodes(endpoint: str, run_id: str) -> list[str]:
+    with _job_kv(endpoint, run_id) as kv:
+        return list(Membership(kv).plan().nodes)
 
 
 def _history(endpoint: str, run_id: str) -> list[int]:
-    from rendezvous.plan import Plan
-
-    with connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=f"/tm-launch/{run_id}")) as kv:
-        return [Plan.from_json(e.value).generation for e in kv.get_prefix("log/history/")]
+    with _job_kv(endpoint, run_id) as kv:
+        return [p.generation for p in Membership(kv).history()]
 
 
 def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:
@@ -604,26 +671,38 @@ def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:
 # ------------------------------------------------------------------ report
 
 def table(results: list[dict]) -> str:
+    """One row per event. A *follower* is a node that neither plans nor has another role (see
+    ``per_event``); for torch's c10d every node does the same work, so its per-node mean is shown.
+    KB are what etcd sent (tm-launch: HTTP bodies and watch streams; c10d: the pickled states read)."""
     lines = [
-        "| N | system | event | plan published (s) | all saw it (s) | ops total | ops per node | max on one node | KB read | etcd CPU (s) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| N | system | event | plan published (s) | all saw it (s) | ops total | ops per follower (max) | "
+        "KB per follower (max) | KB total | stand-ins CPU (s) | etcd CPU (s) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         for ev in r["events"]:
             pub = f"{ev['publish_s']:.3f}" if "publish_s" in ev else "-"
+            if "followers" in ev:
+                f = ev["followers"]
+                per = f"{f['ops_mean']} ({f['ops_max']})", f"{f['bytes_mean'] / 1e3:.1f} ({f['bytes_max'] / 1e3:.1f})"
+                kb = ev["received"] / 1e3
+            else:
+                per = f"{ev['ops_per_node']} (every node)", f"{ev['bytes_read'] / r['nodes'] / 1e3:.1f} (every node)"
+                kb = ev["bytes_read"] / 1e3
             lines.append(
                 f"| {r['nodes']} | {r['system']} | {ev['event']} | {pub} | {ev['all_seen_s']:.3f} | {ev['ops']} | "
-                f"{ev['ops_per_node']} | {ev.get('max_ops_one_node', '-')} | {ev['bytes_read'] / 1e3:.0f} | {ev.get('etcd_cpu_s', '-')} |"
+                f"{per[0]} | {per[1]} | {kb:.0f} | {ev.get('standins_cpu_s', '-')} | {ev.get('etcd_cpu_s', '-')} |"
             )
         if "error" in r:
-            lines.append(f"| {r['nodes']} | {r['system']} | {r['error']} | | | | | | | |")
+            lines.append(f"| {r['nodes']} | {r['system']} | {r['error']} | | | | | | | | |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="64,256,1024", help="comma-separated node counts (default: 64,256,1024)")
-    p.add_argument("--procs", type=int, default=4, help="processes the stand-in threads are spread over (default 4)")
+    p.add_argument("--procs", type=int, default=1,
+                   help="processes the stand-in threads are spread over (default 1: etcd needs the other core)")
     p.add_argument("--spares", type=int, default=2, help="spare nodes among N (default 2: one per loss event)")
     p.add_argument("--lease-ttl", type=float, default=600.0, help="stand-ins' lease TTL (default 600 s: no keepalive during the events)")
     p.add_argument("--monitor-interval", type=float, default=60.0,

@@ -3,7 +3,9 @@
 The rendezvous needs only: read, write, create-if-absent, compare-and-swap on a revision,
 prefix reads and deletes, TTL leases, and "wake me when something under this prefix
 changes". Everything else etcd offers stays out so that both API versions behave the same,
-and every failure is a ``KVError`` whose text is one line that says what to do.
+and every failure is a ``KVError`` whose text is one line that says what to do. One thing only
+v3 can do is offered where it exists (``KV.transactions``): a create or compare-and-swap that
+writes other keys in the same transaction.
 
 Keys are relative to ``EtcdOptions.prefix`` (one job cannot see another's keys). To keep the
 two API versions interchangeable, keys are portable ``a/b/c`` paths: no ``..``, no empty
@@ -21,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Callable
 from urllib.parse import quote, urlsplit
 
 import etcd
@@ -60,6 +63,16 @@ class EtcdOptions:
     timeout: float = 5.0                # per-request timeout, seconds
 
 
+class Listing(list):
+    """``get_prefix``'s answer: the entries, sorted by key, and ``revision``, the store-wide
+    revision they were read at. Watching from there misses nothing that happened after the read,
+    with no separate ``current_revision`` request."""
+
+    def __init__(self, entries, revision: int):
+        super().__init__(entries)
+        self.revision = revision
+
+
 class Lease(ABC):
     """A TTL that keys written with it share: they vanish together unless refreshed in time."""
 
@@ -77,26 +90,31 @@ class Lease(ABC):
 class KV(ABC):
     """Keys and prefixes are relative to the options' prefix; values are str."""
 
+    # create and replace can write other keys in the same transaction (``also``): v3 yes, v2 no
+    transactions: bool = False
+
     @abstractmethod
     def get(self, key: str) -> Entry | None: ...
 
     @abstractmethod
-    def get_prefix(self, prefix: str) -> list[Entry]:
-        """All entries whose key starts with ``prefix``, sorted by key."""
+    def get_prefix(self, prefix: str) -> Listing:
+        """All entries whose key starts with ``prefix``, sorted by key, and the revision read at."""
 
     @abstractmethod
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         """Write unconditionally; returns the new revision. Without a lease the key is permanent."""
 
     @abstractmethod
-    def create(self, key: str, value: str, lease: Lease | None = None) -> bool:
-        """Write only if the key is absent (atomically); False if it exists."""
+    def create(self, key: str, value: str, lease: Lease | None = None, also: dict[str, str] | None = None) -> bool:
+        """Write only if the key is absent (atomically); False if it exists. ``also``: other
+        keys (no lease) written in the same transaction, all or none (only where ``transactions``)."""
 
     @abstractmethod
-    def replace(self, key: str, value: str, revision: int) -> bool:
+    def replace(self, key: str, value: str, revision: int, also: dict[str, str] | None = None) -> bool:
         """Compare-and-swap on the key's mod revision; False if it changed or is absent.
 
         The key keeps the lease it had: updating a leased record does not make it permanent.
+        ``also`` as in ``create``.
         """
 
     @abstractmethod
@@ -305,7 +323,12 @@ class _V3Lease(Lease):
 class EtcdV3(KV):
     """etcd's v3 API through its HTTP/JSON gateway, using etcd3gw's client for the session,
     TLS and URLs. Requests are built here because etcd3gw encodes str as latin-1 (no
-    unicode), drops revisions from put's answer, cannot fail over, and has no login."""
+    unicode), drops revisions from put's answer, cannot fail over, and has no login.
+
+    ``received`` counts the bytes of every answer body, watch streams included: what this
+    client costs etcd and the network, the figure the rendezvous benchmark reports."""
+
+    transactions = True
 
     def __init__(self, options: EtcdOptions):
         self.options = options
@@ -320,8 +343,14 @@ class EtcdV3(KV):
         self._verify = {"verify": options.cacert} if options.cacert else {}
         self._cur = 0
         self._auth = bool(options.user)
+        self.received = 0
+        self._received_lock = threading.Lock()   # the lease keeper thread shares this client
 
     # -- transport
+
+    def _count(self, nbytes: int) -> None:
+        with self._received_lock:
+            self.received += nbytes
 
     def _authenticate(self, client: Etcd3Client, timeout: float) -> None:
         """Log in once per endpoint; the token goes into that session's Authorization header."""
@@ -371,6 +400,7 @@ class EtcdV3(KV):
                 errors.append((url, _reason(e)))
                 continue
             self._cur = idx
+            self._count(len(resp.content))
             if resp.status_code == 200:
                 return resp.json()
             msg = _gateway_message(resp)
@@ -418,9 +448,10 @@ class EtcdV3(KV):
         kvs = self._call("kv/range", {"key": _b64(self._keys.full(key))}).get("kvs", [])
         return self._entry(kvs[0]) if kvs else None
 
-    def get_prefix(self, prefix: str) -> list[Entry]:
-        kvs = self._call("kv/range", self._prefix_range(prefix)).get("kvs", [])
-        return sorted((self._entry(kv) for kv in kvs), key=lambda e: e.key)
+    def get_prefix(self, prefix: str) -> Listing:
+        reply = self._call("kv/range", self._prefix_range(prefix))
+        entries = sorted((self._entry(kv) for kv in reply.get("kvs", [])), key=lambda e: e.key)
+        return Listing(entries, int(reply["header"]["revision"]))
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         req = {"key": _b64(self._keys.full(key)), "value": _b64(value)}
@@ -429,23 +460,28 @@ class EtcdV3(KV):
             req["lease"] = lease_id
         return int(self._call("kv/put", req)["header"]["revision"])
 
-    def create(self, key: str, value: str, lease: Lease | None = None) -> bool:
+    def create(self, key: str, value: str, lease: Lease | None = None, also: dict[str, str] | None = None) -> bool:
         k = _b64(self._keys.full(key))
         put = {"key": k, "value": _b64(value)}
         lease_id = self._lease_id(lease)
         if lease_id is not None:
             put["lease"] = lease_id
         txn = {"compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
-               "success": [{"request_put": put}]}
+               "success": [{"request_put": put}, *self._puts(also)]}
         return bool(self._call("kv/txn", txn, idempotent=False).get("succeeded", False))
 
-    def replace(self, key: str, value: str, revision: int) -> bool:
+    def replace(self, key: str, value: str, revision: int, also: dict[str, str] | None = None) -> bool:
         k = _b64(self._keys.full(key))
+        puts = self._puts(also)   # bad keys fail here, whatever the revision
         if revision <= 0:      # mod_revision 0 means "absent", which can't be replaced
             return False
         txn = {"compare": [{"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": revision}],
-               "success": [{"request_put": {"key": k, "value": _b64(value), "ignore_lease": True}}]}
+               "success": [{"request_put": {"key": k, "value": _b64(value), "ignore_lease": True}}, *puts]}
         return bool(self._call("kv/txn", txn, idempotent=False).get("succeeded", False))
+
+    def _puts(self, also: dict[str, str] | None) -> list[dict]:
+        """The transaction operations that write ``also`` (permanent keys)."""
+        return [{"request_put": {"key": _b64(self._keys.full(k)), "value": _b64(v)}} for k, v in (also or {}).items()]
 
     def delete(self, key: str) -> None:
         self._call("kv/deleterange", {"key": _b64(self._keys.full(key))})
@@ -507,7 +543,7 @@ class EtcdV3(KV):
             try:
                 if resp.status_code != 200:
                     raise self._rejected(client.base_url, "watch", resp.status_code, _gateway_message(resp))
-                yield from _stream_events(resp)
+                yield from _stream_events(resp, self._count)
                 return
             finally:
                 resp.close()
@@ -533,7 +569,7 @@ class EtcdV3(KV):
             try:
                 if resp.status_code != 200:
                     raise self._rejected(client.base_url, "watch", resp.status_code, _gateway_message(resp))
-                return _first_event(resp, deadline)
+                return _first_event(resp, deadline, self._count)
             finally:
                 resp.close()
         raise _unreachable(errors)
@@ -554,11 +590,13 @@ def _gateway_message(resp: requests.Response) -> str:
     return " ".join(str(msg).split())[:200] or f"HTTP {resp.status_code}"
 
 
-def _first_event(resp: requests.Response, deadline: float) -> bool | None:
-    """Read the watch stream (one JSON message per line) until it reports a change."""
+def _first_event(resp: requests.Response, deadline: float, count: Callable[[int], None]) -> bool | None:
+    """Read the watch stream (one JSON message per line) until it reports a change; ``count``
+    is told the size of every chunk read."""
     buf = b""
     try:
         for chunk in resp.iter_content(chunk_size=None):
+            count(len(chunk))
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
@@ -582,12 +620,13 @@ def _first_event(resp: requests.Response, deadline: float) -> bool | None:
     return None
 
 
-def _stream_events(resp: requests.Response) -> Iterator[tuple[str, int]]:
+def _stream_events(resp: requests.Response, count: Callable[[int], None]) -> Iterator[tuple[str, int]]:
     """``("created", header revision)``, then ``("event", newest mod revision)`` per message
     with events, until the stream ends (a dead member or the idle timeout: the caller re-watches)."""
     buf = b""
     try:
         for chunk in resp.iter_content(chunk_size=None):
+            count(len(chunk))
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
@@ -679,6 +718,11 @@ class _V2Lease(Lease):
 def _no_v2(url: str) -> KVError:
     return KVError(f"etcd at {url} does not serve the v2 API: start it with --enable-v2 "
                    "(etcd >= 3.6 removed v2) or use the v3 API")
+
+
+def _no_transactions(also: dict[str, str] | None) -> None:
+    if also:
+        raise ValueError("etcd's v2 API has no multi-key transaction: check KV.transactions before passing also=")
 
 
 class EtcdV2(KV):
@@ -789,21 +833,25 @@ class EtcdV2(KV):
         return None if r.dir else Entry(key.lstrip("/"), r.value or "", r.modifiedIndex)
 
     def _listing(self, full_prefix: str):
-        """The v2 nodes under the directory that holds every key starting with full_prefix."""
+        """The v2 nodes under the directory that holds every key starting with full_prefix, and
+        the etcd index read at (None and that index when there is no such directory)."""
         parent = full_prefix[: full_prefix.rfind("/") + 1].rstrip("/") or "/"
         try:
-            return self._call("read", parent, recursive=True)
-        except (etcd.EtcdKeyNotFound, etcd.EtcdNotDir):
-            return None
+            r = self._call("read", parent, recursive=True)
+        except etcd.EtcdKeyNotFound as e:
+            return None, int((e.payload or {}).get("index", 0)) or self.current_revision()
+        except etcd.EtcdNotDir:
+            return None, self.current_revision()
+        return r, r.etcd_index
 
-    def get_prefix(self, prefix: str) -> list[Entry]:
+    def get_prefix(self, prefix: str) -> Listing:
         fp = self._keys.full_prefix(prefix)
-        r = self._listing(fp)
+        r, index = self._listing(fp)
         if r is None:
-            return []
+            return Listing([], index)
         out = [Entry(self._keys.rel(n.key), n.value or "", n.modifiedIndex)
                for n in r.leaves if not n.dir and n.key.startswith(fp)]
-        return sorted(out, key=lambda e: e.key)
+        return Listing(sorted(out, key=lambda e: e.key), index)
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         full = self._keys.full(key)
@@ -812,7 +860,8 @@ class EtcdV2(KV):
         self._attach(full, lease, r.modifiedIndex)
         return r.modifiedIndex
 
-    def create(self, key: str, value: str, lease: Lease | None = None) -> bool:
+    def create(self, key: str, value: str, lease: Lease | None = None, also: dict[str, str] | None = None) -> bool:
+        _no_transactions(also)
         full = self._keys.full(key)
         ttl = self._ttl_of(lease)
         try:
@@ -822,9 +871,10 @@ class EtcdV2(KV):
         self._attach(full, lease, r.modifiedIndex)
         return True
 
-    def replace(self, key: str, value: str, revision: int) -> bool:
+    def replace(self, key: str, value: str, revision: int, also: dict[str, str] | None = None) -> bool:
         """Read, then write with prevIndex. The read supplies the TTL to keep (so a leased key
         stays leased) and the index a refresh of our own lease may have moved it to."""
+        _no_transactions(also)
         full = self._keys.full(key)
         try:
             node = self._call("read", full)
@@ -863,7 +913,7 @@ class EtcdV2(KV):
         if fp.endswith("/") and fp != "/":
             targets = [fp.rstrip("/")]
         else:
-            r = self._listing(fp)
+            r, _ = self._listing(fp)
             kids = r._children if r is not None and r.dir else []
             targets = [c["key"] for c in kids if c["key"].startswith(fp)]
         for t in targets:

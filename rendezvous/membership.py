@@ -6,6 +6,10 @@ change another's keys. Two subtrees:
 ``state/`` what the planner reads, in one range request::
 
     state/plan                  the current generation's Plan (JSON), replaced only by CAS
+    state/plan-feed/delta       the PlanDelta from the previous plan to the current one, written
+                                in the plan's own CAS transaction (v3; v2 writes none)
+    state/plan-feed/planners/<node>  leased marker of a designated planner; its value names the
+                                planners that planner chose (``planner.planners``)
     state/nodes/<node>          NodeInfo, attached to the node's lease: gone when the node dies
     state/failed/<node>         cordoned nodes (durable; `ctl uncordon` removes)
     state/drain/<node>          planned-migration requests (`ctl drain`, degraded alarms)
@@ -13,7 +17,12 @@ change another's keys. Two subtrees:
     state/done/<gen>/<node>     nodes whose workers finished in generation <gen>
     state/live                  present once the job's workers use the live API
     state/stores/<gen>          the env:// store (MASTER_ADDR/PORT) of a generation's fresh workers
-    state/planners/<node>       leased marker of a designated planner (see ``wait_plan``)
+
+``state/plan-feed/`` is all that most agents watch and read (``wait_plan``, ``refresh``): the
+few that plan read everything, the others (``planner.follows_only``) learn each new plan from
+its delta and whether they must start planning from the markers, O(1) bytes per event. It is a
+prefix of its own because a v3 watch event carries the value: a watch that covered
+``state/plan`` would deliver every node's id to every node on every plan.
 
 ``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
 ``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role),
@@ -24,20 +33,22 @@ generation change, one write by the planner that published it and one per active
 ``tm_launch.breakdown``).
 
 Consistency: a plan changes only through compare-and-swap on ``state/plan``, one key, so a node
-killed while publishing leaves either the old plan or the new one, never half of each. Everything
-a crashing node may leave behind (a report, a history entry) is either harmless or re-derived.
+killed while publishing leaves either the old plan or the new one, never half of each; its delta
+is written in the same transaction, so it always describes the plan beside it. Everything a
+crashing node may leave behind (a report, a history entry) is either harmless or re-derived.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .plan import NodeInfo, Plan
-from .planner import View
+from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_delta, plan_digest
+from .planner import View, follows_only, planners
 
 from .kv import KV, Entry, KVError, Lease
 
@@ -52,15 +63,28 @@ def run_prefix(run_id: str) -> str:
     return f"/tm-launch/{run_id}/"
 
 
+FEED = "state/plan-feed/"
+DELTA = FEED + "delta"
+PLANNER_MARKERS = FEED + "planners/"
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """One consistent read of ``state/`` plus the revision to watch from."""
+    """One consistent read of ``state/`` plus the revision to watch from.
+
+    ``partial`` (``Membership.refresh``): brought up to date from the plan feed, not read whole.
+    Its plan is exact and ``live`` is read; ``alive`` is the last whole read's, less the nodes the
+    plan removed, with the records of the nodes that joined the plan since read again; failed and
+    drains are the last whole read's; reports and done are empty after a generation change.
+    ``plan_entry`` is None: a partial view is never planned on."""
 
     view: View
     plan_entry: Entry | None
     revision: int
     spares_alive: int
     plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
+    planners: tuple[str, ...] = ()   # who plans (planner.planners; partial: as the markers say)
+    partial: bool = False
 
 
 
@@ -100,8 +124,8 @@ class Membership:
     def snapshot(self, *, strict: bool = True) -> Snapshot:
         """``strict`` (agents): an unreadable plan raises KVError. Otherwise (operators' views)
         the snapshot has no plan and says why in ``plan_error``."""
-        revision = self.kv.current_revision()
-        entries = {e.key: e for e in self.kv.get_prefix("state/")}
+        listing = self.kv.get_prefix("state/")
+        revision, entries = listing.revision, {e.key: e for e in listing}
         plan_entry = entries.get("state/plan")
         plan_error = ""
         try:
@@ -120,10 +144,7 @@ class Membership:
                 if kind in _DEPTH and len(parts) != _DEPTH[kind]:
                     raise ValueError("a key of an unexpected shape")
                 if kind == "nodes":
-                    info = NodeInfo.from_json(entry.value)
-                    if info.id != parts[2]:
-                        raise ValueError(f"its id {info.id[:40]!r} is not the key's")
-                    alive[parts[2]] = info
+                    alive[parts[2]] = _node_record(parts[2], entry.value)
                 elif kind == "failed":
                     failed[parts[2]] = _reason(entry.value, "cordoned")
                 elif kind == "drain":
@@ -148,9 +169,107 @@ class Membership:
             done=frozenset(done), live=getattr(entries.get("state/live"), "value", None) == "1",
             report_kinds=kinds, report_times=times, now=time.time(),
         )
-        active = set(plan.nodes) if plan else set()
-        spares_alive = len([n for n in alive if n not in active and n not in failed])
-        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=spares_alive, plan_error=plan_error)
+        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=_spares_alive(view),
+                        plan_error=plan_error, planners=planners(view))
+
+    def refresh(self, previous: Snapshot | None, node: str) -> Snapshot:
+        """The job's state as agent ``node`` needs it next, for the least reading.
+
+        A node that only follows plans (``planner.follows_only``, judged on ``previous``) reads
+        the plan feed, O(1) bytes: the delta, applied to the plan it holds, and the planner
+        markers; then the records of the nodes that joined its plan, one key each. Anything else
+        is a whole snapshot: no plan held, a backend without transactions (v2 publishes no
+        delta), a delta that is not for the plan held (a generation missed) or that does not
+        rebuild the published plan, no planner left (someone must take over), a marker naming
+        this node a planner, or a new plan that gives this node another role (group rank 0, a
+        live joiner). A follower never acts on a plan nobody published."""
+        if (previous is None or previous.view.plan is None or not self.kv.transactions
+                or not follows_only(previous.view, node, node in previous.planners)):
+            return self.snapshot()
+        listing = self.kv.get_prefix(FEED)
+        revision, feed = listing.revision, {e.key: e for e in listing}
+        chosen = self._chosen_planners(feed)
+        if chosen is None or node in chosen:
+            return self.snapshot()
+        plan = self._delta_plan(previous.view.plan, feed.get(DELTA))
+        if plan is None:
+            return self.snapshot()
+        view = self._moved_on(previous.view, plan)
+        if not follows_only(view, node, planning=False):
+            return self.snapshot()
+        return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=_spares_alive(view),
+                        planners=chosen, partial=True)
+
+    def _chosen_planners(self, feed: dict[str, Entry]) -> tuple[str, ...] | None:
+        """Every node the planner markers name as a planner; None when no marker is left."""
+        chosen, markers = set(), 0
+        for key, entry in feed.items():
+            if not key.startswith(PLANNER_MARKERS):
+                continue
+            try:
+                if "/" in key[len(PLANNER_MARKERS):]:
+                    raise ValueError("a key of an unexpected shape")
+                names = _object(entry.value).get("planners")
+                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                    raise ValueError("'planners' is not a list of node ids")
+            except ValueError as e:
+                self._skip(key, e)
+                continue
+            chosen.update(names)
+            markers += 1
+        return tuple(sorted(chosen)) if markers else None
+
+    def _delta_plan(self, held: Plan, entry: Entry | None) -> Plan | None:
+        """The published plan, from ``held`` and the feed's delta; None when only a whole read
+        can tell (no delta, an unreadable one, or one that does not fit ``held``)."""
+        if entry is None:
+            return None
+        try:
+            delta = PlanDelta.from_json(entry.value)
+        except ValueError as e:
+            self._skip(DELTA, e)
+            return None
+        if delta.generation == held.generation and delta.digest == plan_digest(held):
+            return held   # woken by a marker, or by nothing: the plan stands
+        try:
+            return apply_delta(held, delta)
+        except DeltaMismatch as e:
+            log.debug("plan delta for generation %s not applied (%s): reading the whole state", delta.generation, e)
+            return None
+
+    def _moved_on(self, before: View, plan: Plan) -> View:
+        """``before`` moved on to ``plan``, reading only what the change touched: the records of
+        the nodes that are new in the plan or whose workers start again (not every node's when
+        every worker restarts: those records are the ones already held), and ``state/live``
+        until it is seen."""
+        if plan is before.plan:
+            return dataclasses.replace(before, now=time.time())
+        old = before.plan
+        fresh = [n for n in plan.nodes if n not in old.nodes]
+        if plan.joiners != plan.nodes:
+            fresh += [n for n in plan.joiners if n in old.nodes]
+        alive = {n: info for n, info in before.alive.items() if n not in plan.removed and n not in fresh}
+        for n in fresh:
+            info = self.node_record(n)
+            if info is not None:
+                alive[n] = info
+        live = before.live or getattr(self.kv.get("state/live"), "value", None) == "1"
+        same_gen = plan.generation == old.generation
+        return dataclasses.replace(
+            before, plan=plan, alive=alive, live=live, now=time.time(),
+            reports=before.reports if same_gen else {}, report_kinds=before.report_kinds if same_gen else {},
+            report_times=before.report_times if same_gen else {}, done=before.done if same_gen else frozenset(),
+        )
+
+    def node_record(self, node: str) -> NodeInfo | None:
+        """``node``'s registration now, one key: None when it is gone or unreadable."""
+        key = f"state/nodes/{node}"
+        entry = self.kv.get(key)
+        try:
+            return _node_record(node, entry.value) if entry is not None else None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            self._skip(key, e)
+            return None
 
     def plan(self) -> Plan | None:
         """Only the current plan: one small read, where a snapshot reads every node's record."""
@@ -173,11 +292,12 @@ class Membership:
         return self.kv.wait("state/", revision, timeout)
 
     def wait_plan(self, revision: int, timeout: float) -> bool:
-        """Like ``wait``, but only for ``state/plan`` and ``state/planners/`` (one prefix covers
-        both): what an agent that does not plan must see. At 1,000 nodes, waking every agent on
-        every join or loss costs a thousand full reads per event; this wakes them once per plan,
-        and when a planner leaves (its leased marker goes), so that the next one takes over."""
-        return self.kv.wait("state/plan", revision, timeout)
+        """Like ``wait``, but only for the plan feed: what an agent that does not plan must see.
+        At 1,000 nodes, waking every agent on every join or loss costs a thousand reads per
+        event; this wakes them once per plan, and when the planners change (a leased marker
+        goes or names another node), so that the next one takes over. v2 has no delta: the
+        ``state/plan`` prefix covers the plan and the feed."""
+        return self.kv.wait(FEED if self.kv.transactions else "state/plan", revision, timeout)
 
     def watch(self) -> Iterator[tuple[str, int]]:
         """``wait``'s scope as a long-lived stream (``KV.watch_stream``): what a planner watches."""
@@ -185,13 +305,15 @@ class Membership:
 
     def watch_plan(self) -> Iterator[tuple[str, int]]:
         """``wait_plan``'s scope as a long-lived stream: what an agent that does not plan watches."""
-        return self.kv.watch_stream("state/plan")
+        return self.kv.watch_stream(FEED if self.kv.transactions else "state/plan")
 
-    def mark_planner(self, node: str, lease: Lease | None) -> None:
-        self.kv.put(f"state/planners/{node}", "1", lease=lease)
+    def mark_planner(self, node: str, lease: Lease | None, chosen: tuple[str, ...]) -> None:
+        """``node`` plans, with ``chosen`` (itself among them): the followers' only way to learn
+        that they must start planning, since none of them reads enough to work it out."""
+        self.kv.put(f"{PLANNER_MARKERS}{node}", json.dumps({"planners": list(chosen)}), lease=lease)
 
     def unmark_planner(self, node: str) -> None:
-        self.kv.delete(f"state/planners/{node}")
+        self.kv.delete(f"{PLANNER_MARKERS}{node}")
 
     # -- writing ----------------------------------------------------------------------------
     def publish(self, plan: Plan, expected: Entry | None) -> bool:
@@ -199,16 +321,20 @@ class Membership:
 
         History is written after the swap; a publisher killed in between leaves the previous
         plan's history entry missing, so every publish first backfills the plan it replaces."""
+        replaced = None
         if expected is not None:
             try:
                 replaced = Plan.from_json(expected.value)
                 self.kv.create(f"log/history/{replaced.generation:08d}", expected.value)
             except (ValueError, TypeError, KeyError):
                 pass
+        # The delta from the plan this one replaces (from nothing if that was unreadable: then
+        # no follower holds it, and they read the whole state), in the same transaction.
+        feed = {DELTA: plan_delta(replaced, plan).to_json()} if self.kv.transactions else {}
         if expected is None:
-            ok = self.kv.create("state/plan", plan.to_json())
+            ok = self.kv.create("state/plan", plan.to_json(), also=feed)
         else:
-            ok = self.kv.replace("state/plan", plan.to_json(), expected.revision)
+            ok = self.kv.replace("state/plan", plan.to_json(), expected.revision, also=feed)
         if ok:
             self.kv.put(f"log/history/{plan.generation:08d}", plan.to_json())
         return ok
@@ -341,6 +467,19 @@ class Membership:
 # Keys under state/ by kind and the number of path segments tm-launch writes for each.
 _DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "reports": 4, "done": 4, "stores": 3}
 _REPORT_KINDS = ("exit", "signal", "lost", "alarm", "state")
+
+
+def _spares_alive(view: View) -> int:
+    active = set(view.plan.nodes) if view.plan else set()
+    return len([n for n in view.alive if n not in active and n not in view.failed])
+
+
+def _node_record(node: str, text: str) -> NodeInfo:
+    """The record under ``state/nodes/<node>``: a NodeInfo whose id is the key's."""
+    info = NodeInfo.from_json(text)
+    if info.id != node:
+        raise ValueError(f"its id {info.id[:40]!r} is not the key's")
+    return info
 
 
 def _object(text: str) -> dict:

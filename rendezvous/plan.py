@@ -5,10 +5,17 @@ order, which nodes joined (fresh worker processes that need state from a peer), 
 where the generation's bootstrap store lives. Exactly one plan exists per generation because
 plans are published with compare-and-swap (see ``rendezvous.membership``). Everything here is
 plain data with a JSON form, so plans can be tested and logged without etcd.
+
+A plan names every active node, so it is O(N) bytes. A *plan delta* (``plan_delta``) says what
+changed from the previous generation in O(1) bytes per change: nodes that are not in the change
+cost nothing. A node holding the previous plan rebuilds the new one from the delta alone
+(``apply_delta``), which is how the nodes that only follow plans stay O(1) per event at 1,000 nodes.
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
 import math
 import time
@@ -27,10 +34,14 @@ def _loads(text: str):
 
 def _record(text: str, cls, what: str) -> dict:
     """Parse one record of etcd content: a JSON object with none but ``cls``'s fields."""
-    d = _loads(text)
+    return _only_fields(_loads(text), cls, what)
+
+
+def _only_fields(d, cls, what: str, *, leave_out: tuple[str, ...] = ()) -> dict:
+    """``d`` itself when it is a dict whose keys are fields of ``cls`` (less ``leave_out``)."""
     if not isinstance(d, dict):
         raise ValueError(f"a {what} must be a JSON object")
-    unknown = set(d) - {f.name for f in fields(cls)}
+    unknown = set(d) - {f.name for f in fields(cls)} | (set(d) & set(leave_out))
     if unknown:
         raise ValueError(f"a {what} has unknown field(s) {_short(sorted(unknown))}")
     return d
@@ -123,9 +134,14 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        d = _record(text, Plan, "plan")
+        return Plan.from_dict(_loads(text))
+
+    @staticmethod
+    def from_dict(d) -> "Plan":
+        """A plan from its JSON object (``to_json``'s), type-checked: etcd content is input."""
+        d = dict(_only_fields(d, Plan, "plan"))
         for key in ("nodes", "joiners", "removed"):
-            if not isinstance(d.get(key, ()), list) or not all(isinstance(n, str) for n in d.get(key, ())):
+            if not isinstance(d.get(key, ()), (list, tuple)) or not all(isinstance(n, str) for n in d.get(key, ())):
                 raise ValueError(f"plan field '{key}' must be a list of node ids")
             d[key] = tuple(d.get(key, ()))
         plan = Plan(**d)
@@ -160,3 +176,107 @@ class Plan:
         )
         base.update(changes)
         return Plan(**base)
+
+
+def plan_digest(plan: Plan) -> str:
+    """A fingerprint of the whole plan: a node that rebuilt a plan from a delta compares it with
+    the publisher's before acting on it."""
+    return hashlib.sha256(plan.to_json().encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PlanDelta:
+    """What changed from generation ``previous`` to the next plan, in O(1) bytes per change.
+
+    ``nodes`` edits the previous plan's node list in place: each splice ``(start, end, ids)``
+    replaces ``previous.nodes[start:end]`` by ``ids`` (a spare taking a lost node's group rank,
+    a node dropped, nodes appended). The joiners are listed, unless every node joins (a restart
+    generation: listing them would be O(N)). ``fields`` holds the new plan's other fields whole:
+    each is O(1) (the store, counters, flags, times) or sized by the change (``replaced``,
+    ``removed``, the cause). ``digest`` is the new plan's ``plan_digest``.
+    """
+
+    previous: int | None  # the generation this applies to; None: no plan before (formation)
+    nodes: tuple[tuple[int, int, tuple[str, ...]], ...]
+    joiners: tuple[str, ...]
+    every_node_joins: bool
+    fields: dict
+    digest: str
+
+    @property
+    def generation(self) -> int | None:
+        """The generation this delta produces (None if ``fields`` has none: unreadable)."""
+        gen = self.fields.get("generation")
+        return gen if isinstance(gen, int) and not isinstance(gen, bool) else None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "PlanDelta":
+        """Parse and type-check a delta; whether it fits a plan is ``apply_delta``'s to say."""
+        d = _record(text, PlanDelta, "plan delta")
+        try:
+            delta = PlanDelta(**d)
+        except TypeError:
+            raise ValueError("a plan delta lacks a field") from None
+        _check_types(delta, "plan delta", (("nodes", list), ("joiners", list), ("every_node_joins", bool),
+                                           ("fields", dict), ("digest", str)))
+        if delta.previous is not None and (isinstance(delta.previous, bool) or not isinstance(delta.previous, int)):
+            raise ValueError(f"plan delta field 'previous' has the wrong type: {_short(delta.previous)}")
+        splices = []
+        for splice in delta.nodes:
+            if not (isinstance(splice, list) and len(splice) == 3 and all(_is_int(x) for x in splice[:2])
+                    and isinstance(splice[2], list) and all(isinstance(n, str) for n in splice[2])):
+                raise ValueError(f"plan delta splice {_short(splice)} is not [start, end, [node ids]]")
+            splices.append((splice[0], splice[1], tuple(splice[2])))
+        if not all(isinstance(n, str) for n in delta.joiners):
+            raise ValueError("plan delta field 'joiners' must be a list of node ids")
+        return PlanDelta(previous=delta.previous, nodes=tuple(splices), joiners=tuple(delta.joiners),
+                         every_node_joins=delta.every_node_joins, fields=delta.fields, digest=delta.digest)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plan_delta(previous: Plan | None, new: Plan) -> PlanDelta:
+    """The delta that turns ``previous`` (None before the first plan) into ``new``."""
+    before = previous.nodes if previous is not None else ()
+    matcher = difflib.SequenceMatcher(None, before, new.nodes, autojunk=False)
+    splices = tuple((i1, i2, new.nodes[j1:j2]) for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal")
+    every = bool(new.nodes) and new.joiners == new.nodes
+    rest = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(new).items() if k not in ("nodes", "joiners")}
+    return PlanDelta(previous=previous.generation if previous is not None else None, nodes=splices,
+                     joiners=() if every else new.joiners, every_node_joins=every, fields=rest, digest=plan_digest(new))
+
+
+class DeltaMismatch(ValueError):
+    """A delta that does not turn the plan at hand into the published one: read the whole plan."""
+
+
+def apply_delta(previous: Plan | None, delta: PlanDelta) -> Plan:
+    """The plan ``delta`` was made for, rebuilt from ``previous``; DeltaMismatch when ``delta`` does
+    not apply to ``previous`` (another generation, splices out of range) or the result is not the
+    plan its publisher wrote (the digest differs). Never a plan that nobody published."""
+    held = previous.generation if previous is not None else None
+    if delta.previous != held:
+        raise DeltaMismatch(f"the delta applies to generation {delta.previous}, this node holds {held}")
+    before = previous.nodes if previous is not None else ()
+    nodes, at = [], 0
+    for start, end, ids in delta.nodes:
+        if not at <= start <= end <= len(before):
+            raise DeltaMismatch(f"splice [{start}, {end}) does not fit {len(before)} node(s) after position {at}")
+        nodes += before[at:start]
+        nodes += ids
+        at = end
+    nodes += before[at:]
+    nodes_t = tuple(nodes)
+    try:
+        plan = Plan.from_dict({**_only_fields(delta.fields, Plan, "plan delta's fields", leave_out=("nodes", "joiners")),
+                               "nodes": nodes_t, "joiners": nodes_t if delta.every_node_joins else delta.joiners})
+    except (ValueError, TypeError) as e:
+        raise DeltaMismatch(f"the delta's plan is unreadable: {e}") from None
+    if plan_digest(plan) != delta.digest:
+        raise DeltaMismatch("the rebuilt plan is not the one published (digest differs)")
+    return plan

@@ -265,3 +265,20 @@ def planners(view: View, k: int = PLANNERS) -> tuple[str, ...]:
     alive (someone must publish the FAILED plan)."""
     order = sorted(view.alive.values(), key=lambda n: (n.id in view.failed, n.joined, n.id))
     return tuple(n.id for n in order[:k])
+
+
+def follows_only(view: View, node: str, planning: bool) -> bool:
+    """True when ``node`` needs nothing from etcd but the next plan (and whether it must start
+    planning): it does not plan, is not group rank 0 (which reports drains waiting for a spare),
+    is not a joiner of a live generation (which watches its keepers finish), and is active or a
+    spare of a job known to be live (a spare of any other job must see the job turn live to warm
+    up). Such a node waits only for a new plan or planner and reads only what changed
+    (``Membership.refresh``), so that a join or a loss costs the other agents nothing."""
+    plan = view.plan
+    if planning:
+        return False
+    if plan is None:
+        return True
+    rank0 = plan.nodes[:1] == (node,)
+    joining = plan.live and node in plan.joiners
+    return not rank0 and not joining and (node in plan.nodes or view.live)

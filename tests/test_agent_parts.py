@@ -281,6 +281,23 @@ def test_a_peer_whose_agent_refuses_connections_is_reported_lost(members, superv
     assert "n1" not in view.alive and "n3" in view.alive  # unregistered: never promoted or waited for
 
 
+def test_a_refusal_at_an_address_the_peer_no_longer_has_is_not_a_loss(members, supervisor):
+    """A view's record can be older than the peer's registration (a new agent, a new port): the
+    refusal of the old port is checked against the record read now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        members.register(node("n1", listening.getsockname()[1]), ttl=10)
+        said = Said()
+        watch = FailureWatch(supervisor.cfg, session_for(members, said), supervisor, said)
+        plan = Plan(generation=0, nodes=("n1", "n2"), nproc=2)
+        assert members.publish(plan, None)
+        old = View(plan=plan, alive={"n1": node("n1", closed_port)})
+        watch.report_dead_peers(plan, old)
+    assert said.kinds() == [] and members.snapshot().view.reports == {}
+
+
 # ------------------------------------------------------------------------------------------------
 # observers
 

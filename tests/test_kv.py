@@ -65,6 +65,41 @@ def test_replace_is_compare_and_swap(kv_factory):
     assert kv.get("absent") is None
 
 
+def test_create_and_replace_write_other_keys_in_the_same_transaction(kv_factory):
+    """v3: the extra keys land with the swap, and not at all when it fails; v2 cannot (says so)."""
+    kv = kv_factory("txn")
+    if not kv.transactions:
+        with pytest.raises(ValueError, match="no multi-key transaction"):
+            kv.create("plan", "p1", also={"feed/delta": "d1"})
+        with pytest.raises(ValueError, match="no multi-key transaction"):
+            kv.replace("plan", "p1", 1, also={"feed/delta": "d1"})
+        assert kv.get("plan") is None and kv.get("feed/delta") is None
+        return
+    assert kv.create("plan", "p1", also={"feed/delta": "d1", "feed/other": "o1"})
+    first = kv.get("plan")
+    assert kv.get("feed/delta").revision == first.revision and kv.get("feed/other").value == "o1"
+    assert not kv.create("plan", "p0", also={"feed/delta": "d0"})
+    assert kv.replace("plan", "p2", first.revision, also={"feed/delta": "d2"})
+    assert kv.get("feed/delta").value == "d2" and kv.get("feed/delta").revision == kv.get("plan").revision
+    assert not kv.replace("plan", "p3", first.revision, also={"feed/delta": "d3"})   # stale: nothing written
+    assert (kv.get("plan").value, kv.get("feed/delta").value) == ("p2", "d2")
+    with pytest.raises(ValueError):
+        kv.replace("plan", "p4", kv.get("plan").revision, also={"bad//key": "x"})
+    assert kv.received > 0   # every answer's bytes are counted
+
+
+def test_get_prefix_says_the_revision_it_read_at(kv_factory):
+    """Watching from a listing's revision misses nothing written after it, with no extra request."""
+    kv = kv_factory("listing")
+    kv.put("feed/a", "1")
+    listing = kv.get_prefix("feed/")
+    assert [e.key for e in listing] == ["feed/a"] and listing.revision == kv.current_revision()
+    assert kv.get_prefix("absent/").revision == listing.revision
+    assert kv.wait("feed/", listing.revision, 0.2) is False
+    kv.put("feed/b", "2")
+    assert kv.wait("feed/", listing.revision, 5) is True
+
+
 def test_delete_and_prefixes(kv_factory):
     kv = kv_factory("del")
     for k in ["nodes/b", "nodes/a", "nodes/c/x", "nodesX", "other"]:

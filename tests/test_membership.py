@@ -6,7 +6,9 @@ values under the run's keys, and run-id isolation.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import random
 import select
@@ -357,6 +359,117 @@ def test_wrongly_typed_node_record_is_ignored(kv_factory):
         assert set(view.alive) == {"a"}
         next_plan(view, Limits(min_nodes=1, max_nodes=1, nproc=1, max_restarts=0))
     finally:
+        lease.revoke()
+
+
+# ------------------------------------------------------------------------------------------------
+# followers: a new plan from its delta alone (Membership.refresh), and every way back to a whole read
+
+LIMITS = Limits(min_nodes=4, max_nodes=4, nproc=1, max_restarts=9)
+
+
+def following_job(kv_factory, spares: int = 2):
+    """Live job of a, b, c, d (planners a, b, c: their markers written) plus spares s0, s1...;
+    ``d`` is the node that only follows. Returns (membership, leases, d's whole snapshot)."""
+    m = Membership(kv_factory("job"))
+    t0 = time.time()
+    leases = {n: m.register(info(n, t0 + i), ttl=30) for i, n in enumerate([*"abcd", *(f"s{i}" for i in range(spares))])}
+    m.set_live()
+    first = next_plan(m.snapshot().view, LIMITS)
+    assert first.nodes == tuple("abcd") and m.publish(first, None)
+    snap = m.snapshot()
+    for node in snap.planners:
+        m.mark_planner(node, leases[node], snap.planners)
+    held = m.refresh(None, "d")
+    assert not held.partial and held.view.plan == first and held.planners == tuple("abc")
+    return m, leases, held
+
+
+def lose(m: Membership, node: str) -> Plan:
+    """``node``'s report, and the plan a planner makes of it (published with its delta)."""
+    m.report_failure(m.snapshot().view.plan.generation, node, "worker 0 exited", kind="signal")
+    snap = m.snapshot()
+    plan = next_plan(snap.view, LIMITS)
+    assert m.publish(plan, snap.plan_entry)
+    return plan
+
+
+def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
+    m, leases, held = following_job(kv_factory)
+    assert m.refresh(held, "d").view.plan == held.view.plan   # nothing new: the plan stands
+    gen1 = lose(m, "b")
+    assert gen1.nodes == ("a", "s0", "c", "d") and gen1.joiners == ("s0",)
+    kv = m.kv
+    before = getattr(kv, "received", 0)
+    snap = m.refresh(held, "d")
+    assert snap.view.plan == gen1 and snap.view.live
+    assert snap.view.alive["s0"] == info("s0", held.view.alive["s0"].joined)   # the joiner's record, read again
+    assert snap.view.reports == {}
+    if kv.transactions:
+        assert snap.partial and snap.plan_entry is None and snap.planners == tuple("abc")
+        assert "b" not in snap.view.alive   # removed: leaving the job
+        assert getattr(kv, "received") - before < 3000   # the whole state is ~3x that already at 6 nodes
+        rev = snap.revision
+        assert m.wait_plan(rev, 0.3) is False
+        m.report_failure(1, "c", "not the followers' business")
+        assert m.wait_plan(rev, 0.3) is False   # followers sleep through joins, losses, reports
+        m.mark_planner("c", leases["c"], ("a", "c", "d"))
+        assert m.wait_plan(rev, 5) is True        # ... but not through a change of planners
+    else:
+        assert not snap.partial   # v2: no delta is ever written, every read is whole
+    for lease in leases.values():
+        lease.revoke()
+
+
+def test_a_follower_reads_the_whole_state_whenever_the_delta_cannot_tell(kv_factory, caplog):
+    m, leases, held = following_job(kv_factory, spares=3)
+    kv = m.kv
+    if not kv.transactions:
+        assert kv.get("state/plan-feed/delta") is None
+        lose(m, "b")
+        assert not m.refresh(held, "d").partial
+        return
+
+    def whole(snap, why):
+        assert not snap.partial, why
+        assert snap.view.plan == m.snapshot().view.plan, why
+        return snap
+
+    whole(m.refresh(dataclasses.replace(held, view=dataclasses.replace(held.view, plan=None)), "d"), "no plan held")
+    whole(m.refresh(held, "a"), "a planner reads everything")
+    gen1 = lose(m, "b")
+    gen2 = lose(m, "c")
+    whole(m.refresh(held, "d"), "generation 1 was missed: the delta is for 1 -> 2")
+    at1 = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=gen1))
+    assert m.refresh(at1, "d").view.plan == gen2 and m.refresh(at1, "d").partial
+    wrong = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=dataclasses.replace(gen1, nodes=("a", "c", "s0", "d"))))
+    whole(m.refresh(wrong, "d"), "the held plan is not the published generation 1: the digest differs")
+    m.mark_planner("c", leases["c"], ("a", "c", "d"))
+    whole(m.refresh(at1, "d"), "a marker names d a planner")
+    m.unmark_planner("c")
+    for node in "ab":
+        m.unmark_planner(node)
+    whole(m.refresh(at1, "d"), "no planner left: someone must take over")
+    m.mark_planner("a", leases["a"], tuple("abc"))
+    assert m.refresh(at1, "d").partial
+    # A plan that makes d group rank 0 (it reports waiting drains): the whole state.
+    gen3 = dataclasses.replace(gen2.next(nodes=("d", *[n for n in gen2.nodes if n != "d"])), joiners=())
+    assert m.publish(gen3, m.snapshot().plan_entry)
+    at2 = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=gen2))
+    whole(m.refresh(at2, "d"), "d is group rank 0 now")
+    # Garbage in the feed: named once, never fatal, the whole state read instead.
+    with caplog.at_level(logging.WARNING, logger="rendezvous.membership"):
+        for garbage in ("garbage {", "[" * 100_000 + "]" * 100_000, json.dumps({"previous": 2}), "{}"):
+            kv.put("state/plan-feed/delta", garbage)
+            whole(m.refresh(at2, "d"), garbage[:20])
+        kv.put("state/plan-feed/planners/a", "nope")
+        kv.put("state/plan-feed/planners/x/y", json.dumps({"planners": ["d"]}))
+        kv.put("state/plan-feed/planners/z", json.dumps({"planners": [1]}))
+        whole(m.refresh(at2, "d"), "only unreadable markers: no planner known")
+    named = [r.getMessage() for r in caplog.records]
+    for key in ("state/plan-feed/delta", "state/plan-feed/planners/a", "state/plan-feed/planners/x/y", "state/plan-feed/planners/z"):
+        assert sum(key in line for line in named) == 1, (key, named)
+    for lease in leases.values():
         lease.revoke()
 
 

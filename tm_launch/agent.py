@@ -3,7 +3,8 @@
 One loop, woken the moment anything happens (a worker exits or reports, something under the
 job's ``state/`` keys changes: ``tm_launch.wakeup``), and at least every ``--monitor-interval``:
 
-1. read the job's state (one etcd range read) and, if the plan moved on, act on it:
+1. read the job's state (one etcd range read; an agent that only follows plans reads what changed,
+   ``Membership.refresh``) and, if the plan moved on, act on it:
    start workers (fresh or sandboxed), forward the new generation to live workers, or stop;
 2. watch local workers (exits, hangs) and health alarms, and report what it finds to etcd;
 3. run the pure planner on the same view and try to publish its plan by compare-and-swap.
@@ -30,7 +31,7 @@ import time
 from rendezvous.kv import KV, KVError
 from rendezvous.membership import Membership
 from rendezvous.plan import SUCCEEDED, NodeInfo, Plan
-from rendezvous.planner import View, next_plan, planners, spares
+from rendezvous.planner import View, follows_only, next_plan, spares
 
 from .agent_config import AgentConfig
 from .events import EventLog
@@ -113,7 +114,7 @@ class Agent:
             session.apply_fencing_rule(self.follower.plan)
             if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until) or session.lost_lease.is_set():
                 try:
-                    snap = session.members.snapshot()
+                    snap = session.members.refresh(snap, self.cfg.node_id)
                 except KVError as e:
                     session.back_off(e, self.follower.plan)
                     continue
@@ -155,8 +156,7 @@ class Agent:
         self.progress.publish(plan)
         self.metrics.on_state(view, plan)
         self.drain_wait.note(view)
-        self.planning = me in planners(view)
-        self.session.mark_planner(self.planning)
+        self.planning = me in snap.planners
         if self.session.take_reported():
             self.state_changed = True  # plan on a view that includes this iteration's reports
             return None
@@ -173,9 +173,9 @@ class Agent:
         # wait returns at once and the next iteration plans on them. An agent that does not
         # plan wakes only for a new plan or planner, except group rank 0, a joiner, and a spare that
         # has yet to learn the job is live (it must warm up): joins and losses cost the others nothing.
-        rank0 = view.plan is not None and view.plan.nodes[:1] == (me,)  # it reports waiting drains
-        joining = view.plan is not None and view.plan.live and me in view.plan.joiners  # watches its keepers finish
-        follow_only = not self.planning and not rank0 and not joining and (view.plan is None or me in view.plan.nodes or view.live)
+        # After the plan: a change of planners wakes every follower, and etcd serves them first.
+        self.session.mark_planner(snap.planners)
+        follow_only = follows_only(view, me, self.planning)
         members = self.session.members
         if follow_only:
             self.state_watch.arm("plan", members.watch_plan, snap.revision)

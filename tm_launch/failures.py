@@ -141,7 +141,10 @@ class FailureWatch:
     def report_dead_peers(self, plan: Plan, view: View) -> None:
         """Report active peers whose agent refuses connections. A dead agent's port refuses at
         once, so a node loss is known in milliseconds instead of after the lease TTL; anything
-        short of a refusal (a timeout, a partition) is left to the lease, the authority."""
+        short of a refusal (a timeout, a partition) is left to the lease, the authority. The
+        view's record may be older than the peer's registration (a follower's view carries
+        records over from generation to generation): a refusal is checked against the record
+        read now, one key, before the peer is reported."""
         self.probed_gen, self.probed_at = plan.generation, time.time()
         for node in plan.nodes:
             info = view.alive.get(node)
@@ -150,6 +153,8 @@ class FailureWatch:
             try:
                 socket.create_connection((info.addr, info.store_port), timeout=0.5).close()
             except ConnectionRefusedError:
+                if self.session.members.node_record(node) not in (None, info):
+                    continue  # registered again since the view was read (a new agent, a new port): not lost
                 why = f"agent unreachable at {info.addr}:{info.store_port} (connection refused): node lost"
                 self.say(f"generation {plan.generation}: {node}: {why}", kind="node_lost", generation=plan.generation, lost=node)
                 self.session.report_failure(plan.generation, node, why, kind="lost")

@@ -45,7 +45,7 @@ class EtcdSession:
         self.lease_failing = False      # the last lease refresh did not get through
         self.etcd_wait, self.etcd_seen = None, 0.0  # progress lines while etcd is unreachable
         self.unreadable_plan = ""  # said once while state/plan stays unreadable
-        self.planner_marked = False  # state/planners/<me> is written (Membership.wait_plan)
+        self.planner_marked: tuple | None = None  # (lease, planners) of the marker written (Membership.mark_planner)
         self.reported = False  # a report was written since the last snapshot: plan on a view that includes it
 
     # -- lease ----------------------------------------------------------------------------------
@@ -191,14 +191,18 @@ class EtcdSession:
               f"fix the node, then `tm-launch ctl uncordon {me}` to offer it as a spare again", file=sys.stderr, flush=True)
 
     # -- what the planner must see ------------------------------------------------------------
-    def mark_planner(self, planning: bool) -> None:
-        """Keep state/planners/<me> in step with whether this node plans (leased: it goes when
-        this node goes); agents that do not plan wake only for a new plan or planner."""
-        if planning and not self.planner_marked:
-            self.members.mark_planner(self.node_id, self.lease)
-        elif self.planner_marked and not planning:
+    def mark_planner(self, planners: tuple[str, ...]) -> None:
+        """Keep this node's planner marker in step with whether it plans, and with whom (the
+        followers learn from it that they must start planning). Leased: it goes when this node
+        goes, and is written again on a new lease; agents that do not plan wake only for a new
+        plan or a change of planners."""
+        if self.node_id in planners:
+            if self.planner_marked != (self.lease, planners):
+                self.members.mark_planner(self.node_id, self.lease, planners)
+                self.planner_marked = (self.lease, planners)
+        elif self.planner_marked is not None:
             self.members.unmark_planner(self.node_id)
-        self.planner_marked = planning
+            self.planner_marked = None
 
     def report_failure(self, generation: int, node: str, why: str, kind: str) -> None:
         self.members.report_failure(generation, node, why, kind=kind)
