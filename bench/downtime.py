@@ -80,7 +80,15 @@ TAG_VAR = "TM_BENCH_TAG"
 TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 CASES = ("worker-sigkill", "node-sigkill", "drain", "overhead")
 LAUNCHERS = ("torchrun", "tm-restart", "tm-live")
-VICTIM = "n1"  # the node that loses a worker / dies / is drained (not n0: torchrun's store host)
+VICTIMS = ("n1", "last")  # --victim: which node loses a worker / dies / is drained (never n0: torchrun's store host)
+
+
+def victim_node(choice: str, nodes: int) -> str:
+    """``n1``: the second node (the default, as in every earlier run). ``last``: the last active
+    node, whose ranks a tm-launch spare warms up as (``runtime``): its replacement needs no second
+    set-up, while replacing any other node runs the script again for the ranks taken. At 2 and 4
+    ranks (2 nodes) both name n1."""
+    return f"n{nodes - 1}" if choice == "last" else "n1"
 
 
 def say(msg: str) -> None:
@@ -371,6 +379,10 @@ class Bench:
                 result["error"] = "the step log shows no step completed by every rank after the fault"
             if spec.launcher != "torchrun":
                 result["events"] = [e for e in job.events() if e.get("kind") not in ("info",)]
+            if spec.launcher == "tm-live" and spec.case != "overhead":
+                result["breakdown"] = self.breakdown(job)
+                spare = job.nodes.get("s0")
+                result["spare_reran"] = bool(spare and "running the script again" in spare.log())
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - one broken run must not lose the others
@@ -385,6 +397,19 @@ class Bench:
             self.finish(job, result, t0)
         return result
 
+    @staticmethod
+    def breakdown(job: LocalJob) -> dict | None:
+        """The agents' downtime breakdown of the change to generation 1 (``ctl timeline
+        --json``): the phases of the node that resumed last, whose phases add up to the total."""
+        out = job.ctl("timeline", "--json")
+        if out.returncode != 0:
+            return None
+        change = next((g for g in json.loads(out.stdout).get("generations", []) if g.get("generation") == 1), None)
+        parts = change.get("breakdown") if change else None
+        if not parts or not parts.get("critical_node"):
+            return None
+        return {"total": parts["total_s"], **parts["nodes"][parts["critical_node"]]["phases"]}
+
     def finish(self, job: LocalJob, result: dict, t0: float) -> None:
         """Every run ends the same way: stop its processes, reap orphans, record the wall time."""
         job.stop()
@@ -393,6 +418,7 @@ class Bench:
         result["wall_s"] = time.time() - t0
 
     def inject(self, job: LocalJob, spec: Spec) -> tuple[float, str]:
+        VICTIM = victim_node(self.args.victim, spec.layout[0])
         # look the pids up first: pgrep takes tens of ms, and the fault time is when the signal goes
         if spec.case == "worker-sigkill":
             pids = job.worker_pids(VICTIM)
@@ -446,6 +472,7 @@ class Bench:
         drained node left); None on timeout or when the job died without recovering."""
         deadline = time.time() + self.args.recover_timeout
         left_at = None
+        VICTIM = victim_node(self.args.victim, spec.layout[0])
         while time.time() < deadline:
             records = job.step_records()
             finished = job.nodes and all(n.proc.poll() is not None for n in job.nodes.values())
@@ -659,7 +686,7 @@ def fmt_num(x, spec="{:.1f}", none="—"):
     return none if x is None else spec.format(x)
 
 
-def run_notes(runs: list[dict]) -> list[str]:
+def run_notes(runs: list[dict], victim: str = "n1") -> list[str]:
     """One line per run that did not go cleanly: no recovery, errors, a job that never ended."""
     notes = []
     for r in runs:
@@ -668,13 +695,41 @@ def run_notes(runs: list[dict]) -> list[str]:
             notes.append(f"{label}: {r['error'].splitlines()[0][:200]}")
         elif r.get("finish_timeout"):
             notes.append(f"{label}: recovered, but the job did not end afterwards (stopped by the benchmark; exit codes {r.get('exit_codes')})")
-        elif r.get("exit_codes") and any(c != 0 for n, c in r["exit_codes"].items() if n != VICTIM or r["case"] == "overhead"):
+        elif r.get("exit_codes") and any(c != 0 for n, c in r["exit_codes"].items() if n != victim_node(victim, r["nodes"]) or r["case"] == "overhead"):
             notes.append(f"{label}: exit codes {r['exit_codes']}")
         if r["case"] == "drain" and r.get("request_to_switch_s") is not None:
             lost = r.get("prepare_time_lost_s")
             notes.append(f"{label}: switch {r['request_to_switch_s']:.2f} s after the drain request; training went on meanwhile"
                          + (f" (time lost to slower steps while preparing: {lost:.2f} s)" if lost is not None else ""))
     return notes
+
+
+BREAKDOWN_PHASES = ("detect", "plan", "seen", "directed", "communicator", "state", "first_step", "total")
+
+
+def breakdown_table(runs) -> list[str]:
+    """tm-live's downtime by phase (``tm_launch.breakdown``, median per case and size, in ms),
+    with how often the spare took ranks it had not warmed up as (it then runs the script again
+    inside the communicator phase)."""
+    groups: dict = {}
+    for r in runs:
+        if r.get("breakdown"):
+            groups.setdefault((r["case"], r["size"]), []).append(r)
+    if not groups:
+        return []
+    lines = ["", "tm-live downtime by phase (ms, median; the phases of the node that resumed last, which add up to its total; "
+             "the step log's downtime adds the gap between the agents' stamps and the script's step log):", "",
+             "| case | world size | " + " | ".join(BREAKDOWN_PHASES) + " | spare ran the script again |",
+             "|---|---|" + "---|" * len(BREAKDOWN_PHASES) + "---|"]
+    order = {c: i for i, c in enumerate(CASES)}
+    for (case, size), group in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
+        cells = []
+        for phase in BREAKDOWN_PHASES:
+            values = [r["breakdown"][phase] for r in group if r["breakdown"].get(phase) is not None]
+            cells.append(fmt_num(statistics.median(values) * 1000, "{:.0f}") if values else "—")
+        reran = sum(1 for r in group if r.get("spare_reran"))
+        lines.append(f"| {case} | {size} | " + " | ".join(cells) + f" | {reran} of {len(group)} |")
+    return lines
 
 
 def markdown(rows, overhead, args, meta, runs=()) -> str:
@@ -703,7 +758,8 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
                          f"{fmt_num(o['tm_live_step_s'] and o['tm_live_step_s'] * 1000, '{:.1f}')} | {pct} | "
                          f"{fmt_num(wcpu.get('torchrun'))} / {fmt_num(wcpu.get('tm-live'))} | "
                          f"{fmt_num(acpu.get('torchrun'))} / {fmt_num(acpu.get('tm-live'))} |")
-    notes = run_notes(runs)
+    lines += breakdown_table(runs)
+    notes = run_notes(runs, args.victim)
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     steps = [r["step_time_s"] for r in rows if r.get("step_time_s")]
@@ -716,6 +772,7 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
               f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
               f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
               f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "
+              f"Fault on {'the last active node (the ranks the spare warmed up as)' if args.victim == 'last' else 'n1'}. "
               f"Median over {args.repeat} run(s) per row. Overhead: median step over {args.overhead_steps} steps "
               f"(first {args.overhead_warmup} skipped), no spare, {args.overhead_pairs * args.repeat} alternating torchrun/tm-live pair(s). "
               f"Load average at start: {meta['load_start']:.1f} (the machine is shared).",
@@ -729,6 +786,8 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true", help="worker-sigkill at 2 ranks under all three launchers + overhead (~2-3 min)")
     p.add_argument("--layout", default="", choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp"),
                    help="run examples/hybrid.py with this layout (4 ranks) instead of the DDP script")
+    p.add_argument("--victim", default="n1", choices=VICTIMS, help="the node that loses a worker, dies or is drained: n1 (default), "
+                   "or the last active node, whose ranks the spare warmed up as (see victim_node)")
     p.add_argument("--sizes", default="2,4,8", help="world sizes for the worker-sigkill sweep (torchrun vs tm-live), e.g. 2,4,8,16; the largest is the cap")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")

@@ -4,7 +4,8 @@
 
 PHASE is a point of a step: ``forward``, ``backward`` (inside the backward pass, mid gradient
 communication for DDP/FSDP), ``vote`` (inside tm-launch's commit vote: its vote counted, the
-decision not read), ``optimizer`` (after the commit, before the update), ``logging`` (after the
+decision not read), ``last-vote-node`` (its vote completed the count and the whole node dies:
+agent and workers, while the other ranks wait for the decision), ``optimizer`` (after the commit, before the update), ``logging`` (after the
 update, before the loss all-reduce) or ``logged`` (after it); a script may add points of its own
 (``examples/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
@@ -16,7 +17,8 @@ from __future__ import annotations
 import os
 import time
 
-PHASES = ["forward", "backward", "allreduce", "vote", "optimizer", "logging", "logged", "checkpoint"]
+PHASES = ["forward", "backward", "allreduce", "vote", "last-vote-node", "optimizer", "logging", "logged", "checkpoint"]
+RUNTIME_POINTS = {"vote": "vote", "last-vote-node": "last-vote/node"}  # phase -> tm_launch.failpoints point
 
 
 def kill_once(marker: str | None, rank: int, where: str) -> None:
@@ -40,8 +42,9 @@ class Faults:
     def __init__(self, args):
         self.args = args
         self.step: int | None = None
-        if args.kill_phase == "vote" and args.kill_rank >= 0:  # a point inside the runtime (tm_launch.failpoints)
-            os.environ["TM_FAILPOINT"] = f"vote:{args.kill_rank}:{args.kill_step}:{args.kill_marker or ''}"
+        point = RUNTIME_POINTS.get(args.kill_phase)
+        if point and args.kill_rank >= 0:  # a point inside the runtime (tm_launch.failpoints)
+            os.environ["TM_FAILPOINT"] = f"{point}:{args.kill_rank}:{args.kill_step}:{args.kill_marker or ''}"
 
     def at(self, job, phase: str) -> None:
         """SIGKILL this worker if it holds the armed rank and reached the armed point; the pause

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_delta, plan_digest
@@ -297,6 +298,14 @@ class Membership:
         goes or names another node), so that the next one takes over. v2 has no delta: the
         ``state/plan`` prefix covers the plan and the feed."""
         return self.kv.wait(FEED if self.kv.transactions else "state/plan", revision, timeout)
+
+    def watch(self) -> Iterator[tuple[str, int]]:
+        """``wait``'s scope as a long-lived stream (``KV.watch_stream``): what a planner watches."""
+        return self.kv.watch_stream("state/")
+
+    def watch_plan(self) -> Iterator[tuple[str, int]]:
+        """``wait_plan``'s scope as a long-lived stream: what an agent that does not plan watches."""
+        return self.kv.watch_stream(FEED if self.kv.transactions else "state/plan")
 
     def mark_planner(self, node: str, lease: Lease | None, chosen: tuple[str, ...]) -> None:
         """``node`` plans, with ``chosen`` (itself among them): the followers' only way to learn

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tm_launch import communicators
-from tm_launch.groups import LiveGroup, StepPoison, new_gloo
+from tm_launch.groups import LiveGroup, StepPoison
 
 HAS_CUDA = torch.cuda.is_available() and dist.is_nccl_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and NCCL (this is a CPU build or machine)")
@@ -92,7 +92,7 @@ def test_cuda_requested_without_cuda_is_gloo_only(store):
     if HAS_CUDA:
         pytest.skip("CUDA is present: the gloo-only fallback does not apply")
     assert communicators.cuda_device(["cpu", "cuda:0"]) is None
-    assert communicators.default_devices(3) == [torch.device("cpu")]
+    assert communicators.job_devices(None, 3) == ("cpu",)
     pg = build_all(store, 1, devices=["cpu", "cuda:0"])[0]
     assert communicators.nccl_backend(pg) is None
 
@@ -139,12 +139,12 @@ def test_shrink_without_nccl_rebuilds_and_renumbers_survivors(store):
 
 
 def test_live_group_forwards_to_the_composite_group(store):
-    """groups.new_gloo now delegates here; LiveGroup's forwarding still works on top."""
+    """LiveGroup's forwarding works on top of the group ``build`` returns."""
     p = prefix(store, "live")
 
     def step(r):
         group = LiveGroup(None, r, 2, StepPoison())
-        group.swap(new_gloo(p(), r, 2, 10, None, 30), r, 2, 0)
+        group.swap(communicators.build(p(), r, 2, devices=["cpu"], timeout_s=10, setup_timeout_s=30), r, 2, 0)
         t = torch.tensor([1.0, float(r)])
         dist.all_reduce(t, group=group)
         b = torch.tensor([float(r)])
@@ -163,6 +163,104 @@ def test_live_group_forwards_to_the_composite_group(store):
     del got
 
 
+@pytest.mark.parametrize("backend, local_rank, cuda_count, want", [
+    (None, 0, 0, ("cpu",)),  # a CPU machine or build: gloo only, as before
+    (None, 3, 8, ("cpu", "cuda:3")),  # torch's default: NCCL whenever CUDA is usable
+    (None, 9, 8, ("cpu", "cuda:1")),  # local rank i on visible device i modulo the count
+    ("gloo", 0, 0, ("cpu",)),
+    ("gloo", 2, 8, ("cpu",)),  # asked for: CPU tensors only, even with GPUs
+    ("GLOO", 0, 8, ("cpu",)),  # torch lowercases
+    ("nccl", 2, 8, ("cpu", "cuda:2")),  # gloo still carries CPU tensors (the runtime's own)
+    ("cuda:nccl", 1, 2, ("cpu", "cuda:1")),
+    ("cpu:gloo,cuda:nccl", 5, 4, ("cpu", "cuda:1")),
+    ("cuda:nccl, cpu:gloo", 0, 1, ("cpu", "cuda:0")),
+    ("cpu:gloo", 0, 8, ("cpu",)),
+    ("undefined", 0, 2, ("cpu", "cuda:0")),
+    ("nccl", 0, 0, ValueError),  # NCCL where it cannot run: loud, as init_process_group
+    ("cpu:gloo,cuda:nccl", 0, 0, ValueError),
+    ("mpi", 0, 8, ValueError),
+    ("ucc", 0, 8, ValueError),
+    ("cuda:gloo", 0, 8, ValueError),  # not a pairing live mode builds
+    ("cpu:nccl", 0, 8, ValueError),
+    ("cpu:gloo,cuda", 0, 8, ValueError),
+])
+def test_devices_follow_the_scripts_backend(backend, local_rank, cuda_count, want):
+    if want is ValueError:
+        with pytest.raises(ValueError):
+            communicators.devices_for(backend, local_rank, cuda_count)
+    else:
+        assert communicators.devices_for(backend, local_rank, cuda_count) == want
+
+
+@pytest.mark.parametrize("devices, want", [
+    (("cpu",), ("gloo", "cpu:gloo")),  # what the registries said before NCCL existed here
+    (("cpu", "cuda:1"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")),
+])
+def test_registry_names_follow_the_devices(devices, want):
+    assert communicators.c10d_names(devices) == want
+
+
+def test_this_machine_keeps_gloo_only_groups():
+    """The live runtime's choice on this machine: on a CPU build exactly what it was before."""
+    if HAS_CUDA:
+        pytest.skip("CUDA is present: the job's default devices include a GPU")
+    assert communicators.job_devices(None, 0) == ("cpu",)
+    assert communicators.job_devices("gloo", 1) == ("cpu",)
+    with pytest.raises(ValueError, match="not usable"):
+        communicators.job_devices("nccl", 0)
+
+
+class Comm:
+    """A communicator stand-in: what the live group hands to ``communicators.release``."""
+
+
+@pytest.fixture
+def released(monkeypatch):
+    """Record what is given up, as if every communicator had NCCL (release returns True)."""
+    got = []
+    monkeypatch.setattr(communicators, "release", lambda pg: got.append(pg) or isinstance(pg, Comm))
+    return got
+
+
+def test_a_swapped_out_communicator_is_released_once(released):
+    group = LiveGroup(None, 0, 2, StepPoison())
+    a, b, c = Comm(), Comm(), Comm()
+    group.swap(a, 0, 2, 1)
+    group.swap(b, 0, 2, 2)
+    assert released == [a]
+    group.swap(c, 0, 2, 3, keep_old=True)  # parked by the caller, to be used again
+    assert released == [a]
+    group.release()
+    assert released == [a, c] and group.inner is None
+
+
+def test_the_watcher_aborts_only_older_generations_and_only_once(released):
+    group = LiveGroup((0, 1), 0, 2, StepPoison())
+    old, new = Comm(), Comm()
+    group.swap(old, 0, 2, 4)
+    released.clear()
+    assert group.abort_soon(5) is True and released == [old]  # generation 5 changes it
+    assert group.abort_soon(5) is False and released == [old]  # not twice
+    assert group.inner is old  # the main thread still owns it until it swaps
+    group.swap(new, 0, 2, 5)
+    assert released == [old]  # already aborted: not handed over again
+    assert group.abort_soon(5) is False  # the main thread entered 5 first: its communicator stays
+    assert released == [old]
+    group.broken = True
+    assert group.release_if_broken() is True and released == [old, new]
+
+
+def test_gloo_groups_are_not_aborted_by_the_watcher(store):
+    group = LiveGroup(None, 0, 1, StepPoison())
+    pg = communicators.build(prefix(store, "w")(), 0, 1, devices=["cpu"], timeout_s=10, setup_timeout_s=30)
+    group.swap(pg, 0, 1, 0)
+    assert group.abort_soon(1) is False  # gloo: nothing to abort, the group keeps working
+    t = torch.ones(1)
+    group.inner.allreduce([t]).wait()
+    assert t.item() == 1.0
+    group.release()
+
+
 @pytest.mark.parametrize("live,user,expected", [
     (True, None, "2"), (True, "1", "2"), (True, "3", "2"), (True, "0", "0"), (True, "2", "2"),
     (False, None, "1"), (False, "3", "3"),
@@ -175,7 +273,7 @@ def test_nccl_error_handling_keeps_live_survivors_alive(live, user, expected):
 
 @needs_cuda
 def test_cuda_tensors_go_to_nccl_and_cpu_tensors_to_gloo(store):
-    pg = build_all(store, 1, devices=communicators.default_devices(0))[0]
+    pg = build_all(store, 1, devices=communicators.job_devices(None, 0))[0]
     nccl = communicators.nccl_backend(pg)
     assert nccl is not None and type(nccl).__name__ == "ProcessGroupNCCL"
     g = torch.full((4,), 3.0, device="cuda")
@@ -231,3 +329,24 @@ def test_release_aborts_and_destroys_off_the_callers_thread(store):
     assert time.monotonic() - t0 < 0.5  # an abort in this thread takes ~1 s per group
     assert communicators.wait_released(30)
     assert torch.cuda.mem_get_info()[0] > used[0]  # the communicators' memory came back
+
+
+@needs_cuda
+def test_the_watcher_aborts_a_live_nccl_group_off_its_thread(store):
+    """What ``abort_changed`` does to a group whose membership the next generation changes: its
+    CUDA collectives fail from then on, the call returns at once (the abort takes ~1 s on its
+    own thread), and the main thread's later swap destroys it without aborting it again."""
+    group = LiveGroup(None, 0, 1, StepPoison())
+    group.swap(build_all(store, 1, devices=["cpu", "cuda:0"])[0], 0, 1, 0)
+    g = torch.ones(4, device="cuda")
+    group.inner.allreduce([g]).wait()
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    assert group.abort_soon(1) is True
+    assert time.monotonic() - t0 < 0.5
+    assert communicators.wait_released(30)
+    with pytest.raises(Exception):
+        group.inner.allreduce([g]).wait()
+        torch.cuda.synchronize()
+    group.swap(None, 0, 1, 1)
+    assert communicators.wait_released(30)

@@ -140,12 +140,27 @@ def test_node_loss_agent_sigkill(local_job, reference):
     job, codes, params, info = run_job(local_job, ["a", "b", "c"], fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_agent("b")))
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
     assert_bitwise(params, reference(2, 2))
-    # Detected by probing: a survivor's collective with the dead node fails and its agent probes.
-    # When the kill lands while the survivors wait in the commit vote, no collective fails and the
-    # lease is what detects it (a gap in detection, noted on issue 10).
-    in_vote = "a peer failed before voting" in job.nodes["a"].log()
-    assert in_vote or any(e["kind"] == "node_lost" for e in job.events()), "node loss should be detected by probing, not the lease"
+    # Detected by probing: a survivor's collective with the dead node fails, or its commit vote
+    # waits long (test_node_lost_while_the_others_wait_in_the_vote), and its agent probes.
+    assert any(e["kind"] == "node_lost" for e in job.events()), "node loss should be detected by probing, not the lease"
     assert_breakdown_is_the_downtime(job, info["fault_time"], {"a", "c"})
+
+
+@pytest.mark.slow
+def test_node_lost_while_the_others_wait_in_the_vote(local_job, reference):
+    """Rank 2's vote completes the count and its node dies (agent and workers) before it writes
+    the decision: every other rank waits in the vote, and no collective of theirs fails. The
+    wait itself tells their agents, which probe the peers: the loss is found in milliseconds,
+    not at the lease's expiry; the step is aborted everywhere and run again."""
+    script = ["--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", "last-vote-node", "--kill-marker", "MARKER"]
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
+    lost = [e for e in job.events() if e["kind"] == "node_lost"]
+    assert lost, "the loss must be found by probing, not by the lease\n" + job.logs_tail()
+    dead = lost[0]["lost"]
+    assert codes["c"] == 0 and codes[({"a", "b"} - {dead}).pop()] == 0, job.logs_tail()
+    survivor_log = job.nodes[({"a", "b"} - {dead}).pop()].log()
+    assert "failpoint last-vote/node" in job.nodes[dead].log() and "a peer failed before voting" in survivor_log, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
 
 
 def assert_breakdown_is_the_downtime(job, fault_time, nodes):

@@ -134,6 +134,237 @@ def test_plan_transfer_reports_replicas_that_disagree():
 
 
 # ------------------------------------------------------------------------------------------------
+# which communicators a generation changes (rebuilt on entry; NCCL ones aborted when it arrives)
+
+
+def D(joiners=(), all_fresh=False):
+    return {"joiner_ranks": list(joiners), "all_fresh": all_fresh}
+
+
+@pytest.mark.parametrize("ranks, d, rank, old_rank, want", [
+    pytest.param(None, D(), 1, 1, True, id="the world always: somebody failed, left or was replaced"),
+    pytest.param((0, 1), D(joiners=[3]), 1, 1, False, id="a subgroup without the replaced rank is kept"),
+    pytest.param((2, 3), D(joiners=[3]), 2, 2, True, id="a subgroup with the replaced rank changes"),
+    pytest.param((0, 2), D(joiners=[2, 3]), 0, 0, True, id="two joiners, one in the group"),
+    pytest.param((0, 1), D(all_fresh=True), 1, 1, True, id="every process is new"),
+    pytest.param((0, 1), D(), 1, 3, True, id="this process changed rank (a promoted spare)"),
+    pytest.param((0, 1), D(joiners=[3]), -1, 1, True, id="this process is replaced itself"),
+    pytest.param((0, 1), D(), 0, 0, False, id="nothing about the group changed"),
+])
+def test_membership_changed(ranks, d, rank, old_rank, want):
+    from tm_launch.generations import membership_changed
+
+    assert membership_changed(ranks, d, rank, old_rank) is want
+
+
+# ------------------------------------------------------------------------------------------------
+# the transfer's wire: which backend carries a tensor, which own tensor receives it in place
+
+
+@pytest.mark.parametrize("device, nccl, want", [
+    ("cpu", None, "cpu"),
+    ("cpu", "cuda:0", "cpu"),  # CPU state (Adam's step counters) stays on gloo in an NCCL job
+    ("cuda:0", "cuda:0", "cuda"),  # GPU to GPU through NCCL, no host staging
+    ("cuda:1", "cuda:0", "cpu"),  # not the communicator's device: staged, one tensor at a time
+    ("cuda:0", None, "cpu"),  # a gloo-only job with a model on the GPU
+])
+def test_wire_for(device, nccl, want):
+    from tm_launch.transfer import wire_for
+
+    assert wire_for(torch.device(device), None if nccl is None else torch.device(nccl)) == want
+
+
+def _ph(index, t, layout=None):
+    """The sender's placeholder for ``t``."""
+    from tm_launch.transfer import TENSOR
+
+    return (TENSOR, index, tuple(t.shape), str(t.dtype).replace("torch.", ""), layout, "cpu")
+
+
+def test_receive_targets_take_only_tensors_that_fit():
+    from tm_launch.transfer import receive_targets
+
+    base = torch.zeros(10)
+    own = {"model": {
+        "w": torch.zeros(2, 3),  # fits
+        "b": torch.zeros(3),  # the sender's is longer: allocate
+        "h": torch.zeros(3, dtype=torch.float64),  # another dtype: allocate
+        "t": torch.zeros(3, 2).t(),  # not contiguous: one message cannot fill it
+        "x": base[:4], "y": base[4:8],  # views of one buffer that do not overlap: both fit
+        "z": base[6:10],  # overlaps y: fresh memory
+        "n": 7,  # not a tensor
+    }, "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)}}, "param_groups": [{"lr": 0.1}]}}
+    skeleton = {"model": {
+        "w": _ph(0, torch.zeros(2, 3)), "b": _ph(1, torch.zeros(4)), "h": _ph(2, torch.zeros(3)),
+        "t": _ph(3, torch.zeros(2, 3)), "x": _ph(4, torch.zeros(4)), "y": _ph(5, torch.zeros(4)),
+        "z": _ph(6, torch.zeros(4)), "n": _ph(7, torch.zeros(1)), "gone": _ph(8, torch.zeros(1)),
+    }, "opt": {"state": {0: {"step": _ph(9, torch.tensor(1.0)), "exp_avg": _ph(10, torch.zeros(2, 3))}},
+               "param_groups": [{"lr": 0.1}]}}
+    targets = receive_targets(skeleton, own)
+    assert sorted(targets) == [0, 4, 5, 9, 10]
+    assert targets[0] is own["model"]["w"] and targets[10] is own["opt"]["state"][0]["exp_avg"]
+
+
+class _SelectiveModule(torch.nn.Linear):
+    def load_state_dict(self, state_dict, strict=True, assign=False):  # may keep some of its own
+        return super().load_state_dict({k: v for k, v in state_dict.items() if k != "bias"}, strict=False)
+
+
+class _OwnLoadAdam(torch.optim.Adam):
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+
+
+class _Checkpoint:
+    """A framework's whole checkpoint as one registered object."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("make, want", [
+    pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), True, id="a module: torch's key-by-key load"),
+    pytest.param(lambda: torch.optim.Adam(torch.nn.Linear(2, 2).parameters()), True, id="an optimizer: keeps the tensors given"),
+    pytest.param(lambda: _SelectiveModule(2, 2), False, id="a module with a load of its own"),
+    pytest.param(lambda: _OwnLoadAdam(torch.nn.Linear(2, 2).parameters()), False, id="an optimizer with a load of its own"),
+    pytest.param(_Checkpoint, False, id="any other object"),
+    pytest.param(lambda: torch.optim.lr_scheduler.StepLR(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 1), False,
+                 id="a scheduler"),
+])
+def test_only_torchs_own_loads_receive_in_place(make, want):
+    from tm_launch.transfer import loads_in_place
+
+    assert loads_in_place(make()) is want
+
+
+def test_tied_tensors_receive_into_fresh_memory_the_second_time():
+    from tm_launch.transfer import receive_targets
+
+    w = torch.zeros(4, 2)
+    own = {"m": {"embed.weight": w, "head.weight": w.detach()}}  # tied: one storage
+    skeleton = {"m": {"embed.weight": _ph(0, w), "head.weight": _ph(1, w)}}
+    assert sorted(receive_targets(skeleton, own)) == [0]
+
+
+@pytest.mark.parametrize("sender, receiver, in_place", [
+    pytest.param("fsdp-tp", "fsdp-tp", "all", id="FSDP x TP shards: the same layout, every tensor in place"),
+    pytest.param("hsdp", "hsdp", "all", id="HSDP"),
+    pytest.param("fsdp-tp", "ddp-tp", "plain only", id="another mesh or placements: the DTensors are allocated"),
+])
+def test_dtensors_receive_in_place_only_with_the_same_layout(fake_world, sender, receiver, in_place):
+    from tm_launch.transfer import flatten, receive_targets
+
+    from torch.distributed.tensor import DTensor
+
+    fake_world(1, 4)
+    tensors: list = []
+    net, opt, _ = _layout(sender)
+    theirs = {"model": flatten(net.state_dict(), tensors), "optimizer": flatten(opt.state_dict(), tensors)}
+    net, opt, _ = _layout(receiver)
+    own = {"model": net.state_dict(), "optimizer": opt.state_dict()}
+    targets = receive_targets(theirs, own)
+    dtensors = [t for t in targets.values() if isinstance(t, DTensor)]
+    if in_place == "all":
+        assert sorted(targets) == list(range(len(tensors))) and dtensors
+        first = next(iter(net.parameters()))
+        dtensors[0].to_local().detach().fill_(7.0)  # what a receive does: the parameter itself changes
+        assert bool((first.to_local() == 7.0).all())
+    else:
+        assert not dtensors and targets  # Adam's step counters are plain tensors and still fit
+
+
+TRANSFER = r'''
+import json, sys, datetime
+import torch, torch.distributed as dist
+import torch.distributed.tensor  # as in a live worker
+from tm_launch import communicators
+from tm_launch.transfer import send_state, recv_state
+
+rank, port, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+devices = ["cpu"] if device == "cpu" else ["cpu", f"cuda:{rank}"]
+dev = torch.device("cpu" if device == "cpu" else f"cuda:{rank}")
+pg = communicators.build(dist.PrefixStore("t/", store), rank, 2, devices=devices, timeout_s=60, setup_timeout_s=60)
+
+torch.manual_seed(rank)  # the receiver's own state differs from the sender's everywhere
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dev)
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+def step(seed):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(5, 8, generator=g).to(dev), torch.randn(5, 4, generator=g).to(dev)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+def state():
+    return [p.detach().cpu().tolist() for p in model.parameters()] + [
+        [v.detach().cpu().tolist() for _, v in sorted(s.items())] for s in opt.state.values()]
+
+def storage():
+    return [p.data_ptr() for p in model.parameters()] + [v.data_ptr() for s in opt.state.values() for _, v in sorted(s.items())]
+
+objects = {"model": model, "optimizer": opt}
+if rank == 0:
+    for s in range(3):
+        step(100 + s)
+    send_state(pg, 1, objects, 3)
+else:
+    step(7)  # the sandbox's warm-up step: the optimizer state exists
+    before = storage()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated(dev)
+    got, _ = recv_state(pg, 0, objects)
+    extra = torch.cuda.memory_allocated(dev) - allocated if dev.type == "cuda" else 0
+    print("RECV", json.dumps({"step": got, "same_storage": storage() == before, "extra_gpu_bytes": extra}))
+step(200)  # both ranks, after the transfer: the optimizer still drives the same tensors
+print("STATE", json.dumps(state()))
+pg.barrier().wait()
+'''
+
+
+def _transfer_between_processes(device: str):
+    """A sender at step 3 and a receiver that warmed up on its own: the receiver's model and
+    optimizer keep their storage, and one more step on both is bitwise the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tm_launch.localjob import REPO
+
+    server = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", TRANSFER, str(r), str(server.port), device], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
+    found = [{line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+              if line.startswith(("RECV", "STATE"))} for out, _ in outs]
+    return found[1]["RECV"], found[0]["STATE"], found[1]["STATE"]
+
+
+def test_a_joiner_receives_into_its_own_model_and_optimizer():
+    recv, sender, receiver = _transfer_between_processes("cpu")
+    assert recv["step"] == 3
+    assert recv["same_storage"] is True  # parameters and Adam's moments and step counters: in place
+    assert receiver == sender  # bitwise, and the next step too
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= 2),
+                    reason="needs 2 CUDA devices with NCCL (NCCL refuses two ranks on one GPU; this is a CPU build or machine)")
+def test_a_joiner_receives_cuda_state_in_place_through_nccl():
+    recv, sender, receiver = _transfer_between_processes("cuda")
+    assert recv["step"] == 3 and recv["same_storage"] is True
+    assert recv["extra_gpu_bytes"] <= 0  # no second copy of the state on the GPU
+    assert receiver == sender
+
+
+# ------------------------------------------------------------------------------------------------
 # the commit vote: every rank gets the same decision
 
 

@@ -1,6 +1,7 @@
 """The per-node agent: register, follow the generations, run and watch this node's workers.
 
-One loop, woken by any change under the job's ``state/`` keys or every ``--monitor-interval``:
+One loop, woken the moment anything happens (a worker exits or reports, something under the
+job's ``state/`` keys changes: ``tm_launch.wakeup``), and at least every ``--monitor-interval``:
 
 1. read the job's state (one etcd range read; an agent that only follows plans reads what changed,
    ``Membership.refresh``) and, if the plan moved on, act on it:
@@ -40,6 +41,7 @@ from .observers import AlarmWatch, DowntimeStamps, DrainWaitNote, EntryReport, M
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
 from .waits import Every
+from .wakeup import StateWatch, Wakeup
 
 __all__ = ["Agent", "AgentConfig"]  # AgentConfig: what tm_launch.cli builds an Agent from
 
@@ -52,12 +54,16 @@ class Agent:
         self.metrics = MetricsFeed(cfg.node_id, members)
         self.events = EventLog(cfg.node_id, cfg.event_log, members, self.metrics)
         say = self.say = self.events.say
-        self.supervisor = WorkerSupervisor(cfg, say)
+        # Every source of news wakes the loop at once (tm_launch.wakeup): worker exits, workers'
+        # reports, etcd changes; the --monitor-interval tick is only the upper bound.
+        self.wakeup = Wakeup()
+        self.state_watch = StateWatch(self.wakeup)
+        self.supervisor = WorkerSupervisor(cfg, say, self.wakeup)
         self.session = EtcdSession(members, cfg.node_id, cfg.lease_ttl, cfg.collective_timeout, say,
                                    self.supervisor.local_progress)
         self.failures = FailureWatch(cfg, self.session, self.supervisor, say)
         self.follower = PlanFollower(cfg, self.session, self.supervisor, self.failures, self.metrics, say)
-        self.alarms = AlarmWatch(cfg, self.session, self.supervisor, say)
+        self.alarms = AlarmWatch(cfg, self.session, self.supervisor, say, wake=lambda: self.wakeup.set("alarm"))
         self.progress = ProgressPublisher(cfg.node_id, self.session, self.supervisor, self.metrics,
                                           StragglerWatch(cfg, self.session, say))
         self.entry = EntryReport(cfg.node_id, self.supervisor, self.metrics, say)
@@ -94,6 +100,7 @@ class Agent:
             self.supervisor.workers.stop()
             return 130
         finally:
+            self.state_watch.close()
             self.alarms.stop()
             self.metrics.stop()
             self.supervisor.close()
@@ -170,8 +177,11 @@ class Agent:
         self.session.mark_planner(snap.planners)
         follow_only = follows_only(view, me, self.planning)
         members = self.session.members
-        wait = members.wait_plan if follow_only else members.wait
-        self.state_changed = wait(snap.revision, self.cfg.monitor_interval)
+        if follow_only:
+            self.state_watch.arm("plan", members.watch_plan, snap.revision)
+        else:
+            self.state_watch.arm(StateWatch.WIDEST, members.watch, snap.revision)
+        self.state_changed = "etcd" in self.wakeup.wait(self.cfg.monitor_interval)
         return None
 
     def _with_last_call(self, view: View) -> View:

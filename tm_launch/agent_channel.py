@@ -17,6 +17,8 @@ import time
 
 import torch.distributed as dist
 
+from .wakeup import WAKE_ENV, poke
+
 
 def log(msg: str) -> None:
     print(f"[tm-launch worker {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
@@ -28,6 +30,7 @@ class AgentChannel:
         self.local_rank = int(env["LOCAL_RANK"])
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         self._latest_file = env.get("TM_LATEST_FILE")
+        self._wake = env.get(WAKE_ENV)
         self._latest_size = -2  # forces the first check through the store
         self._closing = False
         beat_store = self.store.clone()  # its own connection: a blocked main thread must not stop it
@@ -76,9 +79,13 @@ class AgentChannel:
 
         threading.Thread(target=run, daemon=True, name="tm-generation-watch").start()
 
-    def set(self, what: str, value) -> None:
-        """``worker/<local rank>/<what>``: status, live, entered/<gen>, ..."""
+    def set(self, what: str, value, wake: bool = False) -> None:
+        """``worker/<local rank>/<what>``: status, live, entered/<gen>, ... ``wake``: the agent
+        acts on this report (a generation entered, a collective failed): wake its loop now
+        rather than at its next tick."""
         self.store.set(f"worker/{self.local_rank}/{what}", value if isinstance(value, str) else json.dumps(value))
+        if wake:
+            poke(self._wake)
 
     def latest(self) -> int:
         return self.store.add("node/latest", 0)

@@ -30,9 +30,9 @@ def unique_name(ranks) -> str:
 def register(group: LiveGroup, global_ranks) -> None:
     """Enter ``group`` in c10d's registries (again after its membership was set)."""
     c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(global_ranks)}
-    c10d._world.pg_map[group] = ("gloo", None)
+    c10d._world.pg_map[group] = (group.backend_name, None)
     c10d._world.pg_names[group] = group.group_name
-    c10d._world.pg_backend_config[group] = "cpu:gloo"
+    c10d._world.pg_backend_config[group] = group.backend_config
     try:
         c10d._unregister_process_group(group.group_name)
     except Exception:  # not registered yet

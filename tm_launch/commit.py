@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -30,6 +31,10 @@ from . import failpoints
 
 COMMIT, ABORT = b"commit", b"abort"
 _PATIENCE = datetime.timedelta(seconds=5)
+# After this long without every vote, a peer may be dead rather than slow: the voter says so
+# (``on_slow_vote``) and its agent checks the peers' agents. A peer that died after its last
+# collective of the step fails nothing here, so without this only its lease would tell.
+_SLOW_VOTE = datetime.timedelta(milliseconds=200)
 
 
 def commit_store(store: dist.Store, generation: int) -> dist.Store:
@@ -50,6 +55,7 @@ class StepCommit:
         self.uncertain = False  # the store was lost mid-vote: the outcome is unknown here
         self.where: tuple | None = None  # (generation, address, port) of the store in use
         self.last_commit_where: tuple | None = None  # the store of the last committed step (per-rank mirrors)
+        self.on_slow_vote: Callable[[bool], None] = lambda waiting: None  # True: still waiting after _SLOW_VOTE; False: decided
 
     def use(self, store: dist.Store | None, rank: int, world: int, generation: int, where: tuple | None = None) -> None:
         """Generation ``generation``'s store (None: the sandbox, where every step commits
@@ -107,16 +113,26 @@ class StepCommit:
             votes = store.add(f"{key}/n", 1)
             failpoints.reached("vote", self.rank, self.step)
             if votes == self.world:
+                failpoints.reached("last-vote", self.rank, self.step)
+            if votes == self.world:
                 return store.compare_set(f"{key}/d", "", COMMIT.decode()) == COMMIT
-            while True:
-                try:  # the watcher thread writes 'abort' here if a peer is gone
-                    store.wait([f"{key}/d"], _PATIENCE)
-                    return store.get(f"{key}/d") == COMMIT
-                except dist.DistStoreError as e:
-                    if "timeout" not in str(e):
-                        raise
-                    if newer_generation():  # the watcher missed it: settle it here
-                        return store.compare_set(f"{key}/d", "", ABORT.decode()) == COMMIT
+            patience, slow = _SLOW_VOTE, False
+            try:
+                while True:
+                    try:  # the watcher thread writes 'abort' here if a peer is gone
+                        store.wait([f"{key}/d"], patience)
+                        return store.get(f"{key}/d") == COMMIT
+                    except dist.DistStoreError as e:
+                        if "timeout" not in str(e):
+                            raise
+                        if not slow:
+                            slow, patience = True, _PATIENCE
+                            self.on_slow_vote(True)
+                        elif newer_generation():  # the watcher missed it: settle it here
+                            return store.compare_set(f"{key}/d", "", ABORT.decode()) == COMMIT
+            finally:
+                if slow:
+                    self.on_slow_vote(False)
         except (RuntimeError, dist.DistError):  # the store is gone with its node
             self.uncertain = True
             return False

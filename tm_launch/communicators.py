@@ -56,12 +56,56 @@ def nccl_error_handling(live: bool, user_value: str | None) -> str:
     return user_value or NCCL_TEAR_DOWN
 
 
-def default_devices(local_rank: int) -> list[torch.device]:
-    """CPU, plus this local rank's GPU when CUDA is usable (rank i uses visible device i)."""
-    devices = [torch.device("cpu")]
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        devices.append(torch.device("cuda", local_rank % torch.cuda.device_count()))
-    return devices
+# What live mode can serve: gloo carries CPU tensors (always: the runtime's own traffic, state
+# agreement and pickled headers, is CPU), NCCL carries CUDA tensors.
+LIVE_PAIRS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def devices_for(backend: str | None, local_rank: int, cuda_count: int) -> tuple[str, ...]:
+    """The devices a live job's groups serve, from ``tm_launch.init(backend=...)`` in torch's
+    spellings: ``None`` (torch's default: NCCL too when CUDA is usable), ``"gloo"`` (CPU
+    tensors only), ``"nccl"``, ``"cuda:nccl"`` or ``"cpu:gloo,cuda:nccl"`` (CUDA tensors through
+    NCCL; CPU tensors still through gloo, which the runtime itself needs). ``cuda_count``: the
+    CUDA devices usable here with NCCL (0 on a CPU build or machine). Local rank i uses device
+    i modulo the count, as torchrun's scripts do. Asking for NCCL where it cannot run, or for a
+    pairing live mode does not build, raises, as ``init_process_group`` would: a job that
+    silently ran its gradients through another backend would not be the job asked for."""
+    spelled = "".join((backend or "undefined").split()).lower()
+    if spelled == "undefined":
+        wants_cuda = cuda_count > 0
+    elif ":" in spelled:
+        pairs = [item.split(":") for item in spelled.split(",")]
+        if any(len(p) != 2 or LIVE_PAIRS.get(p[0]) != p[1] for p in pairs):
+            raise ValueError(f"tm-launch live mode runs {','.join(f'{d}:{b}' for d, b in LIVE_PAIRS.items())}; "
+                             f"backend={backend!r} is not one of those pairings")
+        wants_cuda = any(dev == "cuda" for dev, _ in pairs)
+    elif spelled in ("gloo", "nccl"):
+        wants_cuda = spelled == "nccl"
+    else:
+        raise ValueError(f"tm-launch live mode runs gloo (CPU tensors) and nccl (CUDA tensors); backend={backend!r} is not supported")
+    if not wants_cuda:
+        return ("cpu",)
+    if cuda_count <= 0:
+        raise ValueError(f"backend={backend!r} asks for NCCL, but CUDA with NCCL is not usable in this process")
+    return ("cpu", f"cuda:{local_rank % cuda_count}")
+
+
+def usable_cuda_devices() -> int:
+    """How many CUDA devices NCCL can use here (0 on a CPU build or machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() and dist.is_nccl_available() else 0
+
+
+def job_devices(backend: str | None, local_rank: int) -> tuple[str, ...]:
+    """``devices_for`` on this process's hardware."""
+    return devices_for(backend, local_rank, usable_cuda_devices())
+
+
+def c10d_names(devices) -> tuple[str, str]:
+    """(backend name, backend config) for torch's group registries, as ``init_process_group``
+    records them: what ``dist.get_backend(group)`` answers and what DeviceMesh reads to decide
+    whether the world group can carry CUDA tensors."""
+    cuda = any(torch.device(d).type == "cuda" for d in devices)
+    return ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl") if cuda else ("gloo", "cpu:gloo")
 
 
 def cuda_device(devices) -> torch.device | None:
@@ -152,6 +196,11 @@ def nccl_backend(pg):
         return None
 
 
+def nccl_device(pg) -> torch.device | None:
+    """The CUDA device the group's NCCL communicator is bound to, or None (no NCCL)."""
+    return pg.bound_device_id if nccl_backend(pg) is not None else None
+
+
 def abort(pg) -> bool:
     """Abort every NCCL communicator of ``pg``: its pending and future CUDA collectives fail
     instead of waiting for a peer. Takes about a second (see ``release``).
@@ -179,10 +228,12 @@ def release(pg) -> bool:
     """Give up a group that has NCCL: its communicators are aborted and the group destroyed on
     a thread of its own, because ``ProcessGroupNCCL.abort()`` takes about a second (measured:
     1.00 s per group on an H100, torch 2.11 / NCCL 2.28.9, monitoring on or off) and would sit
-    on the recovery path. The caller must drop its own references right away (the thread's is
-    then the last one, and the destructor, ~5 ms after an abort, runs there too). Returns
-    False (nothing done) for a gloo-only group: the caller's drop closes gloo's sockets at
-    once, as peers expect."""
+    on the recovery path. The caller drops its own references right away (the thread's is then
+    the last one, and the destructor, ~5 ms after an abort, runs there too), or, from a thread
+    that must not touch the group's owner (the directive watcher, while the main thread may be
+    inside one of its collectives), leaves the object to its owner, whose later drop destroys
+    it (``LiveGroup.abort_soon``). Returns False (nothing done) for a gloo-only group or any
+    other object: the caller's drop closes gloo's sockets at once, as peers expect."""
     if nccl_backend(pg) is None:
         return False
 

@@ -5,7 +5,10 @@ commit vote; ``TM_FAILPOINT="<name>:<rank>:<step>[:<marker file>]"`` SIGKILLs th
 ``<rank>`` when it reaches point ``<name>`` at the first step >= ``<step>``. With a marker file it
 fires once per job, whichever process holds the rank (etcd's gofail, in spirit).
 
-Points: ``vote`` (this rank's vote is counted, the decision not yet read).
+Points: ``vote`` (this rank's vote is counted, the decision not yet read), ``last-vote`` (the
+same, when this vote completed the count: every other rank then waits for a decision that this
+rank was to write). A name ending in ``/node`` (``last-vote/node``) SIGKILLs the worker's agent
+first: the whole node is lost at that point, as when a machine dies.
 """
 
 from __future__ import annotations
@@ -19,9 +22,15 @@ def reached(name: str, rank: int, step: int) -> None:
     if not spec:
         return
     want, want_rank, want_step, marker = (spec.split(":", 3) + [""])[:4]
-    if want != name or int(want_rank) != rank or step < int(want_step):
+    point, _, scope = want.partition("/")
+    if point != name or int(want_rank) != rank or step < int(want_step):
         return
-    kill_once(marker or None, f"[tm-launch] failpoint {name}: SIGKILL rank {rank} at step {step}")
+    if scope == "node":
+        if marker and os.path.exists(marker):
+            return
+        print(f"[tm-launch] failpoint {want}: SIGKILL the agent of rank {rank} at step {step}", flush=True)
+        os.kill(os.getppid(), signal.SIGKILL)
+    kill_once(marker or None, f"[tm-launch] failpoint {want}: SIGKILL rank {rank} at step {step}")
 
 
 def kill_once(marker: str | None, message: str) -> None:

@@ -111,13 +111,17 @@ class FailureWatch:
         return time.time() - self.keepers_done_at >= 2.0
 
     def probe_peers(self, plan: Plan | None, view: View) -> None:
-        """A local worker saw a collective fail: find out at once whether a peer node died; and if
-        no new generation comes (no node was lost, e.g. a transient network error), report this
+        """A local worker saw a collective fail, or its commit vote waits long for its peers: find
+        out at once whether a peer node died; and, after a failed collective, if no new generation comes (no node was lost, e.g. a transient network error), report this
         node after a while so that the job regroups instead of waiting forever."""
         if plan is None or not (view.live or self.supervisor.live_seen) or self.cfg.node_id not in plan.nodes:
             return
         if not self.supervisor.recovering():
             self.recovering_since = None
+            if self.supervisor.waiting_for_peers() and time.time() - self.probed_at >= 0.5:
+                # A commit vote waits on a peer that failed no collective of ours: dead, or slow?
+                # Only a dead one is reported; a slow one is the straggler detector's business.
+                self.report_dead_peers(plan, view)
             return
         if self.probed_gen != plan.generation:
             self.recovering_since = time.time()

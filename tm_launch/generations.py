@@ -2,15 +2,21 @@
 
 Entering generation N: build the world communicator on a fresh ``tm/g<N>/`` prefix of the
 generation's store (the plan names the node hosting it), rebuild only the subgroups whose
-membership changed (delta setup: a group none of whose ranks is served by a new process keeps its
-communicator), point the commit vote at the new store, then agree and transfer: every rank says
-which step it holds and which ranks hold the same state, and ``transfer.plan_transfer`` decides
-who sends to whom. Ranks behind receive their own state from a replica of the same shard; a
+membership changed (``membership_changed``; delta setup: a group none of whose ranks is served
+by a new process keeps its communicator), point the commit vote at the new store, then agree
+and transfer: every rank says which step it holds and which ranks hold the same state, and
+``transfer.plan_transfer`` decides who sends to whom. Ranks behind receive their own state from a replica of the same shard; a
 shard that no live rank holds at the newest step stops the job with one clear line, never a
 silent restart from the script's start state.
 
 A planned switch (drain, straggler) has two phases: agree on a switch step and build the new
 world communicator in the background while training goes on, then swap at that boundary.
+
+Every group is built by ``communicators.build`` with the job's devices (``LiveJob.devices``, from
+``tm_launch.init(backend=...)``): gloo for CPU tensors, NCCL too for CUDA tensors. Communicators
+left behind are given up by ``LiveGroup.swap`` (``communicators.release``); an unplanned
+generation aborts the NCCL ones whose membership it changes as soon as the directive watcher sees
+it (``abort_changed``), so a step waiting on the GPU for a dead rank fails at once.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import c10d_glue
+from . import c10d_glue, communicators
 from .agent_channel import log
 from .commit import commit_store
-from .groups import LocalBackend, new_gloo
+from .groups import LocalBackend
 from .replicas import fingerprints, replica_set
 from .transfer import Holding, allgather_objects, human_size, plan_transfer, recv_state, send_state
 
@@ -49,6 +55,18 @@ class StateLost(RuntimeError):
         self.step, self.ranks = step, list(ranks)
 
 
+def membership_changed(ranks, d: dict, rank: int, old_rank: int) -> bool:
+    """Does generation ``d`` change the membership of group ``ranks`` (global ranks; None: the
+    world) for this process, which takes rank ``rank`` in ``d`` (-1: none) after ``old_rank``?
+    The world always: a generation exists because a rank failed, left or was replaced. A
+    subgroup when one of its ranks is served by a new process (a joiner: the rank failed or was
+    replaced), when every process is new, or when this process changes rank. Any other
+    subgroup keeps its communicator (delta setup)."""
+    if ranks is None or d.get("all_fresh") or rank != old_rank:
+        return True
+    return bool(set(d.get("joiner_ranks", ())).intersection(ranks))
+
+
 class Generations:
     Superseded = Superseded
 
@@ -65,6 +83,7 @@ class Generations:
         pending = self.pending
         if pending and pending.get("thread") is not None:
             pending["thread"].join(timeout=5)
+            communicators.release(pending["built"].get("world"))  # built for a switch that never came
         self.pending = None
         self._stores.clear()
 
@@ -76,13 +95,24 @@ class Generations:
         return self._stores[key].clone()
 
     def build(self, ranks, global_rank: int, gen: int, d: dict | None = None):
-        """A communicator for ``ranks`` (None: the world) in generation ``gen``, via a fresh prefix."""
+        """A communicator for ``ranks`` (None: the world) in generation ``gen``, via a fresh prefix,
+        on the job's devices (``communicators.build``: the one place that builds them)."""
         d = d or self.current
         name = "world" if ranks is None else "sub-" + "-".join(map(str, ranks))
         store = dist.PrefixStore(f"tm/g{gen}/{name}/", self.store(d["store"]))
-        if ranks is None:
-            return new_gloo(store, global_rank, d["world_size"], self._timeout, self._addr, self._setup_timeout)
-        return new_gloo(store, ranks.index(global_rank), len(ranks), self._timeout, self._addr, self._setup_timeout)
+        rank, size = (global_rank, d["world_size"]) if ranks is None else (ranks.index(global_rank), len(ranks))
+        return communicators.build(store, rank, size, devices=self.job.devices, timeout_s=self._timeout,
+                                   setup_timeout_s=self._setup_timeout, hostname=self._addr)
+
+    def abort_changed(self, d: dict) -> list:
+        """Directive watcher, unplanned generation ``d``: abort the NCCL communicators of every
+        group whose membership ``d`` changes (``LiveGroup.abort_soon``: off this thread, only
+        communicators of older generations; gloo ones are left as before). The groups aborted."""
+        job = self.job
+        rank = d["ranks"][job.local_rank] if d.get("active") else -1
+        old_rank = job.rank
+        return [g for g in [job.group, *list(job._subgroups)]
+                if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d["generation"])]
 
     def _build_watching(self, ranks, global_rank: int, gen: int, d: dict, pending=None):
         """``build`` in a thread while this one watches for a newer generation: the setup waits
@@ -221,17 +251,13 @@ class Generations:
         others keep their communicator object and its connections. Groups are built in the
         order the script created them, the same order on every rank (each setup waits for all
         of its members, so two ranks building in different orders would wait for each other)."""
-        joiners = set(d.get("joiner_ranks", []))
         for sub in self.job._subgroups:
             ranks = sub.member_ranks
             if rank not in ranks:
                 if sub.inner is not None:
                     sub.swap(None, -1, len(ranks), d["generation"])  # not a member (any more)
                 continue
-            fresh = (
-                d.get("all_fresh") or rank != old_rank or sub.inner is None
-                or isinstance(sub.inner, LocalBackend) or joiners.intersection(ranks)
-            )
+            fresh = membership_changed(ranks, d, rank, old_rank) or sub.inner is None or isinstance(sub.inner, LocalBackend)
             if fresh:
                 sub.swap(self._build_watching(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])
 
@@ -267,6 +293,9 @@ class Generations:
         if rank in plan.sources:
             src = plan.sources[rank]
             t0 = time.perf_counter()
+            # Received in place: until it is complete this rank holds no step at all, so a
+            # transfer cut short never makes it a source of half-written state.
+            job._step = None
             step, got = recv_state(pg, src, job._objects)
             log(f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms")
             lost = job._per_rank.fetch(holdings[src].mirrors, rank, step)

@@ -3,7 +3,9 @@
 ``LiveGroup`` is a ``torch.distributed.ProcessGroup`` subclass (the same extension point torchft
 uses) that forwards every collective to an *inner* backend. DDP, FSDP and ``dist.*(group=...)``
 hold the LiveGroup; a new generation swaps the inner gloo/NCCL group underneath them, so nothing
-the user built is rebuilt.
+the user built is rebuilt. A communicator swapped out is given up through
+``communicators.release`` (NCCL: aborted and destroyed off the caller's thread; gloo: the drop
+closes its sockets at once).
 
 A failed collective never raises into the training step. Python cannot catch an exception
 raised in the body of ``for step in job.steps()``, so the group *poisons* the step instead: the
@@ -24,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
+
+from . import communicators
 
 
 def completed_work(result=None) -> dist.Work:
@@ -175,18 +179,22 @@ class LocalBackend:
 class LiveGroup(dist.ProcessGroup):
     """A process group whose membership is fixed in global ranks and whose communicator is not."""
 
-    def __init__(self, ranks: tuple[int, ...] | None, rank: int, size: int, poison: StepPoison, name: str = "tm-world"):
+    def __init__(self, ranks: tuple[int, ...] | None, rank: int, size: int, poison: StepPoison, name: str = "tm-world",
+                 backend: tuple[str, str] = ("gloo", "cpu:gloo")):
         super().__init__(max(rank, 0), size)
         self.member_ranks = ranks  # None: the world group
         self._rank, self._size = rank, size
         self._inner = None
         self._poison = poison
         self._name = name
+        self.backend_name, self.backend_config = backend  # what torch's registries say (communicators.c10d_names)
         self.generation = -1
         self.last_submit = 0.0
         self.last_complete = 0.0
         self.broken = False  # a collective of this communicator failed: it is released at the boundary
         self._pending: list = []  # works handed out this step and not yet settled
+        self._swap_lock = threading.Lock()  # the directive watcher aborts while the main thread swaps
+        self._aborted = None  # the communicator abort_soon already handed to communicators.release
 
     # -- identity ----------------------------------------------------------------------------
     def rank(self) -> int:
@@ -214,12 +222,17 @@ class LiveGroup(dist.ProcessGroup):
     def inner(self):
         return self._inner
 
-    def swap(self, inner, rank: int, size: int, generation: int) -> None:
-        """Point this group at a new communicator; the old one is released (its sockets close)."""
-        old, self._inner = self._inner, inner
-        self._rank, self._size, self.generation = rank, size, generation
-        self.broken = False
-        self._pending.clear()
+    def swap(self, inner, rank: int, size: int, generation: int, keep_old: bool = False) -> None:
+        """Point this group at a new communicator. The old one is given up (its sockets close,
+        its NCCL communicators are aborted) unless ``keep_old``: the caller holds it to use again."""
+        with self._swap_lock:
+            old, self._inner = self._inner, inner
+            self._rank, self._size, self.generation = rank, size, generation
+            self.broken = False
+            self._pending.clear()
+            aborted, self._aborted = self._aborted, None
+        if not keep_old:
+            _give_up(old, aborted)
         del old  # dropping the last reference closes gloo's sockets: peers still waiting fail fast
 
     def fail(self, error: BaseException) -> None:
@@ -233,8 +246,28 @@ class LiveGroup(dist.ProcessGroup):
         generation, and a peer still blocked in one of its collectives must fail at once rather
         than wait for this rank until the collective timeout (it would, while this rank waits
         for that peer in the new generation's setup)."""
-        self._inner = None
-        self._pending.clear()
+        with self._swap_lock:
+            old, self._inner = self._inner, None
+            self._pending.clear()
+            aborted, self._aborted = self._aborted, None
+        _give_up(old, aborted)
+
+    def abort_soon(self, generation: int) -> bool:
+        """Called by the directive watcher when generation ``generation`` changes this group's
+        membership: abort its NCCL communicator now, off the main thread, so that a step waiting
+        on the GPU for a rank that is gone fails at once instead of at the collective timeout.
+        Only a communicator of an older generation (the main thread may already have entered
+        this one). The group keeps the object until the main thread swaps it out. gloo: nothing
+        to do, as before (a dead peer's sockets close by themselves; a hung one is killed by its
+        agent). True when an abort was started."""
+        with self._swap_lock:
+            inner = self._inner
+            if inner is None or inner is self._aborted or self.generation >= generation:
+                return False
+            if not communicators.release(inner):
+                return False
+            self._aborted = inner
+            return True
 
     def release_if_broken(self) -> bool:
         """Close a failed communicator now (main thread, nothing in flight) so peers blocked on
@@ -373,10 +406,9 @@ def _guarded(work: dist.Work, group: "LiveGroup", result) -> dist.Work:
     return _create_work_from_future(future.then(settle))
 
 
-def new_gloo(store: dist.Store, rank: int, size: int, timeout_s: float, hostname: str | None = None,
-             setup_timeout_s: float = 600.0):
-    """A gloo communicator bootstrapped through ``store``; see ``communicators.build``."""
-    from . import communicators
-
-    return communicators.build(store, rank, size, devices=["cpu"], timeout_s=timeout_s,
-                               setup_timeout_s=setup_timeout_s, hostname=hostname)
+def _give_up(old, aborted) -> None:
+    """A communicator this process leaves: NCCL ones are aborted and destroyed off this thread
+    (``communicators.release``; not twice when the watcher already did), gloo ones close their
+    sockets when the caller drops its reference."""
+    if old is not None and old is not aborted:
+        communicators.release(old)

@@ -100,12 +100,14 @@ class MetricsFeed:
 
 
 class AlarmWatch:
-    def __init__(self, cfg: AgentConfig, session: EtcdSession, supervisor: WorkerSupervisor, say: Callable[..., None]):
+    def __init__(self, cfg: AgentConfig, session: EtcdSession, supervisor: WorkerSupervisor, say: Callable[..., None],
+                 wake: Callable[[], None] = lambda: None):
         self.cfg = cfg
         self.session = session
         self.supervisor = supervisor
         self.say = say
         self.alarms: queue.Queue[Alarm] = queue.Queue()  # filled by the monitor's thread
+        self.wake = wake  # the agent's loop acts on an alarm the moment it is raised
         self.monitor = None
 
     def start(self) -> None:
@@ -115,9 +117,13 @@ class AlarmWatch:
         from health.nvml_monitor import NvmlMonitor, gpus_for_local_ranks
 
         gpus = gpus_for_local_ranks(self.cfg.nproc, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        self.monitor = NvmlMonitor(self.cfg.node_id, gpus, cfg, self.alarms.put)
+        self.monitor = NvmlMonitor(self.cfg.node_id, gpus, cfg, self._raised)
         if not self.monitor.start():
             self.monitor = None
+
+    def _raised(self, alarm: Alarm) -> None:  # on the monitor's thread
+        self.alarms.put(alarm)
+        self.wake()
 
     def stop(self) -> None:
         if self.monitor is not None:

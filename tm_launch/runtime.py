@@ -3,12 +3,16 @@
 Under tm-launch (live mode) each worker talks only to its own agent (``agent_channel``). Lifecycle:
 
 * **fresh start** (generation 0 or a full restart, ``TM_SANDBOX=0``): ``init`` joins the
-  generation's communicator at once, like ``init_process_group``.
+  generation's communicator at once, like ``init_process_group``. ``init(backend=...)`` picks the
+  devices every group of the job serves (``communicators.devices_for``: gloo for CPU tensors,
+  NCCL too for CUDA tensors; by default NCCL whenever CUDA is usable, as torch does).
 * **sandbox** (spares, and any process that joins a running job): ``init`` gives every group a
   local backend; the script builds its model, groups and optimizer and runs ``--sandbox-steps``
   real steps without talking to anyone, then parks in ``steps()``. A spare warms up as the last
   node's ranks; promoted to other ranks, it runs the script again from the top for the ranks it
   got (``RankChanged``, caught by ``tm_launch.worker``), so nothing derived from the rank is wrong.
+  After its steps it hands what they left in the CUDA allocator back to the driver
+  (``cuda_warmup.leave_no_trace``; nothing on a CPU job).
 * **a step** is all or nothing job-wide (``commit``): the vote is taken at its first effect
   (an optimizer, scheduler or scaler step) or at the end of the body, and the step counter moves
   exactly when the step committed. A failure before the commit re-runs the step with nothing
@@ -53,14 +57,14 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import c10d_glue
+from . import c10d_glue, communicators, cuda_warmup
 from .agent_channel import AgentChannel, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
 from .per_rank import PerRankState
 from .step_report import StepReporter, StepStats, process_reporter
-from .transfer import cpu_copy
+from .transfer import cpu_copy, human_size
 
 PR_SET_PDEATHSIG = 1
 EXIT_STATE_LOST = 3  # the agent reads worker/<local rank>/state_lost for the reason
@@ -82,7 +86,7 @@ def init(backend: str | None = None):
     global _LIVE
     if os.environ.get("TM_AGENT_STORE") and os.environ.get("TM_NO_LIVE") != "1":
         if _LIVE is None:
-            _LIVE = LiveJob()
+            _LIVE = LiveJob(backend)
         return _LIVE
     return PlainJob(backend)
 
@@ -167,12 +171,15 @@ class PlainJob:
 class LiveJob:
     """A worker that survives its peers: substitution happens inside ``steps()``."""
 
-    def __init__(self):
+    def __init__(self, backend: str | None = None):
         env = os.environ
         die_with_parent()
+        self.local_rank = int(env["LOCAL_RANK"])
+        # Every group of the job serves these devices (an unusable choice raises before anything starts).
+        self.devices = communicators.job_devices(backend, self.local_rank)
+        self._c10d_names = communicators.c10d_names(self.devices)
         self.channel = AgentChannel(env)
         self.node = env.get("TM_NODE_ID", "")
-        self.local_rank = int(env["LOCAL_RANK"])
         self._sandbox_steps = int(env.get("TM_SANDBOX_STEPS", "2"))
         self._objects: dict = {}
         self._declared: dict = {}
@@ -192,12 +199,14 @@ class LiveJob:
         self._held_per_rank: dict | None = None  # the per-rank state received with them
         self._step_done_at: float | None = None  # wall clock of the last step that completed cleanly
         self._first_step_gen = -1  # the generation whose first completed step was reported
+        self._waiting_for_peers = False  # in a commit vote that has waited long: the agent probes the peers
+        self._commit.on_slow_vote = self._slow_vote
         world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1"))
         spare = env.get("TM_SANDBOX", "1") == "1" and env.get("GROUP_RANK") == "-1"
         # A spare warms up as the last node's ranks: rank-0-only side effects of the script's
         # set-up stay with the real rank 0, and a failed last node needs no second set-up.
         rank = world - local_world + self.local_rank if spare else int(env.get("RANK", self.local_rank))
-        self.group = LiveGroup(None, rank, world, self._poison, name=c10d_glue.unique_name(None))
+        self.group = LiveGroup(None, rank, world, self._poison, name=c10d_glue.unique_name(None), backend=self._c10d_names)
         self._detach(rank)
         c10d_glue.route_new_group(self.new_group)
         # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
@@ -231,6 +240,7 @@ class LiveJob:
             g.swap(None, g.rank(), g.size(), g.generation)
         self._commit.use(None, 0, 1, -1)
         gc.collect()
+        communicators.wait_released()  # an NCCL group torn down by interpreter shutdown aborts the process
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -283,7 +293,8 @@ class LiveJob:
         ``dist.new_group`` and ``init_device_mesh`` come here too in live mode."""
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(sorted(int(r) for r in ranks))
         me = self.rank
-        sub = LiveGroup(ranks, ranks.index(me) if me in ranks else -1, len(ranks), self._poison, name=c10d_glue.unique_name(ranks))
+        sub = LiveGroup(ranks, ranks.index(me) if me in ranks else -1, len(ranks), self._poison, name=c10d_glue.unique_name(ranks),
+                        backend=self._c10d_names)
         if me in ranks:
             if isinstance(self.group.inner, LocalBackend):
                 sub.swap(LocalBackend(sub.rank(), len(ranks)), sub.rank(), len(ranks), -1)
@@ -323,7 +334,7 @@ class LiveJob:
             self._state_lost(lost)
         self._held = [(g, g.inner) for g in [self.group, *self._subgroups] if g.inner is not None]
         for g, _ in self._held:
-            g.swap(LocalBackend(g.rank(), g.size(), keeps_own_objects=True), g.rank(), g.size(), g.generation)
+            g.swap(LocalBackend(g.rank(), g.size(), keeps_own_objects=True), g.rank(), g.size(), g.generation, keep_old=True)
         self._held_per_rank = {name: cpu_copy(obj.state_dict()) for name, obj in self._per_rank.objects.items()}
         self._state = "entering"
         self._report(force=True)
@@ -335,6 +346,8 @@ class LiveJob:
         for g, inner in held:
             if g.generation == self.group.generation:
                 g.swap(inner, g.rank(), g.size(), g.generation)
+            else:  # entered again meanwhile: that generation's communicator is not needed any more
+                communicators.release(inner)
         for name, state in (self._held_per_rank or {}).items():
             self._per_rank.objects[name].load_state_dict(state)
         self._held_per_rank = None
@@ -381,7 +394,7 @@ class LiveJob:
         if self._step is None:
             self._step = start
         if not self._live_marked:
-            self.channel.set("live", "1")  # the agent repairs this job in place from now on
+            self.channel.set("live", "1", wake=True)  # the agent repairs this job in place from now on
             self._live_marked = True
         self._state = "running"
         while True:
@@ -421,14 +434,14 @@ class LiveJob:
             self._step_done_at = now
         if self._first_step_gen != self.generation:
             self._first_step_gen = self.generation
-            self.channel.set(f"first_step/{self.generation}", {"time": now, "step": self._step})
+            self.channel.set(f"first_step/{self.generation}", {"time": now, "step": self._step}, wake=True)
 
     def _state_lost(self, lost: StateLost) -> None:
         """No live rank can give some rank its state: tell the agent (the job restarts every
         worker from the script's own checkpoint) and end this process without touching its
         communicators (peers are ending theirs the same way)."""
         log(f"{lost}: this job cannot continue live without wrong weights; every worker restarts from the script's checkpoint")
-        self.channel.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)})
+        self.channel.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)}, wake=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STATE_LOST)
@@ -444,6 +457,10 @@ class LiveJob:
             self._report(force=True)
             yield start + i
         self._clear_step_effects()
+        left = cuda_warmup.leave_no_trace()  # None: CUDA never used here
+        if left is not None:
+            log(f"warm-up done: CUDA pools released, {human_size(left['allocated'])} allocated "
+                f"({human_size(left['reserved'])} reserved) for the model and optimizer")
 
     def _effect_allowed(self) -> bool:
         """The current step's job-wide decision (voted on first use); outside a step, True."""
@@ -478,9 +495,17 @@ class LiveJob:
 
     def _on_directive(self, d: dict) -> None:
         """Watcher thread: an unplanned generation means a peer is gone; a vote waiting for it
-        is settled as aborted at once (a planned one switches at an agreed step instead)."""
-        if not d.get("planned"):  # a drained rank hands over at the switch step instead
-            self._commit.abort(d["generation"])
+        is settled as aborted at once, and the NCCL communicators it changes are aborted (their
+        GPU work fails now rather than at the collective timeout). A planned one switches at an
+        agreed step instead; a finished job ends its collectives as they are."""
+        if d.get("planned"):  # a drained rank hands over at the switch step instead
+            return
+        self._commit.abort(d["generation"])
+        if not d.get("stop"):
+            try:
+                self.gens.abort_changed(d)
+            except Exception as e:  # noqa: BLE001 -- the watcher must live on; the step boundary still recovers
+                log(f"aborting the communicators generation {d['generation']} changes failed: {e}")
 
     def _boundary(self) -> None:
         if self._poison.active:
@@ -567,6 +592,13 @@ class LiveJob:
                 obj.zero_grad(set_to_none=True)
 
     # -- agent channel -------------------------------------------------------------------------
+    def _slow_vote(self, waiting: bool) -> None:
+        """The commit vote waits for a peer longer than a step's skew: tell the agent, which then
+        checks whether a peer node died (its agent refuses connections) instead of waiting for
+        its lease; a dead peer failed no collective of ours, so nothing else would start that."""
+        self._waiting_for_peers = waiting
+        self._report(force=True)
+
     def _report(self, force: bool = False) -> None:
         now = time.time()
         if not force and now - self._last_report < 0.25:
@@ -574,8 +606,9 @@ class LiveJob:
         self._last_report = now
         self.channel.set("status", {
             "step": self._step, "generation": self.group.generation, "state": self._state,
-            "rank": self.rank, "time": now, "pid": os.getpid(), **self._stats.report(self._step),
-        })
+            "rank": self.rank, "time": now, "pid": os.getpid(), "waiting_for_peers": self._waiting_for_peers,
+            **self._stats.report(self._step),
+        }, wake=force)
 
 
 def forget_framework_ranks() -> None:

@@ -22,6 +22,7 @@ from rendezvous.plan import Plan
 
 from .agent_config import AgentConfig
 from .communicators import nccl_error_handling
+from .wakeup import WAKE_ENV, WakeSocket, Wakeup
 from .workers import OutputSpec, WorkerSet
 
 
@@ -34,12 +35,15 @@ def watched(status: dict) -> bool:
 
 
 class WorkerSupervisor:
-    def __init__(self, cfg: AgentConfig, say: Callable[..., None]):
+    def __init__(self, cfg: AgentConfig, say: Callable[..., None], wakeup: Wakeup | None = None):
         self.cfg = cfg
         self.say = say
         self.store = dist.TCPStore(cfg.addr, 0, None, True, wait_for_workers=False)
+        wakeup = wakeup or Wakeup()  # nobody waits on it: parts tested without a loop
+        self.wake_socket = WakeSocket(wakeup)  # workers poke it right after a report the agent acts on
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
-        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id, self.scratch)
+        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id, self.scratch,
+                                 on_exit=lambda: wakeup.set("worker exit"))
         self.latest_file = os.path.join(self.scratch, "generations")  # grows by a line per directive
         self.live_seen = False  # a local worker said it uses the live API (tm_launch.init)
         self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
@@ -48,6 +52,7 @@ class WorkerSupervisor:
 
     def close(self) -> None:
         self.workers.stop(grace=2)
+        self.wake_socket.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     # -- what the workers report ----------------------------------------------------------------
@@ -73,6 +78,10 @@ class WorkerSupervisor:
     def recovering(self) -> bool:
         """A local worker saw a collective fail and waits for a new generation."""
         return any(s.get("state") == "recovering" for s in self.statuses().values())
+
+    def waiting_for_peers(self) -> bool:
+        """A local worker's commit vote has waited long for its peers: one may be dead."""
+        return any(s.get("waiting_for_peers") for s in self.statuses().values())
 
     def local_progress(self) -> tuple[bool, float | None]:
         """(a local worker is recovering from a failed collective, seconds since a local worker
@@ -240,6 +249,7 @@ class WorkerSupervisor:
         # Every worker reports to this agent; under --no-live TM_NO_LIVE keeps it in restart
         # mode (tm_launch.init() gives a PlainJob, which never goes live).
         env["TM_AGENT_STORE"] = f"{cfg.addr}:{self.store.port}"
+        env[WAKE_ENV] = self.wake_socket.address
         if cfg.live_enabled:
             env.pop("TM_NO_LIVE", None)
         else:

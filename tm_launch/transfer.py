@@ -4,21 +4,37 @@ A rank that enters a generation behind its peers (a joiner, or a rank that lost 
 every registered object's ``state_dict()`` point-to-point from a live rank holding the same
 state (``plan_transfer``, a pure function). The format: an int64 header length, a pickled header
 (step, the state dicts with every tensor replaced by a placeholder, the tensor count), then each
-tensor as its own message in index order. The receiver allocates from the placeholders, so
-nothing but the header is ever pickled and tensors never pass through Python objects.
+tensor as its own message in index order. Nothing but the header is ever pickled and tensors
+never pass through Python objects.
+
+Each tensor travels on a *wire* the sender picks (``wire_for``): a CUDA tensor on the device the
+group's NCCL communicator is bound to goes GPU to GPU through NCCL, anything else through gloo
+(a CUDA tensor elsewhere is staged through host memory one tensor at a time). The header names
+each tensor's wire, so both ends drive the same backend in the same order.
+
+The receiver writes each tensor straight into its own tensor at the same place in its state
+dicts when that is sure to be right (``loads_in_place``: a module or optimizer loaded by torch's
+own ``load_state_dict``; ``receive_targets``: same shape, dtype and layout, dense, storage
+shared with no other target); a joiner warmed up in the sandbox, so its model and
+optimizer exist, and receiving in place keeps their storage (the optimizer's references, the
+parameters DDP or FSDP registered) and needs no second copy of the state, on the host or on the
+GPU. Anything else is received into fresh memory and loaded as before.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import pickle
 from dataclasses import dataclass, field
 
 import torch
 
+from . import communicators
 from .agent_channel import log
 
 TENSOR = "__tensor__"
+GPU_WIRE, HOST_WIRE = "cuda", "cpu"  # NCCL, straight from GPU memory / gloo, through host memory
 
 
 def human_size(n: int) -> str:
@@ -52,22 +68,30 @@ def _progress(verb: str, peer: str, total: int):
     return step
 
 
-def flatten(obj, tensors: list):
-    """``obj`` with every tensor replaced by a placeholder ``(TENSOR, index, shape, dtype, dtensor)``;
-    the tensors (a DTensor's local shard) are appended to ``tensors``. ``dtensor`` is None or the
-    layout the receiver rebuilds the DTensor with on its own mesh: (mesh dim names, placements,
-    global shape, global stride)."""
+def wire_for(device: torch.device, nccl_device: torch.device | None) -> str:
+    """How a tensor on ``device`` travels: through NCCL when it lives on the device the group's
+    NCCL communicator is bound to (``nccl_device``; None: the group has no NCCL), else through
+    gloo. All members of a group have NCCL or none has (its set-up needs every member)."""
+    return GPU_WIRE if nccl_device is not None and torch.device(device) == torch.device(nccl_device) else HOST_WIRE
+
+
+def flatten(obj, tensors: list, nccl_device: torch.device | None = None):
+    """``obj`` with every tensor replaced by a placeholder ``(TENSOR, index, shape, dtype,
+    dtensor, wire)``; the tensors (a DTensor's local shard) are appended to ``tensors``.
+    ``dtensor`` is None or the layout the receiver rebuilds the DTensor with on its own mesh:
+    (mesh dim names, placements, global shape, global stride); ``wire``: ``wire_for``."""
     if isinstance(obj, torch.Tensor):
         layout = None
         if _is_dtensor(obj):
             layout = (obj.device_mesh.mesh_dim_names, tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
             obj = obj.to_local()
         tensors.append(obj.detach().contiguous())
-        return (TENSOR, len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""), layout)
+        return (TENSOR, len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""), layout,
+                wire_for(obj.device, nccl_device))
     if isinstance(obj, dict):
-        return {k: flatten(v, tensors) for k, v in obj.items()}
+        return {k: flatten(v, tensors, nccl_device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(flatten(v, tensors) for v in obj)
+        return type(obj)(flatten(v, tensors, nccl_device) for v in obj)
     return obj
 
 
@@ -78,7 +102,7 @@ def _is_dtensor(t) -> bool:
 
 
 def _is_placeholder(obj) -> bool:
-    return isinstance(obj, tuple) and len(obj) == 5 and obj[0] == TENSOR
+    return isinstance(obj, tuple) and len(obj) == 6 and obj[0] == TENSOR
 
 
 def unflatten(obj, tensors: list):
@@ -103,10 +127,10 @@ def _placeholders(obj, out: list) -> list:
     return out
 
 
-def _own_layout(objects: dict) -> tuple[dict, torch.device]:
+def _own_layout(states: dict) -> tuple[dict, torch.device]:
     """The receiver's meshes by dim names and the device its registered state lives on."""
     meshes, device = {}, torch.device("cpu")
-    stack = [obj.state_dict() for obj in objects.values()]
+    stack = list(states.values())
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
@@ -121,10 +145,91 @@ def _own_layout(objects: dict) -> tuple[dict, torch.device]:
     return meshes, device
 
 
+def loads_in_place(obj) -> bool:
+    """Whether ``obj`` may receive into its own tensors: only objects whose ``load_state_dict``
+    is torch's own, which puts every entry back where the same entry of ``state_dict()`` came
+    from (a module copies key by key into its parameters and buffers, which its state dict's
+    tensors share storage with; an optimizer keeps the tensors it is given). Any other object
+    (a framework's checkpoint, a wrapper) may load selectively or move entries: fresh memory."""
+    if isinstance(obj, torch.nn.Module):
+        return type(obj).load_state_dict is torch.nn.Module.load_state_dict
+    if isinstance(obj, torch.optim.Optimizer):
+        return type(obj).load_state_dict is torch.optim.Optimizer.load_state_dict
+    return False
+
+
+def fits(placeholder: tuple, mine) -> bool:
+    """Can the tensor behind ``placeholder`` be received straight into ``mine`` (the receiver's
+    own tensor at the same place)? Only when nothing about it can differ from what loading a
+    fresh copy would give: a plain dense tensor (or a DTensor with the same mesh dims,
+    placements, global shape and stride, whose local shard is one) of the same shape and
+    dtype, contiguous (one message fills it), on a device that holds memory."""
+    _, _, shape, dtype, layout, _ = placeholder
+    if not isinstance(mine, torch.Tensor):
+        return False
+    if _is_dtensor(mine):
+        if layout is None:
+            return False
+        own_layout = (mine.device_mesh.mesh_dim_names, tuple(mine.placements), tuple(mine.shape), tuple(mine.stride()))
+        if own_layout != tuple(layout):
+            return False
+        mine = mine.to_local()
+    elif layout is not None:
+        return False
+    return (type(mine) in (torch.Tensor, torch.nn.Parameter) and mine.layout == torch.strided
+            and mine.device.type in ("cpu", "cuda") and tuple(mine.shape) == tuple(shape)
+            and str(mine.dtype).replace("torch.", "") == dtype and mine.is_contiguous())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if _is_dtensor(t) else t).detach()
+
+
+def _claim(claimed: dict, t: torch.Tensor) -> bool:
+    """Reserve ``t``'s bytes for one incoming tensor; False when they overlap bytes already
+    reserved (tied weights, views of one buffer): the later one is received into fresh memory,
+    so no two incoming tensors ever write the same bytes."""
+    if t.numel() == 0:
+        return True
+    start = t.storage_offset() * t.element_size()
+    span = (start, start + t.numel() * t.element_size())
+    spans = claimed.setdefault((t.device, t.untyped_storage().data_ptr()), [])  # sorted, disjoint
+    i = bisect.bisect_left(spans, span)
+    if (i > 0 and spans[i - 1][1] > span[0]) or (i < len(spans) and spans[i][0] < span[1]):
+        return False
+    spans.insert(i, span)
+    return True
+
+
+def receive_targets(skeleton, own) -> dict:
+    """For each placeholder of the sender's ``skeleton``: the receiver's own tensor at the same
+    place in ``own`` (its state dicts, same nesting) when the values can be received straight
+    into it (``fits``, and no byte of it is already the target of another placeholder). Index
+    -> tensor; a placeholder without an entry is received into fresh memory."""
+    targets: dict = {}
+    claimed: dict = {}
+
+    def walk(theirs, mine):
+        if _is_placeholder(theirs):
+            if fits(theirs, mine) and _claim(claimed, _local(mine)):
+                targets[theirs[1]] = mine
+        elif isinstance(theirs, dict) and isinstance(mine, dict):
+            for k, v in theirs.items():
+                if k in mine:
+                    walk(v, mine[k])
+        elif isinstance(theirs, (list, tuple)) and isinstance(mine, (list, tuple)) and len(theirs) == len(mine):
+            for a, b in zip(theirs, mine):
+                walk(a, b)
+
+    walk(skeleton, own)
+    return targets
+
+
 def send_state(pg, dst: int, objects: dict, step: int | None) -> int:
     """Send ``objects``' state dicts to rank ``dst``; returns the bytes sent."""
     tensors: list = []
-    skeleton = {name: flatten(obj.state_dict(), tensors) for name, obj in sorted(objects.items())}
+    nccl = communicators.nccl_device(pg)
+    skeleton = {name: flatten(obj.state_dict(), tensors, nccl) for name, obj in sorted(objects.items())}
     header = pickle.dumps({"step": step, "skeleton": skeleton, "count": len(tensors)})
     buf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     total = buf.numel() + sum(t.numel() * t.element_size() for t in tensors)
@@ -132,15 +237,20 @@ def send_state(pg, dst: int, objects: dict, step: int | None) -> int:
     pg.send([torch.tensor([buf.numel()], dtype=torch.int64)], dst, 0).wait()
     pg.send([buf], dst, 0).wait()
     for t in tensors:
-        pg.send([t if t.device.type == "cpu" else t.cpu()], dst, 0).wait()  # gloo sends host memory
+        on_wire = t if wire_for(t.device, nccl) == GPU_WIRE or t.device.type == "cpu" else t.cpu()
+        pg.send([on_wire], dst, 0).wait()
         progress(t.numel() * t.element_size())
     return total
 
 
 def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
     """Receive state dicts from rank ``src`` into ``objects``; returns (step, bytes received).
-    DTensors are rebuilt on the receiver's own mesh with the sender's placements, tensors land
-    on the device the receiver's state lives on."""
+    Tensors go straight into the receiver's own tensors where ``loads_in_place`` and
+    ``receive_targets`` allow;
+    others are allocated on the device the receiver's state lives on, and DTensors among them
+    rebuilt on the receiver's own mesh with the sender's placements. The registered objects
+    then load the result, as from any state dict. A receive that fails half-way leaves the
+    objects partly written: the caller must not count them as holding any step until it is done."""
     from torch.distributed.tensor import DTensor
 
     size = torch.zeros(1, dtype=torch.int64)
@@ -148,21 +258,40 @@ def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
     buf = torch.empty(int(size.item()), dtype=torch.uint8)
     pg.recv([buf], src, 0).wait()
     header = pickle.loads(buf.numpy().tobytes())
-    meshes, device = _own_layout(objects)
+    own = {name: obj.state_dict() for name, obj in objects.items()}
+    meshes, device = _own_layout(own)
+    in_place = {name for name, obj in objects.items() if loads_in_place(obj)}
+    targets = receive_targets({k: v for k, v in header["skeleton"].items() if k in in_place},
+                              {k: v for k, v in own.items() if k in in_place})
+    nccl = communicators.nccl_device(pg)
     tensors = [None] * header["count"]
     ordered = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
-    total = buf.numel() + sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, _, shape, dtype, _ in ordered)
+    total = buf.numel() + sum(torch.Size(m[2]).numel() * getattr(torch, m[3]).itemsize for m in ordered)
     progress = _progress("receiving", f"from rank {src}", total)
-    for _, index, shape, dtype, layout in ordered:
-        t = torch.empty(shape, dtype=getattr(torch, dtype))
-        pg.recv([t], src, 0).wait()
-        progress(t.numel() * t.element_size())
-        t = t.to(device)
-        if layout is not None:
-            names, placements, global_shape, global_stride = layout
-            if names not in meshes:
-                raise RuntimeError(f"rank {src} sent a DTensor on a mesh with dims {names}, which this rank's registered state does not use")
-            t = DTensor.from_local(t, meshes[names], placements, run_check=False, shape=torch.Size(global_shape), stride=global_stride)
+    for meta in ordered:
+        _, index, shape, dtype, layout, wire = meta
+        if wire == GPU_WIRE and nccl is None:
+            raise RuntimeError(f"rank {src} sends CUDA tensors through NCCL, but this rank's group has no NCCL")
+        on_wire = nccl if wire == GPU_WIRE else torch.device("cpu")
+        target = targets.get(index)
+        local = None if target is None else _local(target)
+        if local is not None and local.device == on_wire:
+            pg.recv([local], src, 0).wait()  # in place: no copy anywhere
+            t = target
+        else:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=on_wire)
+            pg.recv([t], src, 0).wait()
+            if local is not None:
+                local.copy_(t)  # in place, through one tensor's worth of staging
+                t = target
+            else:
+                t = t.to(device)
+                if layout is not None:
+                    names, placements, global_shape, global_stride = layout
+                    if names not in meshes:
+                        raise RuntimeError(f"rank {src} sent a DTensor on a mesh with dims {names}, which this rank's registered state does not use")
+                    t = DTensor.from_local(t, meshes[names], placements, run_check=False, shape=torch.Size(global_shape), stride=global_stride)
+        progress(torch.Size(shape).numel() * getattr(torch, dtype).itemsize)
         tensors[index] = t
     for name, skeleton in header["skeleton"].items():
         if name in objects:

@@ -30,6 +30,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+from .wakeup import watch_exit
 
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -59,7 +62,8 @@ def describe_exit(code: int) -> str:
 
 
 class Worker:
-    def __init__(self, local_rank: int, cmd: list[str], env: dict[str, str], out: OutputSpec, attempt_dir: str | None):
+    def __init__(self, local_rank: int, cmd: list[str], env: dict[str, str], out: OutputSpec, attempt_dir: str | None,
+                 on_exit: Callable[[], None] | None = None):
         self.local_rank = local_rank
         self.started = time.time()
         self._threads: list[threading.Thread] = []
@@ -85,6 +89,8 @@ class Worker:
             else:
                 streams[name] = subprocess.DEVNULL if hidden else None
         self.proc = subprocess.Popen(cmd, env=env, stdout=streams["stdout"], stderr=streams["stderr"], preexec_fn=_child_setup)
+        if on_exit is not None:
+            watch_exit(self.proc.pid, on_exit)  # the agent hears of the exit at once, not at its next tick
         for name, spec in pipes.items():
             t = threading.Thread(target=_pump, args=(getattr(self.proc, name), *spec), daemon=True)
             t.start()
@@ -179,8 +185,9 @@ class WorkerSet:
     directory. Workers restarted because of another node's failure keep the count, as under
     torchrun, and append to the same attempt's logs."""
 
-    def __init__(self, cmd: list[str], out: OutputSpec, run_id: str, scratch: str):
+    def __init__(self, cmd: list[str], out: OutputSpec, run_id: str, scratch: str, on_exit: Callable[[], None] | None = None):
         self.cmd = cmd
+        self.on_exit = on_exit
         self.out = out
         self.run_id = run_id
         self.log_root = out.log_dir or scratch  # error files go somewhere even without --log-dir
@@ -213,7 +220,7 @@ class WorkerSet:
             except FileNotFoundError:
                 pass
             cmd = macros.substitute(list(self.cmd), str(local_rank))
-            self.workers[local_rank] = Worker(local_rank, cmd, env, self.out, attempt_dir)
+            self.workers[local_rank] = Worker(local_rank, cmd, env, self.out, attempt_dir, self.on_exit)
         self.generation = generation
         self.kind = kind
 
