@@ -590,26 +590,36 @@ def _gateway_message(resp: requests.Response) -> str:
     return " ".join(str(msg).split())[:200] or f"HTTP {resp.status_code}"
 
 
-def _first_event(resp: requests.Response, deadline: float, count: Callable[[int], None]) -> bool | None:
-    """Read the watch stream (one JSON message per line) until it reports a change; ``count``
-    is told the size of every chunk read."""
+def _watch_results(resp: requests.Response, count: Callable[[int], None]) -> Iterator[dict]:
+    """The ``result`` of every message of a v3 watch stream (one JSON message per line);
+    ``count`` is told the size of every chunk read. An ``error`` message raises; a dropped
+    connection raises requests' own error, which each reader treats its own way."""
     buf = b""
+    for chunk in resp.iter_content(chunk_size=None):
+        count(len(chunk))
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if not line.strip():
+                continue
+            msg = json.loads(line)
+            if "error" in msg:
+                raise KVError(f"etcd ended the watch: {_one_line(msg['error'])}")
+            yield msg.get("result", {})
+
+
+def _canceled(res: dict) -> KVError:
+    return KVError(f"etcd canceled the watch: {res.get('cancel_reason', 'no reason given')}")
+
+
+def _first_event(resp: requests.Response, deadline: float, count: Callable[[int], None]) -> bool | None:
+    """Read the watch stream until it reports a change."""
     try:
-        for chunk in resp.iter_content(chunk_size=None):
-            count(len(chunk))
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if not line.strip():
-                    continue
-                msg = json.loads(line)
-                if "error" in msg:
-                    raise KVError(f"etcd ended the watch: {_one_line(msg['error'])}")
-                res = msg.get("result", {})
-                if res.get("events") or res.get("compact_revision"):
-                    return True    # a change, or history we asked for is gone: re-read either way
-                if res.get("canceled"):
-                    raise KVError(f"etcd canceled the watch: {res.get('cancel_reason', 'no reason given')}")
+        for res in _watch_results(resp, count):
+            if res.get("events") or res.get("compact_revision"):
+                return True    # a change, or history we asked for is gone: re-read either way
+            if res.get("canceled"):
+                raise _canceled(res)
     except requests.exceptions.ChunkedEncodingError:
         return None    # the member died mid-stream (SIGKILL, restart): re-watch, maybe elsewhere
     except requests.exceptions.ConnectionError as e:
@@ -623,25 +633,14 @@ def _first_event(resp: requests.Response, deadline: float, count: Callable[[int]
 def _stream_events(resp: requests.Response, count: Callable[[int], None]) -> Iterator[tuple[str, int]]:
     """``("created", header revision)``, then ``("event", newest mod revision)`` per message
     with events, until the stream ends (a dead member or the idle timeout: the caller re-watches)."""
-    buf = b""
     try:
-        for chunk in resp.iter_content(chunk_size=None):
-            count(len(chunk))
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if not line.strip():
-                    continue
-                msg = json.loads(line)
-                if "error" in msg:
-                    raise KVError(f"etcd ended the watch: {_one_line(msg['error'])}")
-                res = msg.get("result", {})
-                if res.get("canceled"):
-                    raise KVError(f"etcd canceled the watch: {res.get('cancel_reason', 'no reason given')}")
-                if res.get("created"):
-                    yield "created", int(res.get("header", {}).get("revision", 0))
-                elif res.get("events"):
-                    yield "event", max(int(ev.get("kv", {}).get("mod_revision", 0)) for ev in res["events"])
+        for res in _watch_results(resp, count):
+            if res.get("canceled"):
+                raise _canceled(res)
+            if res.get("created"):
+                yield "created", int(res.get("header", {}).get("revision", 0))
+            elif res.get("events"):
+                yield "event", max(int(ev.get("kv", {}).get("mod_revision", 0)) for ev in res["events"])
     except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ConnectionError):
         return
 
