@@ -114,7 +114,6 @@ class StepCommit:
             failpoints.reached("vote", self.rank, self.step)
             if votes == self.world:
                 failpoints.reached("last-vote", self.rank, self.step)
-            if votes == self.world:
                 return store.compare_set(f"{key}/d", "", COMMIT.decode()) == COMMIT
             patience, slow = _SLOW_VOTE, False
             try:

@@ -112,8 +112,9 @@ class FailureWatch:
 
     def probe_peers(self, plan: Plan | None, view: View) -> None:
         """A local worker saw a collective fail, or its commit vote waits long for its peers: find
-        out at once whether a peer node died; and, after a failed collective, if no new generation comes (no node was lost, e.g. a transient network error), report this
-        node after a while so that the job regroups instead of waiting forever."""
+        out at once whether a peer node died; and, after a failed collective, if no new
+        generation comes (no node was lost, e.g. a transient network error), report this node
+        after a while so that the job regroups instead of waiting forever."""
         if plan is None or not (view.live or self.supervisor.live_seen) or self.cfg.node_id not in plan.nodes:
             return
         if not self.supervisor.recovering():

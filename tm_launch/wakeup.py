@@ -72,17 +72,20 @@ class WakeSocket:
         self._sock.bind(f"\0tm-launch-wake-{os.getpid()}-{os.urandom(6).hex()}")
         self.address = self._sock.getsockname()[1:].decode()  # without the leading NUL: env-safe
         self._wakeup = wakeup
+        self._closed = False
         threading.Thread(target=self._run, daemon=True, name="tm-wake-socket").start()
 
     def _run(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 self._sock.recv(64)
             except OSError:
                 return  # closed
-            self._wakeup.set("worker")
+            if not self._closed:  # a shut-down socket returns at once, empty
+                self._wakeup.set("worker")
 
     def close(self) -> None:
+        self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
