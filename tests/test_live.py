@@ -296,7 +296,7 @@ def test_collective_failure_without_a_lost_node_regroups_instead_of_hanging(loca
     their nodes after a while and the job restarts its workers instead of waiting forever."""
     job = local_job(nnodes="2", nproc=1, launcher_args=["--max-restarts", "3", "--collective-timeout", "2"])
     trigger = os.path.join(job.workdir, "trigger")
-    job.script_args = ["--steps", "60", "--step-sleep", "0.02", "--step-log", job.step_log, "--pause-step", "10", "--pause-file", trigger]
+    job.script_args = ["--steps", "200", "--step-sleep", "0.02", "--step-log", job.step_log, "--pause-step", "10", "--pause-file", trigger]
     job.start_all(["a", "b"])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
     open(trigger, "w").close()

@@ -26,21 +26,30 @@ def reached(name: str, rank: int, step: int) -> None:
     if point != name or int(want_rank) != rank or step < int(want_step):
         return
     if scope == "node":
-        if marker and os.path.exists(marker):
+        # The marker first: once the agent is gone this worker may die (PDEATHSIG) before it
+        # would write it, and the rank's next holder would be killed at the same point again.
+        if marker and not _claim(marker):
             return
         print(f"[tm-launch] failpoint {want}: SIGKILL the agent of rank {rank} at step {step}", flush=True)
         os.kill(os.getppid(), signal.SIGKILL)
+        marker = ""
     kill_once(marker or None, f"[tm-launch] failpoint {want}: SIGKILL rank {rank} at step {step}")
+
+
+def _claim(marker: str) -> bool:
+    """Create ``marker``; False when it already exists (the kill happened once already)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def kill_once(marker: str | None, message: str) -> None:
     """SIGKILL this process, saying ``message``; with ``marker`` (a file that records the kill)
     once per job, so the process that takes this rank's place does not die at the same point
     again (also used by the example scripts' fault injection, ``examples/faults.py``)."""
-    if marker:
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
+    if marker and not _claim(marker):
+        return
     print(message, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
