@@ -14,10 +14,11 @@ steps that had been completed by every rank before the fault and were run again.
 is taken right when the signal is sent.
 
 Cases
-  worker-sigkill  external ``kill -9`` of one worker process of node n1
-  node-sigkill    ``kill -9`` of node n1's agent; its workers die with it (tm-launch: PDEATHSIG;
+  worker-sigkill  external ``kill -9`` of one worker process of the victim node (``--victim``:
+                  tm-launch's node holding rank 0 by default; torchrun's n1)
+  node-sigkill    ``kill -9`` of the victim's agent; its workers die with it (tm-launch: PDEATHSIG;
                   torchrun's workers live in their own sessions, so the benchmark kills them too)
-  drain           ``tm-launch ctl drain n1`` (planned). torchrun has no drain: n/a. Training goes
+  drain           ``tm-launch ctl drain <victim>`` (planned). torchrun has no drain: n/a. Training goes
                   on during the drain's prepare phase, so the fault time is the start of the stall
                   (the longest gap in the step log after the request), not the request itself.
   overhead        no fault: median step time, tm-launch live (job.steps()/job.group over LiveGroup)
@@ -80,15 +81,23 @@ TAG_VAR = "TM_BENCH_TAG"
 TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 CASES = ("worker-sigkill", "node-sigkill", "drain", "overhead")
 LAUNCHERS = ("torchrun", "tm-restart", "tm-live")
-VICTIMS = ("n1", "last")  # --victim: which node loses a worker / dies / is drained (never n0: torchrun's store host)
+VICTIMS = ("first", "last", "n1")  # --victim: which node loses a worker / dies / is drained
 
 
-def victim_node(choice: str, nodes: int) -> str:
-    """``n1``: the second node (the default, as in every earlier run). ``last``: the last active
-    node, whose ranks a tm-launch spare warms up as (``runtime``): its replacement needs no second
-    set-up, while replacing any other node runs the script again for the ranks taken. At 2 and 4
-    ranks (2 nodes) both name n1."""
-    return f"n{nodes - 1}" if choice == "last" else "n1"
+def victim_node(choice: str, job, nodes: int) -> str:
+    """The node the fault hits. tm-launch: ``first`` is the node holding rank 0 and ``last`` the
+    node holding the highest ranks, read from the plan (group ranks follow join order, not node
+    names). A spare warms up as the last node's ranks (``runtime``): replacing the last node needs
+    no second set-up; replacing any other node runs the script again for the ranks taken, so
+    ``first`` is the general case. torchrun: always n1 (n0 hosts its store, and its cold restart
+    costs the same whichever node fails); ``n1`` names that node for tm-launch as well."""
+    if choice == "n1" or isinstance(job, TorchrunJob):
+        return "n1"
+    active = [n for n in job.status()["nodes"] if n["role"] in ("active", "draining") and n["ranks"]]
+    by_rank = sorted(active, key=lambda n: min(n["ranks"]))
+    if len(by_rank) != nodes:
+        raise RuntimeError(f"expected {nodes} active nodes in the plan, found {[n['id'] for n in by_rank]}")
+    return (by_rank[0] if choice == "first" else by_rank[-1])["id"]
 
 
 def say(msg: str) -> None:
@@ -347,13 +356,14 @@ class Bench:
                 job.start("s0")
                 self.wait_standby(job, a.start_timeout)
             result["ready_s"] = time.time() - t0
+            victim = result["victim"] = victim_node(a.victim, job, nodes)  # before the release: `ctl status` takes a while
             open(trigger, "w").close()
             job.wait_step(fault_step, timeout=a.start_timeout)
-            fault_time, how = self.inject(job, spec)
+            fault_time, how = self.inject(job, spec, victim)
             result["fault_time"] = fault_time
             result["fault"] = how
             say(f"{spec.label}: fault injected ({how})")
-            rec = self.wait_recovered(job, spec, fault_time)
+            rec = self.wait_recovered(job, spec, fault_time, victim)
             result["recovered"] = rec is not None
             if rec is None:
                 say(f"{spec.label}: NOT recovered within {a.recover_timeout:.0f} s")
@@ -417,8 +427,7 @@ class Bench:
         result["orphans_reaped"] = reap()
         result["wall_s"] = time.time() - t0
 
-    def inject(self, job: LocalJob, spec: Spec) -> tuple[float, str]:
-        VICTIM = victim_node(self.args.victim, spec.layout[0])
+    def inject(self, job: LocalJob, spec: Spec, VICTIM: str) -> tuple[float, str]:
         # look the pids up first: pgrep takes tens of ms, and the fault time is when the signal goes
         if spec.case == "worker-sigkill":
             pids = job.worker_pids(VICTIM)
@@ -467,12 +476,11 @@ class Bench:
             time.sleep(0.3)
         raise TimeoutError(f"the standby torchrun agent did not reach c10d's redundancy list in {timeout:.0f} s\n{job.logs_tail()}")
 
-    def wait_recovered(self, job: LocalJob, spec: Spec, fault_time: float):
+    def wait_recovered(self, job: LocalJob, spec: Spec, fault_time: float, VICTIM: str):
         """Poll the step log until every rank completed a step after the fault (drain: after the
         drained node left); None on timeout or when the job died without recovering."""
         deadline = time.time() + self.args.recover_timeout
         left_at = None
-        VICTIM = victim_node(self.args.victim, spec.layout[0])
         while time.time() < deadline:
             records = job.step_records()
             finished = job.nodes and all(n.proc.poll() is not None for n in job.nodes.values())
@@ -682,11 +690,15 @@ def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
     return rows, overhead
 
 
+VICTIM_TEXT = {"first": "the node holding rank 0", "last": "the node holding the last ranks (the ranks the spare warmed up as)",
+               "n1": "node n1"}
+
+
 def fmt_num(x, spec="{:.1f}", none="—"):
     return none if x is None else spec.format(x)
 
 
-def run_notes(runs: list[dict], victim: str = "n1") -> list[str]:
+def run_notes(runs: list[dict]) -> list[str]:
     """One line per run that did not go cleanly: no recovery, errors, a job that never ended."""
     notes = []
     for r in runs:
@@ -695,7 +707,7 @@ def run_notes(runs: list[dict], victim: str = "n1") -> list[str]:
             notes.append(f"{label}: {r['error'].splitlines()[0][:200]}")
         elif r.get("finish_timeout"):
             notes.append(f"{label}: recovered, but the job did not end afterwards (stopped by the benchmark; exit codes {r.get('exit_codes')})")
-        elif r.get("exit_codes") and any(c != 0 for n, c in r["exit_codes"].items() if n != victim_node(victim, r["nodes"]) or r["case"] == "overhead"):
+        elif r.get("exit_codes") and any(c != 0 for n, c in r["exit_codes"].items() if n != r.get("victim") or r["case"] == "overhead"):
             notes.append(f"{label}: exit codes {r['exit_codes']}")
         if r["case"] == "drain" and r.get("request_to_switch_s") is not None:
             lost = r.get("prepare_time_lost_s")
@@ -759,7 +771,7 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
                          f"{fmt_num(wcpu.get('torchrun'))} / {fmt_num(wcpu.get('tm-live'))} | "
                          f"{fmt_num(acpu.get('torchrun'))} / {fmt_num(acpu.get('tm-live'))} |")
     lines += breakdown_table(runs)
-    notes = run_notes(runs, args.victim)
+    notes = run_notes(runs)
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     steps = [r["step_time_s"] for r in rows if r.get("step_time_s")]
@@ -772,7 +784,7 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
               f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
               f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
               f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "
-              f"Fault on {'the last active node (the ranks the spare warmed up as)' if args.victim == 'last' else 'n1'}. "
+              f"Fault on {VICTIM_TEXT[args.victim]} (torchrun: n1). "
               f"Median over {args.repeat} run(s) per row. Overhead: median step over {args.overhead_steps} steps "
               f"(first {args.overhead_warmup} skipped), no spare, {args.overhead_pairs * args.repeat} alternating torchrun/tm-live pair(s). "
               f"Load average at start: {meta['load_start']:.1f} (the machine is shared).",
@@ -786,8 +798,9 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true", help="worker-sigkill at 2 ranks under all three launchers + overhead (~2-3 min)")
     p.add_argument("--layout", default="", choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp"),
                    help="run examples/hybrid.py with this layout (4 ranks) instead of the DDP script")
-    p.add_argument("--victim", default="n1", choices=VICTIMS, help="the node that loses a worker, dies or is drained: n1 (default), "
-                   "or the last active node, whose ranks the spare warmed up as (see victim_node)")
+    p.add_argument("--victim", default="first", choices=VICTIMS, help="the node that loses a worker, dies or is drained (tm-launch; "
+                   "torchrun: n1): first = the node holding rank 0 (default; the spare runs the script again for those ranks), "
+                   "last = the node holding the last ranks, which the spare warmed up as, n1 = the node named n1 (see victim_node)")
     p.add_argument("--sizes", default="2,4,8", help="world sizes for the worker-sigkill sweep (torchrun vs tm-live), e.g. 2,4,8,16; the largest is the cap")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
