@@ -251,3 +251,40 @@ def test_worker_wrapper_is_invisible(tmp_path, mode):
     assert runs["python"].returncode == runs["wrapper"].returncode == 1
     assert "Traceback" in runs["python"].stderr and 'line 4, in fail' in runs["python"].stderr
     assert runs["wrapper"].stderr == runs["python"].stderr
+
+
+RERUN = '''import gc, sys, types, weakref
+from tm_launch.runtime import RankChanged
+probe = sys.modules.setdefault("rerun_probe", types.ModuleType("rerun_probe"))  # outlives the runs
+if hasattr(probe, "refs"):  # the second run, for the new ranks: the first run's objects are gone
+    print("first run's objects alive:", [name for name, ref in probe.refs.items() if ref() is not None])
+    sys.exit(0)
+gc.freeze()  # as tm_launch.init() does in a sandbox: this namespace is frozen, the objects below are not
+class Model:
+    pass
+model = Model()  # a global, held by a namespace its functions refer back to
+model.me = model  # and in a cycle of its own
+def use():
+    return model
+def main():
+    local = Model()
+    local.me = local
+    probe.refs = {"global": weakref.ref(model), "local": weakref.ref(local)}
+    raise RankChanged("promoted to rank 0")
+main()
+'''
+
+
+@pytest.mark.parametrize("mode", [["pkg/rerun.py"], ["-m", "pkg.rerun"]], ids=["script", "module"])
+def test_a_script_run_again_frees_the_first_run(tmp_path, mode):
+    """A spare promoted to other ranks runs the script again in its process (``RankChanged``):
+    what the first run built, in its globals or its frames, in cycles or not, must be freed
+    before the second run builds its own (on a GPU the memory would be needed twice), also when
+    the namespace holding it is older than ``tm_launch.init()``'s ``gc.freeze()``."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "rerun.py").write_text(RERUN)
+    out = subprocess.run([sys.executable, "-m", "tm_launch.worker", *mode], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "first run's objects alive: []" in out.stdout, out.stdout

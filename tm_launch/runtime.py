@@ -212,6 +212,13 @@ class LiveJob:
         # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
         # layouts, and the module's first import costs ~0.5-0.9 s on a loaded 2-core machine.
         import torch.distributed.tensor  # noqa: F401
+        if env.get("TM_SANDBOX", "1") == "1":
+            # A sandboxed process may run the script again for other ranks (``RankChanged``),
+            # which then frees the old ranks' objects with a collection on the critical path:
+            # everything older than this point (interpreter, torch, the script's imports) is
+            # moved out of the collector's sight, so that it scans only what the script builds.
+            gc.collect()
+            gc.freeze()
         c10d_glue.refuse_rooted_objects_without_peers()
         register_optimizer_step_pre_hook(self._before_optimizer_step)
         self.gens = Generations(self, env)
@@ -451,12 +458,16 @@ class LiveJob:
         """Real steps on local backends (kernels, allocator, the framework's lazy set-up). What
         they leave in the registered objects is overwritten when the process enters the job:
         a joiner always receives its state from a live replica (where none exists, every worker
-        restarts), so no copy of the start state is kept: a spare costs no extra memory."""
+        restarts), so no copy of the start state is kept: a spare costs no extra memory. A spare
+        parks after them with its CUDA pools handed back; one running the script again for the
+        ranks it was promoted to enters at once and keeps them for its first steps."""
         self._state = "warmup"
         for i in range(self._sandbox_steps):
             self._report(force=True)
             yield start + i
         self._clear_step_effects()
+        if self._entering is not None:  # promoted before these steps: it enters now and trains
+            return
         left = cuda_warmup.leave_no_trace()  # None: CUDA never used here
         if left is not None:
             log(f"warm-up done: CUDA pools released, {human_size(left['allocated'])} allocated "

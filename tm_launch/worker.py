@@ -86,8 +86,36 @@ def main(argv: list[str]) -> None:
             else:
                 _run_script(target)
             return
-        except RankChanged:
-            gc.collect()  # the old ranks' model, optimizer and groups go before the new ones are built
+        except RankChanged as changed:
+            old_globals = _script_globals(changed.__traceback__)
+        # Out of the except block: the traceback, and with it the script's frames and their
+        # locals, are gone. What the script kept in its globals goes now, so the old ranks' model,
+        # optimizer and groups are freed before the new ones are built (on a GPU, before they
+        # would need the memory twice).
+        _forget(old_globals)
+
+
+def _script_globals(tb) -> list[dict]:
+    """The global namespaces of the script's run, from the frames of a traceback through it."""
+    seen: list[dict] = []
+    while tb is not None:
+        g = tb.tb_frame.f_globals
+        if g.get("__name__") == "__main__" and g is not globals() and not any(g is s for s in seen):
+            seen.append(g)
+        tb = tb.tb_next
+    return seen
+
+
+def _forget(namespaces: list[dict]) -> None:
+    """Drop a finished run of the script, as the interpreter does at exit: its globals are
+    cleared (a module's functions refer back to its namespace, a cycle that reference counting
+    alone never frees), then the cycles left are collected. The collection scans only what was
+    created after ``tm_launch.init()`` froze everything older (``runtime.LiveJob``): tens of
+    milliseconds, where a full collection of a process with torch loaded takes 0.1-0.3 s."""
+    for namespace in namespaces:
+        namespace.clear()
+    namespaces.clear()
+    gc.collect()
 
 
 if __name__ == "__main__":
