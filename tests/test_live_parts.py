@@ -157,6 +157,39 @@ def test_membership_changed(ranks, d, rank, old_rank, want):
     assert membership_changed(ranks, d, rank, old_rank) is want
 
 
+class _Job:
+    """What ``Generations`` reads of its job: this worker's devices, local rank and agent channel."""
+
+    devices, local_rank = ("cpu",), 0
+
+    class channel:
+        @staticmethod
+        def latest():
+            return 0
+
+
+def test_a_world_built_ahead_is_used_by_its_generation_only():
+    """``build_ahead``: a promoted spare starts its world communicator before it runs the script
+    again; entering that generation waits for that build instead of starting another, and any
+    other generation gives it up."""
+    from tm_launch.generations import Generations
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    gens = Generations(_Job(), {"TM_SETUP_TIMEOUT": "2"})  # the unreachable store below fails fast
+    d = {"generation": 3, "ranks": [0], "world_size": 1, "store": {"addr": "127.0.0.1", "port": server.port}}
+    gens.build_ahead(d)
+    ahead = gens._take_ahead(3)
+    pg = gens._build_watching(None, 0, 3, d, pending=ahead)
+    assert pg is ahead[1]["pg"] and pg.size() == 1
+    assert gens._take_ahead(3) is None  # taken once
+    gens.build_ahead(d)
+    assert gens._take_ahead(4) is None  # another generation: given up
+    gens.build_ahead({**d, "store": {"addr": "127.0.0.1", "port": 1}})  # nothing listens there
+    with pytest.raises(RuntimeError):
+        gens._build_watching(None, 0, 3, d, pending=gens._take_ahead(3))
+    gens.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # the transfer's wire: which backend carries a tensor, which own tensor receives it in place
 

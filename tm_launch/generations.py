@@ -78,13 +78,15 @@ class Generations:
         self._stores: dict = {}
         self.current: dict | None = None
         self.pending: dict | None = None  # a planned switch being prepared
+        self._ahead: tuple | None = None  # (generation, (thread, box)): a world communicator built ahead of enter()
 
     def close(self) -> None:
         pending = self.pending
         if pending and pending.get("thread") is not None:
             pending["thread"].join(timeout=5)
-            communicators.release(pending["built"].get("world"))  # built for a switch that never came
+            communicators.release(pending["built"].get("pg"))  # built for a switch that never came
         self.pending = None
+        self._take_ahead(None)
         self._stores.clear()
 
     # -- communicators ---------------------------------------------------------------------------
@@ -114,21 +116,45 @@ class Generations:
         return [g for g in [job.group, *list(job._subgroups)]
                 if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d["generation"])]
 
+    def _build_in_background(self, ranks, global_rank: int, gen: int, d: dict) -> tuple:
+        """``build`` in a daemon thread: (thread, box); the box gets ``pg`` or ``error``."""
+        box: dict = {}
+
+        def work():
+            try:
+                box["pg"] = self.build(ranks, global_rank, gen, d)
+            except BaseException as e:  # noqa: BLE001 -- handed to the thread that waits for it
+                box["error"] = e
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        return thread, box
+
+    def build_ahead(self, d: dict) -> None:
+        """Start building generation ``d``'s world communicator now, for a process that has work
+        to do before it can enter ``d`` (a promoted spare running the script again for its new
+        ranks): its peers' set-up is not kept waiting for that work, and ``enter(d)`` uses it."""
+        self._take_ahead(None)
+        self._ahead = (d["generation"], self._build_in_background(None, d["ranks"][self.job.local_rank], d["generation"], d))
+
+    def _take_ahead(self, gen: int | None):
+        """The build started ahead for generation ``gen``, if any; one for another generation is
+        given up (released when it has finished; else left to fail at its own timeout)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if ahead[0] == gen:
+            return ahead[1]
+        thread, box = ahead[1]
+        if not thread.is_alive():
+            communicators.release(box.get("pg"))
+        return None
+
     def _build_watching(self, ranks, global_rank: int, gen: int, d: dict, pending=None):
         """``build`` in a thread while this one watches for a newer generation: the setup waits
         for every member, so a member that died would otherwise hold this process for the whole
-        setup timeout. An abandoned build is left to fail at its own timeout (a daemon thread)."""
-        box: dict = {}
-        if pending is None:
-            def work():
-                try:
-                    box["pg"] = self.build(ranks, global_rank, gen, d)
-                except BaseException as e:  # noqa: BLE001 -- handed to the main thread
-                    box["error"] = e
-            pending = threading.Thread(target=work, daemon=True)
-            pending.start()
-        else:
-            pending, box = pending
+        setup timeout. An abandoned build is left to fail at its own timeout (a daemon thread).
+        ``pending``: a build already started (``_build_in_background``) to wait for instead."""
+        pending, box = pending or self._build_in_background(ranks, global_rank, gen, d)
         channel = self.job.channel
         while pending.is_alive():
             pending.join(0.01)
@@ -136,7 +162,7 @@ class Generations:
                 raise Superseded(channel.directive(channel.latest()))
         if "error" in box:
             raise box["error"]
-        return box.get("pg") or box.get("world")
+        return box["pg"]
 
     # -- following the agent -------------------------------------------------------------------
     def follow(self, d: dict, interrupted: bool) -> None:
@@ -165,12 +191,7 @@ class Generations:
             store = self.store(d["store"])
             margin = max(2, math.ceil(0.5 / max(job._stats.median() or 0.01, 1e-3)))
             agreed = int(store.compare_set(f"tm/g{gen}/switch", "", str(job._step + margin)))
-            built: dict = {}
-            thread = None
-            if d["active"]:
-                rank = d["ranks"][job.local_rank]
-                thread = threading.Thread(target=lambda: built.update(world=self.build(None, rank, gen, d)), daemon=True)
-                thread.start()
+            thread, built = self._build_in_background(None, d["ranks"][job.local_rank], gen, d) if d["active"] else (None, {})
             self.pending = {"generation": gen, "switch": agreed, "thread": thread, "built": built}
             log(f"planned migration to generation {gen}: switching at step {agreed}")
         if job._step < self.pending["switch"]:
@@ -196,6 +217,8 @@ class Generations:
         waiting out the setup timeout or crashing with the training state that only it holds."""
         job = self.job
         while True:
+            ahead = self._take_ahead(d["generation"])
+            prebuilt = prebuilt if prebuilt is not None else ahead
             try:
                 self._enter_once(d, prebuilt, agree)
                 return

@@ -579,6 +579,7 @@ class LiveJob:
         self._detach(rank)
         forget_framework_ranks()
         self._entering = d  # still in the sandbox (no peers) until steps() enters generation d
+        self.gens.build_ahead(d)  # its world communicator connects while the script runs again
         raise RankChanged(f"promoted to rank {rank}")
 
     def _carried(self) -> list:
