@@ -146,6 +146,36 @@ def test_node_loss_agent_sigkill(local_job, reference):
     assert_breakdown_is_the_downtime(job, info["fault_time"], {"a", "c"})
 
 
+def test_node_loss_found_while_the_survivors_compute(local_job, reference):
+    """Node b's agent and workers are SIGKILLed while node a's workers are stopped (SIGSTOP: a
+    long compute phase, in which no collective of theirs can fail and they report nothing). a's
+    agent finds the loss anyway, at once: its kept-open connection to b's agent ends
+    (``tm_launch.peer_link``) and b's port refuses, where it used to wait for its workers'
+    next collective, or for b's lease. Then a's workers go on, and the job ends bitwise."""
+    found = {}
+
+    def fault(job, release):
+        release()
+        job.wait_step(PAUSE + 5)
+        survivors = job.worker_pids("a")
+        for pid in survivors:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            job.kill_agent("b")
+            deadline = time.time() + 30
+            while time.time() < deadline and not found:
+                found.update(next((e for e in job.events() if e["kind"] == "node_lost"), {}))
+                time.sleep(0.05)
+        finally:
+            for pid in survivors:
+                os.kill(pid, signal.SIGCONT)
+
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], fault=fault)
+    assert found.get("node") == "a" and found.get("lost") == "b", f"a's agent must find b lost while its workers are stopped: {found}\n{job.logs_tail()}"
+    assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+
+
 @pytest.mark.slow
 def test_node_lost_while_the_others_wait_in_the_vote(local_job, reference):
     """Rank 2's vote completes the count and its node dies (agent and workers) before it writes

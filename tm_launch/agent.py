@@ -1,7 +1,8 @@
 """The per-node agent: register, follow the generations, run and watch this node's workers.
 
 One loop, woken the moment anything happens (a worker exits or reports, something under the
-job's ``state/`` keys changes: ``tm_launch.wakeup``), and at least every ``--monitor-interval``:
+job's ``state/`` keys changes: ``tm_launch.wakeup``; the next active node's agent dies:
+``tm_launch.peer_link``), and at least every ``--monitor-interval``:
 
 1. read the job's state (one etcd range read; an agent that only follows plans reads what changed,
    ``Membership.refresh``) and, if the plan moved on, act on it:
@@ -38,6 +39,7 @@ from .events import EventLog
 from .failures import FailureWatch
 from .follower import PlanFollower
 from .observers import AlarmWatch, DowntimeStamps, DrainWaitNote, EntryReport, MetricsFeed, ProgressPublisher, StragglerWatch
+from .peer_link import PeerLink, successor
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
 from .waits import Every
@@ -69,6 +71,7 @@ class Agent:
         self.entry = EntryReport(cfg.node_id, self.supervisor, self.metrics, say)
         self.stamps = DowntimeStamps(cfg.node_id, self.session, self.supervisor)
         self.drain_wait = DrainWaitNote(cfg.node_id, say)
+        self.peer_link = PeerLink(wake=lambda: self.wakeup.set("peer"))  # the next active node's agent
         # The loop's own state: when to read etcd again, and whether this node plans.
         self.started = time.time()
         self.join_wait = Every()  # progress lines while the first generation forms
@@ -101,6 +104,7 @@ class Agent:
             return 130
         finally:
             self.state_watch.close()
+            self.peer_link.close()
             self.alarms.stop()
             self.metrics.stop()
             self.supervisor.close()
@@ -148,8 +152,12 @@ class Agent:
             self._check_join_timeout(view)
         elif plan is not None and me not in plan.nodes and not self.supervisor.workers and view.live:
             self.follower.be_spare(plan, view)  # the job turned out to be live: warm up now
+        self._link_to_successor(plan, view)
         self.failures.watch_workers(plan, view)
         self.failures.probe_peers(plan, view)
+        lost = self.peer_link.take_dropped()
+        if lost is not None:
+            self.failures.report_if_lost(plan, view, lost)
         self.entry.report(plan)
         self.stamps.write()
         self.alarms.handle(plan)
@@ -181,8 +189,18 @@ class Agent:
             self.state_watch.arm("plan", members.watch_plan, snap.revision)
         else:
             self.state_watch.arm(StateWatch.WIDEST, members.watch, snap.revision)
-        self.state_changed = "etcd" in self.wakeup.wait(self.cfg.monitor_interval)
+        # A peer's connection ended: read etcd again before probing it (it may have left the plan).
+        self.state_changed = bool({"etcd", "peer"} & self.wakeup.wait(self.cfg.monitor_interval))
         return None
+
+    def _link_to_successor(self, plan: Plan | None, view: View) -> None:
+        """Keep a connection to the next active node's agent (``tm_launch.peer_link``): its death
+        is then known when it happens, whatever its workers and ours are doing."""
+        me = self.cfg.node_id
+        node = successor(plan.nodes, me) if plan is not None and not plan.finished else None
+        info = view.alive.get(node) if node is not None else None
+        self.peer_link.watch((node, info.addr, info.store_port) if info is not None else None,
+                             plan.generation if plan is not None else -1)
 
     def _with_last_call(self, view: View) -> View:
         """The planner's view with the join window applied: with MIN nodes alive the first plan

@@ -139,15 +139,29 @@ class FailureWatch:
             self.say(f"generation {plan.generation}: {why}", kind="worker_failed", generation=plan.generation)
             self.session.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
 
-    def report_dead_peers(self, plan: Plan, view: View) -> None:
+    def report_if_lost(self, plan: Plan | None, view: View, node: str) -> None:
+        """The connection to ``node``'s agent ended (``tm_launch.peer_link``): report the node
+        lost if its agent refuses connections, and only while it is active in the newest plan
+        (read now, one key: a node that was replaced, drained or finished closes its connections
+        too, and this view may be older than the plan that let it go)."""
+        me = self.cfg.node_id
+        if plan is None or plan.finished or me not in plan.nodes or node not in plan.nodes:
+            return
+        newest = self.session.members.plan()
+        if newest is None or newest.finished or newest.generation != plan.generation:
+            return
+        self.report_dead_peers(plan, view, only=node)
+
+    def report_dead_peers(self, plan: Plan, view: View, only: str | None = None) -> None:
         """Report active peers whose agent refuses connections. A dead agent's port refuses at
         once, so a node loss is known in milliseconds instead of after the lease TTL; anything
         short of a refusal (a timeout, a partition) is left to the lease, the authority. The
         view's record may be older than the peer's registration (a follower's view carries
         records over from generation to generation): a refusal is checked against the record
-        read now, one key, before the peer is reported."""
-        self.probed_gen, self.probed_at = plan.generation, time.time()
-        for node in plan.nodes:
+        read now, one key, before the peer is reported. ``only``: probe that peer alone."""
+        if only is None:  # a probe of every peer (probe_peers counts from it)
+            self.probed_gen, self.probed_at = plan.generation, time.time()
+        for node in plan.nodes if only is None else [only]:
             info = view.alive.get(node)
             if node == self.cfg.node_id or info is None or node in view.reports:
                 continue

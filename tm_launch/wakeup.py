@@ -12,7 +12,8 @@ rules):
   finished its first step, saw a collective fail, lost the state): a datagram on an abstract
   Unix socket, sent by ``poke`` right after the store write;
 - ``StateWatch``: an etcd watch stream kept open in a thread, compared with the revision of
-  the agent's last read.
+  the agent's last read;
+- ``tm_launch.peer_link.PeerLink``: the connection to the next active node's agent ended.
 """
 
 from __future__ import annotations

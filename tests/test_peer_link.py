@@ -1,0 +1,81 @@
+"""The ring of kept-open connections between agents (``tm_launch.peer_link``): whom a node
+watches, and what the link reports, on real sockets."""
+
+import socket
+import threading
+
+import pytest
+
+from tm_launch.peer_link import PeerLink, successor
+
+
+@pytest.mark.parametrize("nodes, me, want", [
+    pytest.param(["a", "b", "c"], "a", "b", id="the next node"),
+    pytest.param(["a", "b", "c"], "c", "a", id="the last wraps round to the first"),
+    pytest.param(["a", "b"], "b", "a", id="two nodes watch each other"),
+    pytest.param(["a"], "a", None, id="alone: nobody"),
+    pytest.param(["a", "b"], "s", None, id="not active (a spare): nobody"),
+])
+def test_successor(nodes, me, want):
+    assert successor(nodes, me) == want
+
+
+def test_every_active_node_is_watched_by_exactly_one_peer():
+    nodes = [f"n{i}" for i in range(7)]
+    watchers = [successor(nodes, me) for me in nodes]
+    assert sorted(watchers) == sorted(nodes)
+
+
+class Peer:
+    """A listening port standing for a peer agent's; ``die()`` closes it as a killed process's kernel would."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        try:
+            while True:
+                self.accepted.append(self.listener.accept()[0])
+        except OSError:
+            pass
+
+    def die(self):
+        self.listener.shutdown(socket.SHUT_RDWR)  # ends the blocked accept(), which holds the socket open
+        self.thread.join()
+        self.listener.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+def test_a_peer_that_dies_wakes_the_agent_once_per_generation():
+    woke = threading.Event()
+    link = PeerLink(wake=woke.set)
+    peer = Peer()
+    link.watch(("b", "127.0.0.1", peer.port), generation=1)
+    assert not woke.wait(0.3), "a live peer must not wake anyone"
+    assert link.take_dropped() is None
+    peer.die()
+    assert woke.wait(10), "the end of the peer's connection must wake the agent"
+    assert link.take_dropped() == "b" and link.take_dropped() is None
+    woke.clear()
+    link.watch(("b", "127.0.0.1", peer.port), generation=1)  # the loop asks again: no reconnect spin
+    assert not woke.wait(0.3)
+    link.watch(("b", "127.0.0.1", peer.port), generation=2)  # a new plan still names it: tried again
+    assert woke.wait(10) and link.take_dropped() == "b"  # refused
+    link.close()
+
+
+def test_a_link_given_up_on_purpose_wakes_nobody():
+    woke = threading.Event()
+    link = PeerLink(wake=woke.set)
+    first, second = Peer(), Peer()
+    link.watch(("b", "127.0.0.1", first.port), generation=1)
+    link.watch(("c", "127.0.0.1", second.port), generation=2)  # the plan changed: watch another node
+    link.close()
+    assert not woke.wait(0.5) and link.take_dropped() is None
+    first.die()
+    second.die()

@@ -1,0 +1,97 @@
+"""A connection kept open to one peer agent, so that a node that dies is known when it dies.
+
+A node whose agent is SIGKILLed (its workers die with it, by PDEATHSIG) was found when a
+survivor's collective failed: up to a whole step later when the survivor was computing. The
+kernel closes the dead agent's sockets at once, though, so an agent holding a connection to the
+peer's port sees the end of the stream within microseconds.
+
+Every active node watches one other: its successor in the plan's node order (``successor``, a
+ring). That is one connection per node whatever the job's size, and every active node is
+watched by exactly one peer. The end of the stream is only a hint that wakes the agent's loop:
+the agent reads etcd again and probes that peer (``FailureWatch.report_dead_peers``: a refused
+connection, checked against the peer's record read now). A peer that left the plan, finished,
+or only closed this connection is never reported. A machine that vanishes without closing
+anything (power loss) is still found by its lease.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Callable
+
+
+def successor(nodes, me: str) -> str | None:
+    """The node ``me`` watches: the next one after it in ``nodes`` (the plan's order), wrapping
+    round; None when ``me`` is not among them or is alone."""
+    nodes = list(nodes)
+    if me not in nodes or len(nodes) < 2:
+        return None
+    return nodes[(nodes.index(me) + 1) % len(nodes)]
+
+
+class PeerLink:
+    """The kept-open connection to one peer's agent port; ``wake()`` when it ends."""
+
+    def __init__(self, wake: Callable[[], None]):
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._target: tuple | None = None  # (node, addr, port)
+        self._sock: socket.socket | None = None
+        self._dropped: str | None = None  # the peer whose connection ended, until taken
+        self._ended: tuple | None = None  # (generation, node): not connected to again in that generation
+
+    def watch(self, target: tuple | None, generation: int) -> None:
+        """Keep a connection to ``target`` (node, addr, port), or to nobody (None). A peer whose
+        connection ended is not connected to again in the same generation: the probe decides
+        about it, and a new plan picks the peer anew (a dead peer's refusals would spin)."""
+        if target is not None and (generation, target[0]) == self._ended:
+            target = None
+        with self._lock:
+            if target == self._target:
+                return
+            self._close_locked()
+            self._target = target
+            if target is None:
+                return
+            sock = socket.socket(socket.AF_INET6 if ":" in target[1] else socket.AF_INET, socket.SOCK_STREAM)
+            self._sock = sock
+        threading.Thread(target=self._run, args=(sock, target, generation), daemon=True, name=f"tm-peer-{target[0]}").start()
+
+    def _run(self, sock: socket.socket, target: tuple, generation: int) -> None:
+        node, addr, port = target
+        try:
+            sock.settimeout(2.0)
+            sock.connect((addr, port))
+            sock.settimeout(None)
+            while sock.recv(4096):  # the peer's store sends nothing unasked: this returns at its end
+                pass
+        except OSError:
+            pass  # refused, reset, or closed by watch()/close(): the same question for the probe
+        with self._lock:
+            if self._sock is not sock:
+                return  # this connection was given up on purpose
+            self._sock, self._target = None, None
+            self._dropped, self._ended = node, (generation, node)
+        sock.close()
+        self._wake()
+
+    def take_dropped(self) -> str | None:
+        """The peer whose connection ended since the last call (None: none)."""
+        with self._lock:
+            node, self._dropped = self._dropped, None
+        return node
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+            self._target = None
+
+    def _close_locked(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # ends the thread's recv
+            except OSError:
+                pass
+            sock.close()
