@@ -12,11 +12,10 @@ import dataclasses
 import time
 from typing import Callable
 
-import torch.distributed as dist
-
 from rendezvous.plan import FAILED, SUCCEEDED, Plan
 from rendezvous.planner import View, spares
 
+from . import store_server
 from .agent_config import AgentConfig
 from .failures import FailureWatch
 from .observers import MetricsFeed
@@ -127,7 +126,7 @@ class PlanFollower:
         members = self.session.members
         if plan.store.get("node") == self.cfg.node_id:
             if self.master_gen != plan.generation:
-                self.master_store = dist.TCPStore(self.cfg.addr, 0, None, True, wait_for_workers=False)
+                self.master_store = store_server.serve(self.cfg.addr)  # every worker connects at once
                 self.master_gen = plan.generation
                 members.publish_store(plan.generation, self.cfg.addr, self.master_store.port)
             return self.cfg.addr, self.master_store.port

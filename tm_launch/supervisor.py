@@ -16,11 +16,11 @@ import tempfile
 import time
 from typing import Callable
 
-import torch.distributed as dist
 
 from rendezvous.plan import Plan
 
 from .agent_config import AgentConfig
+from . import store_server
 from .communicators import nccl_error_handling
 from .wakeup import WAKE_ENV, WakeSocket, Wakeup
 from .workers import OutputSpec, WorkerSet
@@ -38,7 +38,7 @@ class WorkerSupervisor:
     def __init__(self, cfg: AgentConfig, say: Callable[..., None], wakeup: Wakeup | None = None):
         self.cfg = cfg
         self.say = say
-        self.store = dist.TCPStore(cfg.addr, 0, None, True, wait_for_workers=False)
+        self.store = store_server.serve(cfg.addr)  # local workers, and the generations it hosts
         wakeup = wakeup or Wakeup()  # nobody waits on it: parts tested without a loop
         self.wake_socket = WakeSocket(wakeup)  # workers poke it right after a report the agent acts on
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir

@@ -1,0 +1,32 @@
+"""``tm_launch.store_server``: the agent's TCPStore takes a generation's connections at once."""
+
+import datetime
+import threading
+
+import torch.distributed as dist
+
+from tm_launch import store_server
+
+
+def test_a_generations_worth_of_clients_connect_at_once():
+    """32 clients connecting together (16 ranks, two connections each) all get in within a 3 s
+    client timeout; torch's own server made most of them retry for 5 s (see the module)."""
+    server = store_server.serve("127.0.0.1")
+    errors, clients = [], []
+
+    def connect():
+        try:
+            client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=3))
+            client.add("connected", 1)
+            clients.append(client)
+        except Exception as e:  # noqa: BLE001 -- collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=connect) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert server.add("connected", 0) == 32
