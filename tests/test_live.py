@@ -146,6 +146,7 @@ def test_node_loss_agent_sigkill(local_job, reference):
     assert_breakdown_is_the_downtime(job, info["fault_time"], {"a", "c"})
 
 
+@pytest.mark.slow  # ~45 s; the link itself is tested on real sockets in test_peer_link.py
 def test_node_loss_found_while_the_survivors_compute(local_job, reference):
     """Node b's agent and workers are SIGKILLed while node a's workers are stopped (SIGSTOP: a
     long compute phase, in which no collective of theirs can fail and they report nothing). a's

@@ -275,7 +275,7 @@ main()
 '''
 
 
-@pytest.mark.parametrize("mode", [["pkg/rerun.py"], ["-m", "pkg.rerun"]], ids=["script", "module"])
+@pytest.mark.parametrize("mode", [["pkg/rerun.py"], pytest.param(["-m", "pkg.rerun"], marks=pytest.mark.slow)], ids=["script", "module"])
 def test_a_script_run_again_frees_the_first_run(tmp_path, mode):
     """A spare promoted to other ranks runs the script again in its process (``RankChanged``):
     what the first run built, in its globals or its frames, in cycles or not, must be freed
