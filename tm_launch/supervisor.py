@@ -16,11 +16,10 @@ import tempfile
 import time
 from typing import Callable
 
-
 from rendezvous.plan import Plan
 
-from .agent_config import AgentConfig
 from . import store_server
+from .agent_config import AgentConfig
 from .communicators import nccl_error_handling
 from .wakeup import WAKE_ENV, WakeSocket, Wakeup
 from .workers import OutputSpec, WorkerSet
