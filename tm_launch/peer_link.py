@@ -30,6 +30,16 @@ def successor(nodes, me: str) -> str | None:
     return nodes[(nodes.index(me) + 1) % len(nodes)]
 
 
+def _family(addr: str) -> int:
+    """The address family ``addr`` resolves to, as the probe's ``create_connection`` would use it
+    (a host name may resolve to IPv6 only); IPv4 when it does not resolve (the connect then
+    fails, and the probe decides)."""
+    try:
+        return socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return socket.AF_INET
+
+
 class PeerLink:
     """The kept-open connection to one peer's agent port; ``wake()`` when it ends."""
 
@@ -47,14 +57,15 @@ class PeerLink:
         about it, and a new plan picks the peer anew (a dead peer's refusals would spin)."""
         if target is not None and (generation, target[0]) == self._ended:
             target = None
+        if target == self._target:
+            return
+        family = _family(target[1]) if target is not None else None  # resolved once per new target
         with self._lock:
-            if target == self._target:
-                return
             self._close_locked()
             self._target = target
             if target is None:
                 return
-            sock = socket.socket(socket.AF_INET6 if ":" in target[1] else socket.AF_INET, socket.SOCK_STREAM)
+            sock = socket.socket(family, socket.SOCK_STREAM)
             self._sock = sock
         threading.Thread(target=self._run, args=(sock, target, generation), daemon=True, name=f"tm-peer-{target[0]}").start()
 
