@@ -79,13 +79,21 @@ def test_cut_off_node_is_replaced_fenced_and_comes_back_failed(lab, tmp_path, re
             t_fenced = time.time()
             assert not any(os.path.exists(f"/proc/{p}") for p in b_workers), "the cut-off node kept its workers"
             job.wait_for(lambda s: all(n["id"] != "c" or n["role"] == "active" for n in s["nodes"]), 30, "c active")
-            time.sleep(2)
+
+            def steps_since_fenced() -> dict[int, set[int]]:
+                after = {}
+                for t, r, s, g, pid in job.step_records():
+                    if t > t_fenced:
+                        after.setdefault(r, set()).add(pid)
+                return after
+
+            # a few steps by every rank (the spare runs the script again for b's ranks first: under
+            # load, more than the 2 s this test once slept; waited for, not timed)
+            job.wait_for(lambda s: len(steps_since_fenced()) == 4 or None, 60, "steps by every rank after the fencing")
+            time.sleep(0.5)
             # one owner per rank: since b fenced, each rank's steps come from one live process on a or c
             live = set(job.worker_pids("a") + job.worker_pids("c"))
-            after = {}
-            for t, r, s, g, pid in job.step_records():
-                if t > t_fenced:
-                    after.setdefault(r, set()).add(pid)
+            after = steps_since_fenced()
             assert sorted(after) == list(range(4)) and all(len(p) == 1 for p in after.values()), after
             assert set().union(*after.values()) <= live and not set(b_workers) & set().union(*after.values()), after
             assert job.nodes["b"].proc.poll() is None, "b should wait for etcd to record itself failed"
