@@ -96,6 +96,22 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     assert plans and plans[0]["replaced"] == {"c": victim} and plans[0]["live"], job.events()
 
 
+def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local_job, reference):
+    """The worker of rank 0 SIGKILLs itself: the spare, warmed up as the last node's ranks, runs
+    the script again for ranks 0 and 1 with one warm-up step and DDP's bucket rebuild done
+    without peers (``tm_launch.ddp_rebuild``; without it the joiners' DDP would broadcast its
+    bucket order in their second step while the survivors all-reduce gradients)."""
+    script = ["--log-loss", "--kill-rank", "0", "--kill-step", str(PAUSE + 5), "--kill-phase", "vote", "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
+    assert codes["c"] == 0 and codes[({"a", "b"} - {victim}).pop()] == 0, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+    spare = job.nodes["c"].log()
+    assert "promoted to rank 0 (warmed up as rank 2)" in spare and "promoted to rank 1 (warmed up as rank 3)" in spare, spare
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"], [p["cause"] for p in plans]
+
+
 @pytest.mark.parametrize("phase", [
     pytest.param("forward", marks=pytest.mark.slow),  # the fast tier's framework tests (dropout) cover per-rank RNG
     pytest.param("logging", marks=pytest.mark.slow),

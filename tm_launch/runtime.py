@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import c10d_glue, communicators, cuda_warmup
+from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild
 from .agent_channel import AgentChannel, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
@@ -386,7 +386,7 @@ class LiveJob:
             # A spare warms up, and warms up again as the ranks it was promoted to: real steps
             # without peers, so that the framework's lazy set-up is done before this process
             # meets the job (DDP rebuilds its buckets with a broadcast in its second step; a
-            # fresh DDP would send it while its peers run a normal step).
+            # fresh DDP would send it while its peers run a normal step: tm_launch.ddp_rebuild).
             yield from self._warm_up(start)
             if self._entering is None:
                 self._park()
@@ -455,16 +455,22 @@ class LiveJob:
 
     # -- steps ---------------------------------------------------------------------------------
     def _warm_up(self, start: int):
-        """Real steps on local backends (kernels, allocator, the framework's lazy set-up). What
-        they leave in the registered objects is overwritten when the process enters the job:
-        a joiner always receives its state from a live replica (where none exists, every worker
-        restarts), so no copy of the start state is kept: a spare costs no extra memory. A spare
-        parks after them with its CUDA pools handed back; one running the script again for the
-        ranks it was promoted to enters at once and keeps them for its first steps."""
+        """Real steps on local backends (kernels, allocator, the framework's lazy set-up):
+        ``--sandbox-steps`` of them for a spare that parks next; one, then DDP's bucket rebuild
+        (``tm_launch.ddp_rebuild``), for a spare promoted to other ranks, which runs the script
+        again for them while the job waits. What they leave in the registered objects is
+        overwritten when the process enters the job: a joiner always receives its state from a
+        live replica (where none exists, every worker restarts), so no copy of the start state
+        is kept: a spare costs no extra memory. A spare parks after them with its CUDA pools
+        handed back; one running the script again for the ranks it was promoted to enters at
+        once and keeps them for its first steps."""
         self._state = "warmup"
-        for i in range(self._sandbox_steps):
+        again = self._entering is not None  # the script runs again for ranks it was promoted to
+        for i in range(1 if again else self._sandbox_steps):
             self._report(force=True)
             yield start + i
+        if again:  # the job waits for this process: one step, and DDP's second-step set-up now
+            ddp_rebuild.rebuild_buckets_now()
         self._clear_step_effects()
         if self._entering is not None:  # promoted before these steps: it enters now and trains
             return
