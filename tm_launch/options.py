@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--join-timeout", type=float, default=600.0, help="Seconds to wait for the first generation to form before giving up (default 600).")
     own.add_argument("--last-call", type=float, default=1.0, help="With --nnodes MIN:MAX, seconds to wait for more nodes once MIN are present (default 1).")
     own.add_argument("--collective-timeout", type=float, default=120.0, help="Live mode: seconds a collective may block before a rank gives up on its peers (default 120).")
-    own.add_argument("--sandbox-steps", type=int, default=2, help="Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2).")
+    own.add_argument("--sandbox-steps", type=int, default=2, help="Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2; "
+                     "one promoted to other ranks runs the script again with one step and DDP's bucket rebuild).")
     own.add_argument("--no-live", action="store_true", help="Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().")
     own.add_argument("--event-log", metavar="FILE", default=None, help="Append this agent's events as JSON lines to FILE.")
     from torch.distributed.argparse_util import env
