@@ -250,6 +250,57 @@ def test_the_watcher_aborts_only_older_generations_and_only_once(released):
     assert group.release_if_broken() is True and released == [old, new]
 
 
+def test_a_failure_reported_off_the_main_thread_closes_that_generations_communicator_only(released):
+    group = LiveGroup(None, 0, 2, StepPoison())
+    old, new = Comm(), Comm()
+    group.swap(old, 0, 2, 1)
+    released.clear()
+    on_ranks(1, lambda _: group.fail(RuntimeError("peer gone"), 1))  # a backend's callback thread
+    deadline = time.monotonic() + 10
+    while group.inner is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert group.inner is None and released == [old] and group._poison.active  # closed on a thread of its own
+    group._poison.clear()
+    group.swap(new, 0, 2, 2)
+    on_ranks(1, lambda _: group.fail(RuntimeError("generation 1's collective failed late"), 1))
+    time.sleep(0.2)
+    assert group.inner is new and not group.broken and not group._poison.active and released == [old]
+
+
+def test_a_failed_collective_closes_its_communicator_before_the_step_goes_on(store):
+    """4 ranks all-reduce around a ring and rank 3's communicator closes (its process died). Its
+    ring neighbours 0 and 2 fail at once; rank 1, whose neighbours are 0 and 2, only fails when
+    they close theirs. They do, from the failure's callback: rank 1 fails while 0 and 2 are still
+    in their step's compute (which waits for it, or 15 s), not once they reach their next
+    collective or the end of the step (20 s here: the collective timeout)."""
+    p = prefix(store, "fail")
+    groups = on_ranks(4, lambda r: LiveGroup(None, r, 4, StepPoison()))
+    pgs = on_ranks(4, lambda r: communicators.build(p(), r, 4, devices=["cpu"], timeout_s=20, setup_timeout_s=30))
+    for r, g in groups.items():
+        g.swap(pgs[r], r, 4, 0)
+    del pgs
+    rank1_failed = threading.Event()
+
+    def step(r):
+        group = groups[r]
+        if r == 3:
+            time.sleep(0.5)
+            group.release()  # this rank's process is gone: its sockets close
+            return None
+        group._poison.armed = True
+        group.allreduce([torch.ones(1 << 12)]).wait()  # guarded: completes, failed or not
+        if r == 1:
+            rank1_failed.set()
+            return group._poison.active
+        computing = not rank1_failed.wait(15)  # the rest of the step, before any collective
+        return group._poison.active, computing
+
+    got = on_ranks(4, step, ranks=[3, 0, 2, 1])
+    assert got[1] is True, "rank 1's collective did not fail"
+    assert got[0] == (True, False) and got[2] == (True, False), got  # rank 1 failed while they computed
+    del groups
+
+
 def test_gloo_groups_are_not_aborted_by_the_watcher(store):
     group = LiveGroup(None, 0, 1, StepPoison())
     pg = communicators.build(prefix(store, "w")(), 0, 1, devices=["cpu"], timeout_s=10, setup_timeout_s=30)
