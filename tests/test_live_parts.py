@@ -424,6 +424,41 @@ def _vote_all(commits, oks, step=3, newer=lambda: False):
     return threads, decisions
 
 
+def test_a_vote_walks_away_from_a_store_that_never_answers_once_a_peer_is_gone():
+    """The store's node is cut off the network (here: its process stopped): no answer, no
+    refusal, and torch's client has no timeout for a count or a compare-and-set. A rank whose
+    step failed knows the decision (no commit without its count) and does not wait for the
+    store; one whose step worked gives up as uncertain once a peer is known gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    server = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; "
+                               "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+                               "print(s.port, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        commits = []
+        for rank in range(2):
+            c = StepCommit()
+            c.use(dist.PrefixStore("commit/", dist.TCPStore("127.0.0.1", port, 2, False, wait_for_workers=False)), rank, 2, 0)
+            c.begin(7)
+            commits.append(c)
+        os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert commits[0].decide(False, lambda: False) is False  # at once: nothing to wait for
+        gone = {"yes": False}
+        timer = threading.Timer(0.5, lambda: gone.update(yes=True))
+        timer.start()
+        assert commits[1].decide(True, lambda: gone["yes"], peer_gone=lambda: gone["yes"]) is False
+        assert commits[1].uncertain and time.monotonic() - t0 < 30  # not the store client's 300 s
+    finally:
+        server.kill()
+        server.wait()
+
+
 @pytest.mark.parametrize("oks, want", [
     pytest.param([True, True, True], True, id="everyone's collectives worked -> commit everywhere"),
     pytest.param([True, False, True], False, id="one rank saw a failure -> abort everywhere"),

@@ -41,7 +41,12 @@ def _ranks_of_live_workers(pids):
     return out
 
 
-def test_cut_off_node_is_replaced_fenced_and_comes_back_failed(lab, tmp_path, reference):
+@pytest.mark.parametrize("cut_holds_rank_0", [False, True], ids=["cut-node-ranks-2-3", "cut-node-hosts-the-store"])
+def test_cut_off_node_is_replaced_fenced_and_comes_back_failed(lab, tmp_path, reference, cut_holds_rank_0):
+    """b is cut off. Group ranks follow join order, so b joins first or second: holding rank 0,
+    b also hosts the generation's store (the commit votes), which the survivors then cannot
+    reach and which does not refuse them either: their votes must give up on it as a collective
+    gives up on a peer, and the spare runs the script again for b's ranks."""
     from tm_launch.localjob import LocalJob
 
     addrs = {n: lab.add(n) for n in ("a", "b", "c")}
@@ -55,13 +60,17 @@ def test_cut_off_node_is_replaced_fenced_and_comes_back_failed(lab, tmp_path, re
                            "--pause-step", str(PAUSE), "--pause-file", trigger]
         start = lambda n: job.start(n, wrap=lab.wrap(n), extra_args=["--local-addr", addrs[n]])  # noqa: E731
         try:
-            start("a")
-            time.sleep(0.2)
-            start("b")
+            first, second = ("b", "a") if cut_holds_rank_0 else ("a", "b")
+            start(first)
+            deadline = time.time() + 60
+            while "joined run" not in job.nodes[first].log() and time.time() < deadline:
+                time.sleep(0.05)
+            start(second)
             job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
             start("c")
             job.wait_parked("c")
             b_ranks = next(n["ranks"] for n in job.status()["nodes"] if n["id"] == "b")
+            assert b_ranks == ([0, 1] if cut_holds_rank_0 else [2, 3]), job.status()
             open(trigger, "w").close()
             job.wait_step(PAUSE + 20)
             b_workers = job.worker_pids("b")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Callable
 
 import torch.distributed as dist
@@ -35,11 +36,26 @@ _PATIENCE = datetime.timedelta(seconds=5)
 # (``on_slow_vote``) and its agent checks the peers' agents. A peer that died after its last
 # collective of the step fails nothing here, so without this only its lease would tell.
 _SLOW_VOTE = datetime.timedelta(milliseconds=200)
+_UNANSWERED = 2.0  # s a vote still waits on its store once a newer generation is known
 
 
 def commit_store(store: dist.Store, generation: int) -> dist.Store:
     """Generation ``generation``'s votes (and per-rank mirrors) within its bootstrap store."""
     return dist.PrefixStore(f"tm/g{generation}/commit/", store)
+
+
+def _write_abort(store: dist.Store, step: int) -> None:
+    """Settle ``step`` as aborted for the ranks waiting on its decision, without waiting for the
+    store's answer (a thread of its own). A store whose node was cut off the network neither
+    answers nor refuses, and torch's store client has no timeout for a compare-and-set: the
+    directive watcher, or a rank whose step failed, would hang on it for good, and with them
+    the move to the next generation."""
+    def write():
+        try:
+            store.compare_set(f"{step}/d", "", ABORT.decode())
+        except (RuntimeError, dist.DistError):
+            pass
+    threading.Thread(target=write, name="tm-vote-abort", daemon=True).start()
 
 
 class StepCommit:
@@ -77,21 +93,51 @@ class StepCommit:
             store, step = self._abort_store, self.step
             if store is None or step < 0 or self.generation >= newer:
                 return
-        try:
-            store.compare_set(f"{step}/d", "", ABORT.decode())
-        except (RuntimeError, dist.DistError):
-            pass
+        _write_abort(store, step)
 
-    def decide(self, ok: bool, newer_generation, mirror: tuple[int, bytes] | None = None) -> bool:
+    def decide(self, ok: bool, newer_generation, mirror: tuple[int, bytes] | None = None,
+               peer_gone: Callable[[], bool] | None = None) -> bool:
         """Vote once per step; later calls return the same decision. ``mirror``: this rank's
-        per-rank state after the step, (tag, record), written before the vote counts."""
+        per-rank state after the step, (tag, record), written before the vote counts;
+        ``peer_gone``: whether an unplanned newer generation is known (the vote may then walk
+        away from a store that does not answer; default ``newer_generation``)."""
         if self.decision is None:
-            self.decision = True if self.store is None else self._vote(ok, newer_generation, mirror)
+            self.decision = True if self.store is None else self._vote_or_walk_away(ok, newer_generation, mirror,
+                                                                                   peer_gone or newer_generation)
             if self.decision and self.store is not None:
                 self.last_commit_where = self.where
                 if self.step % self.world == self.rank and self.step >= 2:
                     self._forget(self.step - 2)
         return self.decision
+
+    def _vote_or_walk_away(self, ok: bool, newer_generation, mirror, peer_gone) -> bool:
+        """``_vote`` on a thread of its own, given up (an uncertain abort, as when the store is
+        lost) once a peer is known gone and the store has not answered for
+        ``_UNANSWERED``. A store whose node was cut off the network neither answers nor
+        refuses, and torch's store client has no timeout for a count or a compare-and-set: the
+        vote would hold this rank, and its move to the next generation, for good. Walking away
+        is safe: where peers committed and this rank did not, the next generation's agreement
+        finds it a step behind and it receives that step's state (``transfer``)."""
+        box: dict = {}
+
+        def run():
+            try:
+                box["decision"] = self._vote(ok, newer_generation, mirror)
+            except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
+                box["error"] = e
+        voter = threading.Thread(target=run, name="tm-vote", daemon=True)
+        voter.start()
+        newer_since = None
+        while voter.is_alive():
+            voter.join(0.05)
+            if voter.is_alive() and peer_gone():
+                newer_since = newer_since or time.monotonic()
+                if time.monotonic() - newer_since > _UNANSWERED:
+                    self.uncertain = True
+                    return False
+        if "error" in box:
+            raise box["error"]
+        return box["decision"]
 
     def mirror(self, tag: int, record: bytes) -> None:
         """Keep this rank's per-rank state for step ``tag`` in the store (``per_rank``); the
@@ -106,8 +152,9 @@ class StepCommit:
     def _vote(self, ok: bool, newer_generation, mirror) -> bool:
         store, key = self.store, str(self.step)
         try:
-            if not ok:
-                return store.compare_set(f"{key}/d", "", ABORT.decode()) == COMMIT
+            if not ok:  # no commit without this rank's count: the decision is known here
+                _write_abort(self._abort_store, self.step)
+                return False
             if mirror is not None:
                 self.mirror(*mirror)
             votes = store.add(f"{key}/n", 1)

@@ -491,9 +491,15 @@ class LiveJob:
                 torch.cuda.synchronize()  # a step commits only once its GPU work is complete
             ok = not self._poison.active
             mirror = self._per_rank.vote_mirror(self._commit.step) if ok else None
-            if not self._commit.decide(ok, lambda: self.channel.latest() > self.group.generation, mirror) and ok:
+            if not self._commit.decide(ok, lambda: self.channel.latest() > self.group.generation, mirror,
+                                       peer_gone=self._unplanned_newer) and ok:
                 self._poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
         return bool(self._commit.decision)
+
+    def _unplanned_newer(self) -> bool:
+        """The agent handed over a newer generation because a peer is gone (not a planned switch)."""
+        latest = self.channel.latest()
+        return latest > self.group.generation and not self.channel.directive(latest).get("planned")
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
         """Every optimizer's step asks for the commit; on a step that did not commit its
