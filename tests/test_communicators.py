@@ -168,7 +168,7 @@ def test_live_group_forwards_to_the_composite_group(store):
     (None, 3, 8, ("cpu", "cuda:3")),  # torch's default: NCCL whenever CUDA is usable
     (None, 9, 8, ("cpu", "cuda:1")),  # local rank i on visible device i modulo the count
     ("gloo", 0, 0, ("cpu",)),
-    ("gloo", 2, 8, ("cpu",)),  # asked for: CPU tensors only, even with GPUs
+    ("gloo", 2, 8, ("cpu",)),  # asked for: no NCCL, even with GPUs (gloo stages CUDA tensors)
     ("GLOO", 0, 8, ("cpu",)),  # torch lowercases
     ("nccl", 2, 8, ("cpu", "cuda:2")),  # gloo still carries CPU tensors (the runtime's own)
     ("cuda:nccl", 1, 2, ("cpu", "cuda:1")),
@@ -192,12 +192,13 @@ def test_devices_follow_the_scripts_backend(backend, local_rank, cuda_count, wan
         assert communicators.devices_for(backend, local_rank, cuda_count) == want
 
 
-@pytest.mark.parametrize("devices, want", [
-    (("cpu",), ("gloo", "cpu:gloo")),  # what the registries said before NCCL existed here
-    (("cpu", "cuda:1"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")),
+@pytest.mark.parametrize("devices, cuda_usable, want", [
+    (("cpu",), False, ("gloo", "cpu:gloo")),  # what the registries said before NCCL existed here
+    (("cpu",), True, ("gloo", "cpu:gloo,cuda:gloo")),  # gloo asked for on a GPU machine, as torch says
+    (("cpu", "cuda:1"), True, ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")),
 ])
-def test_registry_names_follow_the_devices(devices, want):
-    assert communicators.c10d_names(devices) == want
+def test_registry_names_follow_the_devices(devices, cuda_usable, want):
+    assert communicators.c10d_names(devices, cuda_usable) == want
 
 
 def test_this_machine_keeps_gloo_only_groups():
@@ -337,6 +338,26 @@ def test_cuda_tensors_go_to_nccl_and_cpu_tensors_to_gloo(store):
     with pytest.raises(Exception):
         pg.allreduce([g]).wait()
         torch.cuda.synchronize()
+
+
+@needs_cuda
+def test_gloo_asked_for_carries_cuda_tensors_through_host_memory(store):
+    """backend="gloo" on a GPU machine (two ranks sharing one GPU, which NCCL refuses): gloo
+    serves CUDA tensors too, as init_process_group("gloo") does, and the group has no NCCL to
+    abort (the transfer stages CUDA tensors through gloo: ``transfer.wire_for``)."""
+    pgs = build_all(store, 2, devices=communicators.job_devices("gloo", 0))
+
+    def step(r):
+        pg = pgs[r]
+        assert communicators.nccl_backend(pg) is None and communicators.nccl_device(pg) is None
+        g = torch.full((4,), float(r + 1), device="cuda")
+        pg.allreduce([g]).wait()
+        out = [torch.zeros(2, device="cuda") for _ in range(2)]
+        pg.allgather([out], [torch.full((2,), float(r), device="cuda")]).wait()
+        torch.cuda.synchronize()
+        return g.tolist(), [o.tolist() for o in out]
+
+    assert all(v == ([3.0] * 4, [[0.0, 0.0], [1.0, 1.0]]) for v in on_ranks(2, step).values())
 
 
 @needs_cuda

@@ -63,8 +63,8 @@ LIVE_PAIRS = {"cpu": "gloo", "cuda": "nccl"}
 
 def devices_for(backend: str | None, local_rank: int, cuda_count: int) -> tuple[str, ...]:
     """The devices a live job's groups serve, from ``tm_launch.init(backend=...)`` in torch's
-    spellings: ``None`` (torch's default: NCCL too when CUDA is usable), ``"gloo"`` (CPU
-    tensors only), ``"nccl"``, ``"cuda:nccl"`` or ``"cpu:gloo,cuda:nccl"`` (CUDA tensors through
+    spellings: ``None`` (torch's default: NCCL too when CUDA is usable), ``"gloo"`` (no NCCL:
+    gloo carries CUDA tensors too, through host memory, as torch's does), ``"nccl"``, ``"cuda:nccl"`` or ``"cpu:gloo,cuda:nccl"`` (CUDA tensors through
     NCCL; CPU tensors still through gloo, which the runtime itself needs). ``cuda_count``: the
     CUDA devices usable here with NCCL (0 on a CPU build or machine). Local rank i uses device
     i modulo the count, as torchrun's scripts do. Asking for NCCL where it cannot run, or for a
@@ -100,12 +100,16 @@ def job_devices(backend: str | None, local_rank: int) -> tuple[str, ...]:
     return devices_for(backend, local_rank, usable_cuda_devices())
 
 
-def c10d_names(devices) -> tuple[str, str]:
+def c10d_names(devices, cuda_usable: bool | None = None) -> tuple[str, str]:
     """(backend name, backend config) for torch's group registries, as ``init_process_group``
     records them: what ``dist.get_backend(group)`` answers and what DeviceMesh reads to decide
-    whether the world group can carry CUDA tensors."""
-    cuda = any(torch.device(d).type == "cuda" for d in devices)
-    return ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl") if cuda else ("gloo", "cpu:gloo")
+    whether the world group can carry CUDA tensors. Without NCCL, gloo carries CUDA tensors
+    too where CUDA is usable (``cuda_usable``; default: this process), as torch's gloo does."""
+    if any(torch.device(d).type == "cuda" for d in devices):
+        return ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")
+    if cuda_usable is None:
+        cuda_usable = torch.cuda.is_available()
+    return ("gloo", "cpu:gloo,cuda:gloo") if cuda_usable else ("gloo", "cpu:gloo")
 
 
 def cuda_device(devices) -> torch.device | None:
@@ -167,6 +171,12 @@ def _assemble(store: dist.Store, rank: int, size: int, gloo, nccl, device, name:
         pg._set_default_backend(NCCL)
         pg.bound_device_id = device
     else:
+        if torch.cuda.is_available():
+            # As init_process_group("gloo") does: gloo stages CUDA tensors through host memory
+            # (two ranks sharing one GPU, which NCCL refuses). Without this, a CUDA tensor
+            # finds no backend ("No backend type associated with device type cuda": DDP's
+            # first call, seen on an H100).
+            pg._register_backend(torch.device("cuda"), GLOO, gloo)
         pg._set_default_backend(GLOO)
     pg._set_group_name(name)
     return pg
@@ -187,13 +197,16 @@ def build(store: dist.Store, rank: int, size: int, *, devices, timeout_s: float,
 
 
 def nccl_backend(pg):
-    """The group's NCCL backend, or None (a gloo-only group, or any other object)."""
+    """The group's NCCL backend, or None (a gloo-only group, gloo serving CUDA tensors too, or
+    any other object)."""
     if not isinstance(pg, dist.ProcessGroup):
         return None
     try:
-        return pg._get_backend(torch.device("cuda"))
+        backend = pg._get_backend(torch.device("cuda"))
     except RuntimeError:  # no backend registered for CUDA
         return None
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from builds without NCCL
+    return backend if nccl is not None and isinstance(backend, nccl) else None
 
 
 def nccl_device(pg) -> torch.device | None:
