@@ -35,7 +35,8 @@ Launchers
 Scripts: ``examples/train.py`` (DDP) by default; ``--layout ddp-tp|hsdp|pp|fsdp-tp|fsdp`` runs
 ``examples/hybrid.py`` instead (4 ranks = 2 nodes x 2 workers; the worker killed holds rank 2).
 Layouts without replicas (fsdp-tp, fsdp) cannot be repaired live: tm-live falls back to the
-same DCP checkpoint restart as the others, and the table says so.
+same DCP checkpoint restart as the others, and the table says so. ``--script-args`` passes more
+arguments to the script under every launcher (``'--device cuda --backend gloo'``: a GPU job).
 
 World sizes: 2 ranks = 2 nodes x 1 worker (torchrun's anchor layout); N > 2 = N/2 nodes x 2
 workers. The size sweep runs worker-sigkill for torchrun and tm-live; the other cases run at the
@@ -58,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -316,7 +318,7 @@ class Bench:
         if self.args.layout:
             job.script = HYBRID
             script_args = ["--layout", self.args.layout, *script_args]
-        job.script_args = [*script_args, "--step-log", job.step_log]
+        job.script_args = [*script_args, *shlex.split(self.args.script_args), "--step-log", job.step_log]
         if os.path.exists(job.step_log):
             os.remove(job.step_log)
         self.current = job
@@ -775,8 +777,13 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     steps = [r["step_time_s"] for r in rows if r.get("step_time_s")]
+    device_text = f"GPU {meta.get('gpu')}, script args {args.script_args!r}" if args.script_args else "CPU, gloo"
+    overhead_text = (f"Overhead: median step over {args.overhead_steps} steps (first {args.overhead_warmup} skipped), no spare, "
+                     f"{args.overhead_pairs * args.repeat} alternating torchrun/tm-live pair(s). " if overhead else "")
+    cut_short = (f" (interrupted: {meta.get('runs_done')} of {meta.get('runs_planned')} runs done; medians over those)"
+                 if meta.get("interrupted") else "")
     lines += ["",
-              f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']} (CPU, gloo), loopback. "
+              f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']} ({device_text}), loopback. "
               f"Step = {args.step_sleep * 1000:.0f} ms sleep + "
               f"{f'examples/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
               f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
@@ -785,8 +792,8 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
               f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
               f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "
               f"Fault on {VICTIM_TEXT[args.victim]} (torchrun: n1). "
-              f"Median over {args.repeat} run(s) per row. Overhead: median step over {args.overhead_steps} steps "
-              f"(first {args.overhead_warmup} skipped), no spare, {args.overhead_pairs * args.repeat} alternating torchrun/tm-live pair(s). "
+              f"Median over {args.repeat} run(s) per row{cut_short}. "
+              f"{overhead_text}"
               f"Load average at start: {meta['load_start']:.1f} (the machine is shared).",
               f"Command: `{meta['command']}` (total {meta['total_s']:.0f} s)"]
     return "\n".join(l for l in lines if l is not None) + "\n"
@@ -806,6 +813,8 @@ def parse(argv=None):
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the table shows the median")
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of stand-in compute per step")
+    p.add_argument("--script-args", default="", help="more arguments for the training script of every launcher, e.g. "
+                   "'--device cuda --backend gloo' (a GPU job whose ranks share one GPU)")
     p.add_argument("--steps", type=int, default=100, help="steps per fault run")
     p.add_argument("--pause-step", type=int, default=20, help="training waits here until everything is ready")
     p.add_argument("--fault-after", type=int, default=5, help="inject the fault this many steps after the release")
@@ -875,7 +884,7 @@ def plan_runs(args) -> list[Spec]:
 def main(argv=None) -> int:
     args = parse(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    command = " ".join([".venv/bin/python", os.path.relpath(os.path.abspath(__file__), REPO), *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join([".venv/bin/python", os.path.relpath(os.path.abspath(__file__), REPO), *(sys.argv[1:] if argv is None else argv)])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     bench = Bench(args)
@@ -902,7 +911,8 @@ def main(argv=None) -> int:
     import torch
 
     meta = {"command": command, "total_s": total, "load_start": load_start, "host_cpus": os.cpu_count(), "torch": torch.__version__,
-            "started": started, "interrupted": interrupted, "tag": TAG}
+            "started": started, "interrupted": interrupted, "tag": TAG, "runs_done": len(runs), "runs_planned": len(specs),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     rows, overhead = summarize(runs, args)
     md = markdown(rows, overhead, args, meta, runs)
     with open(os.path.join(args.out_dir, "downtime.md"), "w") as f:

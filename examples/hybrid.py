@@ -76,6 +76,9 @@ def parse():
     p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint with torch.distributed.checkpoint and resume from it")
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the mesh, model, batches and optimizer state on cuda:LOCAL_RANK (modulo the visible devices)")
+    p.add_argument("--backend", default=None, help="tm_launch.init(backend=...): gloo runs several ranks on one GPU (ddp-tp, hsdp, fsdp*)")
     Faults.add_arguments(p)
     return p.parse_args()
 
@@ -85,17 +88,17 @@ def batch(step: int, dp_index: int):
     return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
 
 
-def build(layout: str, rank: int, world: int):
+def build(layout: str, rank: int, world: int, device: torch.device):
     """The model, what to train and how, for ``rank``: (modules to register, the step function's
     pieces, the data-parallel index of this rank, the ``replicas`` declaration)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    net = Net()
+    net = Net().to(device)  # initialised on the CPU: the same weights on every device
     if layout in ("fsdp-tp", "ddp-tp"):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         for block in net.blocks:
             parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         if layout == "fsdp-tp":
@@ -112,14 +115,14 @@ def build(layout: str, rank: int, world: int):
         from torch.distributed.fsdp import fully_shard
 
         if layout == "hsdp":
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
         else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
         for block in net.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(net, mesh=mesh), None, rank, None, mesh
     # pp: stage s of 2 holds half of the network; dp replicas of each stage
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "pp"))
     stage = mesh["pp"].get_local_rank()
     part = nn.Sequential(net.inp, net.blocks[0]) if stage == 0 else nn.Sequential(net.blocks[1], net.out)
     return part, mesh["dp"].get_group(), mesh["dp"].get_local_rank(), mesh["dp"].get_group(), mesh
@@ -130,7 +133,7 @@ def local_state(model, opt) -> dict:
     from torch.distributed.tensor import DTensor
 
     def plain(t):
-        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
     out = {f"param/{k}": plain(v) for k, v in model.named_parameters()}
     for i, (p, s) in enumerate(zip((p for g in opt.param_groups for p in g["params"]), (opt.state[p] for g in opt.param_groups for p in g["params"]))):
@@ -174,10 +177,17 @@ def resume(args, model, opt, sched) -> int:
 def main():
     args = parse()
     faults = Faults(args)
-    job = tm_launch.init()
+    job = tm_launch.init(args.backend)
     rank, world = job.rank, job.world_size
-    model, sync, dp_index, replicas, mesh = build(args.layout, rank, world)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    model, sync, dp_index, replicas, mesh = build(args.layout, rank, world, device)
+    # foreach=False: on CUDA, AdamW's default multi-tensor path refuses a list that mixes DTensors
+    # (the TP-sharded blocks) with plain tensors (ddp-tp's input and output layers); the CPU
+    # default is this per-tensor path already.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     # A spare's sandbox and a joining rank have no peers before steps(), and their state comes
     # from a live replica: only ranks that start the generation together load the checkpoint.
@@ -192,7 +202,7 @@ def main():
         faults.step = step
         if args.ckpt_dir and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
             checkpoint(args, model, opt, sched, step)  # at the top: the state after step - 1
-        x, y = batch(step, dp_index)
+        x, y = (t.to(device) for t in batch(step, dp_index))
         faults.at(job, "forward")
         opt.zero_grad(set_to_none=True)
         if pp is None:
@@ -204,9 +214,9 @@ def main():
             grad = torch.empty_like(act)
             dist.recv(grad, src=dist.get_global_rank(pp, 1), group=pp)
             act.backward(grad)
-            loss = torch.zeros(())
+            loss = torch.zeros((), device=device)
         else:
-            act = torch.empty(8, 32)
+            act = torch.empty(8, 32, device=device)
             dist.recv(act, src=dist.get_global_rank(pp, 0), group=pp)
             act.requires_grad_(True)
             loss = nn.functional.mse_loss(model(act), y)

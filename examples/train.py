@@ -5,6 +5,9 @@ CPU: the model is seeded, each step's batch is seeded by (step, rank), so a run 
 must end with exactly the parameters of a run without. With ``--random`` the model has dropout
 and each rank draws its batches from its own random stream: both are per-rank state
 (``job.register(per_rank=True, ...)``) that a re-run step and a joiner must get exactly.
+``--device cuda`` puts the model, the batches and the optimizer state on the GPU (initialised on
+the CPU first, so the weights do not depend on the device); ``--backend gloo`` then runs two
+ranks on one GPU, which NCCL refuses.
 
 Fault injection (a real SIGKILL of this worker, once: a marker file remembers it happened):
 ``--kill-rank R --kill-step S --kill-phase PHASE`` (``examples/faults.py``; here ``allreduce`` is
@@ -54,6 +57,11 @@ def parse():
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
     p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (see the module docstring)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the model, batches and optimizer state on cuda:LOCAL_RANK (modulo the visible devices)")
+    p.add_argument("--backend", default=None,
+                   help="tm_launch.init(backend=...): torch's spellings; gloo carries CUDA tensors through host memory "
+                        "(two ranks on one GPU: NCCL refuses that)")
     p.add_argument("--random", action="store_true",
                    help="dropout and a per-rank random data stream, registered as per-rank state (RNG and data position)")
     return p.parse_args()
@@ -115,7 +123,11 @@ def kill_now(args, faults, job, step, phase):
 def main():
     args = parse()
     faults = Faults(args)
-    job = tm_launch.init()
+    job = tm_launch.init(args.backend)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, args.width),
@@ -126,13 +138,14 @@ def main():
         model.insert(2, torch.nn.Dropout(0.2))
         torch.manual_seed(1000 + job.rank)  # dropout masks differ per rank
         data = RandomBatches(seed=2000 + job.rank)
+    model.to(device)  # initialised on the CPU first: the same weights on every device
     ddp = DDP(model, process_group=job.group)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     start = 0
     if args.ckpt_dir:
         path = os.path.join(args.ckpt_dir, "ckpt.pt")
         if os.path.exists(path):
-            state = torch.load(path)
+            state = torch.load(path, map_location=device)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
             start = state["step"]
@@ -159,6 +172,7 @@ def main():
             g = torch.Generator().manual_seed(step * 1000 + job.rank)
             x = torch.randn(16, 32, generator=g)
             y = torch.randn(16, 8, generator=g)
+        x, y = x.to(device), y.to(device)
         if args.chaos_dir and step >= chaos_end(args):
             # The soak is over: the remaining steps do nothing, so the parameters are those of a
             # run of exactly chaos_end steps. (Not a break: steps() must run out and report the
@@ -194,7 +208,7 @@ def main():
             time.sleep(args.step_sleep * (1 + args.slow_factor if slow else 1))
         if subgroups:
             mine = subgroups[job.rank // args.subgroups]
-            check = torch.tensor([float(step)])
+            check = torch.tensor([float(step)], device=device)
             dist.all_reduce(check, group=mine)
             if args.subgroup_log and not job.in_sandbox:
                 inner = getattr(mine, "inner", mine)
@@ -206,7 +220,7 @@ def main():
             with open(args.step_log, "a") as f:
                 f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
     if job.rank == 0 and args.out:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+        torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, args.out)
         print(f"[train] finished {min(args.steps, chaos_end(args)) if args.chaos_dir else args.steps} steps; parameters saved to {args.out}", flush=True)
     dist.barrier(group=job.group) if dist.is_initialized() else None
 
