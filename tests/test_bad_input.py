@@ -253,3 +253,24 @@ def test_script_crashing_at_import_fails_the_job(etcd_endpoint, tmp_path):
     assert "exited with code 1" in err
     tail = [line for line in err.splitlines() if line.strip()][-1]
     assert "job failed" in tail, tail
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_script_raising_inside_the_loop_fails_the_job(etcd_endpoint, tmp_path, nproc):
+    """Every rank raises in the body of ``for step in job.steps()`` (the mistake seen on a GPU:
+    AdamW's foreach path refusing a mix of tensors and DTensors in the first step). Python closes
+    the steps() generator only at interpreter teardown, as it does after a ``break``: the worker
+    must count as failed, not as "finished its steps, then exited with code 1 while exiting"."""
+    script = tmp_path / "raise_in_loop.py"
+    script.write_text(
+        "import tm_launch\n"
+        "job = tm_launch.init()\n"
+        "for step in job.steps(10):\n"
+        "    if step == 3:\n"
+        "        raise RuntimeError('boom in step 3')\n"
+    )
+    args = _etcd_args(etcd_endpoint, _run_id()) + ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    rc, _, err = finish(launch(args + [str(script)]), timeout=90)
+    assert rc != 0, err
+    assert "boom in step 3" in err and "job failed" in err, err
+    assert "counting it as done" not in err and "finished successfully" not in err, err

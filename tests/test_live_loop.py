@@ -12,7 +12,7 @@ class ScriptedJob:
 
     def __init__(self, commits, generations):
         self.commits, self.generations = list(commits), list(generations)
-        self.generation, self.step, self.closed = 0, None, False
+        self.generation, self.step, self.closed, self.ended = 0, None, False, None
 
     def steps(self, total, start=0):
         self.step = start
@@ -24,6 +24,9 @@ class ScriptedJob:
                     self.step += 1
         except GeneratorExit:
             self.closed = True
+
+    def end_loop(self):
+        self.ended = not self.closed  # said before the close: the worker counts as finished
 
     def commit(self):
         self.last = self.commits.pop(0)
@@ -44,7 +47,7 @@ def test_a_step_runs_until_it_commits(commits, generations, attempts, renewals):
     assert result == attempts == len(calls)  # the committed attempt's result
     assert len(renewed) == renewals and new_steps == [5]  # snapshot once per step, not per attempt
     loop.close()
-    assert job.closed
+    assert job.closed and job.ended
 
 
 def test_the_framework_and_the_job_must_agree_on_the_step():

@@ -69,6 +69,7 @@ class LiveLoop:
     def close(self) -> None:
         """The framework's loop ended: the last step's bookkeeping; the agent sees it finish."""
         if self._steps is not None:
+            self.job.end_loop()
             self._steps.close()
             self._steps = None
 

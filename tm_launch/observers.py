@@ -233,13 +233,13 @@ class ProgressPublisher:
         rows = [
             [round(now, 2), s.get("generation"), s.get("rank"), s.get("step"),
              None if s.get("step_time") is None else round(s["step_time"], 5), s.get("state")]
-            for s in statuses.values() if s.get("state") in ("running", "recovering", "finished") and s.get("step") is not None
+            for s in statuses.values() if s.get("state") in ("running", "recovering", "finished", "left") and s.get("step") is not None
         ]
         members = self.session.members
         try:
             members.progress(self.node_id, record, self.session.lease)
             unchanged = bool(rows) and [r[1:] for r in self.step_series[-len(rows):]] == [r[1:] for r in rows]
-            if rows and not (unchanged and all(r[5] == "finished" for r in rows)):  # after the end: no more writes
+            if rows and not (unchanged and all(r[5] in ("finished", "left") for r in rows)):  # after the end: no more writes
                 self.step_series = append_samples(self.step_series, rows)
                 members.steps(self.node_id, self.step_series)
             self.stragglers.check(plan, self.supervisor.live_seen)

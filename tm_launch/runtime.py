@@ -199,6 +199,7 @@ class LiveJob:
         self._held_per_rank: dict | None = None  # the per-rank state received with them
         self._step_done_at: float | None = None  # wall clock of the last step that completed cleanly
         self._first_step_gen = -1  # the generation whose first completed step was reported
+        self._loop_ended = False  # end_loop(): a closed steps() generator means finished, not left
         self._waiting_for_peers = False  # in a commit vote that has waited long: the agent probes the peers
         self._commit.on_slow_vote = self._slow_vote
         world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1"))
@@ -375,7 +376,12 @@ class LiveJob:
     def steps(self, total: int, start: int = 0):
         """Yield the next step to run; membership changes take effect between steps. Closing
         the generator (``close()``, for loops that end on their own) finishes the step in
-        flight as the end of its body would."""
+        flight as the end of its body would. The agent counts the worker *finished* when the
+        steps ran out or the loop said it ended (``end_loop``); a generator closed otherwise was
+        *left*: by a ``break``, or by an exception out of the loop body, which Python reports
+        to the generator the same way (``GeneratorExit``, often only at interpreter teardown).
+        A worker that left and then exits non-zero failed (found on a GPU: every rank's AdamW
+        raised in its first step and the job ended "successfully")."""
         try:
             yield from self._live_steps(total, start)
         except StateLost as lost:
@@ -404,6 +410,7 @@ class LiveJob:
             self.channel.set("live", "1", wake=True)  # the agent repairs this job in place from now on
             self._live_marked = True
         self._state = "running"
+        closing = False
         while True:
             self._boundary()
             if self._step >= total:
@@ -429,8 +436,14 @@ class LiveJob:
                 self._report()
             if closing:
                 break
-        self._state = "finished"
+        self._state = "left" if closing and not self._loop_ended else "finished"
         self._report(force=True)
+
+    def end_loop(self) -> None:
+        """The loop around ``steps()`` ended as it should before the steps ran out (a
+        framework's loop reaching its last step): closing the generator next counts this
+        worker finished, so a crash on the process's way out is not a failure (see ``steps``)."""
+        self._loop_ended = True
 
     def _note_step_done(self) -> None:
         """Stamps for the downtime breakdown (``tm_launch.breakdown``): when the last clean step

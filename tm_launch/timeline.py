@@ -115,7 +115,7 @@ def build(run_id: str, history: list[dict], reports: dict[int, dict], events: li
         })
     series: dict[str, list] = {}
     for t, gen, rank, step, step_time, state, node in rows:
-        if state not in ("running", "recovering", "finished") or step is None:
+        if state not in ("running", "recovering", "finished", "left") or step is None:
             continue
         series.setdefault(str(rank), []).append({"time": round(t - start, 3), "generation": gen, "step": step, "step_time": step_time, "node": node, "state": state})
     return {"run_id": run_id, "start": start, "generations": generations, "series": dict(sorted(series.items(), key=lambda kv: int(kv[0]) if kv[0].lstrip("-").isdigit() else 0))}
