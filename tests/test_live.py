@@ -48,6 +48,11 @@ def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=N
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, etcd_server):
     """Fault-free final parameters per (nodes, workers per node, steps), computed once per module."""
+    return fault_free_reference(tmp_path_factory, etcd_server)
+
+
+def fault_free_reference(tmp_path_factory, etcd_server):
+    """``get(nodes, nproc, steps=STEPS, extra=()) -> params``: a fault-free live run, cached."""
     from tm_launch.localjob import LocalJob
 
     cache = {}

@@ -13,7 +13,6 @@ import glob
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -40,30 +39,36 @@ def load(workdir: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Each layout's fault-free final state per rank, from plain torchrun (computed once)."""
+    return torchrun_reference(tmp_path_factory)
+
+
+def torchrun_reference(tmp_path_factory):
+    """``get(layout, extra=()) -> {rank: state}``: plain torchrun's fault-free run, cached."""
     cache = {}
 
-    def get(layout: str) -> dict:
-        if layout not in cache:
+    def get(layout: str, extra: tuple = ()) -> dict:
+        if (layout, extra) not in cache:
             workdir = str(tmp_path_factory.mktemp(f"ref-{layout}"))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", HYBRID, *script(layout, workdir)]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", HYBRID, *script(layout, workdir, *extra)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
             assert out.returncode == 0, out.stderr[-3000:]
-            cache[layout] = load(workdir)
-            assert sorted(cache[layout]) == ["rank0", "rank1", "rank2", "rank3"]
-        return cache[layout]
+            cache[layout, extra] = load(workdir)
+            assert sorted(cache[layout, extra]) == ["rank0", "rank1", "rank2", "rank3"]
+        return cache[layout, extra]
 
     return get
 
 
-def run(local_job, layout: str, nproc: int = 1, kill: tuple | None = None, fault=None):
+def run(local_job, layout: str, nproc: int = 1, kill: tuple | None = None, fault=None, extra: tuple = ()):
     """4 ranks on ``4 / nproc`` nodes plus one spare node; ``kill = (rank, phase)`` SIGKILLs the
-    worker holding that rank at that point of step KILL; ``fault(job)`` runs once the spare parked."""
+    worker holding that rank at that point of step KILL; ``fault(job)`` runs once the spare parked;
+    ``extra``: more script arguments."""
     nodes = 4 // nproc
     job = local_job(nnodes=str(nodes), nproc=nproc, script=HYBRID, launcher_args=["--max-restarts", "3"])
     job.env = {"OMP_NUM_THREADS": "1"}
     trigger = os.path.join(job.workdir, "trigger")
-    extra = ["--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger]
+    extra = [*extra, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger]
     if kill:
         extra += ["--kill-rank", str(kill[0]), "--kill-step", str(KILL), "--kill-phase", kill[1],
                   "--kill-trigger", trigger, "--kill-marker", os.path.join(job.workdir, "killed")]
@@ -91,7 +96,7 @@ def assert_live(job, codes, victim_rank: int) -> None:
     """The victim's node was replaced by the spare, live: nobody else restarted."""
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
     assert plans and plans[0]["live"] and list(plans[0]["replaced"]) == ["spare"], job.logs_tail()
-    assert len(plans) == 1, f"more than one new generation: {[p['cause'] for p in plans]}"
+    assert len(plans) == 1, f"more than one new generation: {[p['cause'] for p in plans]}\n{job.logs_tail()}"
     victim = plans[0]["replaced"]["spare"]
     assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
     assert not [e for e in job.events() if e["kind"] == "state_lost"]
