@@ -80,6 +80,13 @@ if how == "init":
     print("job", type(job).__name__, flush=True)
     for step in job.steps(3):
         pass
+elif how in ("ended", "left"):  # the loop stops at step 2 of 10, saying so first or not
+    job = tm_launch.init()
+    for step in job.steps(10):
+        if step == 2:
+            if how == "ended":
+                job.end_loop()
+            break
 else:  # a script that never calls tm_launch.init()
     dist.init_process_group("gloo")
     tm_launch.report_step(1)
@@ -116,7 +123,17 @@ def test_a_script_without_init_reports_through_the_module_function(agent_store):
     assert (s["state"], s["step"]) == ("exiting", 2)
 
 
-@pytest.mark.parametrize("how", ["init", "plain"])
+@pytest.mark.parametrize("how, state", [("ended", "finished"), ("left", "exiting")])
+def test_a_no_live_loop_ended_early_is_finished_only_when_it_says_so(agent_store, how, state):
+    """``job.end_loop()`` before a ``break``: finished (a crash on the way out is then no
+    failure); a loop left without it (a ``break``, or an exception) is not finished."""
+    out = run_worker(how, {"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}", "TM_NO_LIVE": "1"})
+    assert out == ["channel", "True"]
+    s = status(agent_store)
+    assert (s["state"], s["step"]) == (state, 2)
+
+
+@pytest.mark.parametrize("how", ["init", "plain", "ended"])
 def test_under_plain_torchrun_reporting_does_nothing(how):
     assert run_worker(how, {})[-2:] == ["channel", "False"]
 

@@ -160,6 +160,13 @@ class PlainJob:
         if reporter is not None:
             reporter.finished()
 
+    def end_loop(self) -> None:
+        """The loop ended as it should before ``steps()`` ran out (``LiveJob.end_loop``): the
+        worker is finished (told to the agent under ``--no-live``; nothing under torchrun)."""
+        reporter = process_reporter()
+        if reporter is not None:
+            reporter.finished()
+
     def report_step(self, step: int) -> None:
         """This worker finished step ``step`` (the global step count): told to the agent under
         ``tm-launch --no-live``, nothing under plain torchrun."""
