@@ -88,7 +88,7 @@ def batch(step: int, dp_index: int):
     return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
 
 
-def build(layout: str, rank: int, world: int, device: torch.device):
+def build(layout: str, rank: int, world: int, device: torch.device = torch.device("cpu")):
     """The model, what to train and how, for ``rank``: (modules to register, the step function's
     pieces, the data-parallel index of this rank, the ``replicas`` declaration)."""
     from torch.distributed.device_mesh import init_device_mesh

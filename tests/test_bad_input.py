@@ -255,7 +255,7 @@ def test_script_crashing_at_import_fails_the_job(etcd_endpoint, tmp_path):
     assert "job failed" in tail, tail
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_script_raising_inside_the_loop_fails_the_job(etcd_endpoint, tmp_path, nproc):
     """Every rank raises in the body of ``for step in job.steps()`` (the mistake seen on a GPU:
     AdamW's foreach path refusing a mix of tensors and DTensors in the first step). Python closes
