@@ -46,8 +46,8 @@ def test_cuda_state_survives_a_worker_sigkill_bitwise(local_job, reference, kill
 
 # Ranks holding different state on the GPU (examples/hybrid.py): DTensor tensor parallel and
 # FSDP2, four ranks on one GPU through gloo. The joiner must receive its own shard, on the GPU.
-# (Pipeline stages are not run here: gloo's point-to-point takes CPU tensors only, so a pipeline
-# on one GPU would need NCCL, which refuses two ranks on one device.)
+# (Pipeline stages are not here yet: their stages send CUDA activations point-to-point, which
+# through gloo was not tried on a GPU.)
 HYBRID_CUDA = ("--device", "cuda", "--backend", "gloo")
 
 

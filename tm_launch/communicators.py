@@ -64,8 +64,9 @@ LIVE_PAIRS = {"cpu": "gloo", "cuda": "nccl"}
 def devices_for(backend: str | None, local_rank: int, cuda_count: int) -> tuple[str, ...]:
     """The devices a live job's groups serve, from ``tm_launch.init(backend=...)`` in torch's
     spellings: ``None`` (torch's default: NCCL too when CUDA is usable), ``"gloo"`` (no NCCL:
-    gloo carries CUDA tensors too, through host memory, as torch's does), ``"nccl"``, ``"cuda:nccl"`` or ``"cpu:gloo,cuda:nccl"`` (CUDA tensors through
-    NCCL; CPU tensors still through gloo, which the runtime itself needs). ``cuda_count``: the
+    gloo carries CUDA tensors too, through host memory, as torch's does), ``"nccl"``,
+    ``"cuda:nccl"`` or ``"cpu:gloo,cuda:nccl"`` (CUDA tensors through NCCL; CPU tensors still
+    through gloo, which the runtime itself needs). ``cuda_count``: the
     CUDA devices usable here with NCCL (0 on a CPU build or machine). Local rank i uses device
     i modulo the count, as torchrun's scripts do. Asking for NCCL where it cannot run, or for a
     pairing live mode does not build, raises, as ``init_process_group`` would: a job that
