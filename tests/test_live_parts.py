@@ -98,6 +98,49 @@ def test_replica_set_of_real_layouts(fake_world, layout, want):
         assert replica_set(states, decl, rank, 4) == frozenset(want[rank]), (layout, rank)
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU's backward runs on autograd's device thread")),
+])
+def test_forget_layouts_reaches_the_thread_that_ran_the_backward(fake_world, device):
+    """A spare's sandbox run of a TP script caches DTensor's sharding decisions, per thread, on
+    the thread that ran each op: on a GPU the backward's run on autograd's device thread. Once
+    promoted to another TP shard, no thread may still hold them (on an H100 the spare's second
+    run failed: "Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tm_launch.c10d_glue import forget_layouts
+
+    fake_world(3, 4)
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)).to(device)
+    parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    net(torch.randn(2, 8, device=device)).sum().backward()
+
+    cached = []
+
+    class Probe(torch.autograd.Function):  # reads the cache on the thread the backward runs on
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # (hits, misses) of the C++ fast path's cache, its Python fallback's size
+            python = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize
+            cached.append((torch._C._get_DTensor_sharding_propagator_cache_stats(), python))
+            return grad
+
+    def probe():
+        Probe.apply(torch.zeros(1, device=device, requires_grad=True)).sum().backward()
+
+    probe()
+    forget_layouts()
+    probe()
+    assert cached[0] != ((0, 0), 0) and cached[1] == ((0, 0), 0), cached
+
+
 # ------------------------------------------------------------------------------------------------
 # the transfer plan
 
