@@ -197,6 +197,17 @@ def main():
     opt.register_step_pre_hook(lambda *a: faults.at(job, "optimizer"))
     pp = mesh["pp"].get_group() if args.layout == "pp" else None
     stage = mesh["pp"].get_local_rank() if pp is not None else 0
+    # gloo's point-to-point reads host memory only (a CUDA tensor's pointer fails in writev):
+    # pipeline activations and their gradients cross stages through the host when on gloo.
+    wire = torch.device("cpu") if args.backend == "gloo" else device
+
+    def send(t, stage_to):
+        dist.send(t.to(wire), dst=dist.get_global_rank(pp, stage_to), group=pp)
+
+    def recv(stage_from):
+        buf = torch.empty(8, 32, device=wire)
+        dist.recv(buf, src=dist.get_global_rank(pp, stage_from), group=pp)
+        return buf.to(device)
 
     for step in job.steps(args.steps, start=start):
         faults.step = step
@@ -210,18 +221,14 @@ def main():
             loss.backward()
         elif stage == 0:
             act = model(x)
-            dist.send(act.detach(), dst=dist.get_global_rank(pp, 1), group=pp)
-            grad = torch.empty_like(act)
-            dist.recv(grad, src=dist.get_global_rank(pp, 1), group=pp)
-            act.backward(grad)
+            send(act.detach(), 1)
+            act.backward(recv(1))
             loss = torch.zeros((), device=device)
         else:
-            act = torch.empty(8, 32, device=device)
-            dist.recv(act, src=dist.get_global_rank(pp, 0), group=pp)
-            act.requires_grad_(True)
+            act = recv(0).requires_grad_(True)
             loss = nn.functional.mse_loss(model(act), y)
             loss.backward()
-            dist.send(act.grad, dst=dist.get_global_rank(pp, 0), group=pp)
+            send(act.grad, 0)
         if sync is not None:  # data-parallel gradient averaging over the replicas
             for p in model.parameters():
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad

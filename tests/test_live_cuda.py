@@ -44,10 +44,9 @@ def test_cuda_state_survives_a_worker_sigkill_bitwise(local_job, reference, kill
     assert len(plans) == 1 and plans[0]["live"], [p["cause"] for p in plans]
 
 
-# Ranks holding different state on the GPU (examples/hybrid.py): DTensor tensor parallel and
-# FSDP2, four ranks on one GPU through gloo. The joiner must receive its own shard, on the GPU.
-# (Pipeline stages are not here yet: their stages send CUDA activations point-to-point, which
-# through gloo was not tried on a GPU.)
+# Ranks holding different state on the GPU (examples/hybrid.py): DTensor tensor parallel, FSDP2
+# and pipeline stages, four ranks on one GPU through gloo. The joiner must receive its own shard,
+# on the GPU.
 HYBRID_CUDA = ("--device", "cuda", "--backend", "gloo")
 
 
@@ -57,11 +56,11 @@ def layout_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout, rank, phase", [
-    # The spare runs the script again for another TP shard. On an H100 (torch 2.11) its worker
-    # exited with code 1 in that second run and the job regrouped twice; the device time ran out
-    # before its log was read (README, GPUs). The same case passes on the CPU build.
-    pytest.param("ddp-tp", 1, "backward", marks=pytest.mark.xfail(reason="open: the spare's second run on CUDA exited with code 1 (H100, torch 2.11)", strict=False)),
+    # The spare runs the script again for another TP shard. Its sandbox's backward ran on
+    # autograd's GPU thread, whose DTensor caches must be dropped too (c10d_glue.forget_layouts).
+    ("ddp-tp", 1, "backward"),
     ("hsdp", 2, "forward"),  # FSDP2 shards on the GPU, replicated across the other half
+    ("pp", 1, "vote"),  # the spare takes another stage; activations cross stages through the host
 ])
 def test_cuda_joiner_receives_its_own_shard_bitwise(local_job, layout, rank, phase, layout_reference):
     job, codes, got = layouts.run(local_job, layout, kill=(rank, phase), extra=HYBRID_CUDA)
