@@ -192,3 +192,19 @@ def test_a_spare_warming_up_in_the_sandbox_reports_nothing(agent_store):
     assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-3000:]
     s = status(agent_store)
     assert s["state"] == "sandbox" and s["step"] is None and "mode" not in s
+
+
+@pytest.mark.parametrize("asked, given", [(None, None), ("gloo", "gloo"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")])
+def test_a_plain_job_asks_torch_for_the_backend_the_script_asked_for(monkeypatch, asked, given):
+    """``tm_launch.init()`` under torchrun / --no-live is ``init_process_group`` with the same
+    backend: none named means torch's own default (gloo for CPU tensors, NCCL for CUDA ones),
+    not NCCL alone, which would refuse a CPU model's gradients on a GPU machine."""
+    import torch.distributed as dist
+
+    from tm_launch.runtime import PlainJob
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: calls.append(backend))
+    PlainJob(asked)
+    assert calls == [given]

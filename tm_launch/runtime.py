@@ -129,8 +129,8 @@ class PlainJob:
     step_ok = True
 
     def __init__(self, backend: str | None):
-        if not dist.is_initialized():
-            dist.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        if not dist.is_initialized():  # None: torch's own default (gloo for CPU tensors, NCCL for CUDA)
+            dist.init_process_group(backend=backend)
         self.group = dist.group.WORLD
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self._objects: dict = {}
