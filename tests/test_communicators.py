@@ -422,3 +422,22 @@ def test_the_watcher_aborts_a_live_nccl_group_off_its_thread(store):
         torch.cuda.synchronize()
     group.swap(None, 0, 1, 1)
     assert communicators.wait_released(30)
+
+
+@pytest.mark.parametrize("ifname, works", [("lo", True), ("lo,lo", True), ("nosuchif0", False)])
+def test_gloo_takes_its_interfaces_from_gloo_socket_ifname_as_torch_does(store, monkeypatch, ifname, works):
+    """``GLOO_SOCKET_IFNAME`` picks the NIC under torchrun; live mode honours it too, before the
+    node's own address. An interface that does not exist fails the build with gloo's error."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", ifname)
+    if not works:
+        with pytest.raises(RuntimeError, match="nosuchif0"):
+            build_all(store, 1, hostname="127.0.0.1")
+        return
+    pgs = build_all(store, 2, hostname="no-such-host.invalid")  # the interface wins over the address
+
+    def step(r):
+        t = torch.tensor([float(r + 1)])
+        pgs[r].allreduce([t]).wait()
+        return t.item()
+
+    assert on_ranks(2, step) == {0: 3.0, 1: 3.0}

@@ -124,14 +124,29 @@ def cuda_device(devices) -> torch.device | None:
     return None
 
 
+def gloo_devices(hostname: str | None) -> list:
+    """The network devices a gloo communicator uses, by torch's own rule first: the interfaces
+    named in ``GLOO_SOCKET_IFNAME`` (a comma list), as ``init_process_group("gloo")`` takes
+    them, so a job pinned to one NIC under torchrun stays on it; else the node's address as its
+    agent registered it (``--local-addr`` or torchrun's choice); else gloo's default (the address the host name resolves to). A name
+    that is no interface here raises gloo's own error ("Unable to find address for: ...")."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if interfaces:
+        return [ProcessGroupGloo.create_device(interface=name) for name in interfaces]
+    if hostname:
+        return [ProcessGroupGloo.create_device(hostname=hostname)]
+    return [ProcessGroupGloo.create_default_device()]
+
+
 def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeout_s: float,
           hostname: str | None):
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
-    opts._devices = [ProcessGroupGloo.create_device(hostname=hostname) if hostname
-                     else ProcessGroupGloo.create_default_device()]
+    opts._devices = gloo_devices(hostname)
     backend = ProcessGroupGloo(store, rank, size, opts)  # connects every pair, or raises
     backend.set_timeout(datetime.timedelta(seconds=timeout_s))
     return backend
