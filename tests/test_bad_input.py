@@ -274,3 +274,21 @@ def test_script_raising_inside_the_loop_fails_the_job(etcd_endpoint, tmp_path, n
     assert rc != 0, err
     assert "boom in step 3" in err and "job failed" in err, err
     assert "counting it as done" not in err and "finished successfully" not in err, err
+
+
+def test_a_generation_nobody_can_enter_fails_the_job_instead_of_waiting(etcd_endpoint, tmp_path):
+    """Every worker fails to set up its communicator at generation 0 (here: ``GLOO_SOCKET_IFNAME``
+    names no interface of this machine; on a GPU machine it was NCCL refusing two ranks on one
+    GPU). No peer was lost, so no new generation comes by itself: the agent must report its node
+    with the worker's reason, and the job end, not wait forever."""
+    script = tmp_path / "loop.py"
+    script.write_text("import tm_launch\njob = tm_launch.init()\nfor step in job.steps(5):\n    pass\n")
+    args = _etcd_args(etcd_endpoint, _run_id()) + ["--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0"]
+    proc = subprocess.Popen(CLI + args + [str(script)], cwd=ROOT, env={**_env(), "GLOO_SOCKET_IFNAME": "nosuchif0"},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    rc, _, err = finish(proc, timeout=120)
+    assert rc != 0, err
+    assert "job failed: max restarts (0) exhausted" in err, err
+    assert "entering generation 0 failed" in err and "Unable to find address for: nosuchif0" in err, err
+    assert "finished successfully" not in err, err

@@ -115,9 +115,10 @@ class FailureWatch:
         out at once whether a peer node died; and, after a failed collective, if no new
         generation comes (no node was lost, e.g. a transient network error), report this node
         after a while so that the job regroups instead of waiting forever."""
-        if plan is None or not (view.live or self.supervisor.live_seen) or self.cfg.node_id not in plan.nodes:
+        recovering = self.supervisor.recovering()  # only a live worker waits for a generation
+        if plan is None or not (view.live or self.supervisor.live_seen or recovering) or self.cfg.node_id not in plan.nodes:
             return
-        if not self.supervisor.recovering():
+        if not recovering:
             self.recovering_since = None
             if self.supervisor.waiting_for_peers() and time.time() - self.probed_at >= 0.5:
                 # A commit vote waits on a peer that failed no collective of ours: dead, or slow?
@@ -135,7 +136,8 @@ class FailureWatch:
         patience = max(10.0, 2 * self.cfg.lease_ttl)
         if self.recovering_since and time.time() - self.recovering_since > patience and self.reported_gen != plan.generation:
             self.reported_gen = plan.generation
-            why = f"a collective failed {patience:.0f}s ago but no peer node was lost; restarting this node's workers"
+            what = self.supervisor.recovering_why() or "a collective failed"
+            why = f"{what} {patience:.0f}s ago and no peer node was lost; restarting this node's workers"
             self.say(f"generation {plan.generation}: {why}", kind="worker_failed", generation=plan.generation)
             self.session.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
 

@@ -228,9 +228,9 @@ class Generations:
             except StateLost:
                 raise
             except RuntimeError as e:  # gloo/store errors: a peer died while entering
-                job._state = "recovering"
-                job._report(force=True)
-                log(f"entering generation {d['generation']} failed ({str(e).splitlines()[0][:160]}); waiting for the next generation")
+                why = f"entering generation {d['generation']} failed ({str(e).splitlines()[0][:160]})"
+                job._recover(why)
+                log(f"{why}; waiting for the next generation")
                 d = job.channel.wait_directive(d["generation"])
             prebuilt, agree = None, True
             if d.get("stop"):

@@ -208,6 +208,7 @@ class LiveJob:
         self._first_step_gen = -1  # the generation whose first completed step was reported
         self._loop_ended = False  # end_loop(): a closed steps() generator means finished, not left
         self._waiting_for_peers = False  # in a commit vote that has waited long: the agent probes the peers
+        self._recovering_why = ""  # what made this process wait for a new generation (its agent says it)
         self._commit.on_slow_vote = self._slow_vote
         world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1"))
         spare = env.get("TM_SANDBOX", "1") == "1" and env.get("GROUP_RANK") == "-1"
@@ -553,8 +554,7 @@ class LiveJob:
     def _boundary(self) -> None:
         if self._poison.active:
             error = self._poison.error
-            self._state = "recovering"
-            self._report(force=True)
+            self._recover(f"a collective failed ({str(error).splitlines()[0][:160]})")
             what = ("committed; a collective after its commit failed" if self._commit.decision
                     else "interrupted, nothing applied; it runs again")
             log(f"step {self._commit.step} {what} ({str(error).splitlines()[0][:160]}); waiting for the next generation")
@@ -643,6 +643,12 @@ class LiveJob:
         self._waiting_for_peers = waiting
         self._report(force=True)
 
+    def _recover(self, why: str) -> None:
+        """Wait for a new generation: tell the agent at once, and why (``failures.FailureWatch``
+        reports this node with that reason if no peer was lost and no new generation comes)."""
+        self._state, self._recovering_why = "recovering", why
+        self._report(force=True)
+
     def _report(self, force: bool = False) -> None:
         now = time.time()
         if not force and now - self._last_report < 0.25:
@@ -651,6 +657,7 @@ class LiveJob:
         self.channel.set("status", {
             "step": self._step, "generation": self.group.generation, "state": self._state,
             "rank": self.rank, "time": now, "pid": os.getpid(), "waiting_for_peers": self._waiting_for_peers,
+            "why": self._recovering_why if self._state == "recovering" else "",
             **self._stats.report(self._step),
         }, wake=force)
 

@@ -75,8 +75,13 @@ class WorkerSupervisor:
         return out
 
     def recovering(self) -> bool:
-        """A local worker saw a collective fail and waits for a new generation."""
+        """A local worker saw a collective fail (or could not enter its generation) and waits
+        for a new generation."""
         return any(s.get("state") == "recovering" for s in self.statuses().values())
+
+    def recovering_why(self) -> str:
+        """What made a local worker wait for a new generation, in its own words ('' if none said)."""
+        return next((s.get("why") or "" for s in self.statuses().values() if s.get("state") == "recovering"), "")
 
     def waiting_for_peers(self) -> bool:
         """A local worker's commit vote has waited long for its peers: one may be dead."""
