@@ -208,3 +208,15 @@ def test_a_plain_job_asks_torch_for_the_backend_the_script_asked_for(monkeypatch
     monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: calls.append(backend))
     PlainJob(asked)
     assert calls == [given]
+
+
+@pytest.mark.parametrize("error, limit, want", [
+    (RuntimeError("Connection closed by peer\n  frame 0\n  frame 1"), 160, "Connection closed by peer"),
+    (RuntimeError(), 160, "RuntimeError"),  # an empty message: a worker's log line still says something
+    (ValueError("  \n"), 160, "ValueError"),
+    (RuntimeError("x" * 500), 80, "x" * 80),
+])
+def test_an_error_in_one_log_line(error, limit, want):
+    from tm_launch.agent_channel import first_line
+
+    assert first_line(error, limit) == want

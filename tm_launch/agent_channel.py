@@ -24,6 +24,11 @@ def log(msg: str) -> None:
     print(f"[tm-launch worker {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
 
 
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """An error in one log line: its message's first line (its type when the message is empty)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
 class AgentChannel:
     def __init__(self, env=os.environ):
         host, port = env["TM_AGENT_STORE"].rsplit(":", 1)

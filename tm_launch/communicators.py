@@ -128,8 +128,9 @@ def gloo_devices(hostname: str | None) -> list:
     """The network devices a gloo communicator uses, by torch's own rule first: the interfaces
     named in ``GLOO_SOCKET_IFNAME`` (a comma list), as ``init_process_group("gloo")`` takes
     them, so a job pinned to one NIC under torchrun stays on it; else the node's address as its
-    agent registered it (``--local-addr`` or torchrun's choice); else gloo's default (the address the host name resolves to). A name
-    that is no interface here raises gloo's own error ("Unable to find address for: ...")."""
+    agent registered it (``--local-addr`` or torchrun's choice); else gloo's default (the
+    address the host name resolves to). A name that is no interface here raises gloo's own
+    error ("Unable to find address for: ...")."""
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]

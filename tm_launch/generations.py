@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import c10d_glue, communicators
-from .agent_channel import log
+from .agent_channel import first_line, log
 from .commit import commit_store
 from .groups import LocalBackend
 from .replicas import fingerprints, replica_set
@@ -228,7 +228,7 @@ class Generations:
             except StateLost:
                 raise
             except RuntimeError as e:  # gloo/store errors: a peer died while entering
-                why = f"entering generation {d['generation']} failed ({str(e).splitlines()[0][:160]})"
+                why = f"entering generation {d['generation']} failed ({first_line(e)})"
                 job._recover(why)
                 log(f"{why}; waiting for the next generation")
                 d = job.channel.wait_directive(d["generation"])

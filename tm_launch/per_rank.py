@@ -26,6 +26,7 @@ import random
 import torch
 import torch.distributed as dist
 
+from .agent_channel import first_line
 from .commit import commit_store
 from .transfer import cpu_copy
 
@@ -116,7 +117,7 @@ class PerRankState:
             votes = commit_store(client, generation)
             record = pickle.loads(votes.get(key)) if votes.check([key]) else None
         except (RuntimeError, dist.DistError) as e:
-            return f"the store holding rank {rank}'s per-rank state is gone ({str(e).splitlines()[0][:80]})"
+            return f"the store holding rank {rank}'s per-rank state is gone ({first_line(e, 80)})"
         if record is None or not record["exact"]:
             return f"rank {rank}'s per-rank state at step {step} was not mirrored exactly ({'none found' if record is None else 'only at its vote'})"
         states = record["states"]

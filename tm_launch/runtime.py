@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild
-from .agent_channel import AgentChannel, log
+from .agent_channel import AgentChannel, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
@@ -553,11 +553,11 @@ class LiveJob:
 
     def _boundary(self) -> None:
         if self._poison.active:
-            error = self._poison.error
-            self._recover(f"a collective failed ({str(error).splitlines()[0][:160]})")
+            error = first_line(self._poison.error)
+            self._recover(f"a collective failed ({error})")
             what = ("committed; a collective after its commit failed" if self._commit.decision
                     else "interrupted, nothing applied; it runs again")
-            log(f"step {self._commit.step} {what} ({str(error).splitlines()[0][:160]}); waiting for the next generation")
+            log(f"step {self._commit.step} {what} ({error}); waiting for the next generation")
             self._clear_step_effects()
             for g in [self.group, *self._subgroups]:
                 g.release_if_broken()
