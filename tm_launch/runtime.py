@@ -156,9 +156,7 @@ class PlainJob:
         for step in range(start, total):
             yield step
             self.report_step(step + 1)
-        reporter = process_reporter()
-        if reporter is not None:
-            reporter.finished()
+        self.end_loop()  # the steps ran out: finished
 
     def end_loop(self) -> None:
         """The loop ended as it should before ``steps()`` ran out (``LiveJob.end_loop``): the
