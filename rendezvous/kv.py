@@ -23,7 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 from urllib.parse import quote, urlsplit
 
 import etcd
@@ -61,6 +61,24 @@ class EtcdOptions:
     user: str | None = None
     password: str | None = field(default=None, repr=False)   # a secret: never in a repr or a log
     timeout: float = 5.0                # per-request timeout, seconds
+
+
+class Change(NamedTuple):
+    """One key's change in a watch: its new value, or None when it was deleted (or expired)."""
+
+    key: str
+    value: str | None
+    revision: int
+
+
+class WatchNews(NamedTuple):
+    """What a watch stream reports: ``created`` (changes after ``revision`` follow), or an
+    ``event``: the newest revision it carries, and what changed (None where the API cannot
+    say: v2's waits only know that something did)."""
+
+    kind: str
+    revision: int
+    changes: tuple[Change, ...] | None = None
 
 
 class Listing(list):
@@ -133,17 +151,18 @@ class KV(ABC):
         > ``after_revision``; False on timeout. May return True spuriously (history compacted),
         so re-read and pass the new ``current_revision()`` next time."""
 
-    def watch_stream(self, prefix: str, idle_timeout: float = 300.0) -> Iterator[tuple[str, int]]:
-        """A long-lived watch of ``prefix`` from now: yields ``("created", R)`` once (changes
-        after revision R will be reported; anything up to R is what a read sees), then
-        ``("event", revision)`` for each change. It ends when the stream does (a member died,
+    def watch_stream(self, prefix: str, idle_timeout: float = 300.0) -> Iterator[WatchNews]:
+        """A long-lived watch of ``prefix`` from now: yields ``created`` once (changes after
+        its revision R will be reported; anything up to R is what a read sees), then an
+        ``event`` for each change. It ends when the stream does (a member died,
         ``idle_timeout`` passed without news): the caller opens a new one. Built on ``wait``
-        here; v3 keeps one stream open (see ``EtcdV3.watch_stream``)."""
+        here, which cannot say what changed; v3 keeps one stream open and does (see
+        ``EtcdV3.watch_stream``)."""
         revision = self.current_revision()
-        yield "created", revision
+        yield WatchNews("created", revision)
         while self.wait(prefix, revision, idle_timeout):
             revision = self.current_revision()
-            yield "event", revision
+            yield WatchNews("event", revision)
 
     @abstractmethod
     def current_revision(self) -> int:
@@ -514,7 +533,7 @@ class EtcdV3(KV):
                 return seen
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))   # stream dropped: re-watch
 
-    def watch_stream(self, prefix: str, idle_timeout: float = 300.0) -> Iterator[tuple[str, int]]:
+    def watch_stream(self, prefix: str, idle_timeout: float = 300.0) -> Iterator[WatchNews]:
         """One v3 watch stream, created *from now* (no start revision) and kept open.
 
         Why not ``wait`` from the caller's last revision, once per wait: etcd serves a watcher
@@ -543,7 +562,7 @@ class EtcdV3(KV):
             try:
                 if resp.status_code != 200:
                     raise self._rejected(client.base_url, "watch", resp.status_code, _gateway_message(resp))
-                yield from _stream_events(resp, self._count)
+                yield from _stream_events(resp, self._count, self._keys.rel)
                 return
             finally:
                 resp.close()
@@ -630,17 +649,22 @@ def _first_event(resp: requests.Response, deadline: float, count: Callable[[int]
     return None
 
 
-def _stream_events(resp: requests.Response, count: Callable[[int], None]) -> Iterator[tuple[str, int]]:
-    """``("created", header revision)``, then ``("event", newest mod revision)`` per message
-    with events, until the stream ends (a dead member or the idle timeout: the caller re-watches)."""
+def _stream_events(resp: requests.Response, count: Callable[[int], None], rel: Callable[[str], str]) -> Iterator[WatchNews]:
+    """``created`` with the header revision, then an ``event`` per message with events (the
+    newest mod revision, each key's change, keys made relative by ``rel``), until the stream ends
+    (a dead member or the idle timeout: the caller re-watches)."""
     try:
         for res in _watch_results(resp, count):
             if res.get("canceled"):
                 raise _canceled(res)
             if res.get("created"):
-                yield "created", int(res.get("header", {}).get("revision", 0))
+                yield WatchNews("created", int(res.get("header", {}).get("revision", 0)))
             elif res.get("events"):
-                yield "event", max(int(ev.get("kv", {}).get("mod_revision", 0)) for ev in res["events"])
+                changes = tuple(
+                    Change(rel(_unb64(ev["kv"]["key"])), None if ev.get("type") == "DELETE" else _unb64(ev["kv"].get("value")),
+                           int(ev["kv"].get("mod_revision", 0)))
+                    for ev in res["events"])
+                yield WatchNews("event", max(c.revision for c in changes), changes)
     except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ConnectionError):
         return
 

@@ -18,9 +18,10 @@ change another's keys. Two subtrees:
     state/live                  present once the job's workers use the live API
     state/stores/<gen>          the env:// store (MASTER_ADDR/PORT) of a generation's fresh workers
 
-``state/plan-feed/`` is all that most agents watch and read (``wait_plan``, ``refresh``): the
+``state/plan-feed/`` is all that most agents watch and read (``watch_plan``, ``refresh``): the
 few that plan read everything, the others (``planner.follows_only``) learn each new plan from
-its delta and whether they must start planning from the markers, O(1) bytes per event. It is a
+its delta and whether they must start planning from the markers (``marker_watch``: only a
+marker naming them or none left costs them a read), O(1) bytes per event. It is a
 prefix of its own because a v3 watch event carries the value: a watch that covered
 ``state/plan`` would deliver every node's id to every node on every plan.
 
@@ -50,7 +51,8 @@ from dataclasses import dataclass
 from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_delta, plan_digest
 from .planner import View, follows_only, planners
 
-from .kv import KV, Entry, KVError, Lease
+from .kv import KV, Entry, KVError, Lease, WatchNews
+from .marker_watch import MarkerWatch
 
 log = logging.getLogger("rendezvous.membership")
 
@@ -85,6 +87,7 @@ class Snapshot:
     plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
     planners: tuple[str, ...] = ()   # who plans (planner.planners; partial: as the markers say)
     partial: bool = False
+    markers: dict = dataclasses.field(default_factory=dict)   # planner marker key -> the planners it names
 
 
 
@@ -92,6 +95,7 @@ class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
         self.skipped: dict[str, str] = {}   # key -> why it was ignored (each is logged once)
+        self.marker_watch = MarkerWatch(PLANNER_MARKERS, _marker_names)   # what a follower's watch wakes it for
 
     def _where(self, key: str) -> str:
         options = getattr(self.kv, "options", None)
@@ -170,7 +174,7 @@ class Membership:
             report_kinds=kinds, report_times=times, now=time.time(),
         )
         return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=_spares_alive(view),
-                        plan_error=plan_error, planners=planners(view))
+                        plan_error=plan_error, planners=planners(view), markers=self._markers(entries))
 
     def refresh(self, previous: Snapshot | None, node: str) -> Snapshot:
         """The job's state as agent ``node`` needs it next, for the least reading.
@@ -182,14 +186,24 @@ class Membership:
         delta), a delta that is not for the plan held (a generation missed) or that does not
         rebuild the published plan, no planner left (someone must take over), a marker naming
         this node a planner, or a new plan that gives this node another role (group rank 0, a
-        live joiner). A follower never acts on a plan nobody published."""
+        live joiner). A follower never acts on a plan nobody published. What the read found of
+        the markers seeds ``marker_watch`` (``watch_plan``); a change it saw meanwhile that
+        matters on them means one more read."""
+        for _ in range(3):
+            snap = self._read(previous, node)
+            if not self.marker_watch.seed(node, snap.markers, snap.revision):
+                break
+        return snap
+
+    def _read(self, previous: Snapshot | None, node: str) -> Snapshot:
         if (previous is None or previous.view.plan is None or not self.kv.transactions
                 or not follows_only(previous.view, node, node in previous.planners)):
             return self.snapshot()
         listing = self.kv.get_prefix(FEED)
         revision, feed = listing.revision, {e.key: e for e in listing}
-        chosen = self._chosen_planners(feed)
-        if chosen is None or node in chosen:
+        markers = self._markers(feed)
+        chosen = tuple(sorted({name for names in markers.values() for name in names}))
+        if not markers or node in chosen:
             return self.snapshot()
         plan = self._delta_plan(previous.view.plan, feed.get(DELTA))
         if plan is None:
@@ -198,26 +212,21 @@ class Membership:
         if not follows_only(view, node, planning=False):
             return self.snapshot()
         return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=_spares_alive(view),
-                        planners=chosen, partial=True)
+                        planners=chosen, partial=True, markers=markers)
 
-    def _chosen_planners(self, feed: dict[str, Entry]) -> tuple[str, ...] | None:
-        """Every node the planner markers name as a planner; None when no marker is left."""
-        chosen, markers = set(), 0
-        for key, entry in feed.items():
+    def _markers(self, entries: dict[str, Entry]) -> dict[str, tuple[str, ...]]:
+        """The readable planner markers among ``entries``: key -> the planners it names."""
+        markers = {}
+        for key, entry in entries.items():
             if not key.startswith(PLANNER_MARKERS):
                 continue
             try:
                 if "/" in key[len(PLANNER_MARKERS):]:
                     raise ValueError("a key of an unexpected shape")
-                names = _object(entry.value).get("planners")
-                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                    raise ValueError("'planners' is not a list of node ids")
+                markers[key] = _marker_names(entry.value)
             except ValueError as e:
                 self._skip(key, e)
-                continue
-            chosen.update(names)
-            markers += 1
-        return tuple(sorted(chosen)) if markers else None
+        return markers
 
     def _delta_plan(self, held: Plan, entry: Entry | None) -> Plan | None:
         """The published plan, from ``held`` and the feed's delta; None when only a whole read
@@ -291,21 +300,19 @@ class Membership:
         """Block until something under ``state/`` changes after ``revision`` (or timeout)."""
         return self.kv.wait("state/", revision, timeout)
 
-    def wait_plan(self, revision: int, timeout: float) -> bool:
-        """Like ``wait``, but only for the plan feed: what an agent that does not plan must see.
-        At 1,000 nodes, waking every agent on every join or loss costs a thousand reads per
-        event; this wakes them once per plan, and when the planners change (a leased marker
-        goes or names another node), so that the next one takes over. v2 has no delta: the
-        ``state/plan`` prefix covers the plan and the feed."""
-        return self.kv.wait(FEED if self.kv.transactions else "state/plan", revision, timeout)
-
-    def watch(self) -> Iterator[tuple[str, int]]:
+    def watch(self) -> Iterator[WatchNews]:
         """``wait``'s scope as a long-lived stream (``KV.watch_stream``): what a planner watches."""
         return self.kv.watch_stream("state/")
 
-    def watch_plan(self) -> Iterator[tuple[str, int]]:
-        """``wait_plan``'s scope as a long-lived stream: what an agent that does not plan watches."""
-        return self.kv.watch_stream(FEED if self.kv.transactions else "state/plan")
+    def watch_plan(self) -> Iterator[WatchNews]:
+        """The plan feed as a long-lived stream: what an agent that does not plan watches, less
+        the planner markers' changes that call for no read (``marker_watch``). At 1,000 nodes,
+        waking every agent on every join or loss costs a thousand reads per event; this wakes
+        them once per plan, when a marker names them, and when no planner is left. v2 has no
+        delta: the ``state/plan`` prefix covers the plan and the feed."""
+        if not self.kv.transactions:
+            return self.kv.watch_stream("state/plan")
+        return self.marker_watch.filter(self.kv.watch_stream(FEED))
 
     def mark_planner(self, node: str, lease: Lease | None, chosen: tuple[str, ...]) -> None:
         """``node`` plans, with ``chosen`` (itself among them): the followers' only way to learn
@@ -491,6 +498,13 @@ def _object(text: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"a JSON {type(value).__name__}, not an object")
     return value
+
+
+def _marker_names(text: str) -> tuple[str, ...]:
+    names = _object(text).get("planners")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("'planners' is not a list of node ids")
+    return tuple(names)
 
 
 def _no_constant(name: str):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import random
 import select
 import signal
@@ -409,16 +410,54 @@ def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
         assert snap.partial and snap.plan_entry is None and snap.planners == tuple("abc")
         assert "b" not in snap.view.alive   # removed: leaving the job
         assert getattr(kv, "received") - before < 3000   # the whole state is ~3x that already at 6 nodes
-        rev = snap.revision
-        assert m.wait_plan(rev, 0.3) is False
-        m.report_failure(1, "c", "not the followers' business")
-        assert m.wait_plan(rev, 0.3) is False   # followers sleep through joins, losses, reports
-        m.mark_planner("c", leases["c"], ("a", "c", "d"))
-        assert m.wait_plan(rev, 5) is True        # ... but not through a change of planners
+        with PlanWatch(m) as watch:
+            assert watch.woken(0.3) is False
+            m.report_failure(1, "c", "not the followers' business")
+            assert watch.woken(0.3) is False   # followers sleep through joins, losses, reports,
+            m.unmark_planner("b")
+            m.mark_planner("c", leases["c"], ("a", "c", "s1"))
+            assert watch.woken(0.3) is False   # a planner's death and its successor's naming,
+            m.mark_planner("c", leases["c"], ("a", "c", "d"))
+            assert watch.woken(5) is True      # ... but not through being named a planner
+            whole(m, m.refresh(snap, "d"), "d is named")
+            m.unmark_planner("a")
+            m.unmark_planner("c")
+            assert watch.woken(5) is True      # ... nor through no planner being left
     else:
         assert not snap.partial   # v2: no delta is ever written, every read is whole
     for lease in leases.values():
         lease.revoke()
+
+
+def whole(m: Membership, snap, why):
+    assert not snap.partial, why
+    assert snap.view.plan == m.snapshot().view.plan, why
+    return snap
+
+
+class PlanWatch:
+    """A follower's plan watch (``Membership.watch_plan``) read in a thread, as the agent's is."""
+
+    def __init__(self, m: Membership):
+        self.news: queue.Queue = queue.Queue()
+        self.stream = m.watch_plan()
+        threading.Thread(target=lambda: [self.news.put(n) for n in self.stream], daemon=True).start()
+
+    def __enter__(self) -> "PlanWatch":
+        assert self.news.get(timeout=10).kind == "created"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass   # the stream's thread ends with the test's etcd
+
+    def woken(self, timeout: float) -> bool:
+        try:
+            self.news.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        while not self.news.empty():
+            self.news.get()
+        return True
 
 
 def test_a_follower_reads_the_whole_state_whenever_the_delta_cannot_tell(kv_factory, caplog):
@@ -430,42 +469,37 @@ def test_a_follower_reads_the_whole_state_whenever_the_delta_cannot_tell(kv_fact
         assert not m.refresh(held, "d").partial
         return
 
-    def whole(snap, why):
-        assert not snap.partial, why
-        assert snap.view.plan == m.snapshot().view.plan, why
-        return snap
-
-    whole(m.refresh(dataclasses.replace(held, view=dataclasses.replace(held.view, plan=None)), "d"), "no plan held")
-    whole(m.refresh(held, "a"), "a planner reads everything")
+    whole(m, m.refresh(dataclasses.replace(held, view=dataclasses.replace(held.view, plan=None)), "d"), "no plan held")
+    whole(m, m.refresh(held, "a"), "a planner reads everything")
     gen1 = lose(m, "b")
     gen2 = lose(m, "c")
-    whole(m.refresh(held, "d"), "generation 1 was missed: the delta is for 1 -> 2")
+    whole(m, m.refresh(held, "d"), "generation 1 was missed: the delta is for 1 -> 2")
     at1 = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=gen1))
     assert m.refresh(at1, "d").view.plan == gen2 and m.refresh(at1, "d").partial
     wrong = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=dataclasses.replace(gen1, nodes=("a", "c", "s0", "d"))))
-    whole(m.refresh(wrong, "d"), "the held plan is not the published generation 1: the digest differs")
+    whole(m, m.refresh(wrong, "d"), "the held plan is not the published generation 1: the digest differs")
     m.mark_planner("c", leases["c"], ("a", "c", "d"))
-    whole(m.refresh(at1, "d"), "a marker names d a planner")
+    whole(m, m.refresh(at1, "d"), "a marker names d a planner")
     m.unmark_planner("c")
     for node in "ab":
         m.unmark_planner(node)
-    whole(m.refresh(at1, "d"), "no planner left: someone must take over")
+    whole(m, m.refresh(at1, "d"), "no planner left: someone must take over")
     m.mark_planner("a", leases["a"], tuple("abc"))
     assert m.refresh(at1, "d").partial
     # A plan that makes d group rank 0 (it reports waiting drains): the whole state.
     gen3 = dataclasses.replace(gen2.next(nodes=("d", *[n for n in gen2.nodes if n != "d"])), joiners=())
     assert m.publish(gen3, m.snapshot().plan_entry)
     at2 = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=gen2))
-    whole(m.refresh(at2, "d"), "d is group rank 0 now")
+    whole(m, m.refresh(at2, "d"), "d is group rank 0 now")
     # Garbage in the feed: named once, never fatal, the whole state read instead.
     with caplog.at_level(logging.WARNING, logger="rendezvous.membership"):
         for garbage in ("garbage {", "[" * 100_000 + "]" * 100_000, json.dumps({"previous": 2}), "{}"):
             kv.put("state/plan-feed/delta", garbage)
-            whole(m.refresh(at2, "d"), garbage[:20])
+            whole(m, m.refresh(at2, "d"), garbage[:20])
         kv.put("state/plan-feed/planners/a", "nope")
         kv.put("state/plan-feed/planners/x/y", json.dumps({"planners": ["d"]}))
         kv.put("state/plan-feed/planners/z", json.dumps({"planners": [1]}))
-        whole(m.refresh(at2, "d"), "only unreadable markers: no planner known")
+        whole(m, m.refresh(at2, "d"), "only unreadable markers: no planner known")
     named = [r.getMessage() for r in caplog.records]
     for key in ("state/plan-feed/delta", "state/plan-feed/planners/a", "state/plan-feed/planners/x/y", "state/plan-feed/planners/z"):
         assert sum(key in line for line in named) == 1, (key, named)

@@ -52,10 +52,11 @@ def test_a_follower_costs_the_same_per_event_at_8_and_24_nodes(results):
     f8, f24 = middle_8["followers"], middle_24["followers"]
     assert f8["ops_max"] == f24["ops_max"] == 2, (f8, f24)   # the feed, one record
     assert abs(f24["bytes_max"] - f8["bytes_max"]) <= 32, (f8, f24)
-    # The first node is lost, a planner: followers also wake for the planners' markers, as many
-    # times as the writes happen to be apart (timing, not N), each time O(1).
+    # The first node is lost, a planner: its marker goes and the survivors name the next planner.
+    # A follower receives those changes on its open stream and reads nothing for them
+    # (rendezvous.marker_watch): the same two reads for the plan, a few marker events more.
     for f in (first_8["followers"], first_24["followers"]):
-        assert f["ops_max"] <= 5 * 2 + 1 and f["bytes_max"] <= 5 * f8["bytes_max"], f
+        assert f["ops_max"] == 2 and f["bytes_max"] <= 2 * f8["bytes_max"], f
     for ev in (middle_8, first_8, middle_24, first_24):
         f = ev["followers"]
         assert f["whole_reads"] == 0 and f["count"] >= ev["live"] - PLANNERS - 4, ev

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+from rendezvous.kv import WatchNews
 from tm_launch.wakeup import StateWatch, Wakeup, WakeSocket, poke, watch_exit
 
 
@@ -89,7 +90,7 @@ def test_a_stream_that_fails_wakes_the_loop_and_a_new_scope_gets_its_own_stream(
 
     def quiet():
         opened.append("quiet")
-        yield "created", 7
+        yield WatchNews("created", 7)
         threading.Event().wait(0.3)
 
     watch.arm("other", broken, 9)

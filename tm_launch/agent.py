@@ -179,9 +179,9 @@ class Agent:
             return None
         # Our own writes (reports, cordons) move the revision past the snapshot's too, so the
         # wait returns at once and the next iteration plans on them. An agent that does not
-        # plan wakes only for a new plan or planner, except group rank 0, a joiner, and a spare that
-        # has yet to learn the job is live (it must warm up): joins and losses cost the others nothing.
-        # After the plan: a change of planners wakes every follower, and etcd serves them first.
+        # plan wakes only for a new plan, a marker naming it a planner or no planner left
+        # (rendezvous.marker_watch), except group rank 0, a joiner, and a spare that has yet to
+        # learn the job is live (it must warm up): joins and losses cost the others nothing.
         self.session.mark_planner(snap.planners)
         follow_only = follows_only(view, me, self.planning)
         members = self.session.members

@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator
 from typing import Callable
 
+from rendezvous.kv import WatchNews
+
 WAKE_ENV = "TM_AGENT_WAKE"  # the agent's wake socket, for its workers
 
 
@@ -135,7 +137,7 @@ class StateWatch:
         self._streams: set[str] = set()  # scopes with a thread
         self._closed = False
 
-    def arm(self, scope: str, open_stream: Callable[[], Iterator[tuple[str, int]]], revision: int) -> None:
+    def arm(self, scope: str, open_stream: Callable[[], Iterator[WatchNews]], revision: int) -> None:
         with self._lock:
             self._wanted = (scope, revision)
             if scope not in self._streams:
@@ -160,7 +162,7 @@ class StateWatch:
     def _follow(self, scope: str, open_stream) -> None:
         while True:
             try:
-                for kind, revision in open_stream():
+                for kind, revision, _ in open_stream():
                     with self._lock:
                         wanted = self._wanted_revision(scope)
                         if wanted is None:
