@@ -42,6 +42,7 @@ crashing node may leave behind (a report, a history entry) is either harmless or
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -51,8 +52,9 @@ from dataclasses import dataclass
 from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_delta, plan_digest
 from .planner import View, follows_only, planners
 
-from .kv import KV, Entry, KVError, Lease, WatchNews
+from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
 from .marker_watch import MarkerWatch
+from .state_mirror import StateMirror
 
 log = logging.getLogger("rendezvous.membership")
 
@@ -91,11 +93,22 @@ class Snapshot:
 
 
 
+def _writes_state(method):
+    """A method that writes under ``state/``: the next whole snapshot is read, not mirrored, so
+    that it holds the write (the watch stream may not have delivered it yet)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.state_mirror.wrote = True
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
 class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
         self.skipped: dict[str, str] = {}   # key -> why it was ignored (each is logged once)
         self.marker_watch = MarkerWatch(PLANNER_MARKERS, _marker_names)   # what a follower's watch wakes it for
+        self.state_mirror = StateMirror()   # a whole reader's copy of state/, between reads
 
     def _where(self, key: str) -> str:
         options = getattr(self.kv, "options", None)
@@ -111,6 +124,7 @@ class Membership:
         self.skipped[key] = why
 
     # -- registration ---------------------------------------------------------------------
+    @_writes_state
     def register(self, info: NodeInfo, ttl: float) -> Lease:
         lease = self.kv.grant(ttl)
         if not self.kv.create(f"state/nodes/{info.id}", info.to_json(), lease=lease):
@@ -121,14 +135,17 @@ class Membership:
             )
         return lease
 
+    @_writes_state
     def leave(self, node: str) -> None:
         self.kv.delete(f"state/nodes/{node}")
 
     # -- reading ----------------------------------------------------------------------------
-    def snapshot(self, *, strict: bool = True) -> Snapshot:
+    def snapshot(self, *, strict: bool = True, listing: Listing | None = None) -> Snapshot:
         """``strict`` (agents): an unreadable plan raises KVError. Otherwise (operators' views)
-        the snapshot has no plan and says why in ``plan_error``."""
-        listing = self.kv.get_prefix("state/")
+        the snapshot has no plan and says why in ``plan_error``. ``listing``: ``state/`` as
+        already read (the mirror's); else it is read now."""
+        if listing is None:
+            listing = self.kv.get_prefix("state/")
         revision, entries = listing.revision, {e.key: e for e in listing}
         plan_entry = entries.get("state/plan")
         plan_error = ""
@@ -176,7 +193,7 @@ class Membership:
         return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=_spares_alive(view),
                         plan_error=plan_error, planners=planners(view), markers=self._markers(entries))
 
-    def refresh(self, previous: Snapshot | None, node: str) -> Snapshot:
+    def refresh(self, previous: Snapshot | None, node: str, *, fresh: bool = False) -> Snapshot:
         """The job's state as agent ``node`` needs it next, for the least reading.
 
         A node that only follows plans (``planner.follows_only``, judged on ``previous``) reads
@@ -188,31 +205,43 @@ class Membership:
         this node a planner, or a new plan that gives this node another role (group rank 0, a
         live joiner). A follower never acts on a plan nobody published. What the read found of
         the markers seeds ``marker_watch`` (``watch_plan``); a change it saw meanwhile that
-        matters on them means one more read."""
+        matters on them means one more read. A whole snapshot comes from ``state_mirror`` when
+        it can be trusted and ``fresh`` (a read that shows etcd answers) is not asked for."""
         for _ in range(3):
-            snap = self._read(previous, node)
+            try:
+                snap = self._read(previous, node, fresh)
+            except KVError:
+                self.state_mirror.forget()   # etcd did not answer: no view until it does
+                raise
             if not self.marker_watch.seed(node, snap.markers, snap.revision):
                 break
         return snap
 
-    def _read(self, previous: Snapshot | None, node: str) -> Snapshot:
+    def _read(self, previous: Snapshot | None, node: str, fresh: bool) -> Snapshot:
         if (previous is None or previous.view.plan is None or not self.kv.transactions
                 or not follows_only(previous.view, node, node in previous.planners)):
-            return self.snapshot()
+            return self._whole(fresh)
         listing = self.kv.get_prefix(FEED)
         revision, feed = listing.revision, {e.key: e for e in listing}
         markers = self._markers(feed)
         chosen = tuple(sorted({name for names in markers.values() for name in names}))
         if not markers or node in chosen:
-            return self.snapshot()
+            return self._whole(fresh)
         plan = self._delta_plan(previous.view.plan, feed.get(DELTA))
         if plan is None:
-            return self.snapshot()
+            return self._whole(fresh)
         view = self._moved_on(previous.view, plan)
         if not follows_only(view, node, planning=False):
-            return self.snapshot()
+            return self._whole(fresh)
         return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=_spares_alive(view),
                         planners=chosen, partial=True, markers=markers)
+
+    def _whole(self, fresh: bool) -> Snapshot:
+        listing = None if fresh else self.state_mirror.listing()
+        if listing is None:
+            listing = self.kv.get_prefix("state/")
+            self.state_mirror.seed(listing)
+        return self.snapshot(listing=listing)
 
     def _markers(self, entries: dict[str, Entry]) -> dict[str, tuple[str, ...]]:
         """The readable planner markers among ``entries``: key -> the planners it names."""
@@ -301,8 +330,9 @@ class Membership:
         return self.kv.wait("state/", revision, timeout)
 
     def watch(self) -> Iterator[WatchNews]:
-        """``wait``'s scope as a long-lived stream (``KV.watch_stream``): what a planner watches."""
-        return self.kv.watch_stream("state/")
+        """``wait``'s scope as a long-lived stream (``KV.watch_stream``): what a planner watches.
+        Its changes keep ``state_mirror`` up to date."""
+        return self.state_mirror.follow(self.kv.watch_stream("state/"))
 
     def watch_plan(self) -> Iterator[WatchNews]:
         """The plan feed as a long-lived stream: what an agent that does not plan watches, less
@@ -314,15 +344,18 @@ class Membership:
             return self.kv.watch_stream("state/plan")
         return self.marker_watch.filter(self.kv.watch_stream(FEED))
 
+    @_writes_state
     def mark_planner(self, node: str, lease: Lease | None, chosen: tuple[str, ...]) -> None:
         """``node`` plans, with ``chosen`` (itself among them): the followers' only way to learn
         that they must start planning, since none of them reads enough to work it out."""
         self.kv.put(f"{PLANNER_MARKERS}{node}", json.dumps({"planners": list(chosen)}), lease=lease)
 
+    @_writes_state
     def unmark_planner(self, node: str) -> None:
         self.kv.delete(f"{PLANNER_MARKERS}{node}")
 
     # -- writing ----------------------------------------------------------------------------
+    @_writes_state
     def publish(self, plan: Plan, expected: Entry | None) -> bool:
         """Compare-and-swap the next plan in; False when someone else published first.
 
@@ -339,17 +372,19 @@ class Membership:
         # no follower holds it, and they read the whole state), in the same transaction.
         feed = {DELTA: plan_delta(replaced, plan).to_json()} if self.kv.transactions else {}
         if expected is None:
-            ok = self.kv.create("state/plan", plan.to_json(), also=feed)
+                ok = self.kv.create("state/plan", plan.to_json(), also=feed)
         else:
-            ok = self.kv.replace("state/plan", plan.to_json(), expected.revision, also=feed)
+                ok = self.kv.replace("state/plan", plan.to_json(), expected.revision, also=feed)
         if ok:
             self.kv.put(f"log/history/{plan.generation:08d}", plan.to_json())
         return ok
 
+    @_writes_state
     def report_failure(self, generation: int, node: str, reason: str, kind: str = "lost") -> None:
         """``kind``: "exit" (a worker exited non-zero), "signal", "lost" or "alarm" (see planner)."""
         self.kv.put(f"state/reports/{generation}/{node}", json.dumps({"reason": reason, "kind": kind, "time": time.time()}))
 
+    @_writes_state
     def publish_store(self, generation: int, addr: str, port: int) -> None:
         """Where generation ``generation``'s fresh workers find their env:// store."""
         self.kv.put(f"state/stores/{generation}", json.dumps({"addr": addr, "port": port}))
@@ -363,24 +398,30 @@ class Membership:
             self._skip(f"state/stores/{generation}", e)
             return None
 
+    @_writes_state
     def mark_done(self, generation: int, node: str) -> None:
         self.kv.put(f"state/done/{generation}/{node}", json.dumps({"time": time.time()}))
 
+    @_writes_state
     def cordon(self, node: str, reason: str) -> None:
         self.kv.put(f"state/failed/{node}", json.dumps({"reason": reason, "time": time.time()}))
 
+    @_writes_state
     def uncordon(self, node: str) -> bool:
         existed = self.kv.get(f"state/failed/{node}") is not None
         self.kv.delete(f"state/failed/{node}")
         self.kv.delete(f"state/drain/{node}")
         return existed
 
+    @_writes_state
     def request_drain(self, node: str, reason: str) -> None:
         self.kv.put(f"state/drain/{node}", json.dumps({"reason": reason, "time": time.time()}))
 
+    @_writes_state
     def clear_drain(self, node: str) -> None:
         self.kv.delete(f"state/drain/{node}")
 
+    @_writes_state
     def set_live(self) -> None:
         self.kv.create("state/live", "1")
 

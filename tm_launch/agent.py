@@ -117,8 +117,8 @@ class Agent:
         while True:
             session.apply_fencing_rule(self.follower.plan)
             if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until) or session.lost_lease.is_set():
-                try:
-                    snap = session.members.refresh(snap, self.cfg.node_id)
+                try:  # after a lost lease, a read that shows whether etcd answers (not the mirror)
+                    snap = session.members.refresh(snap, self.cfg.node_id, fresh=session.lost_lease.is_set())
                 except KVError as e:
                     session.back_off(e, self.follower.plan)
                     continue
