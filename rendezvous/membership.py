@@ -18,12 +18,14 @@ change another's keys. Two subtrees:
     state/live                  present once the job's workers use the live API
     state/stores/<gen>          the env:// store (MASTER_ADDR/PORT) of a generation's fresh workers
 
-``state/plan-feed/`` is all that most agents watch and read (``watch_plan``, ``refresh``): the
-few that plan read everything, the others (``planner.follows_only``) learn each new plan from
-its delta and whether they must start planning from the markers (``marker_watch``: only a
-marker naming them or none left costs them a read), O(1) bytes per event. It is a
-prefix of its own because a v3 watch event carries the value: a watch that covered
-``state/plan`` would deliver every node's id to every node on every plan.
+``state/plan-feed/`` is all that most agents watch (``watch_plan``, ``refresh``): the few that
+plan read everything, the others (``planner.follows_only``) learn each new plan from its delta
+and whether they must start planning from the markers, O(1) bytes per event. It is a prefix of
+its own because a v3 watch event carries the value: a watch that covered ``state/plan`` would
+deliver every node's id to every node on every plan. Because the events carry the values, the
+readers keep copies (``state_mirror``: the whole of ``state/`` for those that read it, the feed
+for a follower) and read etcd only when a copy cannot be trusted; a follower is woken only by a
+new delta, a marker naming it or no marker left (``marker_watch``).
 
 ``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
 ``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role),
@@ -53,7 +55,7 @@ from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_de
 from .planner import View, follows_only, planners
 
 from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
-from .marker_watch import MarkerWatch
+from . import marker_watch
 from .state_mirror import StateMirror
 
 log = logging.getLogger("rendezvous.membership")
@@ -89,7 +91,6 @@ class Snapshot:
     plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
     planners: tuple[str, ...] = ()   # who plans (planner.planners; partial: as the markers say)
     partial: bool = False
-    markers: dict = dataclasses.field(default_factory=dict)   # planner marker key -> the planners it names
 
 
 
@@ -98,7 +99,7 @@ def _writes_state(method):
     that it holds the write (the watch stream may not have delivered it yet)."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        self.state_mirror.wrote = True
+        self.state_mirror.wrote = self.feed_mirror.wrote = True
         return method(self, *args, **kwargs)
     return wrapper
 
@@ -107,8 +108,8 @@ class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
         self.skipped: dict[str, str] = {}   # key -> why it was ignored (each is logged once)
-        self.marker_watch = MarkerWatch(PLANNER_MARKERS, _marker_names)   # what a follower's watch wakes it for
         self.state_mirror = StateMirror()   # a whole reader's copy of state/, between reads
+        self.feed_mirror = StateMirror(max_age_s=None)   # a follower's copy of the plan feed
 
     def _where(self, key: str) -> str:
         options = getattr(self.kv, "options", None)
@@ -191,7 +192,7 @@ class Membership:
             report_kinds=kinds, report_times=times, now=time.time(),
         )
         return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=_spares_alive(view),
-                        plan_error=plan_error, planners=planners(view), markers=self._markers(entries))
+                        plan_error=plan_error, planners=planners(view))
 
     def refresh(self, previous: Snapshot | None, node: str, *, fresh: bool = False) -> Snapshot:
         """The job's state as agent ``node`` needs it next, for the least reading.
@@ -203,25 +204,24 @@ class Membership:
         delta), a delta that is not for the plan held (a generation missed) or that does not
         rebuild the published plan, no planner left (someone must take over), a marker naming
         this node a planner, or a new plan that gives this node another role (group rank 0, a
-        live joiner). A follower never acts on a plan nobody published. What the read found of
-        the markers seeds ``marker_watch`` (``watch_plan``); a change it saw meanwhile that
-        matters on them means one more read. A whole snapshot comes from ``state_mirror`` when
-        it can be trusted and ``fresh`` (a read that shows etcd answers) is not asked for."""
-        for _ in range(3):
-            try:
-                snap = self._read(previous, node, fresh)
-            except KVError:
-                self.state_mirror.forget()   # etcd did not answer: no view until it does
-                raise
-            if not self.marker_watch.seed(node, snap.markers, snap.revision):
-                break
-        return snap
+        live joiner). A follower never acts on a plan nobody published. Both come from a copy kept
+        from the watch stream (``feed_mirror``, ``state_mirror``) when it can be trusted and
+        ``fresh`` (a read that shows etcd answers) is not asked for."""
+        try:
+            return self._read(previous, node, fresh)
+        except KVError:
+            self.state_mirror.forget()   # etcd did not answer: no view until it does
+            self.feed_mirror.forget()
+            raise
 
     def _read(self, previous: Snapshot | None, node: str, fresh: bool) -> Snapshot:
         if (previous is None or previous.view.plan is None or not self.kv.transactions
                 or not follows_only(previous.view, node, node in previous.planners)):
             return self._whole(fresh)
-        listing = self.kv.get_prefix(FEED)
+        listing = None if fresh else self.feed_mirror.listing()
+        if listing is None:
+            listing = self.kv.get_prefix(FEED)
+            self.feed_mirror.seed(listing)
         revision, feed = listing.revision, {e.key: e for e in listing}
         markers = self._markers(feed)
         chosen = tuple(sorted({name for names in markers.values() for name in names}))
@@ -234,13 +234,14 @@ class Membership:
         if not follows_only(view, node, planning=False):
             return self._whole(fresh)
         return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=_spares_alive(view),
-                        planners=chosen, partial=True, markers=markers)
+                        planners=chosen, partial=True)
 
     def _whole(self, fresh: bool) -> Snapshot:
         listing = None if fresh else self.state_mirror.listing()
         if listing is None:
             listing = self.kv.get_prefix("state/")
             self.state_mirror.seed(listing)
+            self.feed_mirror.seed(Listing([e for e in listing if e.key.startswith(FEED)], listing.revision))
         return self.snapshot(listing=listing)
 
     def _markers(self, entries: dict[str, Entry]) -> dict[str, tuple[str, ...]]:
@@ -334,15 +335,23 @@ class Membership:
         Its changes keep ``state_mirror`` up to date."""
         return self.state_mirror.follow(self.kv.watch_stream("state/"))
 
-    def watch_plan(self) -> Iterator[WatchNews]:
-        """The plan feed as a long-lived stream: what an agent that does not plan watches, less
-        the planner markers' changes that call for no read (``marker_watch``). At 1,000 nodes,
-        waking every agent on every join or loss costs a thousand reads per event; this wakes
-        them once per plan, when a marker names them, and when no planner is left. v2 has no
-        delta: the ``state/plan`` prefix covers the plan and the feed."""
+    def watch_plan(self, node: str) -> Iterator[WatchNews]:
+        """The plan feed as a long-lived stream: what ``node``, an agent that does not plan,
+        watches. Its changes keep ``feed_mirror`` up to date; it reports only those that call
+        for a read (``marker_watch``: a new plan, a marker naming ``node``, no planner left).
+        At 1,000 nodes, waking every agent on every join or loss costs a thousand reads per
+        event. v2 has no delta: the ``state/plan`` prefix covers the plan and the feed."""
         if not self.kv.transactions:
             return self.kv.watch_stream("state/plan")
-        return self.marker_watch.filter(self.kv.watch_stream(FEED))
+        return self._calling_for_a_read(node, self.feed_mirror.follow(self.kv.watch_stream(FEED)))
+
+    def _calling_for_a_read(self, node: str, stream: Iterator[WatchNews]) -> Iterator[WatchNews]:
+        for news in stream:
+            if news.kind == "event" and news.changes is not None:
+                markers = self.feed_mirror.values(PLANNER_MARKERS)
+                if not any(marker_watch.matters(node, c, PLANNER_MARKERS, markers, _marker_names) for c in news.changes):
+                    continue
+            yield news
 
     @_writes_state
     def mark_planner(self, node: str, lease: Lease | None, chosen: tuple[str, ...]) -> None:

@@ -35,7 +35,9 @@ RECENT_LIMIT = 4096   # changes buffered for a replay; beyond that, the next rea
 
 
 class StateMirror:
-    def __init__(self, max_age_s: float = MAX_AGE_S, clock=time.monotonic):
+    def __init__(self, max_age_s: float | None = MAX_AGE_S, clock=time.monotonic):
+        """``max_age_s``: None for a reader that reads only when woken anyway (a follower's plan
+        feed: it learns whether etcd answers from those reads and its lease)."""
         self._lock = threading.Lock()
         self._max_age_s = max_age_s
         self._clock = clock
@@ -52,9 +54,17 @@ class StateMirror:
         """``state/`` now, as a read would list it; None when a read is needed."""
         with self._lock:
             if (self._entries is None or self._stream_from is None or self.wrote
-                    or self._clock() - self._read_at > self._max_age_s):
+                    or (self._max_age_s is not None and self._clock() - self._read_at > self._max_age_s)):
                 return None
             return Listing(sorted(self._entries.values(), key=lambda e: e.key), self._revision)
+
+    def values(self, prefix: str) -> dict[str, str] | None:
+        """The keys under ``prefix`` and their values as the stream has brought them (reads
+        aside: no age limit); None when the copy cannot be trusted."""
+        with self._lock:
+            if self._entries is None or self._stream_from is None:
+                return None
+            return {k: e.value for k, e in self._entries.items() if k.startswith(prefix)}
 
     def forget(self) -> None:
         """A read failed: the next view must come from a read that gets through."""

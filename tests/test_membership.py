@@ -410,7 +410,7 @@ def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
         assert snap.partial and snap.plan_entry is None and snap.planners == tuple("abc")
         assert "b" not in snap.view.alive   # removed: leaving the job
         assert getattr(kv, "received") - before < 3000   # the whole state is ~3x that already at 6 nodes
-        with PlanWatch(m) as watch:
+        with PlanWatch(m, "d") as watch:
             assert watch.woken(0.3) is False
             m.report_failure(1, "c", "not the followers' business")
             assert watch.woken(0.3) is False   # followers sleep through joins, losses, reports,
@@ -438,9 +438,9 @@ def whole(m: Membership, snap, why):
 class PlanWatch:
     """A follower's plan watch (``Membership.watch_plan``) read in a thread, as the agent's is."""
 
-    def __init__(self, m: Membership):
+    def __init__(self, m: Membership, node: str):
         self.news: queue.Queue = queue.Queue()
-        self.stream = m.watch_plan()
+        self.stream = m.watch_plan(node)
         threading.Thread(target=lambda: [self.news.put(n) for n in self.stream], daemon=True).start()
 
     def __enter__(self) -> "PlanWatch":

@@ -186,7 +186,7 @@ class Agent:
         follow_only = follows_only(view, me, self.planning)
         members = self.session.members
         if follow_only:
-            self.state_watch.arm("plan", members.watch_plan, snap.revision)
+            self.state_watch.arm("plan", lambda: members.watch_plan(me), snap.revision)
         else:
             self.state_watch.arm(StateWatch.WIDEST, members.watch, snap.revision)
         # A peer's connection ended: read etcd again before probing it (it may have left the plan).
