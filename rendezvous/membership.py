@@ -381,9 +381,9 @@ class Membership:
         # no follower holds it, and they read the whole state), in the same transaction.
         feed = {DELTA: plan_delta(replaced, plan).to_json()} if self.kv.transactions else {}
         if expected is None:
-                ok = self.kv.create("state/plan", plan.to_json(), also=feed)
+            ok = self.kv.create("state/plan", plan.to_json(), also=feed)
         else:
-                ok = self.kv.replace("state/plan", plan.to_json(), expected.revision, also=feed)
+            ok = self.kv.replace("state/plan", plan.to_json(), expected.revision, also=feed)
         if ok:
             self.kv.put(f"log/history/{plan.generation:08d}", plan.to_json())
         return ok
