@@ -1,4 +1,5 @@
-"""A reader's copy of ``state/``, kept up to date from its watch stream between whole reads.
+"""A reader's copy of what it watches (``state/``, or a follower's plan feed), kept up to date
+from its watch stream between reads.
 
 The agents that plan (and group rank 0, and a live generation's joiners) read the whole of
 ``state/`` each time something in it changes: every node's record, O(N) bytes. While the first
@@ -48,10 +49,10 @@ class StateMirror:
         self._stream_from: int | None = None  # the open stream's start revision; None: no stream
         self._recent: list[Change] = []   # changes since the last seed, for its replay
         self._dropped_up_to = 0   # the newest change dropped from ``_recent`` (a read must be newer)
-        self.wrote = False        # the reader wrote under state/ since its last read
+        self.wrote = False        # the reader wrote under the prefix since its last read
 
     def listing(self) -> Listing | None:
-        """``state/`` now, as a read would list it; None when a read is needed."""
+        """What a read of the watched prefix would list now; None when a read is needed."""
         with self._lock:
             if (self._entries is None or self._stream_from is None or self.wrote
                     or (self._max_age_s is not None and self._clock() - self._read_at > self._max_age_s)):
@@ -72,7 +73,7 @@ class StateMirror:
             self._entries = None
 
     def seed(self, listing: Listing) -> None:
-        """A whole read of ``state/``; changes the stream delivered that are newer are kept."""
+        """A read of the watched prefix; changes the stream delivered that are newer are kept."""
         with self._lock:
             self.wrote = False
             read = listing.revision
@@ -87,7 +88,7 @@ class StateMirror:
                 self._apply(change)
 
     def follow(self, stream: Iterator[WatchNews]) -> Iterator[WatchNews]:
-        """``stream`` (of ``state/``), passed through after each message is applied."""
+        """``stream`` (of the watched prefix), passed through after each message is applied."""
         try:
             for news in stream:
                 self._on_news(news)
