@@ -9,8 +9,8 @@ dynamic rendezvous at the same N.
 A stand-in is the real agent (``tm_launch.agent.Agent``) minus workers and health: it registers
 with a lease (``Membership.register``), and runs the agent's own loop (``Agent._loop`` /
 ``_tick``): the read of the job's state (``Membership.refresh``: everything for the planners,
-group rank 0 and joiners, the plan feed for the others), the pure planner, the CAS publish, the
-watch. Only following a plan (start or stop workers, warm a spare up) is replaced by "note when
+group rank 0 and joiners, the plan feed for the others, each from the copy its watch stream
+keeps when that can be trusted), the pure planner, the CAS publish, the watch. Only following a plan (start or stop workers, warm a spare up) is replaced by "note when
 this generation was first seen", and the per-second progress record (operator telemetry, not
 rendezvous) is left out. The job is a live one (``state/live`` is set before the start, as its
 workers would): a loss is a spare taking the lost node's ranks. Stand-ins are threads spread over
