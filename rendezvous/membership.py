@@ -204,9 +204,10 @@ class Membership:
         delta), a delta that is not for the plan held (a generation missed) or that does not
         rebuild the published plan, no planner left (someone must take over), a marker naming
         this node a planner, or a new plan that gives this node another role (group rank 0, a
-        live joiner). A follower never acts on a plan nobody published. Both come from a copy kept
-        from the watch stream (``feed_mirror``, ``state_mirror``) when it can be trusted and
-        ``fresh`` (a read that shows etcd answers) is not asked for."""
+        live joiner). A follower never acts on a plan nobody published. The feed and the whole
+        state come from the copies the watch streams keep (``feed_mirror``, ``state_mirror``)
+        when those can be trusted and ``fresh`` (a read that shows etcd answers) is not asked for;
+        a failed read makes both copies untrusted until a read gets through."""
         try:
             return self._read(previous, node, fresh)
         except KVError:
