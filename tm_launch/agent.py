@@ -4,8 +4,9 @@ One loop, woken the moment anything happens (a worker exits or reports, somethin
 job's ``state/`` keys changes: ``tm_launch.wakeup``; the next active node's agent dies:
 ``tm_launch.peer_link``), and at least every ``--monitor-interval``:
 
-1. read the job's state (one etcd range read; an agent that only follows plans reads what changed,
-   ``Membership.refresh``) and, if the plan moved on, act on it:
+1. read the job's state (one etcd range read, or the copy its watch stream keeps up to date; an
+   agent that only follows plans reads what changed: ``Membership.refresh``) and, if the plan
+   moved on, act on it:
    start workers (fresh or sandboxed), forward the new generation to live workers, or stop;
 2. watch local workers (exits, hangs) and health alarms, and report what it finds to etcd;
 3. run the pure planner on the same view and try to publish its plan by compare-and-swap.
