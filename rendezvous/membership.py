@@ -20,7 +20,8 @@ change another's keys. Two subtrees:
 
 ``state/plan-feed/`` is all that most agents watch (``watch_plan``, ``refresh``): the few that
 plan read everything, the others (``planner.follows_only``) learn each new plan from its delta
-and whether they must start planning from the markers, O(1) bytes per event. It is a prefix of
+(which carries the registrations of the nodes new to them) and whether they must start planning
+from the markers, O(1) bytes and no request per event. It is a prefix of
 its own because a v3 watch event carries the value: a watch that covered ``state/plan`` would
 deliver every node's id to every node on every plan. Because the events carry the values, the
 readers keep copies (``state_mirror``: the whole of ``state/`` for those that read it, the feed
@@ -48,10 +49,10 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_delta, plan_digest
+from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, fresh_nodes, plan_delta, plan_digest
 from .planner import View, follows_only, planners
 
 from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
@@ -198,8 +199,9 @@ class Membership:
         """The job's state as agent ``node`` needs it next, for the least reading.
 
         A node that only follows plans (``planner.follows_only``, judged on ``previous``) reads
-        the plan feed, O(1) bytes: the delta, applied to the plan it holds, and the planner
-        markers; then the records of the nodes that joined its plan, one key each. Anything else
+        the plan feed, O(1) bytes: the delta, applied to the plan it holds, with the records of
+        the nodes that joined its plan, and the planner markers (a record the delta lacks is read,
+        one key each). Anything else
         is a whole snapshot: no plan held, a backend without transactions (v2 publishes no
         delta), a delta that is not for the plan held (a generation missed) or that does not
         rebuild the published plan, no planner left (someone must take over), a marker naming
@@ -228,10 +230,10 @@ class Membership:
         chosen = tuple(sorted({name for names in markers.values() for name in names}))
         if not markers or node in chosen:
             return self._whole(fresh)
-        plan = self._delta_plan(previous.view.plan, feed.get(DELTA))
-        if plan is None:
+        moved = self._delta_plan(previous.view.plan, feed.get(DELTA))
+        if moved is None:
             return self._whole(fresh)
-        view = self._moved_on(previous.view, plan)
+        view = self._moved_on(previous.view, *moved)
         if not follows_only(view, node, planning=False):
             return self._whole(fresh)
         return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=_spares_alive(view),
@@ -259,9 +261,10 @@ class Membership:
                 self._skip(key, e)
         return markers
 
-    def _delta_plan(self, held: Plan, entry: Entry | None) -> Plan | None:
-        """The published plan, from ``held`` and the feed's delta; None when only a whole read
-        can tell (no delta, an unreadable one, or one that does not fit ``held``)."""
+    def _delta_plan(self, held: Plan, entry: Entry | None) -> tuple[Plan, tuple[NodeInfo, ...]] | None:
+        """The published plan, from ``held`` and the feed's delta, with the node records the
+        delta carries; None when only a whole read can tell (no delta, an unreadable one, or one
+        that does not fit ``held``)."""
         if entry is None:
             return None
         try:
@@ -270,31 +273,29 @@ class Membership:
             self._skip(DELTA, e)
             return None
         if delta.generation == held.generation and delta.digest == plan_digest(held):
-            return held   # woken by a marker, or by nothing: the plan stands
+            return held, ()   # woken by a marker, or by nothing: the plan stands
         try:
-            return apply_delta(held, delta)
+            return apply_delta(held, delta), delta.records
         except DeltaMismatch as e:
             log.debug("plan delta for generation %s not applied (%s): reading the whole state", delta.generation, e)
             return None
 
-    def _moved_on(self, before: View, plan: Plan) -> View:
-        """``before`` moved on to ``plan``, reading only what the change touched: the records of
-        the nodes that are new in the plan or whose workers start again (not every node's when
-        every worker restarts: those records are the ones already held), and ``state/live``
-        until it is seen."""
+    def _moved_on(self, before: View, plan: Plan, records: tuple[NodeInfo, ...]) -> View:
+        """``before`` moved on to ``plan``, learning the registrations of its ``fresh_nodes``
+        from ``records`` (the delta's) and reading from etcd only those the delta lacks, and
+        ``state/live`` until it is seen."""
         if plan is before.plan:
             return dataclasses.replace(before, now=time.time())
-        old = before.plan
-        fresh = [n for n in plan.nodes if n not in old.nodes]
-        if plan.joiners != plan.nodes:
-            fresh += [n for n in plan.joiners if n in old.nodes]
-        alive = {n: info for n, info in before.alive.items() if n not in plan.removed and n not in fresh}
+        fresh = fresh_nodes(before.plan, plan)
+        sent = {r.id: r for r in records}
+        gone = set(plan.removed) | set(fresh)
+        alive = {n: info for n, info in before.alive.items() if n not in gone}
         for n in fresh:
-            info = self.node_record(n)
+            info = sent[n] if n in sent else self.node_record(n)
             if info is not None:
                 alive[n] = info
         live = before.live or getattr(self.kv.get("state/live"), "value", None) == "1"
-        same_gen = plan.generation == old.generation
+        same_gen = plan.generation == before.plan.generation
         return dataclasses.replace(
             before, plan=plan, alive=alive, live=live, now=time.time(),
             reports=before.reports if same_gen else {}, report_kinds=before.report_kinds if same_gen else {},
@@ -366,8 +367,10 @@ class Membership:
 
     # -- writing ----------------------------------------------------------------------------
     @_writes_state
-    def publish(self, plan: Plan, expected: Entry | None) -> bool:
+    def publish(self, plan: Plan, expected: Entry | None, records: Mapping[str, NodeInfo] | None = None) -> bool:
         """Compare-and-swap the next plan in; False when someone else published first.
+        ``records``: the registrations the planner read (``View.alive``); the delta carries those
+        of the nodes the followers do not hold yet.
 
         History is written after the swap; a publisher killed in between leaves the previous
         plan's history entry missing, so every publish first backfills the plan it replaces."""
@@ -380,7 +383,7 @@ class Membership:
                 pass
         # The delta from the plan this one replaces (from nothing if that was unreadable: then
         # no follower holds it, and they read the whole state), in the same transaction.
-        feed = {DELTA: plan_delta(replaced, plan).to_json()} if self.kv.transactions else {}
+        feed = {DELTA: plan_delta(replaced, plan, records).to_json()} if self.kv.transactions else {}
         if expected is None:
             ok = self.kv.create("state/plan", plan.to_json(), also=feed)
         else:

@@ -132,7 +132,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         new = next_plan(self._view(snap.view), self._limits)
         if new is None:
             return False
-        if self._m.publish(new, snap.plan_entry):
+        if self._m.publish(new, snap.plan_entry, snap.view.alive):
             log.info("etcd-v3 rendezvous: published generation %d %s (%s)", new.generation, new.nodes, new.cause)
             self._m.event(self.node, "rdzv-plan", generation=new.generation, nodes=list(new.nodes), cause=new.cause)
         return True

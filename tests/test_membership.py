@@ -386,13 +386,21 @@ def following_job(kv_factory, spares: int = 2):
     return m, leases, held
 
 
-def lose(m: Membership, node: str) -> Plan:
-    """``node``'s report, and the plan a planner makes of it (published with its delta)."""
+def lose(m: Membership, node: str, records: bool = True) -> Plan:
+    """``node``'s report, and the plan a planner makes of it (published with its delta, which
+    carries the records the planner read unless ``records`` is False)."""
     m.report_failure(m.snapshot().view.plan.generation, node, "worker 0 exited", kind="signal")
     snap = m.snapshot()
     plan = next_plan(snap.view, LIMITS)
-    assert m.publish(plan, snap.plan_entry)
+    assert m.publish(plan, snap.plan_entry, snap.view.alive if records else None)
     return plan
+
+
+def keys_read(kv) -> list[str]:
+    """From now on, the keys ``kv.get`` is asked for."""
+    asked, get = [], kv.get
+    kv.get = lambda key: asked.append(key) or get(key)
+    return asked
 
 
 def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
@@ -401,13 +409,14 @@ def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
     gen1 = lose(m, "b")
     assert gen1.nodes == ("a", "s0", "c", "d") and gen1.joiners == ("s0",)
     kv = m.kv
-    before = getattr(kv, "received", 0)
+    before, asked = getattr(kv, "received", 0), keys_read(kv)
     snap = m.refresh(held, "d")
     assert snap.view.plan == gen1 and snap.view.live
-    assert snap.view.alive["s0"] == info("s0", held.view.alive["s0"].joined)   # the joiner's record, read again
+    assert snap.view.alive["s0"] == info("s0", held.view.alive["s0"].joined)   # the joiner's record
     assert snap.view.reports == {}
     if kv.transactions:
         assert snap.partial and snap.plan_entry is None and snap.planners == tuple("abc")
+        assert asked == []   # the feed comes from the copy its stream keeps; the record from the delta
         assert "b" not in snap.view.alive   # removed: leaving the job
         assert getattr(kv, "received") - before < 3000   # the whole state is ~3x that already at 6 nodes
         with PlanWatch(m, "d") as watch:
@@ -425,6 +434,24 @@ def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
             assert watch.woken(5) is True      # ... nor through no planner being left
     else:
         assert not snap.partial   # v2: no delta is ever written, every read is whole
+    for lease in leases.values():
+        lease.revoke()
+
+
+def test_a_record_the_delta_lacks_is_read_and_one_it_carries_is_not(kv_factory):
+    m, leases, held = following_job(kv_factory, spares=3)
+    if not m.kv.transactions:
+        return   # v2 writes no delta (the test above)
+    asked = keys_read(m.kv)
+    gen1 = lose(m, "b", records=False)   # a planner that passed no records
+    at1 = m.refresh(held, "d")
+    assert at1.partial and at1.view.plan == gen1 and asked == ["state/nodes/s0"]
+    assert at1.view.alive["s0"] == held.view.alive["s0"]
+    del asked[:]
+    gen2 = lose(m, "c")
+    at2 = m.refresh(at1, "d")
+    assert at2.partial and at2.view.plan == gen2 and asked == []
+    assert at2.view.alive["s1"] == held.view.alive["s1"] and "c" not in at2.view.alive
     for lease in leases.values():
         lease.revoke()
 

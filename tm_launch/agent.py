@@ -173,7 +173,7 @@ class Agent:
         if decision is not None and decision.state != SUCCEEDED and view.plan is not None and self.session.settling():
             decision = None  # right after an etcd outage: let every node re-register first
         sent_at = time.time()
-        if decision is not None and self.session.members.publish(decision, snap.plan_entry):
+        if decision is not None and self.session.members.publish(decision, snap.plan_entry, view.alive):
             self._announce(decision)
             self.stamps.plan_published(decision, sent_at, view)
             self.state_changed = True  # look at the new state at once
