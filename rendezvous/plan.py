@@ -269,9 +269,10 @@ def _is_int(value) -> bool:
 
 
 def fresh_nodes(previous: Plan, new: Plan) -> list[str]:
-    """The nodes of ``new`` whose registration a node holding ``previous`` does not hold: those
-    new to the plan, and the joiners already in it (their agents registered again), unless every
-    node joins (a restart generation, in which the agents keep their registrations)."""
+    """The nodes of ``new`` whose registration a node holding ``previous`` must learn: those new
+    to the plan, and the joiners already in it, whose workers start again (their agent may have
+    registered again since); not when every node joins (a restart generation), where that would
+    be every record, O(N), and the records held stand."""
     held = set(previous.nodes)
     fresh = [n for n in new.nodes if n not in held]
     if new.joiners != new.nodes:

@@ -141,7 +141,7 @@ RECORDS = {n: node(n) for n in "abcdXY"}
     pytest.param(plan(3, "abcd"), plan(3, "abcd").next(nodes=tuple("abcdXY"), joiners=tuple("abcdXY")), "XY",
                  id="scale-up, every worker restarts: the appended nodes only"),
     pytest.param(plan(3, "abcd"), plan(3, "abcd").next(nodes=tuple("abcd"), joiners=("b",)), "b",
-                 id="a joiner already in the plan: its agent registered again"),
+                 id="a joiner already in the plan: its workers start again"),
     pytest.param(plan(3, "abcd"), plan(3, "abcd").next(joiners=tuple("abcd")), "", id="restart in place: records held"),
     pytest.param(plan(3, "abcd", live=True), plan(3, "abcd", live=True).next(nodes=tuple("abZd"), joiners=("Z",)), "",
                  id="a record the planner does not hold is left to the follower to read"),
