@@ -215,6 +215,8 @@ def main():
             checkpoint(args, model, opt, sched, step)  # at the top: the state after step - 1
         x, y = (t.to(device) for t in batch(step, dp_index))
         faults.at(job, "forward")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # stands in for the compute, before the gradients are reduced
         opt.zero_grad(set_to_none=True)
         if pp is None:
             loss = nn.functional.mse_loss(model(x), y)
@@ -242,8 +244,6 @@ def main():
         faults.at(job, "logged")
         if rank == 0 and not job.in_sandbox and step % 10 == 0 and job.step_ok:
             print(f"[hybrid] step {step}: loss {logged.item() / world:.5f}", flush=True)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
         if args.step_log and not job.in_sandbox:
             faults.log_step(args.step_log, job, step)
     if args.out:

@@ -191,6 +191,12 @@ def main():
         kill_now(args, faults, job, step, "forward")
         if args.crash_node and os.environ.get("TM_NODE_ID") == args.crash_node and step == args.crash_step and not job.in_sandbox:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.step_sleep and not (args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, "fast"))):
+            # The stand-in for compute sits where a step computes, before its gradients are
+            # reduced: a rank that fails there is found at the collective, as in real training.
+            slow = args.slow_node is not None and os.environ.get("TM_NODE_ID") == args.slow_node
+            slow = slow or bool(args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, f"slow.{os.environ.get('TM_NODE_ID')}")))
+            time.sleep(args.step_sleep * (1 + args.slow_factor if slow else 1))
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -202,10 +208,6 @@ def main():
             kill_now(args, faults, job, step, "logged")
             if job.rank == 0 and not job.in_sandbox and step % 20 == 0 and getattr(job, "step_ok", True):
                 print(f"[train] step {step}: mean loss {logged.item() / job.world_size:.5f}", flush=True)
-        if args.step_sleep and not (args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, "fast"))):
-            slow = args.slow_node is not None and os.environ.get("TM_NODE_ID") == args.slow_node
-            slow = slow or bool(args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, f"slow.{os.environ.get('TM_NODE_ID')}")))
-            time.sleep(args.step_sleep * (1 + args.slow_factor if slow else 1))
         if subgroups:
             mine = subgroups[job.rank // args.subgroups]
             check = torch.tensor([float(step)], device=device)
