@@ -1,5 +1,8 @@
 """ddp_rebuild: one step and the rebuild leave DDP as two steps would (real DDP, one gloo rank)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,3 +68,22 @@ def test_nothing_to_rebuild_before_a_backward_or_without_one(world):
     assert not rebuilt(unused)
     step(fresh)
     assert rebuilt(fresh)
+
+
+def test_after_the_sandboxs_freeze_a_ddp_leaves_the_collector_little_to_scan():
+    """A promoted spare's collection and its scan for DDP instances see only what was built
+    after ``freeze_what_exists``: building a DDP must not bring tens of thousands of objects into
+    their sight (its constructor imports torch._dynamo: ~50,000 objects unless imported first)."""
+    code = (
+        "import gc, torch, torch.distributed as dist\n"
+        "from tm_launch.runtime import freeze_what_exists\n"
+        "freeze_what_exists()\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "before = len(gc.get_objects())\n"
+        "ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))\n"
+        "ddp(torch.ones(2, 4)).sum().backward()\n"
+        "print(len(gc.get_objects()) - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 2000, out.stdout

@@ -110,8 +110,9 @@ def _forget(namespaces: list[dict]) -> None:
     """Drop a finished run of the script, as the interpreter does at exit: its globals are
     cleared (a module's functions refer back to its namespace, a cycle that reference counting
     alone never frees), then the cycles left are collected. The collection scans only what was
-    created after ``tm_launch.init()`` froze everything older (``runtime.LiveJob``): tens of
-    milliseconds, where a full collection of a process with torch loaded takes 0.1-0.3 s."""
+    created after ``tm_launch.init()`` froze everything older (``runtime.freeze_what_exists``): 2 ms
+    for the benchmark's model, where a full collection of a process with torch loaded takes
+    0.1-0.3 s."""
     for namespace in namespaces:
         namespace.clear()
     namespaces.clear()
