@@ -89,7 +89,8 @@ def freeze_what_exists() -> None:
     the collector's sight, so that both see only what the script builds. torch._dynamo is
     imported first: DDP's constructor imports it (with inductor and the ONNX exporter, ~50,000
     objects), and left to the script's run those stayed in sight, where the promoted spare's
-    collection and its scan cost ~30 ms each."""
+    collection and its scan cost ~30 ms each. The import costs ~0.7 s here, at the worker's
+    start; a script that builds a DDP (or compiles) pays it anyway."""
     import torch._dynamo  # noqa: F401
     gc.collect()
     gc.freeze()
