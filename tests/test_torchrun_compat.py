@@ -154,7 +154,10 @@ def test_log_dir_devnull_means_no_log_files(tmp_path):
     """``--log-dir /dev/null`` is torchrun's "no log files": --redirects/--tee are ignored and
     worker output stays on the console, unprefixed (tm-launch crashed making directories in it)."""
     script = tmp_path / "hello.py"
-    script.write_text("import os, sys\nprint('out-of', os.environ['RANK'])\nprint('err-of', os.environ['RANK'], file=sys.stderr)\n")
+    # Each line in one write: both workers share the console, and a line printed in pieces
+    # could interleave with the other worker's (seen once: "err-of 1out-of").
+    script.write_text("import os\nos.write(1, f\"out-of {os.environ['RANK']}\\n\".encode())\n"
+                      "os.write(2, f\"err-of {os.environ['RANK']}\\n\".encode())\n")
     output = launch("tm-launch", ["--log-dir", os.devnull, "--redirects", "1", "--tee", "2", str(script)])
     lines = output.splitlines()
     assert {"out-of 0", "out-of 1", "err-of 0", "err-of 1"} <= set(lines), output
