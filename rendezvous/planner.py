@@ -72,12 +72,27 @@ def spares(view: View) -> list[str]:
     return [n.id for n in sorted(candidates, key=lambda n: (n.joined, n.id))]
 
 
-def _store_for(nodes: tuple[str, ...], joiners: tuple[str, ...], alive: dict[str, NodeInfo]) -> dict:
-    """Host the bootstrap store on a surviving node (its agent is known good), else the first."""
+def _store_for(nodes: tuple[str, ...], joiners: tuple[str, ...], alive: dict[str, NodeInfo],
+               previous: dict | None = None) -> dict:
+    """Where the generation's bootstrap store lives, and its standby. On a surviving node (its
+    agent is known good), else the first live one. It stays on the node of ``previous`` (the
+    last plan's store) while that node survives, and moves to the standby ``previous`` named when
+    it is lost: the workers keep connections ready to both (``tm_launch.store_clients``), so a
+    change opens none on its way. The standby is the first other live node in the plan's order."""
     survivors = [n for n in nodes if n not in joiners and n in alive]
-    host = (survivors or [n for n in nodes if n in alive] or list(nodes))[0]
-    info = alive.get(host)
-    return {"node": host, "addr": info.addr if info else "", "port": info.store_port if info else 0}
+    previous = previous or {}
+    kept = [n for n in (previous.get("node"), (previous.get("standby") or {}).get("node")) if n in survivors]
+    host = (kept or survivors or [n for n in nodes if n in alive] or list(nodes))[0]
+    store = _store_record(host, alive)
+    standby = next((n for n in nodes if n != host and n in alive), None)
+    if standby is not None:
+        store["standby"] = _store_record(standby, alive)
+    return store
+
+
+def _store_record(node: str, alive: dict[str, NodeInfo]) -> dict:
+    info = alive.get(node)
+    return {"node": node, "addr": info.addr if info else "", "port": info.store_port if info else 0}
 
 
 def first_plan(view: View, limits: Limits) -> Plan | None:
@@ -167,7 +182,7 @@ def next_plan(view: View, limits: Limits) -> Plan | None:
         grow = tuple(spares(view)[: limits.max_nodes - len(plan.nodes)])
         nodes = plan.nodes + grow
         return plan.next(
-            nodes=nodes, joiners=nodes, store=_store_for(nodes, nodes, view.alive),
+            nodes=nodes, joiners=nodes, store=_store_for(nodes, nodes, view.alive, view.plan.store),
             cause=f"scale up: {', '.join(grow)} joined", live=False,
         )
     return None
@@ -225,7 +240,7 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
     return plan.next(
         nodes=nodes_t, joiners=joiners_t, replaced=replaced, removed=tuple(removed),
         restarts=restarts, cause=cause, live=live,
-        store=_store_for(nodes_t, joiners_t, view.alive),
+        store=_store_for(nodes_t, joiners_t, view.alive, plan.store),
     )
 
 
@@ -245,7 +260,7 @@ def _migrate(view: View, drains: list[str]) -> Plan | None:
         nodes=nodes, joiners=joiners, replaced={new: old for old, new in moves.items()},
         removed=tuple(moves), live=live, planned=True,
         cause="; ".join(f"{old}: drain ({view.drains[old]})" for old in moves),
-        store=_store_for(nodes, joiners, view.alive),
+        store=_store_for(nodes, joiners, view.alive, plan.store),
     )
 
 

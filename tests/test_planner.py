@@ -254,7 +254,46 @@ def test_store_moves_to_a_survivor_when_its_host_dies():
     v = view(p, "bcd", live=True)
     got = next_plan(v, limits("3"))
     assert got.nodes == T("dbc") and got.joiners == T("d")
-    assert got.store == {"node": "b", "addr": v.alive["b"].addr, "port": v.alive["b"].store_port}
+    record = {"node": "b", "addr": v.alive["b"].addr, "port": v.alive["b"].store_port}
+    assert got.store == {**record, "standby": {"node": "d", "addr": v.alive["d"].addr, "port": v.alive["d"].store_port}}
+
+
+def _stored(v: View | None, node: str, standby: str | None = None) -> dict:
+    """A plan's store entry on ``node`` (and its standby), addresses from ``v``'s records."""
+    entry = {"node": node, "addr": v.alive[node].addr if v else "x", "port": v.alive[node].store_port if v else 1}
+    if standby:
+        entry["standby"] = _stored(v, standby)
+    return entry
+
+
+STORE_MOVES = [
+    # (nodes, store host, its standby, nodes alive, drains) -> (host, standby) of the next plan
+    pytest.param("abc", "c", "a", "bcd", "", ("c", "d"), id="a non-host node lost: the store stays on c"),
+    pytest.param("abc", "a", "c", "bcd", "", ("c", "d"), id="the host lost: the store moves to the standby it named"),
+    pytest.param("abc", "a", "b", "bcd", "", ("b", "d"), id="the host lost, standby b: b; the standby is then the newcomer"),
+    pytest.param("abc", "a", "b", "cde", "", ("c", "d"), id="host and standby lost: the first survivor"),
+    pytest.param("abc", "a", None, "bcd", "", ("b", "d"), id="an older plan without a standby: the first survivor"),
+    pytest.param("abc", "b", "a", "abcd", "b", ("a", "d"), id="the host drained: the standby"),
+    pytest.param("ab", "a", "b", "abd", "a", ("b", "d"), id="two nodes, the host drained: the other, standby the spare"),
+]
+
+
+@pytest.mark.parametrize("nodes, host, standby, alive, drains, want", STORE_MOVES)
+def test_store_stays_or_moves_to_its_standby(nodes, host, standby, alive, drains, want):
+    """Workers keep connections ready to the store and its standby (tm_launch.store_clients): the
+    store moves only when its node goes, and then to the standby the last plan named."""
+    p = plan(5, nodes, store=_stored(None, host, standby), live=True)
+    lost = {n: "dead" for n in nodes if n not in alive}
+    v = view(p, alive, reports=None if drains else {n: "worker failed" for n in lost if n in alive}, drains=drains, live=True)
+    got = next_plan(v, limits(str(len(nodes))))
+    assert (got.store["node"], got.store["standby"]["node"]) == want
+    assert got.store == _stored(v, *want)
+
+
+def test_a_single_node_store_has_no_standby():
+    v = view(None, "a")
+    got = next_plan(v, limits("1"))
+    assert got.store == _stored(v, "a")
 
 
 def test_store_in_restart_mode_is_on_a_live_node():
