@@ -97,6 +97,8 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     assert codes["c"] == 0 and codes[survivor] == 0, job.logs_tail()
     assert codes[victim] != 0  # the node that lost its worker was replaced and says so
     assert_bitwise(params, reference(2, 2))
+    entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
+    assert entered[survivor]["store_connects"] == 0, entered  # its connections were ready (tm_launch.store_clients)
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
     assert plans and plans[0]["replaced"] == {"c": victim} and plans[0]["live"], job.events()
 
@@ -109,8 +111,13 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     script = ["--log-loss", "--kill-rank", "0", "--kill-step", str(PAUSE + 5), "--kill-phase", "vote", "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
     victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
-    assert codes["c"] == 0 and codes[({"a", "b"} - {victim}).pop()] == 0, job.logs_tail()
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes["c"] == 0 and codes[survivor] == 0, job.logs_tail()
     assert_bitwise(params, reference(2, 2))
+    # Rank 0's node hosted the store: generation 1's is the standby, to which the survivor's
+    # workers held connections ready (tm_launch.store_clients); the joiner opens its own.
+    entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
+    assert entered[survivor]["store_connects"] == 0 and entered["c"]["store_connects"] > 0, entered
     spare = job.nodes["c"].log()
     assert "promoted to rank 0 (warmed up as rank 2)" in spare and "promoted to rank 1 (warmed up as rank 3)" in spare, spare
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]

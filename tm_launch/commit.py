@@ -73,13 +73,16 @@ class StepCommit:
         self.last_commit_where: tuple | None = None  # the store of the last committed step (per-rank mirrors)
         self.on_slow_vote: Callable[[bool], None] = lambda waiting: None  # True: still waiting after _SLOW_VOTE; False: decided
 
-    def use(self, store: dist.Store | None, rank: int, world: int, generation: int, where: tuple | None = None) -> None:
+    def use(self, store: dist.Store | None, rank: int, world: int, generation: int, where: tuple | None = None,
+            abort_store: dist.Store | None = None) -> None:
         """Generation ``generation``'s store (None: the sandbox, where every step commits
-        locally); ``where``: (generation, address, port) of that store, for joiners."""
+        locally); ``where``: (generation, address, port) of that store, for joiners;
+        ``abort_store``: the same store on a connection of its own, for the watcher thread's
+        abort while a vote may be blocked on ``store`` (default: a clone of ``store``)."""
         with self._lock:
             self.store, self.rank, self.world, self.generation = store, rank, world, generation
             self.where = where
-            self._abort_store = None if store is None else store.clone()
+            self._abort_store = None if store is None else abort_store if abort_store is not None else store.clone()
 
     def begin(self, step: int) -> None:
         with self._lock:

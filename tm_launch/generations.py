@@ -21,7 +21,6 @@ it (``abort_changed``), so a step waiting on the GPU for a dead rank fails at on
 
 from __future__ import annotations
 
-import datetime
 import math
 import threading
 import time
@@ -34,6 +33,7 @@ from .agent_channel import first_line, log
 from .commit import commit_store
 from .groups import LocalBackend
 from .replicas import fingerprints, replica_set
+from .store_clients import StoreClients
 from .transfer import Holding, allgather_objects, human_size, plan_transfer, recv_state, send_state
 
 
@@ -75,7 +75,7 @@ class Generations:
         self._addr = env.get("TM_LOCAL_ADDR") or None
         self._timeout = float(env.get("TM_COLLECTIVE_TIMEOUT", "120"))
         self._setup_timeout = float(env.get("TM_SETUP_TIMEOUT", "600"))  # joiners may start cold
-        self._stores: dict = {}
+        self.clients = StoreClients(self._setup_timeout)  # the generation stores' connections, opened ahead
         self.current: dict | None = None
         self.pending: dict | None = None  # a planned switch being prepared
         self._ahead: tuple | None = None  # (generation, (thread, box)): a world communicator built ahead of enter()
@@ -87,14 +87,12 @@ class Generations:
             communicators.release(pending["built"].get("pg"))  # built for a switch that never came
         self.pending = None
         self._take_ahead(None)
-        self._stores.clear()
+        self.clients.close()
 
     # -- communicators ---------------------------------------------------------------------------
     def store(self, where: dict) -> dist.Store:
-        key = (where["addr"], int(where["port"]))
-        if key not in self._stores:
-            self._stores[key] = dist.TCPStore(key[0], key[1], is_master=False, timeout=datetime.timedelta(seconds=self._setup_timeout), wait_for_workers=False)
-        return self._stores[key].clone()
+        """A connection of its own to the store ``where`` names (``tm_launch.store_clients``)."""
+        return self.clients.take(where)
 
     def build(self, ranks, global_rank: int, gen: int, d: dict | None = None):
         """A communicator for ``ranks`` (None: the world) in generation ``gen``, via a fresh prefix,
@@ -243,6 +241,7 @@ class Generations:
     def _enter_once(self, d: dict, prebuilt=None, agree: bool = True) -> None:
         job = self.job
         t0, began = time.perf_counter(), time.time()
+        connects_before = self.clients.opened_on_demand
         gen, rank, world = d["generation"], d["ranks"][job.local_rank], d["world_size"]
         self.current = d
         old_rank = job.rank
@@ -259,14 +258,19 @@ class Generations:
         c10d_glue.register(job.group, range(world))
         self._rebuild_subgroups(d, rank, old_rank)
         job._commit.use(commit_store(self.store(d["store"]), gen), rank, world, gen,
-                        where=(gen, d["store"]["addr"], int(d["store"]["port"])))
+                        where=(gen, d["store"]["addr"], int(d["store"]["port"])),
+                        abort_store=commit_store(self.store(d["store"]), gen))
         t_comm = time.perf_counter()
         received = self._agree_and_transfer(inner, rank, world) if agree else False
         job.in_sandbox = False
         t_done = time.perf_counter()
         job.channel.set(f"entered/{gen}", {"communicator": t_comm - t0, "state": t_done - t_comm, "received": received, "step": job._step,
-                                           "began": began, "last_step_at": job._step_done_at})  # wall clock: tm_launch.breakdown
+                                           "began": began, "last_step_at": job._step_done_at,  # wall clock: tm_launch.breakdown
+                                           "store_connects": self.clients.opened_on_demand - connects_before})
         job._report(force=True)
+        # The next change's connections, opened now that nothing waits for them: to this store,
+        # and to the one that takes over if this store's node is lost.
+        self.clients.prepare([d["store"], d["store"].get("standby")])
 
     def _rebuild_subgroups(self, d: dict, rank: int, old_rank: int) -> None:
         """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by

@@ -266,6 +266,7 @@ class EntryReport:
         comm = max(r["communicator"] for r in records)
         state = max(r["state"] for r in records)
         received = any(r["received"] for r in records)
+        connects = sum(r.get("store_connects", 0) for r in records)  # opened on the way in (tm_launch.store_clients)
         since = time.time() - plan.created
         self.timings[plan.generation] = {"communicator": comm, "state": state}
         self.metrics.on_entered(plan)
@@ -273,6 +274,7 @@ class EntryReport:
             f"generation {plan.generation}: workers entered {since:.3f}s after the plan "
             f"(communicators {comm * 1000:.0f} ms, state {'received' if received else 'sent/kept'} in {state * 1000:.0f} ms)",
             kind="entered", generation=plan.generation, communicator_s=comm, state_s=state, received=received, after_plan_s=since,
+            store_connects=connects,
         )
 
 

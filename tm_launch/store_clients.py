@@ -1,0 +1,115 @@
+"""Connections to the generation stores, opened before a generation change needs them.
+
+Opening a TCPStore client costs more than its connect: torch's client socket writes the server's
+address into its descriptions, and asks the resolver for that address's name to do so (a reverse
+DNS lookup, twice per connection; the client connects to an IPv4 address as IPv4-mapped IPv6,
+which /etc/hosts does not answer). A lookup takes ~0.4 ms when the resolver answers; this
+machine's resolver drops a query once about a hundred arrive together, and the client then sits
+out the resolver's 5 s timeout. A live generation change had every worker open two to four
+connections at the same moment (the world communicator, each subgroup rebuilt, the commit vote
+and its abort path): from ~16 ranks on 2 cores, 64 connections at once, some change waited 5 s,
+and the whole job with it. A production resolver rate-limits too; thousands of workers opening
+connections in the same millisecond is exactly what it limits.
+
+``StoreClients`` keeps ready connections to the store that hosts the current generation and to
+the one that would host the next if that node were lost (the plan names both: the planner keeps
+the host where it was and moves it to the standby when it is lost, ``planner.store_for``), and
+opens them on a thread of its own after each change, when nothing waits for them. A survivor then
+opens no connection on the failover's path; a joiner (a promoted spare) still does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+import torch.distributed as dist
+
+_READY_MAX = 8  # per store: the world, a few subgroups, the commit vote and its abort path
+# A background connect gives up sooner than a take(): a store whose node is gone must not keep
+# its opener (and the connections it holds ready) for the whole set-up timeout.
+_BACKGROUND_CONNECT = datetime.timedelta(seconds=30)
+
+
+def store_key(where: dict | None) -> tuple[str, int] | None:
+    """(addr, port) of a plan's ``store`` (or ``store["standby"]``) entry; None when it names none."""
+    if not where or not where.get("addr") or not where.get("port"):
+        return None
+    return where["addr"], int(where["port"])
+
+
+class StoreClients:
+    """Client connections per store address, each handed out once (``take``): a connection is
+    used by one communicator or one voter, so a blocking ``wait`` on one never holds up another."""
+
+    def __init__(self, timeout_s: float):
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._lock = threading.Lock()
+        self._ready: dict[tuple, list] = {}
+        self._wanted: dict[tuple, int] = {}  # how many to keep ready per store
+        self._filling: dict[tuple, threading.Thread] = {}  # one opener per store: a dead one holds up no other
+        self._taken_since_prepare = 0
+        self._closed = False
+        self.opened_on_demand = 0  # connections a caller waited for (none was ready)
+
+    def _connect(self, key: tuple, connect_timeout: datetime.timedelta | None = None) -> dist.TCPStore:
+        client = dist.TCPStore(key[0], key[1], is_master=False, timeout=connect_timeout or self._timeout, wait_for_workers=False)
+        client.set_timeout(self._timeout)  # the default of its waits (a joiner may start cold)
+        return client
+
+    def take(self, where: dict) -> dist.TCPStore:
+        """A connection to ``where``'s store that nobody else uses: a ready one, else opened now."""
+        key = store_key(where)
+        if key is None:
+            raise ValueError(f"no store address in {where!r}")
+        with self._lock:
+            self._taken_since_prepare += 1
+            ready = self._ready.get(key)
+            if ready:
+                return ready.pop()
+            self.opened_on_demand += 1
+        return self._connect(key)
+
+    def prepare(self, stores: list[dict | None]) -> None:
+        """After a generation change: keep as many connections ready to each of ``stores`` as the
+        change took (at least one), opened in the background; ready connections to any other
+        store are dropped (the plan moved away from it)."""
+        keys = [k for k in map(store_key, stores) if k is not None]
+        with self._lock:
+            want = min(max(1, self._taken_since_prepare), _READY_MAX)
+            self._taken_since_prepare = 0
+            for stale in [k for k in self._ready if k not in keys]:
+                del self._ready[stale]  # torch closes a client when it is collected
+            self._wanted = {k: want for k in keys}
+            for key in keys:
+                filling = self._filling.get(key)
+                if filling is None or not filling.is_alive():
+                    self._filling[key] = threading.Thread(target=self._fill, args=(key,), name="tm-store-clients", daemon=True)
+                    self._filling[key].start()
+
+    def ready(self, where: dict | None) -> int:
+        """How many connections to ``where``'s store are ready now."""
+        with self._lock:
+            return len(self._ready.get(store_key(where), ()))
+
+    def _fill(self, key: tuple) -> None:
+        while True:
+            with self._lock:
+                if self._closed or len(self._ready.get(key, ())) >= self._wanted.get(key, 0):
+                    return
+            try:
+                socket.create_connection(key, timeout=1.0).close()  # refused at once by a dead node, without torch's retries
+                client = self._connect(key, _BACKGROUND_CONNECT)
+            except (RuntimeError, dist.DistError, OSError):
+                return  # unreachable now: a take() opens its own and reports what is wrong
+            with self._lock:
+                if self._closed or key not in self._wanted:
+                    return
+                self._ready.setdefault(key, []).append(client)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._ready.clear()
+            self._wanted.clear()
