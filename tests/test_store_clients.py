@@ -14,7 +14,7 @@ def _where(server) -> dict:
     return {"node": "n0", "addr": "127.0.0.1", "port": server.port}
 
 
-def _until(cond, timeout=10.0) -> None:
+def _until(cond, timeout=30.0) -> None:  # a dropped reverse lookup costs a connect 5 s here
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out"
@@ -97,4 +97,17 @@ def test_a_plan_without_a_store_address_is_refused():
     else:
         raise AssertionError("took a connection to nowhere")
     clients.prepare([None, {"addr": "", "port": 0}])  # nothing to open: no error
+    clients.close()
+
+
+def test_a_parked_spare_keeps_as_many_ready_as_it_will_take():
+    """A parked spare took nothing yet; it keeps ``at_least`` ready to the plan's store and its
+    standby for the day it is promoted (the world, its subgroups, the vote and its abort path)."""
+    host, standby = store_server.serve("127.0.0.1"), store_server.serve("127.0.0.1")
+    clients = StoreClients(timeout_s=30)
+    clients.prepare([_where(host), _where(standby)], at_least=3)
+    _until(lambda: clients.ready(_where(host)) == 3 and clients.ready(_where(standby)) == 3)
+    for _ in range(3):
+        clients.take(_where(standby))
+    assert clients.opened_on_demand == 0
     clients.close()

@@ -590,6 +590,8 @@ class LiveJob:
             d = self.channel.wait_directive(after, repeat=False)
             if d.get("stop"):
                 sys.exit(0)
+            if not d["active"]:  # its connections for the day it is promoted: the world, its subgroups, the vote
+                self.gens.clients.prepare([d["store"], d["store"].get("standby")], at_least=3 + len(self._subgroups))
             if d["active"]:
                 os.environ["GROUP_RANK"] = str(d.get("group_rank", -1))  # a spare's was -1
             if d["active"] and d["ranks"][self.local_rank] != self.rank:

@@ -15,7 +15,8 @@ connections in the same millisecond is exactly what it limits.
 the one that would host the next if that node were lost (the plan names both: the planner keeps
 the host where it was and moves it to the standby when it is lost, ``planner.store_for``), and
 opens them on a thread of its own after each change, when nothing waits for them. A survivor then
-opens no connection on the failover's path; a joiner (a promoted spare) still does.
+opens no connection on the failover's path, and neither does a parked spare's worker, which keeps
+connections ready to the stores of the plan it waits beside.
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ class StoreClients:
             self.opened_on_demand += 1
         return self._connect(key)
 
-    def prepare(self, stores: list[dict | None]) -> None:
+    def prepare(self, stores: list[dict | None], at_least: int = 1) -> None:
         """After a generation change: keep as many connections ready to each of ``stores`` as the
-        change took (at least one), opened in the background; ready connections to any other
-        store are dropped (the plan moved away from it)."""
+        change took (``at_least``: for a parked spare, which took none yet), opened in the
+        background; ready connections to any other store are dropped (the plan moved away)."""
         keys = [k for k in map(store_key, stores) if k is not None]
         with self._lock:
-            want = min(max(1, self._taken_since_prepare), _READY_MAX)
+            want = min(max(1, at_least, self._taken_since_prepare), _READY_MAX)
             self._taken_since_prepare = 0
             for stale in [k for k in self._ready if k not in keys]:
                 del self._ready[stale]  # torch closes a client when it is collected
