@@ -7,6 +7,7 @@ process on torch's ``fake`` backend, which gives any rank of any world size with
 
 import datetime
 import threading
+import time
 
 import pytest
 import torch
@@ -507,6 +508,24 @@ def test_a_vote_walks_away_from_a_store_that_never_answers_once_a_peer_is_gone()
     finally:
         server.kill()
         server.wait()
+
+
+def test_old_votes_leave_the_store_in_batches_each_rank_its_share():
+    """The keys of decided votes are deleted every 64 steps, off the step's path, each rank those
+    of every world-th step; the recent ones stay (a late rank may still read them)."""
+    server, commits = _voters(2)
+    for step in range(5, 140):  # a generation entered at step 5
+        threads, decisions = _vote_all(commits, [True, True], step=step)
+        for t in threads:
+            t.join(30)
+        assert decisions == {0: True, 1: True}
+    store = dist.PrefixStore("commit/", server)
+    deadline = time.monotonic() + 30
+    while store.check(["126/n"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = [s for s in range(5, 127) if not store.check([f"{s}/n"]) and not store.check([f"{s}/d"])]
+    assert gone == list(range(5, 127))  # the batches at steps 64 and 128: every step before 127
+    assert all(store.check([f"{s}/d"]) for s in range(127, 140))
 
 
 @pytest.mark.parametrize("oks, want", [
