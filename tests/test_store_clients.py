@@ -111,3 +111,23 @@ def test_a_parked_spare_keeps_as_many_ready_as_it_will_take():
         clients.take(_where(standby))
     assert clients.opened_on_demand == 0
     clients.close()
+
+
+def test_a_change_that_took_fewer_does_not_shrink_what_is_kept_ready():
+    """Generation 0 builds every group (3 connections here); a change that rebuilt none of the
+    subgroups takes 2; the next change may rebuild them all again and finds 3 ready."""
+    server = store_server.serve("127.0.0.1")
+    where = _where(server)
+    clients = StoreClients(timeout_s=30)
+    for _ in range(3):
+        clients.take(where)
+    clients.prepare([where])
+    _until(lambda: clients.ready(where) == 3)
+    for _ in range(2):
+        clients.take(where)
+    clients.prepare([where])
+    _until(lambda: clients.ready(where) == 3)
+    for _ in range(3):
+        clients.take(where)
+    assert clients.opened_on_demand == 3  # generation 0's only
+    clients.close()

@@ -51,6 +51,7 @@ class StoreClients:
         self._wanted: dict[tuple, int] = {}  # how many to keep ready per store
         self._filling: dict[tuple, threading.Thread] = {}  # one opener per store: a dead one holds up no other
         self._taken_since_prepare = 0
+        self._want = 1
         self._closed = False
         self.opened_on_demand = 0  # connections a caller waited for (none was ready)
 
@@ -73,12 +74,14 @@ class StoreClients:
         return self._connect(key)
 
     def prepare(self, stores: list[dict | None], at_least: int = 1) -> None:
-        """After a generation change: keep as many connections ready to each of ``stores`` as the
-        change took (``at_least``: for a parked spare, which took none yet), opened in the
-        background; ready connections to any other store are dropped (the plan moved away)."""
+        """After a generation change: keep as many connections ready to each of ``stores`` as a
+        change took at most (``at_least``: for a parked spare, which took none yet), opened in
+        the background; ready connections to any other store are dropped (the plan moved away)."""
         keys = [k for k in map(store_key, stores) if k is not None]
         with self._lock:
-            want = min(max(1, at_least, self._taken_since_prepare), _READY_MAX)
+            # The most any change took so far: generation 0 builds every group; a later change
+            # rebuilds only the groups whose members changed, and the next may change them all.
+            self._want = want = min(max(self._want, at_least, self._taken_since_prepare), _READY_MAX)
             self._taken_since_prepare = 0
             for stale in [k for k in self._ready if k not in keys]:
                 del self._ready[stale]  # torch closes a client when it is collected
