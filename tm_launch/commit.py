@@ -21,7 +21,6 @@ which ranks are ahead, and a shard without a replica at the newest step falls ba
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import threading
 import time
@@ -38,7 +37,6 @@ _PATIENCE = datetime.timedelta(seconds=5)
 # collective of the step fails nothing here, so without this only its lease would tell.
 _SLOW_VOTE = datetime.timedelta(milliseconds=200)
 _UNANSWERED = 2.0  # s a vote still waits on its store once a newer generation is known
-_FORGET_EVERY = 64  # steps: old votes' keys leave the store in one batch, off the step's path
 
 
 def commit_store(store: dist.Store, generation: int) -> dist.Store:
@@ -60,43 +58,6 @@ def _write_abort(store: dist.Store, step: int) -> None:
     threading.Thread(target=write, name="tm-vote-abort", daemon=True).start()
 
 
-class _Voter:
-    """The thread the votes run on, kept from step to step. A thread started per vote made every
-    step wait for a new thread to be scheduled twice (its start, then its join): 0.6 ms of a 54 ms
-    step on this machine's two busy cores, about a third of the live loop's overhead. A voter
-    whose store never answered stays ``busy`` and is replaced by a new one."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._task: tuple | None = None
-        self.busy = False
-        threading.Thread(target=self._serve, name="tm-vote", daemon=True).start()
-
-    def run(self, fn: Callable[[], bool]) -> concurrent.futures.Future:
-        outcome: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            self._task, self.busy = (fn, outcome), True
-            self._cond.notify()
-        return outcome
-
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while self._task is None:
-                    self._cond.wait()
-                (fn, outcome), self._task = self._task, None
-            try:
-                result, error = fn(), None
-            except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
-                result, error = None, e
-            with self._cond:
-                self.busy = False
-            if error is None:
-                outcome.set_result(result)
-            else:
-                outcome.set_exception(error)
-
-
 class StepCommit:
     """One decision per step on one generation's store; ``None`` until the vote is taken."""
 
@@ -111,8 +72,6 @@ class StepCommit:
         self.where: tuple | None = None  # (generation, address, port) of the store in use
         self.last_commit_where: tuple | None = None  # the store of the last committed step (per-rank mirrors)
         self.on_slow_vote: Callable[[bool], None] = lambda waiting: None  # True: still waiting after _SLOW_VOTE; False: decided
-        self._voter: _Voter | None = None
-        self._forget_from: int | None = None  # the oldest vote of this generation whose keys are still in its store
 
     def use(self, store: dist.Store | None, rank: int, world: int, generation: int, where: tuple | None = None,
             abort_store: dist.Store | None = None) -> None:
@@ -124,13 +83,10 @@ class StepCommit:
             self.store, self.rank, self.world, self.generation = store, rank, world, generation
             self.where = where
             self._abort_store = None if store is None else abort_store if abort_store is not None else store.clone()
-            self._forget_from = None
 
     def begin(self, step: int) -> None:
         with self._lock:
             self.step, self.decision, self.uncertain = step, None, False
-            if self._forget_from is None:
-                self._forget_from = step  # this generation's first vote: nothing older is in its store
 
     def abort(self, newer: int) -> None:
         """A peer is gone (generation ``newer``, unplanned, arrived): settle the current step as
@@ -153,31 +109,38 @@ class StepCommit:
                                                                                    peer_gone or newer_generation)
             if self.decision and self.store is not None:
                 self.last_commit_where = self.where
-                if self.step % _FORGET_EVERY == 0:
-                    self._forget_before(self.step - 1)
+                if self.step % self.world == self.rank and self.step >= 2:
+                    self._forget(self.step - 2)
         return self.decision
 
     def _vote_or_walk_away(self, ok: bool, newer_generation, mirror, peer_gone) -> bool:
-        """``_vote`` on the voter thread (``_Voter``), given up (an uncertain abort, as when the
-        store is lost) once a peer is known gone and the store has not answered for
+        """``_vote`` on a thread of its own, given up (an uncertain abort, as when the store is
+        lost) once a peer is known gone and the store has not answered for
         ``_UNANSWERED``. A store whose node was cut off the network neither answers nor
         refuses, and torch's store client has no timeout for a count or a compare-and-set: the
         vote would hold this rank, and its move to the next generation, for good. Walking away
         is safe: where peers committed and this rank did not, the next generation's agreement
         finds it a step behind and it receives that step's state (``transfer``)."""
-        if self._voter is None or self._voter.busy:  # a voter left waiting on a lost store stays behind
-            self._voter = _Voter()
-        outcome = self._voter.run(lambda: self._vote(ok, newer_generation, mirror))
-        newer_since = None
-        while True:
+        box: dict = {}
+
+        def run():
             try:
-                return outcome.result(timeout=0.05)
-            except concurrent.futures.TimeoutError:
-                if peer_gone():
-                    newer_since = newer_since or time.monotonic()
-                    if time.monotonic() - newer_since > _UNANSWERED:
-                        self.uncertain = True
-                        return False
+                box["decision"] = self._vote(ok, newer_generation, mirror)
+            except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
+                box["error"] = e
+        voter = threading.Thread(target=run, name="tm-vote", daemon=True)
+        voter.start()
+        newer_since = None
+        while voter.is_alive():
+            voter.join(0.05)
+            if voter.is_alive() and peer_gone():
+                newer_since = newer_since or time.monotonic()
+                if time.monotonic() - newer_since > _UNANSWERED:
+                    self.uncertain = True
+                    return False
+        if "error" in box:
+            raise box["error"]
+        return box["decision"]
 
     def mirror(self, tag: int, record: bytes) -> None:
         """Keep this rank's per-rank state for step ``tag`` in the store (``per_rank``); the
@@ -223,22 +186,9 @@ class StepCommit:
             self.uncertain = True
             return False
 
-    def _forget_before(self, step: int) -> None:
-        """Delete the keys of this generation's votes before ``step`` (exclusive; every rank has
-        decided those), this rank's share of them (every world-th step), in one batch on a thread
-        of its own through the abort path's connection. Two deletes on the step's path every
-        other step cost ~1 ms a step on 2 busy cores."""
-        first, self._forget_from = self._forget_from, step
-        if first is None or first >= step:
-            return
-        store, rank, world = self._abort_store, self.rank, self.world
-
-        def forget():
-            try:
-                for old in range(first, step):
-                    if old % world == rank:
-                        store.delete_key(f"{old}/n")
-                        store.delete_key(f"{old}/d")
-            except (RuntimeError, dist.DistError):
-                pass  # the store is gone with its generation
-        threading.Thread(target=forget, name="tm-vote-forget", daemon=True).start()
+    def _forget(self, step: int) -> None:
+        try:
+            self.store.delete_key(f"{step}/n")
+            self.store.delete_key(f"{step}/d")
+        except (RuntimeError, dist.DistError):
+            pass
