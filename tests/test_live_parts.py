@@ -497,6 +497,12 @@ def test_a_vote_walks_away_from_a_store_that_never_answers_once_a_peer_is_gone()
         timer.start()
         assert commits[1].decide(True, lambda: gone["yes"], peer_gone=lambda: gone["yes"]) is False
         assert commits[1].uncertain and time.monotonic() - t0 < 30  # not the store client's 300 s
+        # The next generation's store answers: its votes do not wait behind the one left on the lost store.
+        fresh_server, fresh = _voters(1)
+        commits[1].use(fresh[0].store, 0, 1, 1)
+        commits[1].begin(8)
+        t1 = time.monotonic()
+        assert commits[1].decide(True, lambda: False, peer_gone=lambda: time.monotonic() - t1 > 1) is True
     finally:
         server.kill()
         server.wait()
