@@ -13,10 +13,11 @@ connections in the same millisecond is exactly what it limits.
 
 ``StoreClients`` keeps ready connections to the store that hosts the current generation and to
 the one that would host the next if that node were lost (the plan names both: the planner keeps
-the host where it was and moves it to the standby when it is lost, ``planner.store_for``), and
-opens them on a thread of its own after each change, when nothing waits for them. A survivor then
-opens no connection on the failover's path, and neither does a parked spare's worker, which keeps
-connections ready to the stores of the plan it waits beside.
+the store where it was and moves it to the standby when its node is lost,
+``rendezvous.planner._store_for``), and opens them on a thread of its own after each change,
+when nothing waits for them. A survivor then opens no connection on the failover's path, and
+neither does a parked spare's worker, which keeps connections ready to the stores of the plan it
+waits beside.
 """
 
 from __future__ import annotations
