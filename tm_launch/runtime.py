@@ -240,6 +240,8 @@ class LiveJob:
         register_optimizer_step_pre_hook(self._before_optimizer_step)
         self.gens = Generations(self, env)
         self.in_sandbox = True
+        if spare:  # opened while it warms up, not in the moment it is promoted
+            self._keep_connections_ready()
         atexit.register(self._close)
         self.channel.watch(self._on_directive)
         if env.get("TM_SANDBOX", "1") == "0":
@@ -590,8 +592,8 @@ class LiveJob:
             d = self.channel.wait_directive(after, repeat=False)
             if d.get("stop"):
                 sys.exit(0)
-            if not d["active"]:  # its connections for the day it is promoted: the world, its subgroups, the vote
-                self.gens.clients.prepare([d["store"], d["store"].get("standby")], at_least=3 + len(self._subgroups))
+            if not d["active"]:
+                self._keep_connections_ready(d)
             if d["active"]:
                 os.environ["GROUP_RANK"] = str(d.get("group_rank", -1))  # a spare's was -1
             if d["active"] and d["ranks"][self.local_rank] != self.rank:
@@ -605,6 +607,18 @@ class LiveJob:
                     self._state = "parked"
                     self._report(force=True)
             after = d["generation"]
+
+    def _keep_connections_ready(self, d: dict | None = None) -> None:
+        """A spare's connections to the store of the plan it waits beside (``d``; None: the one
+        its agent handed over last, if any) and to that store's standby, for the day it is
+        promoted: the world communicator, its subgroups, the vote and its abort path
+        (``tm_launch.store_clients``)."""
+        if d is None:
+            latest = self.channel.latest()
+            if not self.channel.store.check([f"node/plan/{latest}"]):
+                return
+            d = self.channel.directive(latest)
+        self.gens.clients.prepare([d["store"], d["store"].get("standby")], at_least=3 + len(self._subgroups))
 
     def _take_other_ranks(self, d: dict) -> None:
         """Promoted to ranks this process did not warm up as: drop everything the script built
