@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .agent_channel import first_line
 from .commit import commit_store
+from .store_clients import open_client
 from .transfer import cpu_copy
 
 
@@ -112,11 +113,11 @@ class PerRankState:
             return f"no step was committed with a mirror of rank {rank}'s per-rank state"
         generation, addr, port = where
         key = f"pr/{rank}/{step}"
-        try:
-            client = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+        try:  # a dead store is refused at once; a live one may cost a dropped name lookup (store_clients)
+            client = open_client(addr, port, timeout=datetime.timedelta(seconds=5))
             votes = commit_store(client, generation)
             record = pickle.loads(votes.get(key)) if votes.check([key]) else None
-        except (RuntimeError, dist.DistError) as e:
+        except (RuntimeError, dist.DistError, OSError) as e:
             return f"the store holding rank {rank}'s per-rank state is gone ({first_line(e, 80)})"
         if record is None or not record["exact"]:
             return f"rank {rank}'s per-rank state at step {step} was not mirrored exactly ({'none found' if record is None else 'only at its vote'})"

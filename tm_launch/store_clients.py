@@ -34,6 +34,23 @@ _READY_MAX = 8  # per store: the world, a few subgroups, the commit vote and its
 _BACKGROUND_CONNECT = datetime.timedelta(seconds=30)
 
 
+# Long enough for two of the resolver's 5 s timeouts: each connection makes torch's client ask
+# for the server address's name, and a dropped query costs its connect 5 s.
+RESOLVER_PROOF = datetime.timedelta(seconds=15)
+
+
+def open_client(addr: str, port: int, timeout: datetime.timedelta, connect_timeout: datetime.timedelta = RESOLVER_PROOF,
+                probe: bool = True) -> dist.TCPStore:
+    """A TCPStore client of ``addr:port`` whose waits default to ``timeout``. With ``probe``, a
+    store whose node is gone is known at once (a plain connect, refused: ``OSError``), where
+    torch's client would retry the refusal for all of ``connect_timeout``."""
+    if probe:
+        socket.create_connection((addr, port), timeout=1.0).close()
+    client = dist.TCPStore(addr, port, is_master=False, timeout=connect_timeout, wait_for_workers=False)
+    client.set_timeout(timeout)
+    return client
+
+
 def store_key(where: dict | None) -> tuple[str, int] | None:
     """(addr, port) of a plan's ``store`` (or ``store["standby"]``) entry; None when it names none."""
     if not where or not where.get("addr") or not where.get("port"):
@@ -56,10 +73,6 @@ class StoreClients:
         self._closed = False
         self.opened_on_demand = 0  # connections a caller waited for (none was ready)
 
-    def _connect(self, key: tuple, connect_timeout: datetime.timedelta | None = None) -> dist.TCPStore:
-        client = dist.TCPStore(key[0], key[1], is_master=False, timeout=connect_timeout or self._timeout, wait_for_workers=False)
-        client.set_timeout(self._timeout)  # the default of its waits (a joiner may start cold)
-        return client
 
     def take(self, where: dict) -> dist.TCPStore:
         """A connection to ``where``'s store that nobody else uses: a ready one, else opened now."""
@@ -72,7 +85,7 @@ class StoreClients:
             if ready:
                 return ready.pop()
             self.opened_on_demand += 1
-        return self._connect(key)
+        return open_client(*key, self._timeout, connect_timeout=self._timeout, probe=False)  # errors as torch raises them
 
     def prepare(self, stores: list[dict | None], at_least: int = 1) -> None:
         """After a generation change: keep as many connections ready to each of ``stores`` as a
@@ -104,8 +117,7 @@ class StoreClients:
                 if self._closed or len(self._ready.get(key, ())) >= self._wanted.get(key, 0):
                     return
             try:
-                socket.create_connection(key, timeout=1.0).close()  # refused at once by a dead node, without torch's retries
-                client = self._connect(key, _BACKGROUND_CONNECT)
+                client = open_client(*key, self._timeout, connect_timeout=_BACKGROUND_CONNECT)
             except (RuntimeError, dist.DistError, OSError):
                 return  # unreachable now: a take() opens its own and reports what is wrong
             with self._lock:
