@@ -66,7 +66,7 @@ class StoreClients:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._lock = threading.Lock()
         self._ready: dict[tuple, list] = {}
-        self._wanted: dict[tuple, int] = {}  # how many to keep ready per store
+        self._stores: set[tuple] = set()  # the stores to keep ``_want`` connections ready to
         self._filling: dict[tuple, threading.Thread] = {}  # one opener per store: a dead one holds up no other
         self._taken_since_prepare = 0
         self._want = 1
@@ -95,11 +95,11 @@ class StoreClients:
         with self._lock:
             # The most any change took so far: generation 0 builds every group; a later change
             # rebuilds only the groups whose members changed, and the next may change them all.
-            self._want = want = min(max(self._want, at_least, self._taken_since_prepare), _READY_MAX)
+            self._want = min(max(self._want, at_least, self._taken_since_prepare), _READY_MAX)
             self._taken_since_prepare = 0
             for stale in [k for k in self._ready if k not in keys]:
                 del self._ready[stale]  # torch closes a client when it is collected
-            self._wanted = {k: want for k in keys}
+            self._stores = set(keys)
             for key in keys:
                 filling = self._filling.get(key)
                 if filling is None or not filling.is_alive():
@@ -114,14 +114,14 @@ class StoreClients:
     def _fill(self, key: tuple) -> None:
         while True:
             with self._lock:
-                if self._closed or len(self._ready.get(key, ())) >= self._wanted.get(key, 0):
+                if self._closed or key not in self._stores or len(self._ready.get(key, ())) >= self._want:
                     return
             try:
                 client = open_client(*key, self._timeout, connect_timeout=_BACKGROUND_CONNECT)
             except (RuntimeError, dist.DistError, OSError):
                 return  # unreachable now: a take() opens its own and reports what is wrong
             with self._lock:
-                if self._closed or key not in self._wanted:
+                if self._closed or key not in self._stores:
                     return
                 self._ready.setdefault(key, []).append(client)
 
@@ -129,4 +129,4 @@ class StoreClients:
         with self._lock:
             self._closed = True
             self._ready.clear()
-            self._wanted.clear()
+            self._stores.clear()
