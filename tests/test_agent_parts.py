@@ -19,6 +19,7 @@ from rendezvous.kv import EtcdOptions, KVError, connect
 from rendezvous.membership import Membership
 from rendezvous.plan import NodeInfo, Plan
 from rendezvous.planner import Limits, View
+from tm_launch.agent_channel import directives_queue
 from tm_launch.agent_config import AgentConfig
 from tm_launch.failures import FailureWatch
 from tm_launch.observers import DowntimeStamps, DrainWaitNote, MetricsFeed
@@ -135,7 +136,7 @@ def supervisor(tmp_path):
     sup.close()
 
 
-def test_supervisor_directs_a_generation_through_the_store_and_the_latest_file(supervisor):
+def test_supervisor_directs_a_generation_through_the_store_and_each_workers_queue(supervisor):
     plan = Plan(generation=3, nodes=("n1", "n2"), nproc=2, store={"node": "n1", "addr": "127.0.0.1", "port": 1},
                 joiners=("n2",), live=True)
     supervisor.direct(plan)
@@ -144,8 +145,9 @@ def test_supervisor_directs_a_generation_through_the_store_and_the_latest_file(s
     assert supervisor.store.add("node/latest", 0) == 3
     supervisor.direct(plan.next(generation=2))  # an older generation never moves node/latest back
     assert supervisor.store.add("node/latest", 0) == 3
-    with open(supervisor.latest_file) as f:
-        assert f.read().split() == ["3", "2"]
+    for lr in range(2):  # only the newer generation wakes the workers' watch threads
+        assert supervisor.store.queue_len(directives_queue(lr)) == 1
+        assert supervisor.store.queue_pop(directives_queue(lr)) == b"3"
     env = supervisor.env(plan, 1, sandbox=True)
     assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"], env["TM_SANDBOX"]) == ("3", "1", "4", "1")
     assert env["TM_AGENT_STORE"] == f"127.0.0.1:{supervisor.store.port}"

@@ -1,9 +1,15 @@
 """A live worker's only link to the outside: its own agent's local TCPStore.
 
 The agent writes one *directive* per generation (``node/plan/<gen>``, the newest number in
-``node/latest``, and a line appended to ``TM_LATEST_FILE`` so that the per-step check is a
-``stat``, not a round trip). The worker writes its status, a heartbeat, and what it measured when
-it entered a generation. Workers never talk to etcd.
+``node/latest``) and pushes that number onto each local worker's queue (``directives_queue``).
+The worker writes its status, a heartbeat, and what it measured when it entered a generation.
+Workers never talk to etcd.
+
+Why a queue: a worker's watch thread blocks in ``queue_pop`` (the store's server answers the
+moment the agent pushes, ~0.3 ms here) instead of polling, and the worker can wake its own
+thread to end it (``close``), which a wait on a key the agent sets could not. Every other wait
+for a directive (a parked spare, a rank after a failed collective) waits on what that thread
+heard, and the per-step check reads it from memory.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ def log(msg: str) -> None:
     print(f"[tm-launch worker {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
 
 
+def directives_queue(local_rank: int) -> str:
+    """The store queue the agent pushes every newer generation's number onto, for one worker."""
+    return f"worker/{local_rank}/directives"
+
+
 def first_line(error: BaseException, limit: int = 160) -> str:
     """An error in one log line: its message's first line (its type when the message is empty)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
@@ -34,10 +45,11 @@ class AgentChannel:
         host, port = env["TM_AGENT_STORE"].rsplit(":", 1)
         self.local_rank = int(env["LOCAL_RANK"])
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        self._latest_file = env.get("TM_LATEST_FILE")
         self._wake = env.get(WAKE_ENV)
-        self._latest_size = -2  # forces the first check through the store
         self._closing = False
+        self._news = threading.Condition()
+        self._heard = -1  # the newest generation the watch thread has heard of
+        self._watcher: threading.Thread | None = None
         beat_store = self.store.clone()  # its own connection: a blocked main thread must not stop it
         self._beat = threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True)
         self._beat.start()
@@ -54,35 +66,56 @@ class AgentChannel:
             time.sleep(0.5)
 
     def close(self) -> None:
+        """End the threads: the watcher is woken by a close of its own on its queue (a stale one,
+        left by an earlier process of this local rank, names another pid and is ignored)."""
         self._closing = True
+        if self._watcher is not None:
+            try:
+                self.store.queue_push(directives_queue(self.local_rank), f"close {os.getpid()}")
+            except Exception:  # noqa: BLE001 -- the agent is gone, and with it the thread's wait
+                pass
+            self._watcher.join(timeout=2)
         self._beat.join(timeout=2)
 
     def watch(self, on_directive) -> None:
-        """Call ``on_directive(d)`` from a background thread for every generation the agent hands
-        over, within a few milliseconds: a rank blocked in a commit vote or a collective is told
-        that a peer is gone without polling anything remote (a local ``stat`` every 5 ms)."""
-        store = self.store.clone()
+        """Call ``on_directive(d)`` from a background thread for the generation the agent handed
+        over last and then for every newer one, the moment it is pushed: a rank blocked in a
+        commit vote or a collective is told that a peer is gone without polling anything."""
+        store = self.store.clone()  # its own connection: it blocks in queue_pop
+        store.set_timeout(datetime.timedelta(hours=1))  # the agent's death ends the wait at once
+        queue, mine = directives_queue(self.local_rank), f"close {os.getpid()}"
+
+        def hear(latest: int) -> None:
+            if latest <= self._heard or not store.check([f"node/plan/{latest}"]):
+                return
+            with self._news:
+                self._heard = latest
+                self._news.notify_all()
+            try:
+                on_directive(json.loads(store.get(f"node/plan/{latest}")))
+            except Exception as e:  # noqa: BLE001 -- the watcher must live on
+                log(f"acting on generation {latest} failed: {first_line(e)}")
 
         def run():
-            seen, size = -1, -1
-            while not self._closing:
-                time.sleep(0.005)
-                try:
-                    now = os.stat(self._latest_file).st_size if self._latest_file else -1
-                except OSError:
-                    continue
-                if now == size:
-                    continue
-                size = now
-                try:
-                    latest = store.add("node/latest", 0)
-                    if latest > seen:
-                        seen = latest
-                        on_directive(json.loads(store.get(f"node/plan/{latest}")))
-                except Exception:  # the agent is gone: PR_SET_PDEATHSIG ends this process
-                    return
+            try:
+                hear(store.add("node/latest", 0))
+                while not self._closing:
+                    try:
+                        item = store.queue_pop(queue).decode()
+                    except dist.DistStoreError:  # the hour passed with nothing handed over
+                        continue
+                    if item == mine:
+                        return
+                    if not item.startswith("close "):
+                        hear(store.add("node/latest", 0))  # the newest, also when several were pushed
+            except Exception:  # noqa: BLE001 -- the agent is gone: PR_SET_PDEATHSIG ends this process
+                return
+            finally:
+                with self._news:
+                    self._news.notify_all()
 
-        threading.Thread(target=run, daemon=True, name="tm-generation-watch").start()
+        self._watcher = threading.Thread(target=run, daemon=True, name="tm-generation-watch")
+        self._watcher.start()
 
     def set(self, what: str, value, wake: bool = False) -> None:
         """``worker/<local rank>/<what>``: status, live, entered/<gen>, ... ``wake``: the agent
@@ -96,30 +129,27 @@ class AgentChannel:
         return self.store.add("node/latest", 0)
 
     def newer_than(self, generation: int) -> bool:
-        """Cheap per-step check: the agent appends a line to a file for every generation."""
-        try:
-            size = os.stat(self._latest_file).st_size if self._latest_file else -1
-        except OSError:
-            size = -1
-        if size == self._latest_size and size >= 0:
-            return False
-        self._latest_size = size
-        return self.latest() > generation
+        """The per-step check: what the watch thread heard, no round trip (``watch`` first)."""
+        return self._heard > generation
 
     def directive(self, generation: int) -> dict:
         return json.loads(self.store.get(f"node/plan/{generation}"))
 
     def wait_directive(self, after: int, repeat: bool = True) -> dict:
-        """Block until the agent hands over a generation newer than ``after``; say so every few
-        seconds (once only with ``repeat=False``: a parked spare waits by design)."""
+        """Block until the agent hands over a generation newer than ``after`` (``watch`` first);
+        say so every few seconds (once only with ``repeat=False``: a parked spare waits by
+        design)."""
         from .waits import Every
 
+        if self._watcher is None:
+            raise RuntimeError("AgentChannel.wait_directive needs watch() first: the watch thread hears the agent")
         ticker, said = Every(), False
         while True:
-            latest = self.latest()
+            latest = self.latest()  # the store is written before the push: never behind the thread
             if latest > after:
                 return self.directive(latest)
             if ticker.due() and (repeat or not said):
                 log(f"waiting for generation > {after} from the agent ({ticker.elapsed:.0f} s so far)")
                 said = True
-            time.sleep(0.005)
+            with self._news:
+                self._news.wait_for(lambda: self._heard > latest or not self._watcher.is_alive(), timeout=1.0)

@@ -19,6 +19,7 @@ from typing import Callable
 from rendezvous.plan import Plan
 
 from . import store_server
+from .agent_channel import directives_queue
 from .agent_config import AgentConfig
 from .communicators import nccl_error_handling
 from .wakeup import WAKE_ENV, WakeSocket, Wakeup
@@ -43,7 +44,6 @@ class WorkerSupervisor:
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
         self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id, self.scratch,
                                  on_exit=lambda: wakeup.set("worker exit"))
-        self.latest_file = os.path.join(self.scratch, "generations")  # grows by a line per directive
         self.live_seen = False  # a local worker said it uses the live API (tm_launch.init)
         self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
         self._statuses_cache: dict | None = None
@@ -193,9 +193,8 @@ class WorkerSupervisor:
         current = self.store.add("node/latest", 0)
         if plan.generation > current:
             self.store.add("node/latest", plan.generation - current)
-        # Workers check this file's size at every step boundary (a stat, no round trip).
-        with open(self.latest_file, "a") as f:
-            f.write(f"{plan.generation}\n")
+            for lr in range(self.cfg.nproc):  # wakes each worker's watch thread (tm_launch.agent_channel)
+                self.store.queue_push(directives_queue(lr), str(plan.generation))
 
     def start(self, plan: Plan, sandbox: bool, master: tuple[str, int] | None) -> None:
         """Start this node's workers for ``plan`` (already directed): sandboxed warm spares, or
@@ -243,7 +242,6 @@ class WorkerSupervisor:
             "TM_NODE_ID": me,
             "TM_LOCAL_ADDR": cfg.addr,
             "TM_GENERATION": str(plan.generation),
-            "TM_LATEST_FILE": self.latest_file,
             "TM_SANDBOX": "1" if sandbox else "0",
             "TM_SANDBOX_STEPS": str(cfg.sandbox_steps),
             "TM_COLLECTIVE_TIMEOUT": str(cfg.collective_timeout),
