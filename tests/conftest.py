@@ -1,5 +1,7 @@
-"""Shared fixtures: one real etcd per test session, and KV clients for both API versions."""
+"""Shared fixtures: one real etcd per test session, KV clients for both API versions, and a port
+that refuses connections."""
 import os
+import socket
 import sys
 import uuid
 
@@ -9,6 +11,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rendezvous.etcd_server import EtcdServer  # noqa: E402
 from rendezvous.kv import EtcdOptions, connect  # noqa: E402
+
+
+@pytest.fixture
+def refusing_port():
+    """A loopback port that refuses connections for the whole test: bound, never listening.
+
+    A port bound and closed again ("nothing listens there") can be taken by any socket of the
+    suite's other processes before the test connects, or by the connect itself as its own
+    source port (a TCP self-connect, which succeeds); held bound, it can be neither."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -262,10 +262,8 @@ def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(
 # ------------------------------------------------------------------------------------------------
 # FailureWatch: dead peers are reported at once
 
-def test_a_peer_whose_agent_refuses_connections_is_reported_lost(members, supervisor):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed_port = s.getsockname()[1]  # nothing listens here once the socket is closed
+def test_a_peer_whose_agent_refuses_connections_is_reported_lost(members, supervisor, refusing_port):
+    closed_port = refusing_port
     with socket.create_server(("127.0.0.1", 0)) as listening:
         alive_port = listening.getsockname()[1]
         dead, live = node("n1", closed_port), node("n3", alive_port)
@@ -283,12 +281,10 @@ def test_a_peer_whose_agent_refuses_connections_is_reported_lost(members, superv
     assert "n1" not in view.alive and "n3" in view.alive  # unregistered: never promoted or waited for
 
 
-def test_a_refusal_at_an_address_the_peer_no_longer_has_is_not_a_loss(members, supervisor):
+def test_a_refusal_at_an_address_the_peer_no_longer_has_is_not_a_loss(members, supervisor, refusing_port):
     """A view's record can be older than the peer's registration (a new agent, a new port): the
     refusal of the old port is checked against the record read now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed_port = s.getsockname()[1]
+    closed_port = refusing_port
     with socket.create_server(("127.0.0.1", 0)) as listening:
         members.register(node("n1", listening.getsockname()[1]), ttl=10)
         said = Said()

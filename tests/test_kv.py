@@ -245,10 +245,8 @@ def test_wait_sees_delete_prefix(kv_factory):
 # ---------------------------------------------------------------- failure handling
 
 @pytest.mark.parametrize("api", ["v2", "v3"])
-def test_unreachable_fails_fast_with_one_line(api):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]        # closed again: nothing listens there
+def test_unreachable_fails_fast_with_one_line(api, refusing_port):
+    port = refusing_port
     start = time.monotonic()
     with pytest.raises(KVError) as err:
         connect(api, EtcdOptions(endpoints=(f"127.0.0.1:{port}",), timeout=1.0))
@@ -271,10 +269,8 @@ def test_silent_server_times_out(api):
 
 
 @pytest.mark.parametrize("api", ["v2", "v3"])
-def test_endpoint_failover(api, etcd_endpoint):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+def test_endpoint_failover(api, etcd_endpoint, refusing_port):
+    dead = f"127.0.0.1:{refusing_port}"
     kv = connect(api, EtcdOptions(endpoints=(dead, etcd_endpoint), prefix="/tests/failover", timeout=1.0))
     try:
         kv.put("k", api)

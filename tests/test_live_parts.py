@@ -635,18 +635,13 @@ def _step(commit, state, step, consume=1, after_commit=0):
     state.objects["data"].n += after_commit
 
 
-def test_a_mirror_on_a_store_whose_node_is_gone_is_reported_at_once():
+def test_a_mirror_on_a_store_whose_node_is_gone_is_reported_at_once(refusing_port):
     """The store that held a rank's per-rank mirror went with its node: the joiner learns so from
     the refused connection at once, not after torch's client has retried it for its whole connect
     timeout (which allows for the resolver's dropped lookups, tm_launch.store_clients)."""
-    import socket
-
     joiner = _mirroring_rank()[2]
-    gone = socket.create_server(("127.0.0.1", 0))
-    port = gone.getsockname()[1]
-    gone.close()
     t0 = time.monotonic()
-    why = joiner.fetch((4, "127.0.0.1", port), 0, 4)
+    why = joiner.fetch((4, "127.0.0.1", refusing_port), 0, 4)
     assert why is not None and "is gone" in why and time.monotonic() - t0 < 3
 
 

@@ -2,7 +2,6 @@
 needs them, each is used by one holder, and a store the plan left is let go."""
 
 import datetime
-import socket
 import threading
 import time
 
@@ -75,11 +74,9 @@ def test_the_standby_gets_ready_connections_and_a_store_left_behind_is_dropped()
     clients.close()
 
 
-def test_an_unreachable_standby_holds_up_no_other_store():
+def test_an_unreachable_standby_holds_up_no_other_store(refusing_port):
     host = store_server.serve("127.0.0.1")
-    gone = socket.create_server(("127.0.0.1", 0))
-    dead = {"node": "n1", "addr": "127.0.0.1", "port": gone.getsockname()[1]}
-    gone.close()  # nothing listens there: its connects are refused
+    dead = {"node": "n1", "addr": "127.0.0.1", "port": refusing_port}
     clients = StoreClients(timeout_s=30)
     clients.take(_where(host))
     clients.prepare([dead, _where(host)])
