@@ -1,12 +1,14 @@
 """The ring of kept-open connections between agents (``tm_launch.peer_link``): whom a node
 watches, and what the link reports, on real sockets."""
 
+import math
 import socket
 import threading
+from collections import Counter
 
 import pytest
 
-from tm_launch.peer_link import PeerLink, successor
+from tm_launch.peer_link import PeerLink, probe_targets, successor
 
 
 @pytest.mark.parametrize("nodes, me, want", [
@@ -24,6 +26,29 @@ def test_every_active_node_is_watched_by_exactly_one_peer():
     nodes = [f"n{i}" for i in range(7)]
     watchers = [successor(nodes, me) for me in nodes]
     assert sorted(watchers) == sorted(nodes)
+
+
+@pytest.mark.parametrize("nodes, me, want", [
+    pytest.param("abcdefgh", "a", list("bce"), id="distances 1, 2, 4 in a ring of 8"),
+    pytest.param("abcdefgh", "g", list("hac"), id="wrapping round"),
+    pytest.param("abc", "b", list("ca"), id="three nodes: both others"),
+    pytest.param("ab", "b", ["a"], id="two nodes: the other"),
+    pytest.param("a", "a", [], id="alone: nobody"),
+    pytest.param("ab", "s", [], id="not active (a spare): nobody"),
+])
+def test_probe_targets(nodes, me, want):
+    assert probe_targets(list(nodes), me) == want
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 100, 1024])
+def test_a_probe_costs_log_n_per_node_and_every_node_is_probed_as_often(n):
+    """A failure makes every survivor probe: log2(N) connections each, not N - 1 (N^2 in all),
+    and each node, dead or alive, is probed by as many peers (none is left to its lease)."""
+    nodes = [f"n{i}" for i in range(n)]
+    probes = Counter(t for me in nodes for t in probe_targets(nodes, me))
+    per_node = math.ceil(math.log2(n))
+    assert all(len(probe_targets(nodes, me)) == per_node for me in nodes)
+    assert set(probes) == set(nodes) and set(probes.values()) == {per_node}
 
 
 class Peer:

@@ -17,6 +17,7 @@ from rendezvous.plan import Plan
 from rendezvous.planner import View, finished_without
 
 from .agent_config import AgentConfig
+from .peer_link import probe_targets
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
 from .workers import describe_exit
@@ -160,10 +161,11 @@ class FailureWatch:
         short of a refusal (a timeout, a partition) is left to the lease, the authority. The
         view's record may be older than the peer's registration (a follower's view carries
         records over from generation to generation): a refusal is checked against the record
-        read now, one key, before the peer is reported. ``only``: probe that peer alone."""
-        if only is None:  # a probe of every peer (probe_peers counts from it)
+        read now, one key, before the peer is reported. ``only``: probe that peer alone; else
+        the peers at ring distances 1, 2, 4, ... (``peer_link.probe_targets``: log2(N) each)."""
+        if only is None:  # a probe round (probe_peers counts from it)
             self.probed_gen, self.probed_at = plan.generation, time.time()
-        for node in plan.nodes if only is None else [only]:
+        for node in probe_targets(plan.nodes, self.cfg.node_id) if only is None else [only]:
             info = view.alive.get(node)
             if node == self.cfg.node_id or info is None or node in view.reports:
                 continue
