@@ -155,12 +155,14 @@ def test_live_group_forwards_to_the_composite_group(store):
 
     got = on_ranks(2, step)
     assert {r: v for r, (v, _) in got.items()} == {r: ([2.0, 1.0], 1.0, [[0.0, 9.0], [1.0, 9.0]]) for r in (0, 1)}
-    # Dropped here, not at the end of the rank threads: a collective's completion callback
-    # holds its LiveGroup, and if gloo's own worker thread dropped the last reference, the
-    # group's destructor would join that thread from itself (std::terminate, "Resource
-    # deadlock avoided"; seen with short-lived LiveGroups in this test, not in the runtime,
-    # whose LiveGroups live as long as the job).
-    del got
+    # Released here, on the main thread: a collective's completion callback holds its
+    # LiveGroup, and if gloo's own worker thread dropped the last reference to a group that
+    # still held its communicator, the communicator's destructor would join that thread from
+    # itself (std::terminate, "Resource deadlock avoided"; seen with short-lived LiveGroups in
+    # this test even after a `del` here, which a callback still running can outlive; not in
+    # the runtime, whose LiveGroups live as long as the job and release on exit, as here).
+    for _, group in got.values():
+        group.release()
 
 
 @pytest.mark.parametrize("backend, local_rank, cuda_count, want", [
@@ -299,7 +301,8 @@ def test_a_failed_collective_closes_its_communicator_before_the_step_goes_on(sto
     got = on_ranks(4, step, ranks=[3, 0, 2, 1])
     assert got[1] is True, "rank 1's collective did not fail"
     assert got[0] == (True, False) and got[2] == (True, False), got  # rank 1 failed while they computed
-    del groups
+    for group in groups.values():  # on the main thread (see test_live_group_forwards_to_the_composite_group)
+        group.release()
 
 
 def test_gloo_groups_are_not_aborted_by_the_watcher(store):
