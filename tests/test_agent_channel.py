@@ -94,6 +94,8 @@ def test_close_ends_the_watch_thread_blocked_on_its_queue(agent):
     time.sleep(0.2)  # back in queue_pop
     channel.close()
     assert not channel._watcher.is_alive()
+    with pytest.raises(RuntimeError, match="watch of the agent's directives has ended"):
+        channel.wait_directive(2)  # nothing left to wake it: loud, not a wait forever
 
 
 def test_a_stale_generation_left_on_the_queue_is_not_heard_again(agent):
@@ -126,4 +128,6 @@ def test_the_watch_ends_when_the_agent_is_gone():
     del server  # the agent's store server goes with its last reference
     channel._watcher.join(timeout=10)
     assert not channel._watcher.is_alive()
+    with pytest.raises(Exception):  # a wait fails at once (the store, or the ended watch), never spins
+        channel.wait_directive(0)
     channel.close()

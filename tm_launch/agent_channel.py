@@ -46,7 +46,7 @@ class AgentChannel:
         self.local_rank = int(env["LOCAL_RANK"])
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         self._wake = env.get(WAKE_ENV)
-        self._closing = False
+        self._closing = threading.Event()
         self._news = threading.Condition()
         self._heard = -1  # the newest generation the watch thread has heard of
         self._watcher: threading.Thread | None = None
@@ -58,17 +58,17 @@ class AgentChannel:
         """Tell the agent this process is alive, also while the main thread waits in a collective
         (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it."""
         key = f"worker/{self.local_rank}/beat"
-        while not self._closing:
+        while not self._closing.is_set():
             try:
                 store.set(key, f"{time.time():.3f}")
             except Exception:
                 return
-            time.sleep(0.5)
+            self._closing.wait(0.5)  # close() ends the wait at once: a worker's exit waits for no beat
 
     def close(self) -> None:
         """End the threads: the watcher is woken by a close of its own on its queue (a stale one,
         left by an earlier process of this local rank, names another pid and is ignored)."""
-        self._closing = True
+        self._closing.set()
         if self._watcher is not None:
             try:
                 self.store.queue_push(directives_queue(self.local_rank), f"close {os.getpid()}")
@@ -99,7 +99,7 @@ class AgentChannel:
         def run():
             try:
                 hear(store.add("node/latest", 0))
-                while not self._closing:
+                while not self._closing.is_set():
                     try:
                         item = store.queue_pop(queue).decode()
                     except dist.DistStoreError:  # the hour passed with nothing handed over
@@ -151,5 +151,7 @@ class AgentChannel:
             if ticker.due() and (repeat or not said):
                 log(f"waiting for generation > {after} from the agent ({ticker.elapsed:.0f} s so far)")
                 said = True
+            if not self._watcher.is_alive():  # it ends only with the agent (whose store then fails first) or close()
+                raise RuntimeError(f"tm-launch: waiting for generation > {after}, but the watch of the agent's directives has ended")
             with self._news:
                 self._news.wait_for(lambda: self._heard > latest or not self._watcher.is_alive(), timeout=1.0)
