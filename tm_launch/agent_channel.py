@@ -102,8 +102,10 @@ class AgentChannel:
                 while not self._closing.is_set():
                     try:
                         item = store.queue_pop(queue).decode()
-                    except dist.DistStoreError:  # the hour passed with nothing handed over
-                        continue
+                    except dist.DistStoreError as e:
+                        if "timeout" in str(e):  # the hour passed with nothing handed over
+                            continue
+                        raise
                     if item == mine:
                         return
                     if not item.startswith("close "):
