@@ -3,6 +3,7 @@ agent part: ``WorkerSupervisor.direct`` writes to its own TCPStore server and pu
 worker's queue; the channel's watch thread blocks on that queue (no polling)."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -47,11 +48,20 @@ class Heard(list):
         return list(self)
 
 
-def test_the_watch_hears_the_current_directive_and_then_each_newer_one(agent):
-    agent.direct(PLAN)
+@contextlib.contextmanager
+def watching(agent):
+    """A worker's channel to ``agent`` and what its watch hears, closed at the end."""
     channel, heard = channel_of(agent), Heard()
     try:
         channel.watch(heard)
+        yield channel, heard
+    finally:
+        channel.close()
+
+
+def test_the_watch_hears_the_current_directive_and_then_each_newer_one(agent):
+    agent.direct(PLAN)
+    with watching(agent) as (channel, heard):
         assert heard.wait_for([1]) == [1]
         agent.direct(PLAN.next(generation=2))
         assert heard.wait_for([1, 2]) == [1, 2]
@@ -60,8 +70,6 @@ def test_the_watch_hears_the_current_directive_and_then_each_newer_one(agent):
         agent.direct(PLAN.next(generation=5))  # two at once: heard in order, the newest last
         assert heard.wait_for([1, 2, 5]) in ([1, 2, 5], [1, 2, 4, 5])
         assert channel.newer_than(4) and not channel.newer_than(5)
-    finally:
-        channel.close()
 
 
 def test_a_waiting_rank_is_woken_by_the_directive_it_waits_for(agent):
@@ -102,14 +110,10 @@ def test_a_stale_generation_left_on_the_queue_is_not_heard_again(agent):
     """A fresh process of a local rank finds what an earlier one never popped."""
     agent.direct(PLAN)
     agent.direct(PLAN.next(generation=2))  # pushed for a process that is gone
-    channel, heard = channel_of(agent), Heard()
-    try:
-        channel.watch(heard)
+    with watching(agent) as (_, heard):
         assert heard.wait_for([2]) == [2]
         agent.direct(PLAN.next(generation=3))
         assert heard.wait_for([2, 3]) == [2, 3]
-    finally:
-        channel.close()
 
 
 def test_waiting_needs_the_watch(agent):

@@ -73,7 +73,6 @@ class StoreClients:
         self._closed = False
         self.opened_on_demand = 0  # connections a caller waited for (none was ready)
 
-
     def take(self, where: dict) -> dist.TCPStore:
         """A connection to ``where``'s store that nobody else uses: a ready one, else opened now."""
         key = store_key(where)
