@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 from urllib.parse import quote, urlsplit
@@ -118,6 +118,15 @@ class KV(ABC):
     def get_prefix(self, prefix: str) -> Listing:
         """All entries whose key starts with ``prefix``, sorted by key, and the revision read at."""
 
+    def count(self, prefix: str) -> int:
+        """How many keys start with ``prefix``; v3 counts without sending them."""
+        return len(self.get_prefix(prefix))
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, Entry]:
+        """The entries of those ``keys`` that exist; v3 reads them in one request (a transaction
+        of reads), where a request per key costs each its own round trip."""
+        return {k: e for k in keys if (e := self.get(k)) is not None}
+
     @abstractmethod
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         """Write unconditionally; returns the new revision. Without a lease the key is permanent."""
@@ -196,6 +205,7 @@ def connect(api: str, options: EtcdOptions) -> KV:
 # ---------------------------------------------------------------- shared helpers
 
 _FIX = "start etcd or fix --rdzv-endpoint"
+TXN_OPS = 64  # reads per transaction in get_many (etcd's --max-txn-ops defaults to 128)
 
 
 def _endpoints(options: EtcdOptions) -> list[tuple[str, str, int]]:
@@ -471,6 +481,19 @@ class EtcdV3(KV):
         reply = self._call("kv/range", self._prefix_range(prefix))
         entries = sorted((self._entry(kv) for kv in reply.get("kvs", [])), key=lambda e: e.key)
         return Listing(entries, int(reply["header"]["revision"]))
+
+    def count(self, prefix: str) -> int:
+        return int(self._call("kv/range", {**self._prefix_range(prefix), "count_only": True}).get("count", 0))
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, Entry]:
+        keys, out = list(keys), {}
+        for at in range(0, len(keys), TXN_OPS):   # etcd allows 128 operations per transaction
+            ranges = [{"request_range": {"key": _b64(self._keys.full(k))}} for k in keys[at:at + TXN_OPS]]
+            for res in self._call("kv/txn", {"success": ranges}).get("responses", []):
+                for kv in res.get("response_range", {}).get("kvs", []):
+                    entry = self._entry(kv)
+                    out[entry.key] = entry
+        return out
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         req = {"key": _b64(self._keys.full(key)), "value": _b64(value)}

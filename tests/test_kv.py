@@ -108,6 +108,14 @@ def test_delete_and_prefixes(kv_factory):
     assert [e.key for e in kv.get_prefix("nodes")] == ["nodes/a", "nodes/b", "nodes/c/x", "nodesX"]
     assert [e.key for e in kv.get_prefix("")] == ["nodes/a", "nodes/b", "nodes/c/x", "nodesX", "other"]
     assert kv.get_prefix("missing/") == []
+    assert (kv.count("nodes/"), kv.count("nodes"), kv.count("missing/")) == (3, 4, 0)
+    many = kv.get_many(["nodes/a", "absent", "other", "nodes/a"])
+    assert {k: e.value for k, e in many.items()} == {"nodes/a": "nodes/a", "other": "other"}
+    kv.put("k3", "3")
+    kv.put("k150", "150")
+    assert kv.get_many([]) == {} and set(kv.get_many(f"k{i}" for i in range(200))) == {"k3", "k150"}   # two transactions
+    kv.delete("k3")
+    kv.delete("k150")
     kv.delete("nodes/b")
     kv.delete("nodes/b")            # deleting an absent key is fine
     assert kv.get("nodes/b") is None
