@@ -213,7 +213,9 @@ class PlanDelta:
     ``removed``, the cause). ``digest`` is the new plan's ``plan_digest``. ``records`` are the
     registrations of the nodes a holder of the previous plan must learn about (``fresh_nodes``),
     as the publisher read them: with them in the delta, which the watch stream carries, a node
-    that only follows plans makes no request at all for a join or a loss.
+    that only follows plans makes no request at all for a join or a loss. ``spares``: how many
+    spares the publisher counted beside the new plan (``planner.spares``; None: not counted),
+    which a node that reads no records reports as its spares gauge.
     """
 
     previous: int | None  # the generation this applies to; None: no plan before (formation)
@@ -223,6 +225,7 @@ class PlanDelta:
     fields: dict
     digest: str
     records: tuple[NodeInfo, ...] = ()
+    spares: int | None = None
 
     @property
     def generation(self) -> int | None:
@@ -253,6 +256,8 @@ class PlanDelta:
             splices.append((splice[0], splice[1], tuple(splice[2])))
         if not all(isinstance(n, str) for n in delta.joiners):
             raise ValueError("plan delta field 'joiners' must be a list of node ids")
+        if delta.spares is not None and (not _is_int(delta.spares) or delta.spares < 0):
+            raise ValueError(f"plan delta field 'spares' is not a count: {_short(delta.spares)}")
         if not isinstance(delta.records, list):
             raise ValueError("plan delta field 'records' must be a list of node records")
         try:
@@ -261,29 +266,31 @@ class PlanDelta:
             raise ValueError("a node record in the plan delta lacks a field") from None
         return PlanDelta(previous=delta.previous, nodes=tuple(splices), joiners=tuple(delta.joiners),
                          every_node_joins=delta.every_node_joins, fields=delta.fields, digest=delta.digest,
-                         records=records)
+                         records=records, spares=delta.spares)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def fresh_nodes(previous: Plan, new: Plan) -> list[str]:
+def fresh_nodes(previous: Plan | None, new: Plan) -> list[str]:
     """The nodes of ``new`` whose registration a node holding ``previous`` must learn: those new
-    to the plan, and the joiners already in it, whose workers start again (their agent may have
-    registered again since); not when every node joins (a restart generation), where that would
-    be every record, O(N), and the records held stand."""
-    held = set(previous.nodes)
+    to the plan (every one when it holds none), and the joiners already in it, whose workers
+    start again (their agent may have registered again since); not when every node joins (a
+    restart generation), where that would be every record, O(N), and the records held stand."""
+    held = set(previous.nodes) if previous is not None else set()
     fresh = [n for n in new.nodes if n not in held]
     if new.joiners != new.nodes:
         fresh += [n for n in new.joiners if n in held]
     return fresh
 
 
-def plan_delta(previous: Plan | None, new: Plan, records: Mapping[str, NodeInfo] | None = None) -> PlanDelta:
+def plan_delta(previous: Plan | None, new: Plan, records: Mapping[str, NodeInfo] | None = None,
+               spares: int | None = None) -> PlanDelta:
     """The delta that turns ``previous`` (None before the first plan) into ``new``, carrying the
     ``records`` (node id -> registration) of its ``fresh_nodes``. None are sent at formation:
-    there every node is fresh, and every node reads the whole state then anyway."""
+    there every node is fresh, O(N) records, and a node that follows reads only those of the
+    peers it connects to (``Membership.with_records``)."""
     before = previous.nodes if previous is not None else ()
     matcher = difflib.SequenceMatcher(None, before, new.nodes, autojunk=False)
     splices = tuple((i1, i2, new.nodes[j1:j2]) for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal")
@@ -291,7 +298,8 @@ def plan_delta(previous: Plan | None, new: Plan, records: Mapping[str, NodeInfo]
     rest = {k: list(v) if isinstance(v, tuple) else v for k, v in _fields_of(new).items() if k not in ("nodes", "joiners")}
     sent = () if previous is None else tuple(records[n] for n in fresh_nodes(previous, new) if n in (records or {}))
     return PlanDelta(previous=previous.generation if previous is not None else None, nodes=splices, records=sent,
-                     joiners=() if every else new.joiners, every_node_joins=every, fields=rest, digest=plan_digest(new))
+                     joiners=() if every else new.joiners, every_node_joins=every, fields=rest, digest=plan_digest(new),
+                     spares=spares)
 
 
 class DeltaMismatch(ValueError):

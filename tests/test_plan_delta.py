@@ -152,6 +152,7 @@ def test_the_delta_carries_the_records_a_follower_lacks(previous, new, sent):
     again = PlanDelta.from_json(delta.to_json())
     assert again == delta and all(isinstance(r, NodeInfo) for r in again.records)
     assert plan_delta(previous, new).records == ()   # no records given: none sent
+    assert plan_delta(previous, new).spares is None and PlanDelta.from_json(plan_delta(previous, new, spares=2).to_json()).spares == 2
 
 
 def test_a_plans_json_is_what_it_always_was():
@@ -195,6 +196,9 @@ def test_a_delta_that_does_not_fit_is_refused(held, delta, why):
     json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "joiners": [1]}),
     json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "fields": []}),
     json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "digest": 5}),
+    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": -1}),
+    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": "2"}),
+    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": True}),
     json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": {}}),
     json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": [1]}),
     json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": [{"id": "X"}]}),
