@@ -73,7 +73,7 @@ def say(msg: str) -> None:
 
 # ------------------------------------------------------------------ counting adapters
 
-READS = ("get", "get_prefix", "current_revision")
+READS = ("get", "get_many", "get_prefix", "count", "current_revision")
 WRITES = ("put", "create", "replace", "delete", "delete_prefix")
 
 
@@ -132,6 +132,16 @@ class CountingKV(KV):
         out = self.inner.get_prefix(prefix)
         self.counts["bytes_read"] += sum(len(e.key) + len(e.value) for e in out)
         return out
+
+    def get_many(self, keys):
+        self._count("get_many")
+        out = self.inner.get_many(keys)
+        self.counts["bytes_read"] += sum(len(e.key) + len(e.value) for e in out.values())
+        return out
+
+    def count(self, prefix):
+        self._count("count")
+        return self.inner.count(prefix)
 
     def put(self, key, value, lease=None):
         self._count("put")
@@ -568,7 +578,8 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
 def per_event(before: dict, after: dict, digest: str) -> dict:
     """What one event cost, from the stand-ins' counters before and after it: operations by
     type, bytes from etcd, and the same per follower (a stand-in that only followed plans both
-    before and after: the planners, group rank 0, joiners and the dead node are the others).
+    before and after, or, for generation 0, after: the planners, group rank 0, joiners and the
+    dead node are the others).
     ``agree``: the live stand-ins holding exactly etcd's plan."""
     def ops(node: str, status: dict) -> int:
         return sum(x for k, x in status[node]["counts"].items() if k != "bytes_read")
@@ -578,7 +589,8 @@ def per_event(before: dict, after: dict, digest: str) -> dict:
     for node in after:
         total.update(_delta(Counter(after[node]["counts"]), Counter(before[node]["counts"])))
     d = summarize(total)
-    followers = [node for node in after if before[node]["follows"] and after[node]["follows"] and not after[node]["frozen"]]
+    followers = [node for node in after if (before[node]["follows"] or not before[node]["reads"])
+                 and after[node]["follows"] and not after[node]["frozen"]]
     live = [v for v in after.values() if not v["frozen"]]
     n = len(after)
     return {

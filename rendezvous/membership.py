@@ -49,11 +49,11 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, fresh_nodes, plan_delta, plan_digest
-from .planner import View, follows_only, planners
+from .planner import PLANNERS, View, follows_only, planners, spares
 
 from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
 from . import marker_watch
@@ -80,15 +80,17 @@ class Snapshot:
     """One consistent read of ``state/`` plus the revision to watch from.
 
     ``partial`` (``Membership.refresh``): brought up to date from the plan feed, not read whole.
-    Its plan is exact and ``live`` is read; ``alive`` is the last whole read's, less the nodes the
-    plan removed, with the records of the nodes that joined the plan since read again; failed and
-    drains are the last whole read's; reports and done are empty after a generation change.
-    ``plan_entry`` is None: a partial view is never planned on."""
+    Its plan is exact and ``live`` is read; ``alive`` holds only records known to be current: the
+    last whole read's (none for a node that joined while the first plan formed), less the nodes
+    the plan removed or took in again, plus the records the deltas carried and those read for what
+    the node acts on (``with_records``); failed and drains are the last whole read's; reports and
+    done are empty after a generation change. ``plan_entry`` is None: a partial view is never
+    planned on."""
 
     view: View
     plan_entry: Entry | None
     revision: int
-    spares_alive: int
+    spares_alive: int   # planner.spares, counted; partial: as the last delta's publisher counted them
     plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
     planners: tuple[str, ...] = ()   # who plans (planner.planners; partial: as the markers say)
     partial: bool = False
@@ -192,7 +194,7 @@ class Membership:
             done=frozenset(done), live=getattr(entries.get("state/live"), "value", None) == "1",
             report_kinds=kinds, report_times=times, now=time.time(),
         )
-        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=_spares_alive(view),
+        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=len(spares(view)),
                         plan_error=plan_error, planners=planners(view))
 
     def refresh(self, previous: Snapshot | None, node: str, *, fresh: bool = False) -> Snapshot:
@@ -218,14 +220,13 @@ class Membership:
             raise
 
     def _read(self, previous: Snapshot | None, node: str, fresh: bool) -> Snapshot:
-        if (previous is None or previous.view.plan is None or not self.kv.transactions
-                or not follows_only(previous.view, node, node in previous.planners)):
+        if not self.kv.transactions:
             return self._whole(fresh)
-        listing = None if fresh else self.feed_mirror.listing()
-        if listing is None:
-            listing = self.kv.get_prefix(FEED)
-            self.feed_mirror.seed(listing)
-        revision, feed = listing.revision, {e.key: e for e in listing}
+        if previous is None:
+            return self._join(node, fresh)
+        if not follows_only(previous.view, node, node in previous.planners):
+            return self._whole(fresh)
+        revision, feed = self._feed(fresh)
         markers = self._markers(feed)
         chosen = tuple(sorted({name for names in markers.values() for name in names}))
         if not markers or node in chosen:
@@ -233,11 +234,55 @@ class Membership:
         moved = self._delta_plan(previous.view.plan, feed.get(DELTA))
         if moved is None:
             return self._whole(fresh)
-        view = self._moved_on(previous.view, *moved)
+        plan, delta = moved
+        view = self._moved_on(previous.view, plan, delta.records if delta else ())
         if not follows_only(view, node, planning=False):
             return self._whole(fresh)
-        return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=_spares_alive(view),
-                        planners=chosen, partial=True)
+        counted = delta.spares if delta is not None and delta.spares is not None else previous.spares_alive
+        return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=counted, planners=chosen, partial=True)
+
+    def _join(self, node: str, fresh: bool) -> Snapshot:
+        """The first read of an agent that just registered. While generation 0 forms and the
+        planners are all chosen without this node (a full set named in their markers: they joined
+        first), it only follows: it waits for the first plan's delta like any follower, and
+        reads no node's record (N joiners reading the whole state read O(N^2) bytes). Anything
+        else (a plan already published, planners still being chosen, a marker naming it) is a
+        whole read."""
+        revision, feed = self._feed(fresh)
+        chosen = tuple(sorted({name for names in self._markers(feed).values() for name in names}))
+        if DELTA in feed or len(chosen) < PLANNERS or node in chosen:
+            return self._whole(fresh)
+        view = View(plan=None, alive={}, failed={}, reports={}, drains={}, done=frozenset(), live=False, now=time.time())
+        return Snapshot(view=view, plan_entry=None, revision=revision, spares_alive=0, planners=chosen, partial=True)
+
+    def _feed(self, fresh: bool) -> tuple[int, dict[str, Entry]]:
+        """The plan feed (the delta and the planner markers) as of its revision: the copy its
+        watch stream keeps, unless that cannot be trusted or ``fresh`` asks for a read."""
+        listing = None if fresh else self.feed_mirror.listing()
+        if listing is None:
+            listing = self.kv.get_prefix(FEED)
+            self.feed_mirror.seed(listing)
+        return listing.revision, {e.key: e for e in listing}
+
+    def with_records(self, snap: Snapshot, nodes: Iterable[str]) -> Snapshot:
+        """``snap`` holding the registrations of ``nodes`` (the peers its agent connects to),
+        those it lacks read now, in one request. Only a partial view lacks records of live nodes (it
+        holds those it acts on, not every node's: see ``Snapshot``); a whole view is returned
+        as it is, and a node whose record is gone stays out (it is dead)."""
+        missing = [n for n in nodes if n not in snap.view.alive] if snap.partial else []
+        if not missing:
+            return snap
+        alive = dict(snap.view.alive)
+        entries = self.kv.get_many(f"state/nodes/{n}" for n in missing)
+        for n in missing:
+            info = self._record_of(n, entries.get(f"state/nodes/{n}"))
+            if info is not None:
+                alive[n] = info
+        return dataclasses.replace(snap, view=dataclasses.replace(snap.view, alive=alive))
+
+    def joined(self) -> int:
+        """How many nodes are registered now, without reading their records."""
+        return self.kv.count("state/nodes/")
 
     def _whole(self, fresh: bool) -> Snapshot:
         listing = None if fresh else self.state_mirror.listing()
@@ -261,41 +306,39 @@ class Membership:
                 self._skip(key, e)
         return markers
 
-    def _delta_plan(self, held: Plan, entry: Entry | None) -> tuple[Plan, tuple[NodeInfo, ...]] | None:
-        """The published plan, from ``held`` and the feed's delta, with the node records the
-        delta carries; None when only a whole read can tell (no delta, an unreadable one, or one
-        that does not fit ``held``)."""
+    def _delta_plan(self, held: Plan | None, entry: Entry | None) -> tuple[Plan | None, PlanDelta | None] | None:
+        """The published plan, from ``held`` and the feed's delta, with the delta that moved it
+        on (None when the plan stands); None when only a whole read can tell (no delta, an
+        unreadable one, or one that does not fit ``held``)."""
         if entry is None:
-            return None
+            return (None, None) if held is None else None   # no plan yet: generation 0 forms
         try:
             delta = PlanDelta.from_json(entry.value)
         except ValueError as e:
             self._skip(DELTA, e)
             return None
-        if delta.generation == held.generation and delta.digest == plan_digest(held):
-            return held, ()   # woken by a marker, or by nothing: the plan stands
+        if held is not None and delta.generation == held.generation and delta.digest == plan_digest(held):
+            return held, None   # woken by a marker, or by nothing: the plan stands
         try:
-            return apply_delta(held, delta), delta.records
+            return apply_delta(held, delta), delta
         except DeltaMismatch as e:
             log.debug("plan delta for generation %s not applied (%s): reading the whole state", delta.generation, e)
             return None
 
-    def _moved_on(self, before: View, plan: Plan, records: tuple[NodeInfo, ...]) -> View:
-        """``before`` moved on to ``plan``, learning the registrations of its ``fresh_nodes``
-        from ``records`` (the delta's) and reading from etcd only those the delta lacks, and
-        ``state/live`` until it is seen."""
+    def _moved_on(self, before: View, plan: Plan | None, records: tuple[NodeInfo, ...]) -> View:
+        """``before`` moved on to ``plan``: the registrations of its ``fresh_nodes`` are those
+        ``records`` (the delta's) carry, the held ones are dropped (their agent may have
+        registered again), and a record the delta lacks is read only when the node acts on it
+        (``with_records``); ``state/live`` is read until it is seen."""
         if plan is before.plan:
             return dataclasses.replace(before, now=time.time())
         fresh = fresh_nodes(before.plan, plan)
         sent = {r.id: r for r in records}
         gone = set(plan.removed) | set(fresh)
         alive = {n: info for n, info in before.alive.items() if n not in gone}
-        for n in fresh:
-            info = sent[n] if n in sent else self.node_record(n)
-            if info is not None:
-                alive[n] = info
+        alive.update((n, sent[n]) for n in fresh if n in sent)
         live = before.live or getattr(self.kv.get("state/live"), "value", None) == "1"
-        same_gen = plan.generation == before.plan.generation
+        same_gen = before.plan is not None and plan.generation == before.plan.generation
         return dataclasses.replace(
             before, plan=plan, alive=alive, live=live, now=time.time(),
             reports=before.reports if same_gen else {}, report_kinds=before.report_kinds if same_gen else {},
@@ -304,12 +347,13 @@ class Membership:
 
     def node_record(self, node: str) -> NodeInfo | None:
         """``node``'s registration now, one key: None when it is gone or unreadable."""
-        key = f"state/nodes/{node}"
-        entry = self.kv.get(key)
+        return self._record_of(node, self.kv.get(f"state/nodes/{node}"))
+
+    def _record_of(self, node: str, entry: Entry | None) -> NodeInfo | None:
         try:
             return _node_record(node, entry.value) if entry is not None else None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            self._skip(key, e)
+            self._skip(f"state/nodes/{node}", e)
             return None
 
     def plan(self) -> Plan | None:
@@ -367,10 +411,11 @@ class Membership:
 
     # -- writing ----------------------------------------------------------------------------
     @_writes_state
-    def publish(self, plan: Plan, expected: Entry | None, records: Mapping[str, NodeInfo] | None = None) -> bool:
+    def publish(self, plan: Plan, expected: Entry | None, records: Mapping[str, NodeInfo] | None = None,
+                spares: int | None = None) -> bool:
         """Compare-and-swap the next plan in; False when someone else published first.
         ``records``: the registrations the planner read (``View.alive``); the delta carries those
-        of the nodes the followers do not hold yet.
+        of the nodes the followers do not hold yet, and ``spares``, the spares beside the plan.
 
         History is written after the swap; a publisher killed in between leaves the previous
         plan's history entry missing, so every publish first backfills the plan it replaces."""
@@ -383,7 +428,7 @@ class Membership:
                 pass
         # The delta from the plan this one replaces (from nothing if that was unreadable: then
         # no follower holds it, and they read the whole state), in the same transaction.
-        feed = {DELTA: plan_delta(replaced, plan, records).to_json()} if self.kv.transactions else {}
+        feed = {DELTA: plan_delta(replaced, plan, records, spares).to_json()} if self.kv.transactions else {}
         if expected is None:
             ok = self.kv.create("state/plan", plan.to_json(), also=feed)
         else:
@@ -528,11 +573,6 @@ class Membership:
 # Keys under state/ by kind and the number of path segments tm-launch writes for each.
 _DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "reports": 4, "done": 4, "stores": 3}
 _REPORT_KINDS = ("exit", "signal", "lost", "alarm", "state")
-
-
-def _spares_alive(view: View) -> int:
-    active = set(view.plan.nodes) if view.plan else set()
-    return len([n for n in view.alive if n not in active and n not in view.failed])
 
 
 def _node_record(node: str, text: str) -> NodeInfo:

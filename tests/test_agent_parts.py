@@ -321,7 +321,7 @@ def test_metrics_feed_without_a_port_does_nothing(members):
     plan = Plan(generation=1, nodes=("n1",), nproc=1)
     feed.on_event("plan", {})
     feed.on_statuses({})
-    feed.on_state(View(plan=plan, alive={}), plan)
+    feed.on_state(View(plan=plan, alive={}), plan, 0)
     feed.on_generation(plan)
     feed.on_entered(plan)
     feed.stop()

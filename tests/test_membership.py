@@ -397,9 +397,11 @@ def lose(m: Membership, node: str, records: bool = True) -> Plan:
 
 
 def keys_read(kv) -> list[str]:
-    """From now on, the keys ``kv.get`` is asked for."""
-    asked, get = [], kv.get
+    """From now on, the keys ``kv.get`` and ``kv.get_many`` are asked for (a request of
+    ``get_many`` as one tuple)."""
+    asked, get, get_many = [], kv.get, kv.get_many
     kv.get = lambda key: asked.append(key) or get(key)
+    kv.get_many = lambda keys: asked.append(tuple(keys)) or get_many(asked[-1])
     return asked
 
 
@@ -438,20 +440,74 @@ def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
         lease.revoke()
 
 
-def test_a_record_the_delta_lacks_is_read_and_one_it_carries_is_not(kv_factory):
+def test_a_record_the_delta_lacks_is_read_only_when_the_follower_connects_to_that_node(kv_factory):
     m, leases, held = following_job(kv_factory, spares=3)
     if not m.kv.transactions:
         return   # v2 writes no delta (the test above)
     asked = keys_read(m.kv)
     gen1 = lose(m, "b", records=False)   # a planner that passed no records
     at1 = m.refresh(held, "d")
-    assert at1.partial and at1.view.plan == gen1 and asked == ["state/nodes/s0"]
-    assert at1.view.alive["s0"] == held.view.alive["s0"]
+    assert at1.partial and at1.view.plan == gen1 and asked == [] and "s0" not in at1.view.alive
+    assert m.with_records(at1, ["a", "c"]) is at1 and asked == []   # records held: nothing read
+    at1 = m.with_records(at1, ["s0", "a"])   # d's agent connects to s0: its record, one key
+    assert asked == [("state/nodes/s0",)] and at1.view.alive["s0"] == held.view.alive["s0"]
     del asked[:]
     gen2 = lose(m, "c")
     at2 = m.refresh(at1, "d")
     assert at2.partial and at2.view.plan == gen2 and asked == []
     assert at2.view.alive["s1"] == held.view.alive["s1"] and "c" not in at2.view.alive
+    assert m.with_records(held, ["gone"]) is held and asked == []   # a whole view lacks only the dead
+    for lease in leases.values():
+        lease.revoke()
+
+
+def test_a_node_that_joins_after_the_planners_takes_generation_0_from_its_delta(kv_factory):
+    """While generation 0 forms, a node that joins after a full set of planners reads no node's
+    record: not at its first read, not when the first plan lands. It reads the records of the
+    peers it connects to, and counts the joined nodes for its waiting line."""
+    m = Membership(kv_factory("formation"))
+    t0 = time.time()
+    leases = {n: m.register(info(n, t0 + i), ttl=30) for i, n in enumerate("ab")}
+    early = m.snapshot()
+    for node in early.planners:
+        m.mark_planner(node, leases[node], early.planners)
+    leases["c"] = m.register(info("c", t0 + 2), ttl=30)
+    assert not m.refresh(None, "c").partial   # two planners named so far: c may be the third
+    planners = m.snapshot().planners
+    assert planners == tuple("abc")
+    for node in planners:
+        m.mark_planner(node, leases[node], planners)
+    for i, node in enumerate("defg"):
+        leases[node] = m.register(info(node, t0 + 3 + i), ttl=30)
+    assert m.joined() == 7
+    kv = m.kv
+    asked, spent = keys_read(kv), []
+
+    def as_e(read, *args):   # what etcd sends e's own reads (kv.received: v3 counts it)
+        before = getattr(kv, "received", 0)
+        out = read(*args)
+        spent.append(getattr(kv, "received", 0) - before)
+        return out
+
+    joined = as_e(m.refresh, None, "e")
+    if not kv.transactions:
+        assert not joined.partial   # v2: no feed, every read is whole
+        return
+    assert joined.partial and joined.view.plan is None and joined.view.alive == {} and joined.planners == planners
+    assert not m.refresh(None, "a").partial   # a planner reads everything
+    assert m.refresh(joined, "e").view.plan is None   # nothing published yet: it waits
+    snap = m.snapshot()
+    first = next_plan(snap.view, Limits(min_nodes=6, max_nodes=6, nproc=1, max_restarts=0))
+    assert first.nodes == tuple("abcdef") and m.publish(first, None, snap.view.alive, spares=1)   # g
+    at0 = as_e(m.refresh, joined, "e")
+    assert at0.partial and at0.view.plan == first and at0.view.alive == {}
+    assert at0.spares_alive == 1   # as the publisher counted them: e reads no record
+    assert asked == ["state/live"]   # the job may be live: read until seen
+    at0 = as_e(m.with_records, at0, ["f", "a"])   # e's successor f, and a at distance 2
+    assert asked == ["state/live", ("state/nodes/f", "state/nodes/a")] and set(at0.view.alive) == {"a", "f"}
+    whole_read = as_e(m.refresh, None, "e") and spent.pop()
+    assert sum(spent) < whole_read, (spent, whole_read)   # all of e's reads, less than one whole read
+    assert not m.refresh(None, "f").partial   # the plan is out: a node joining now reads it whole
     for lease in leases.values():
         lease.revoke()
 
@@ -496,9 +552,11 @@ def test_a_follower_reads_the_whole_state_whenever_the_delta_cannot_tell(kv_fact
         assert not m.refresh(held, "d").partial
         return
 
-    whole(m, m.refresh(dataclasses.replace(held, view=dataclasses.replace(held.view, plan=None)), "d"), "no plan held")
+    no_plan = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=None))
+    assert m.refresh(no_plan, "d").view.plan == held.view.plan   # generation 0's delta applies to no plan
     whole(m, m.refresh(held, "a"), "a planner reads everything")
     gen1 = lose(m, "b")
+    whole(m, m.refresh(no_plan, "d"), "no plan held, and the delta is for 0 -> 1")
     gen2 = lose(m, "c")
     whole(m, m.refresh(held, "d"), "generation 1 was missed: the delta is for 1 -> 2")
     at1 = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=gen1))

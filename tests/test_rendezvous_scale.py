@@ -66,3 +66,11 @@ def test_a_follower_costs_the_same_per_event_at_8_and_24_nodes(results):
     for ev in (middle_8, first_8, middle_24, first_24):
         f = ev["followers"]
         assert f["whole_reads"] == 0 and f["count"] >= ev["live"] - PLANNERS - 4, ev
+    # Generation 0: a follower takes the first plan from its delta and reads its peers' records
+    # in one request. It reads the whole state at most once, at its join, and only if it joined
+    # before the planners were chosen (before: once at its join and again when the plan landed),
+    # and makes as many requests at 24 nodes as at 8.
+    for gen0 in (gen0_8, gen0_24):
+        f = gen0["followers"]
+        assert f["count"] >= gen0["live"] - PLANNERS - 3 and f["whole_reads"] <= f["count"], gen0
+    assert gen0_24["followers"]["ops_max"] <= gen0_8["followers"]["ops_max"] + 1, (gen0_8, gen0_24)

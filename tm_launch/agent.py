@@ -40,11 +40,13 @@ from .events import EventLog
 from .failures import FailureWatch
 from .follower import PlanFollower
 from .observers import AlarmWatch, DowntimeStamps, DrainWaitNote, EntryReport, MetricsFeed, ProgressPublisher, StragglerWatch
-from .peer_link import PeerLink, successor
+from .peer_link import PeerLink, probe_targets, successor
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
 from .waits import Every
 from .wakeup import StateWatch, Wakeup
+
+JOINED_NAMED = 16  # the waiting line names this many nodes, then counts
 
 __all__ = ["Agent", "AgentConfig"]  # AgentConfig: what tm_launch.cli builds an Agent from
 
@@ -74,7 +76,7 @@ class Agent:
         self.drain_wait = DrainWaitNote(cfg.node_id, say)
         self.peer_link = PeerLink(wake=lambda: self.wakeup.set("peer"))  # the next active node's agent
         # The loop's own state: when to read etcd again, and whether this node plans.
-        self.started = time.time()
+        self.started = time.time()  # both again when it runs: the join timeout counts from there
         self.join_wait = Every()  # progress lines while the first generation forms
         self.min_reached_at: float | None = None  # MIN nodes alive since (the join window's last call)
         self.state_changed = True  # the last watch saw a change under state/: re-read etcd
@@ -86,6 +88,7 @@ class Agent:
         current = members.plan()  # not a whole snapshot: N joiners would read N records each
         if current and current.finished:
             raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id")
+        self.started, self.join_wait = time.time(), Every()
         self.metrics.serve(self.cfg.addr, self.cfg.metrics_port, self.say)
         self.session.register(NodeInfo(
             id=self.cfg.node_id, host=socket.gethostname(), addr=self.cfg.addr, store_port=self.supervisor.store.port,
@@ -120,6 +123,7 @@ class Agent:
             if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until) or session.lost_lease.is_set():
                 try:  # after a lost lease, a read that shows whether etcd answers (not the mirror)
                     snap = session.members.refresh(snap, self.cfg.node_id, fresh=session.lost_lease.is_set())
+                    snap = session.members.with_records(snap, self._peers(snap.view.plan))
                 except KVError as e:
                     session.back_off(e, self.follower.plan)
                     continue
@@ -150,7 +154,7 @@ class Agent:
                 return code
         plan = self.follower.plan
         if view.plan is None:
-            self._check_join_timeout(view)
+            self._check_join_timeout(snap)
         elif plan is not None and me not in plan.nodes and not self.supervisor.workers and view.live:
             self.follower.be_spare(plan, view)  # the job turned out to be live: warm up now
         self._link_to_successor(plan, view)
@@ -163,7 +167,7 @@ class Agent:
         self.stamps.write()
         self.alarms.handle(plan)
         self.progress.publish(plan)
-        self.metrics.on_state(view, plan)
+        self.metrics.on_state(view, plan, snap.spares_alive)
         self.drain_wait.note(view)
         self.planning = me in snap.planners
         if self.session.take_reported():
@@ -173,7 +177,8 @@ class Agent:
         if decision is not None and decision.state != SUCCEEDED and view.plan is not None and self.session.settling():
             decision = None  # right after an etcd outage: let every node re-register first
         sent_at = time.time()
-        if decision is not None and self.session.members.publish(decision, snap.plan_entry, view.alive):
+        if decision is not None and self.session.members.publish(
+                decision, snap.plan_entry, view.alive, len(spares(dataclasses.replace(view, plan=decision)))):
             self._announce(decision)
             self.stamps.plan_published(decision, sent_at, view)
             self.state_changed = True  # look at the new state at once
@@ -193,6 +198,14 @@ class Agent:
         # A peer's connection ended: read etcd again before probing it (it may have left the plan).
         self.state_changed = bool({"etcd", "peer"} & self.wakeup.wait(self.cfg.monitor_interval))
         return None
+
+    def _peers(self, plan: Plan | None) -> list[str]:
+        """The nodes whose agents this one connects to: its successor, kept open, and the peers
+        it probes (``peer_link.probe_targets``, the successor first). A view that only follows
+        plans holds their records and no others (``Membership.with_records``)."""
+        if plan is None or plan.finished:
+            return []
+        return probe_targets(plan.nodes, self.cfg.node_id)
 
     def _link_to_successor(self, plan: Plan | None, view: View) -> None:
         """Keep a connection to the next active node's agent (``tm_launch.peer_link``): its death
@@ -216,20 +229,29 @@ class Agent:
         passed = self.min_reached_at is not None and time.time() - self.min_reached_at >= self.cfg.last_call
         return dataclasses.replace(view, last_call_passed=passed)
 
-    def _check_join_timeout(self, view: View) -> None:
+    def _check_join_timeout(self, snap) -> None:
+        """Say every few seconds who has joined while generation 0 forms, and give up after
+        ``--join-timeout``. A node that only follows (``snap.partial``) holds no records: it
+        counts the nodes instead (one small read, only when it speaks)."""
         waited = time.time() - self.started
-        if self.join_wait.due():
-            joined = sorted(view.alive)
+        timed_out = waited > self.cfg.join_timeout
+        if not self.join_wait.due() and not timed_out:
+            return
+        joined = None if snap.partial else sorted(snap.view.alive)
+        count = self.session.members.joined() if joined is None else len(joined)
+        if not timed_out:
+            named = joined[:JOINED_NAMED] if joined is not None else None   # a line (and event) per node: O(1) each
+            names = "" if named is None else f" ({', '.join(named) or 'none'}{', ...' if count > len(named) else ''})"
             self.say(
-                f"waiting for {self.cfg.limits.min_nodes} node(s) to join run '{self.cfg.run_id}': {len(joined)} joined "
-                f"({', '.join(joined) or 'none'}); {waited:.0f} s of {self.cfg.join_timeout:.0f} s", kind="waiting",
-                waiting_for="nodes", joined=joined, elapsed_s=round(waited, 1), limit_s=self.cfg.join_timeout,
+                f"waiting for {self.cfg.limits.min_nodes} node(s) to join run '{self.cfg.run_id}': {count} joined"
+                f"{names}; {waited:.0f} s of {self.cfg.join_timeout:.0f} s", kind="waiting",
+                waiting_for="nodes", joined=named, joined_count=count, elapsed_s=round(waited, 1), limit_s=self.cfg.join_timeout,
             )
-        if waited > self.cfg.join_timeout:
-            raise SystemExit(
-                f"tm-launch: error: waited {waited:.0f}s for {self.cfg.limits.min_nodes} node(s) to join run "
-                f"'{self.cfg.run_id}', {len(view.alive)} joined; start the other nodes or lower --nnodes"
-            )
+            return
+        raise SystemExit(
+            f"tm-launch: error: waited {waited:.0f}s for {self.cfg.limits.min_nodes} node(s) to join run "
+            f"'{self.cfg.run_id}', {count} joined; start the other nodes or lower --nnodes"
+        )
 
     def _announce(self, plan: Plan) -> None:
         if plan.finished:

@@ -66,14 +66,16 @@ class MetricsFeed:
         if self.metrics is not None:
             self.metrics.on_statuses(statuses)
 
-    def on_state(self, view: View, plan: Plan | None) -> None:
-        """Once per loop, from the snapshot already read: generation, role, spares."""
+    def on_state(self, view: View, plan: Plan | None, spare_count: int) -> None:
+        """Once per loop, from the snapshot already read: generation, role, and the spares it
+        counted (``Snapshot.spares_alive``: a node that only follows has them from the plan's
+        delta, not from records it does not read)."""
         if self.metrics is None or view.plan is None:
             return
         me = self.node_id
         plan = plan or view.plan
         role = "failed" if me in view.failed else "draining" if me in view.drains and me in plan.nodes else "active" if me in plan.nodes else "spare"
-        self.metrics.on_state(plan.generation, role, len(spares(view)))
+        self.metrics.on_state(plan.generation, role, spare_count)
 
     def on_generation(self, plan: Plan) -> None:
         if self.metrics is not None:
