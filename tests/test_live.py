@@ -214,6 +214,51 @@ def test_node_loss_found_while_the_survivors_compute(local_job, reference):
     assert_bitwise(params, reference(2, 2))
 
 
+@pytest.mark.slow  # ~60 s: six agents
+def test_a_node_that_joined_after_the_planners_finds_its_successor_lost(local_job, reference):
+    """Five active nodes and a spare; d and e start once a, b and c have named themselves the
+    planners, so they read no node's record while generation 0 forms (they take it from its
+    delta: ``Membership._join``) and afterwards only their peers' (``Membership.with_records``).
+    With every survivor's workers stopped, e's agent and workers are SIGKILLed: d's agent, e's
+    only watcher in the ring, must find the loss through its kept-open link to e, at the address
+    it read for that link. The job ends bitwise."""
+    from rendezvous.kv import EtcdOptions, connect
+    from rendezvous.membership import run_prefix
+
+    job = local_job(nnodes="5", nproc=1, launcher_args=["--max-restarts", "3"])
+    out, trigger = os.path.join(job.workdir, "params.pt"), os.path.join(job.workdir, "trigger")
+    job.script_args = [*SCRIPT, "--out", out, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger]
+    kv = connect("v3", EtcdOptions(endpoints=(job.endpoint,), prefix=run_prefix(job.run_id)))
+    job.start_all(["a", "b", "c"])
+    deadline = time.time() + 60
+    while {e.key.rsplit("/", 1)[-1] for e in kv.get_prefix("state/plan-feed/planners/")} != {"a", "b", "c"}:
+        assert time.time() < deadline, "a, b and c never named themselves planners\n" + job.logs_tail()
+        time.sleep(0.1)
+    job.start_all(["d", "e"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start_all(["s"])
+    job.wait_parked("s")
+    open(trigger, "w").close()
+    job.wait_step(PAUSE + 5)
+    survivors = [pid for node in "abcd" for pid in job.worker_pids(node)]
+    found = {}
+    for pid in survivors:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        job.kill_agent("e")
+        deadline = time.time() + 30
+        while time.time() < deadline and not found:
+            found.update(next((e for e in job.events() if e["kind"] == "node_lost"), {}))
+            time.sleep(0.05)
+    finally:
+        for pid in survivors:
+            os.kill(pid, signal.SIGCONT)
+    codes = job.wait(timeout=240)
+    assert found.get("node") == "d" and found.get("lost") == "e", f"d's agent must find e lost through the ring: {found}\n{job.logs_tail()}"
+    assert all(codes[n] == 0 for n in "abcds"), job.logs_tail()
+    assert_bitwise(torch.load(out), reference(5, 1))
+
+
 @pytest.mark.slow
 def test_node_lost_while_the_others_wait_in_the_vote(local_job, reference):
     """Rank 2's vote completes the count and its node dies (agent and workers) before it writes
