@@ -11,7 +11,11 @@ it, injects a real fault a few steps later and reads the training script's step 
 Downtime is TrainMover's definition (``tm_launch.localjob.downtime``): from the last step every
 rank completed before the fault to the first step every rank completed after it. Steps redone are
 steps that had been completed by every rank before the fault and were run again. The fault time
-is taken right when the signal is sent.
+is taken right when the signal is sent. It strikes ``--fault-at`` of a step (default 0.5) after the
+step log shows step pause + fault-after: a fault that can come at any time lands mid-step on
+average, and that part of the interrupted step, lost whatever the launcher, is its own column
+(``before_fault``) beside the agents' phases. (The benchmark used to poll the log every 50 ms and
+look the victim's pids up afterwards, so its faults landed 45-68 ms into a 54 ms step.)
 
 Cases
   worker-sigkill  external ``kill -9`` of one worker process of the victim node (``--victim``:
@@ -359,9 +363,13 @@ class Bench:
                 self.wait_standby(job, a.start_timeout)
             result["ready_s"] = time.time() - t0
             victim = result["victim"] = victim_node(a.victim, job, nodes)  # before the release: `ctl status` takes a while
+            targets = self.victim_pids(job, spec, victim)  # ahead: pgrep takes tens of ms
             open(trigger, "w").close()
-            job.wait_step(fault_step, timeout=a.start_timeout)
-            fault_time, how = self.inject(job, spec, victim)
+            if spec.case == "drain":
+                job.wait_step(fault_step, timeout=a.start_timeout)
+            else:
+                self.wait_fault_moment(job, fault_step, a.start_timeout)
+            fault_time, how = self.inject(job, spec, victim, targets)
             result["fault_time"] = fault_time
             result["fault"] = how
             say(f"{spec.label}: fault injected ({how})")
@@ -392,7 +400,7 @@ class Bench:
             if spec.launcher != "torchrun":
                 result["events"] = [e for e in job.events() if e.get("kind") not in ("info",)]
             if spec.launcher == "tm-live" and spec.case != "overhead":
-                result["breakdown"] = self.breakdown(job)
+                result["breakdown"] = self.breakdown(job, None if spec.case == "drain" else fault_time)
                 spare = job.nodes.get("s0")
                 result["spare_reran"] = bool(spare and "running the script again" in spare.log())
         except KeyboardInterrupt:
@@ -410,17 +418,26 @@ class Bench:
         return result
 
     @staticmethod
-    def breakdown(job: LocalJob) -> dict | None:
+    def breakdown(job: LocalJob, fault_time: float | None) -> dict | None:
         """The agents' downtime breakdown of the change to generation 1 (``ctl timeline
-        --json``): the phases of the node that resumed last, whose phases add up to the total."""
+        --json``): the phases of the node that resumed last, whose phases add up to the total.
+        The agents' ``detect`` runs from the last step completed to the failure report; the
+        benchmark knows when the fault struck and splits it: ``before_fault``, the part of the
+        interrupted step done before the fault, and ``detect``, the fault to the report."""
         out = job.ctl("timeline", "--json")
         if out.returncode != 0:
             return None
-        change = next((g for g in json.loads(out.stdout).get("generations", []) if g.get("generation") == 1), None)
+        timeline = json.loads(out.stdout)
+        change = next((g for g in timeline.get("generations", []) if g.get("generation") == 1), None)
         parts = change.get("breakdown") if change else None
         if not parts or not parts.get("critical_node"):
             return None
-        return {"total": parts["total_s"], **parts["nodes"][parts["critical_node"]]["phases"]}
+        phases = {"total": parts["total_s"], **parts["nodes"][parts["critical_node"]]["phases"]}
+        if fault_time is not None and phases.get("detect") is not None:
+            origin = timeline["start"] + parts["origin"]  # the timeline's times count from the job's start
+            before = min(phases["detect"], max(0.0, fault_time - origin))
+            phases.update(before_fault=before, detect=phases["detect"] - before)
+        return phases
 
     def finish(self, job: LocalJob, result: dict, t0: float) -> None:
         """Every run ends the same way: stop its processes, reap orphans, record the wall time."""
@@ -429,20 +446,46 @@ class Bench:
         result["orphans_reaped"] = reap()
         result["wall_s"] = time.time() - t0
 
-    def inject(self, job: LocalJob, spec: Spec, VICTIM: str) -> tuple[float, str]:
-        # look the pids up first: pgrep takes tens of ms, and the fault time is when the signal goes
+    @staticmethod
+    def victim_pids(job: LocalJob, spec: Spec, VICTIM: str) -> list[int]:
+        """The processes ``inject`` signals besides the agent, looked up before the release:
+        the worker it kills, or (node loss under torchrun, whose workers live in their own
+        sessions and outlive their agent) every worker of the node; a lost machine takes them
+        along, tm-launch's die with their agent by PDEATHSIG."""
         if spec.case == "worker-sigkill":
             pids = job.worker_pids(VICTIM)
             if not pids:
                 raise RuntimeError(f"node {VICTIM} has no workers to kill\n{job.logs_tail()}")
+            return pids[:1]
+        if spec.case == "node-sigkill" and isinstance(job, TorchrunJob):
+            return job.worker_pids(VICTIM)
+        return []
+
+    def wait_fault_moment(self, job: LocalJob, step: int, timeout: float) -> None:
+        """Return when the fault is due: ``--fault-at`` of a step after the step log first shows
+        ``step`` (the median step since the pause). The log is read every 2 ms, so the fault
+        lands where it is meant to, not where a coarser poll happens to notice the step."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            records = job.step_records()
+            done = [t for t, _, s, _, _ in records if s == step]
+            if done:
+                length = median_step_time(records, first=self.args.pause_step) or self.args.step_sleep
+                time.sleep(max(0.0, min(done) + self.args.fault_at * length - time.time()))
+                return
+            if job.nodes and all(n.proc.poll() is not None for n in job.nodes.values()):
+                break
+            time.sleep(0.002)
+        raise TimeoutError(f"timed out waiting for step {step}\n{job.logs_tail()}")
+
+    def inject(self, job: LocalJob, spec: Spec, VICTIM: str, pids: list[int]) -> tuple[float, str]:
+        """The fault, and its time: taken right when the signal goes."""
+        if spec.case == "worker-sigkill":
             t = time.time()
             os.kill(pids[0], signal.SIGKILL)
             return t, f"kill -9 worker pid {pids[0]} on {VICTIM}"
         if spec.case == "node-sigkill":
             agent = job.nodes[VICTIM].proc
-            # torchrun's workers live in their own sessions and outlive their agent: a lost
-            # machine takes them along (tm-launch's die with their agent by PDEATHSIG)
-            pids = job.worker_pids(VICTIM) if isinstance(job, TorchrunJob) else []
             t = time.time()
             agent.send_signal(signal.SIGKILL)
             for pid in pids:
@@ -518,6 +561,10 @@ class Bench:
                 out["prepare_time_lost_s"] = time_lost(records, fault_time, switch, step)
         else:
             d = downtime(records, fault_time)
+            if d["downtime_s"] is not None:
+                # the part of the interrupted step done before the fault, and the rest: the recovery
+                out["fault_offset_s"] = fault_time - d["last_step_at"]
+                out["after_fault_s"] = d["downtime_s"] - out["fault_offset_s"]
         out.update(d)
         out["step_time_s"] = step
         return out
@@ -646,6 +693,7 @@ def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
         row = {"case": case, "size": size, "launcher": launcher, "runs": len(group), "failed": len(group) - len(ok),
                "downtime_s": statistics.median([r["downtime_s"] for r in ok]) if ok else None,
                "steps_redone": statistics.median([r["steps_redone"] for r in ok]) if ok else None,
+               "after_fault_s": _median_of(ok, "after_fault_s"), "fault_offset_s": _median_of(ok, "fault_offset_s"),
                "step_time_s": statistics.median([r["step_time_s"] for r in ok if r.get("step_time_s")]) if any(r.get("step_time_s") for r in ok) else None,
                "note": "; ".join(sorted({r["error"].splitlines()[0][:120] for r in group if r.get("error")}))}
         rows.append(row)
@@ -692,6 +740,11 @@ def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
     return rows, overhead
 
 
+def _median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 VICTIM_TEXT = {"first": "the node holding rank 0", "last": "the node holding the last ranks (the ranks the spare warmed up as)",
                "n1": "node n1"}
 
@@ -718,7 +771,7 @@ def run_notes(runs: list[dict]) -> list[str]:
     return notes
 
 
-BREAKDOWN_PHASES = ("detect", "plan", "seen", "directed", "communicator", "state", "first_step", "total")
+BREAKDOWN_PHASES = ("before_fault", "detect", "plan", "seen", "directed", "communicator", "state", "first_step", "total")
 
 
 def breakdown_table(runs) -> list[str]:
@@ -747,21 +800,22 @@ def breakdown_table(runs) -> list[str]:
 
 
 def markdown(rows, overhead, args, meta, runs=()) -> str:
-    lines = ["| case | world size | launcher | downtime s | steps redone | ratio vs torchrun |",
-             "|---|---|---|---|---|---|"] if rows else []
+    lines = ["| case | world size | launcher | downtime s | of it before the fault, ms | steps redone | ratio vs torchrun |",
+             "|---|---|---|---|---|---|---|"] if rows else []
     for r in rows:
         if r.get("na"):
-            dt, redone, ratio = "n/a (no drain)", "n/a", "n/a"
+            dt, before, redone, ratio = "n/a (no drain)", "n/a", "n/a", "n/a"
         elif r["downtime_s"] is None:
-            dt, redone, ratio = "no recovery", "—", "—"
+            dt, before, redone, ratio = "no recovery", "—", "—", "—"
         else:
             dt = fmt_num(r["downtime_s"], "{:.2f}")
             if r["failed"]:
                 dt += f" ({r['failed']}/{r['runs']} runs failed)"
+            before = fmt_num(r.get("fault_offset_s") and r["fault_offset_s"] * 1000, "{:.0f}")
             redone = fmt_num(r["steps_redone"], "{:g}")
             ratio = "1.0x (ref)" if r["launcher"] == "torchrun" else (fmt_num(r["ratio"], "{:.1f}x") if r["ratio"] else "n/a")
         case = f"{r['case']} ({args.layout})" if args.layout else r["case"]
-        lines.append(f"| {case} | {r['size']} | {r['launcher']} | {dt} | {redone} | {ratio} |")
+        lines.append(f"| {case} | {r['size']} | {r['launcher']} | {dt} | {before} | {redone} | {ratio} |")
     if overhead:
         lines += ["" if rows else None, "| steady state (no fault) | world size | torchrun median step ms | tm-live median step ms | overhead (median of A/B pairs) | CPU ms/step, workers: torchrun / tm-live | CPU ms/step, agents: torchrun / tm-live |",
                   "|---|---|---|---|---|---|---|"]
@@ -787,7 +841,8 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
               f"Step = {args.step_sleep * 1000:.0f} ms sleep + "
               f"{f'examples/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
               f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
-              f"Training paused at step {args.pause_step} until ready, fault at step {args.pause_step + args.fault_after}; "
+              f"Training paused at step {args.pause_step} until ready, the fault {args.fault_at:g} of a step after step "
+              f"{args.pause_step + args.fault_after} completed (\"before the fault\": the part of the interrupted step done before it); "
               f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
               f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
               f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "
@@ -818,6 +873,9 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=100, help="steps per fault run")
     p.add_argument("--pause-step", type=int, default=20, help="training waits here until everything is ready")
     p.add_argument("--fault-after", type=int, default=5, help="inject the fault this many steps after the release")
+    p.add_argument("--fault-at", type=float, default=0.5,
+                   help="where in the next step the fault strikes, as a fraction of the median step after the step log shows "
+                        "step pause+fault-after: 0.5 (default) is where a fault that may come at any time lands on average")
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--overhead-steps", type=int, default=150, help="steps per overhead run")
     p.add_argument("--overhead-pairs", type=int, default=3, help="torchrun/tm-live overhead runs, alternating (per --repeat)")

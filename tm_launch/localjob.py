@@ -223,6 +223,7 @@ def downtime(records, fault_time: float) -> dict:
     redone = sum(1 for s in by_step if s <= last_step and any(t > fault_time for t, _ in by_step[s]))
     return {
         "last_step_before": last_step,
+        "last_step_at": last_time,
         "first_step_after": resumed[0] if resumed else None,
         "downtime_s": (resumed[1] - last_time) if resumed else None,
         "steps_redone": redone,
