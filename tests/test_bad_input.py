@@ -292,3 +292,37 @@ def test_a_generation_nobody_can_enter_fails_the_job_instead_of_waiting(etcd_end
     assert "job failed: max restarts (0) exhausted" in err, err
     assert "entering generation 0 failed" in err and "Unable to find address for: nosuchif0" in err, err
     assert "finished successfully" not in err, err
+
+
+ENDING = r'''
+import sys
+from tm_launch import cli
+how = sys.argv[1]
+
+def main():
+    print("said on stdout")  # buffered: stdout is a pipe and PYTHONUNBUFFERED is unset
+    print("said on stderr", file=sys.stderr)
+    if how == "message":
+        raise SystemExit("tm-launch: error: a message")
+    if how == "code":
+        raise SystemExit(3)
+    return 0
+
+cli.main = main
+cli.entry()
+print("never", flush=True)
+'''
+
+
+@pytest.mark.parametrize("how, code, last", [("return", 0, "said on stderr"), ("message", 1, "tm-launch: error: a message"),
+                                             ("code", 3, "said on stderr")])
+def test_the_command_ends_as_sys_exit_would(how, code, last):
+    """``tm-launch`` ends its process without the interpreter's teardown (``cli.entry``): what
+    ``main()`` printed still arrives through a pipe, a ``SystemExit`` gives its code or its
+    message and 1, and nothing runs after it."""
+    env = {k: v for k, v in _env().items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = ROOT
+    out = subprocess.run([sys.executable, "-c", ENDING, how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == code, out.stderr
+    assert out.stdout.splitlines() == ["said on stdout"]
+    assert out.stderr.splitlines()[-1] == last
