@@ -841,7 +841,7 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
               f"Step = {args.step_sleep * 1000:.0f} ms sleep + "
               f"{f'examples/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
               f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
-              f"Training paused at step {args.pause_step} until ready, the fault {args.fault_at:g} of a step after step "
+              f"Training paused at step {args.pause_step} until ready, an unplanned fault {args.fault_at:g} of a step after step "
               f"{args.pause_step + args.fault_after} completed (\"before the fault\": the part of the interrupted step done before it); "
               f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
               f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
