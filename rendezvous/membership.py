@@ -540,6 +540,11 @@ class Membership:
         part = "plan" if node is None else f"nodes/{node}"
         self.kv.put(f"log/breakdown/{generation:08d}/{part}", json.dumps(record, sort_keys=True))
 
+    def stamped_nodes(self, generation: int) -> set[str]:
+        """The nodes that recorded their stamps of generation ``generation`` (``downtime_stamps``):
+        each does once all its workers completed a step in it."""
+        return {e.key.rsplit("/", 1)[-1] for e in self.kv.get_prefix(f"log/breakdown/{generation:08d}/nodes/")}
+
     def all_downtime_stamps(self) -> dict[int, dict]:
         """Generation -> {"plan": record or None, "nodes": {node: record}}; keys of any other
         shape are skipped like every unreadable value."""

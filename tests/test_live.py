@@ -107,13 +107,19 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     """The worker of rank 0 SIGKILLs itself: the spare, warmed up as the last node's ranks, runs
     the script again for ranks 0 and 1 with one warm-up step and DDP's bucket rebuild done
     without peers (``tm_launch.ddp_rebuild``; without it the joiners' DDP would broadcast its
-    bucket order in their second step while the survivors all-reduce gradients)."""
-    script = ["--log-loss", "--kill-rank", "0", "--kill-step", str(PAUSE + 5), "--kill-phase", "vote", "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    bucket order in their second step while the survivors all-reduce gradients). Ranks 0 and 1
+    have per-rank state (``--random``) whose mirrors are in generation 0's store, on the victim
+    node's agent: it keeps serving them after it left until the joiners are in
+    (``PlanFollower._keep_store_for_joiners``; an agent that exited at once took them along and
+    the job restarted from its checkpoint)."""
+    script = ["--random", "--log-loss", "--kill-rank", "0", "--kill-step", str(PAUSE + 5), "--kill-phase", "vote",
+              "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
     victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
     survivor = ({"a", "b"} - {victim}).pop()
     assert codes["c"] == 0 and codes[survivor] == 0, job.logs_tail()
-    assert_bitwise(params, reference(2, 2))
+    assert not [e for e in job.events() if e["kind"] == "state_lost"], job.logs_tail()
+    assert_bitwise(params, reference(2, 2, extra=("--random",)))
     # Rank 0's node hosted the store: generation 1's is the standby, to which the survivor's
     # workers and the parked spare's held connections ready (tm_launch.store_clients).
     entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}

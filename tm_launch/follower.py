@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import Callable
 
+from rendezvous.kv import KVError
 from rendezvous.plan import FAILED, SUCCEEDED, Plan
 from rendezvous.planner import View, spares
 
@@ -53,7 +54,7 @@ class PlanFollower:
         if previous is None and me in plan.nodes:
             self.say(f"generation {plan.generation}: active, group rank {plan.group_rank(me)}, ranks {plan.ranks(me)} of {plan.world_size}")
         if me in plan.removed:
-            return self._leave(plan)
+            return self._leave(plan, hosted_store=previous is not None and previous.store.get("node") == me)
         if me not in plan.nodes:
             self.be_spare(plan, view)
             return None
@@ -81,7 +82,9 @@ class PlanFollower:
             self.say(f"spare: waiting (generation {plan.generation} has {len(plan.nodes)} active node(s))")
         sup.direct(plan)
 
-    def _leave(self, plan: Plan) -> int:
+    def _leave(self, plan: Plan, hosted_store: bool) -> int:
+        """This node is out of ``plan``: its workers hand over (a drain) or are stopped, then the
+        agent exits; ``hosted_store``: its agent hosted the store of the generation it leaves."""
         me, sup = self.cfg.node_id, self.supervisor
         planned = plan.planned and plan.live and sup.workers
         if planned:
@@ -100,9 +103,35 @@ class PlanFollower:
         how = f"replaced by {successor}" if successor else "removed"
         if plan.planned:
             self.say(f"generation {plan.generation}: drained, {how}; exiting", kind="left", generation=plan.generation)
-            return 0
-        self.say(f"generation {plan.generation}: {how} after a failure ({plan.cause}); exiting", kind="left", generation=plan.generation)
-        return 1
+        else:
+            self.say(f"generation {plan.generation}: {how} after a failure ({plan.cause}); exiting", kind="left", generation=plan.generation)
+        if hosted_store and plan.live:
+            self._keep_store_for_joiners(plan)
+        return 0 if plan.planned else 1
+
+    def _keep_store_for_joiners(self, plan: Plan) -> None:
+        """This agent's store holds the per-rank mirrors of the steps committed in the generation
+        it leaves (``tm_launch.per_rank``): a rank that takes over from one that left fetches its
+        RNG and data position there. So the store keeps serving, with the workers stopped and the
+        registration given back (no longer a spare nor a planner), until every node of a later
+        live generation has completed a step in it (its stamps, ``Membership.stamped_nodes``: the
+        mirrors are in that generation's store by then), the job ended or restarted, or
+        max(60 s, --collective-timeout) passed. An agent that left at once took the mirrors along
+        whenever the joiner fetched after it was gone, and every worker restarted from the
+        script's checkpoint."""
+        self.session.close()
+        members = self.session.members
+        deadline = time.time() + max(60.0, self.cfg.collective_timeout)
+        self.say(f"generation {plan.generation}: serving this node's store until the new generation completes a step "
+                 "(the ranks taking over fetch their per-rank state there)")
+        while time.time() < deadline:
+            try:
+                current = members.plan()
+                if current is None or current.finished or not current.live or set(current.nodes) <= members.stamped_nodes(current.generation):
+                    return
+            except KVError:
+                pass  # etcd away for a moment: the deadline still ends the wait
+            time.sleep(0.1)
 
     def _warn_spares(self, view: View, plan: Plan) -> None:
         have = len(spares(dataclasses.replace(view, plan=plan)))
