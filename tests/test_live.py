@@ -189,6 +189,26 @@ def fault_took_effect(job, info) -> float:
     return max([info["fault_time"], *victim_rows]) + 1e-6
 
 
+def lose_node_while_stopped(job, victim: str, stopped: str) -> dict:
+    """SIGKILL ``victim``'s agent (its workers die with it) while the workers of the nodes in
+    ``stopped`` are SIGSTOPped (a long compute phase: no collective of theirs can fail, they report
+    nothing); the first ``node_lost`` event within 30 s, or {}. The workers go on afterwards."""
+    survivors = [pid for node in stopped for pid in job.worker_pids(node)]
+    found = {}
+    for pid in survivors:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        job.kill_agent(victim)
+        deadline = time.time() + 30
+        while time.time() < deadline and not found:
+            found.update(next((e for e in job.events() if e["kind"] == "node_lost"), {}))
+            time.sleep(0.05)
+    finally:
+        for pid in survivors:
+            os.kill(pid, signal.SIGCONT)
+    return found
+
+
 @pytest.mark.slow  # ~45 s; the link itself is tested on real sockets in test_peer_link.py
 def test_node_loss_found_while_the_survivors_compute(local_job, reference):
     """Node b's agent and workers are SIGKILLed while node a's workers are stopped (SIGSTOP: a
@@ -201,18 +221,7 @@ def test_node_loss_found_while_the_survivors_compute(local_job, reference):
     def fault(job, release):
         release()
         job.wait_step(PAUSE + 5)
-        survivors = job.worker_pids("a")
-        for pid in survivors:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            job.kill_agent("b")
-            deadline = time.time() + 30
-            while time.time() < deadline and not found:
-                found.update(next((e for e in job.events() if e["kind"] == "node_lost"), {}))
-                time.sleep(0.05)
-        finally:
-            for pid in survivors:
-                os.kill(pid, signal.SIGCONT)
+        found.update(lose_node_while_stopped(job, "b", stopped="a"))
 
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], fault=fault)
     assert found.get("node") == "a" and found.get("lost") == "b", f"a's agent must find b lost while its workers are stopped: {found}\n{job.logs_tail()}"
@@ -246,19 +255,7 @@ def test_a_node_that_joined_after_the_planners_finds_its_successor_lost(local_jo
     job.wait_parked("s")
     open(trigger, "w").close()
     job.wait_step(PAUSE + 5)
-    survivors = [pid for node in "abcd" for pid in job.worker_pids(node)]
-    found = {}
-    for pid in survivors:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        job.kill_agent("e")
-        deadline = time.time() + 30
-        while time.time() < deadline and not found:
-            found.update(next((e for e in job.events() if e["kind"] == "node_lost"), {}))
-            time.sleep(0.05)
-    finally:
-        for pid in survivors:
-            os.kill(pid, signal.SIGCONT)
+    found = lose_node_while_stopped(job, "e", stopped="abcd")
     codes = job.wait(timeout=240)
     assert found.get("node") == "d" and found.get("lost") == "e", f"d's agent must find e lost through the ring: {found}\n{job.logs_tail()}"
     assert all(codes[n] == 0 for n in "abcds"), job.logs_tail()
