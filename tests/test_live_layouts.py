@@ -154,7 +154,9 @@ def test_drain_hands_a_shard_to_the_spare(local_job, reference):
         assert job.ctl("drain", node).returncode == 0
         job.wait_for(lambda s: s["generation"] == 1, 60, "the drain plan")
 
-    job, codes, got = run(local_job, "hsdp", fault=drain)
+    # The switch comes ~0.5 s of steps after the request (at most 10 steps of >= 50 ms each), well
+    # before the last step; at this layout's bare ~31 ms steps it fell at step 26 of 24: no switch.
+    job, codes, got = run(local_job, "hsdp", fault=drain, extra=("--step-sleep", "0.05"))
     assert all(c == 0 for c in codes.values()), job.logs_tail()
     assert_bitwise(got, reference("hsdp"))
     assert any("worker 1]" in line and "from rank 3" in line for line in received(job)), received(job)
