@@ -52,7 +52,8 @@ class Data(torch.utils.data.Dataset):
 
 class KillOnce(TrainerCallback):
     """SIGKILL this worker once per job when it holds --kill-rank at --kill-step (before its
-    forward); --pause-step/--pause-file hold every rank; --step-log records each step."""
+    forward); --pause-step/--pause-file hold every rank; --step-log records each step;
+    --step-sleep stands in for compute at each step's start."""
 
     def __init__(self, args):
         self.args = args
@@ -72,6 +73,8 @@ class KillOnce(TrainerCallback):
                 time.sleep(0.02)
         if int(os.environ.get("RANK", 0)) == a.kill_rank and state.global_step == a.kill_step:
             kill_once(a.kill_marker, a.kill_rank, f"step {state.global_step}")
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
 
 
 def main() -> None:
@@ -79,6 +82,7 @@ def main() -> None:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--live", action="store_true", help="LiveTrainer (tm_launch.init() first)")
     p.add_argument("--step-log", default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--pause-step", type=int, default=-1)
     p.add_argument("--pause-file", default=None)
     p.add_argument("--epochs", type=int, default=3)

@@ -191,10 +191,12 @@ def drain_rank_1(job) -> None:
 def test_drain_hands_a_framework_rank_to_the_spare_bitwise(local_job, framework, request):
     """``ctl drain`` of rank 1's node: a planned switch at a step boundary, no failure. The spare
     receives the framework's state as of that step's start, the survivor starts a new DDP, and
-    every rank ends bitwise equal to the framework's own run under torchrun."""
+    every rank ends bitwise equal to the framework's own run under torchrun. Steps of >= 50 ms
+    put the switch (~0.5 s of steps after the request) at most 10 steps ahead, well before the
+    last of 48; the bare steps (~15 ms) put HF's at step 52: the job ended before it."""
     script, args, ref = {
-        "lightning": (LIGHTNING, [], "lightning_reference"),
-        "hf": (HF, ["--live", "--output-dir", "CKPT"], "hf_reference"),
+        "lightning": (LIGHTNING, ["--step-sleep", "0.05"], "lightning_reference"),
+        "hf": (HF, ["--live", "--output-dir", "CKPT", "--step-sleep", "0.05"], "hf_reference"),
     }[framework]
     job, codes, params = run_with_spare(local_job, script, args, before_release=drain_rank_1)
     assert all(c == 0 for c in codes.values()), job.logs_tail()
