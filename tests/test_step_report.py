@@ -95,13 +95,13 @@ print("channel", step_report._PROCESS is not None, flush=True)
 '''
 
 
-def run_worker(how: str, agent_env: dict) -> list[str]:
+def run_worker(how: str, agent_env: dict, script: str = WORKER) -> list[str]:
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "TM_GENERATION": "4", **agent_env}
     for name in ("TM_AGENT_STORE", "TM_NO_LIVE"):
         if name not in agent_env:
             env.pop(name, None)
-    out = subprocess.run([sys.executable, "-c", WORKER, how], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.split()
 
@@ -227,12 +227,7 @@ def test_a_plain_job_frees_its_group_before_the_interpreter_tears_down():
     """A script that never destroys the group ``tm_launch.init()`` started under torchrun has it
     destroyed and freed at exit, before teardown: freed there, gloo's worker thread could abort
     the process (``runtime._destroy_default_group``; 7-11 of 30 two-rank runs here without it)."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    for name in ("TM_AGENT_STORE", "TM_NO_LIVE"):
-        env.pop(name, None)
-    out = subprocess.run([sys.executable, "-c", PLAIN_EXIT], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0 and out.stdout.split() == ["freed", "True"], out.stdout + out.stderr[-3000:]
+    assert run_worker("", {}, script=PLAIN_EXIT) == ["freed", "True"]
 
 
 @pytest.mark.parametrize("error, limit, want", [
