@@ -691,8 +691,7 @@ def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
         group = [r for r in runs if (r["case"], r["size"], r["launcher"]) == (case, size, launcher)]
         ok = [r for r in group if r.get("recovered") and r.get("downtime_s") is not None]
         row = {"case": case, "size": size, "launcher": launcher, "runs": len(group), "failed": len(group) - len(ok),
-               "downtime_s": statistics.median([r["downtime_s"] for r in ok]) if ok else None,
-               "steps_redone": statistics.median([r["steps_redone"] for r in ok]) if ok else None,
+               "downtime_s": _median_of(ok, "downtime_s"), "steps_redone": _median_of(ok, "steps_redone"),
                "after_fault_s": _median_of(ok, "after_fault_s"), "fault_offset_s": _median_of(ok, "fault_offset_s"),
                "step_time_s": statistics.median([r["step_time_s"] for r in ok if r.get("step_time_s")]) if any(r.get("step_time_s") for r in ok) else None,
                "note": "; ".join(sorted({r["error"].splitlines()[0][:120] for r in group if r.get("error")}))}
