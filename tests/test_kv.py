@@ -1,8 +1,10 @@
 """The KV layer against a real etcd, through both the v2 (python-etcd) and v3 (etcd3gw) APIs."""
 import socket
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -306,6 +308,18 @@ def test_bad_arguments():
         connect("v3", EtcdOptions(endpoints=()))
     with pytest.raises(ValueError):
         connect("v3", EtcdOptions(endpoints=("ftp://x:1",)))
+
+
+@pytest.mark.parametrize("module", ["rendezvous.kv.api", "rendezvous.kv"])
+def test_the_interface_imports_no_etcd_client_library(module):
+    """Only v2.py/v3.py import the clients; connect loads the one it needs."""
+    code = (f"import sys, {module} as m; print(m.__file__); "
+            "print(' '.join(n for n in ('etcd', 'etcd3gw', 'requests', 'urllib3') if n in sys.modules))")
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, check=True, capture_output=True, text=True,
+                         timeout=60).stdout.splitlines()
+    assert Path(out[0]).resolve().is_relative_to(repo / "rendezvous" / "kv")
+    assert out[1:] == [""], f"importing {module} loaded {out[1:]}"
 
 
 # ---------------------------------------------------------------- auth and TLS (dedicated servers)
