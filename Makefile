@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m tm_launch.demo
+	$(PY) -m tm_launch.local.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

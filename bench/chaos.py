@@ -9,7 +9,7 @@ spares by starting a fresh agent under a new node name whenever one is consumed 
 re-provisions nodes). Every fault is real: a signal to a process, a file the training script or
 the fake NVML reads, or ``tm-launch ctl drain``. At the end the final parameters must equal a
 fault-free run's bit for bit, and a table counts per kind: injected, recovered, median and max
-downtime (``tm_launch.localjob.downtime``: from the last step every rank completed before the
+downtime (``tm_launch.local.localjob.downtime``: from the last step every rank completed before the
 fault to the first step every rank completed after it).
 
 Kinds (every one appears at least once; the rest are drawn at random):
@@ -45,7 +45,7 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, REPO)
 sys.path.insert(0, BENCH)
 
-from tm_launch.localjob import LocalJob, downtime  # noqa: E402
+from tm_launch.local.localjob import LocalJob, downtime  # noqa: E402
 
 KINDS = (
     "kill-forward", "kill-allreduce", "kill-optimizer", "kill-checkpoint", "agent-kill", "hang", "xid",
@@ -140,7 +140,7 @@ class Chaos:
         return Membership(connect("v3", etcd_options(endpoint, run_id, None)))
 
     def status(self) -> dict:
-        from tm_launch.ctl import status
+        from tm_launch.ctl.commands import status
 
         return status(self.members, self.job.run_id)
 

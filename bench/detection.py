@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rendezvous.etcd_server import EtcdServer  # noqa: E402
-from tm_launch.localjob import LocalJob  # noqa: E402
+from tm_launch.local.localjob import LocalJob  # noqa: E402
 
 
 def say(msg: str) -> None:

@@ -4,11 +4,11 @@
     .venv/bin/python bench/downtime.py --quick          # ~2-3 minutes
     .venv/bin/python bench/downtime.py --repeat 1 --sizes 2,4,8
 
-Every run starts real launcher agents as separate processes (``tm_launch.localjob``), holds
+Every run starts real launcher agents as separate processes (``tm_launch.local.localjob``), holds
 training at ``--pause-step`` until everything is ready (tm-launch: the spare is parked), releases
 it, injects a real fault a few steps later and reads the training script's step log.
 
-Downtime is TrainMover's definition (``tm_launch.localjob.downtime``): from the last step every
+Downtime is TrainMover's definition (``tm_launch.local.localjob.downtime``): from the last step every
 rank completed before the fault to the first step every rank completed after it. Steps redone are
 steps that had been completed by every rank before the fault and were run again. The fault time
 is taken right when the signal is sent. It strikes ``--fault-at`` of a step (default 0.5) after the
@@ -78,7 +78,7 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, REPO)
 
 from rendezvous.etcd_server import free_ports  # noqa: E402
-from tm_launch.localjob import LocalJob, Node, downtime  # noqa: E402
+from tm_launch.local.localjob import LocalJob, Node, downtime  # noqa: E402
 
 HYBRID = os.path.join(REPO, "examples", "hybrid.py")
 NO_REPLICA = ("fsdp-tp", "fsdp")  # layouts whose lost shards only a checkpoint holds

@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/ops_failover.py [--repeat 3] [--out timeline.png]
 
-2 active nodes x 1 worker + 1 parked spare on loopback (``tm_launch.localjob``), every agent with
+2 active nodes x 1 worker + 1 parked spare on loopback (``tm_launch.local.localjob``), every agent with
 its own ``--metrics-port`` (PET_METRICS_PORT). Training is held until the spare is parked, then one
 worker of node b gets an external SIGKILL a few steps later. Per run it prints three downtimes:
 
@@ -29,7 +29,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rendezvous.etcd_server import EtcdServer, free_ports  # noqa: E402
-from tm_launch.localjob import LocalJob, downtime  # noqa: E402
+from tm_launch.local.localjob import LocalJob, downtime  # noqa: E402
 
 
 def metric(port: int, name: str) -> float | None:

@@ -6,7 +6,7 @@ dynamic rendezvous at the same N.
     .venv/bin/python bench/rendezvous_scale.py --nodes 1024 --procs 2 --skip-c10d --timeout 600  # ~5 min
     .venv/bin/python bench/rendezvous_scale.py --nodes 8 --skip-c10d                 # a few seconds
 
-A stand-in is the real agent (``tm_launch.agent.Agent``) minus workers and health: it registers
+A stand-in is the real agent (``tm_launch.launcher.agent.Agent``) minus workers and health: it registers
 with a lease (``Membership.register``), and runs the agent's own loop (``Agent._loop`` /
 ``_tick``): the read of the job's state (``Membership.refresh``: everything for the planners,
 group rank 0 and joiners, the plan feed for the others, each from the copy its watch stream
@@ -207,9 +207,9 @@ def summarize(counts: Counter) -> dict:
 
 def _standin_class():
     """Defined lazily: importing the agent imports torch (seconds), only in the child processes."""
-    import tm_launch.agent as agent_mod
-    import tm_launch.follower as follower_mod
-    import tm_launch.supervisor as supervisor_mod
+    import tm_launch.launcher.agent as agent_mod
+    import tm_launch.launcher.plan_executor as executor_mod
+    import tm_launch.launcher.supervisor as supervisor_mod
     from rendezvous.planner import follows_only
 
     class _NoStore:
@@ -223,7 +223,7 @@ def _standin_class():
 
     supervisor_mod.dist = types.SimpleNamespace(TCPStore=lambda *a, **k: _NoStore())
 
-    class RendezvousOnlyFollower(follower_mod.PlanFollower):
+    class RendezvousOnlyExecutor(executor_mod.PlanExecutor):
         """The rendezvous part of following a plan: note it; leave when removed or finished."""
 
         def __init__(self, *parts):
@@ -251,7 +251,7 @@ def _standin_class():
     class StandIn(agent_mod.Agent):
         def __init__(self, cfg, kv: CountingKV):
             super().__init__(cfg, kv)
-            self.follower = RendezvousOnlyFollower(cfg, self.session, self.supervisor, self.failures, self.metrics, self.say)
+            self.executor = RendezvousOnlyExecutor(cfg, self.session, self.supervisor, self.failures, self.metrics, self.say)
             self.progress = NoProgress()
             self.published: dict[int, float] = {}
             self.exit_code = None
@@ -277,7 +277,7 @@ def _standin_class():
 
 def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opts: dict) -> None:
     sys.stderr = open(opts["log"], "a", buffering=1)
-    from tm_launch.agent import AgentConfig
+    from tm_launch.launcher.agent import AgentConfig
     from rendezvous.planner import Limits
 
     StandIn = _standin_class()
@@ -308,10 +308,10 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
             # The plans' digests only when asked (arg): hashing N plans of N nodes is O(N^2), and
             # the controller polls while the stand-ins work.
             conn.send({
-                n: {"seen": dict(s.follower.seen), "published": dict(s.published), "counts": dict(s.kv.counts),
+                n: {"seen": dict(s.executor.seen), "published": dict(s.published), "counts": dict(s.kv.counts),
                     "received": s.kv.inner.received, "follows": s.follows, "reads": s.reads, "whole_reads": s.whole_reads,
                     "joined": s.session.lease is not None,
-                    "plan": plan_digest(s.follower.plan) if arg and s.follower.plan else None,
+                    "plan": plan_digest(s.executor.plan) if arg and s.executor.plan else None,
                     "frozen": s.kv.frozen.is_set(), "exit": s.exit_code}
                 for n, s in standins.items()
             })

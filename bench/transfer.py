@@ -49,10 +49,10 @@ def worker(rank: int, world: int, port: int, mib: float, out) -> None:
     import torch
     import torch.distributed as dist
 
-    import torch.distributed.tensor  # noqa: F401  (a live worker has it loaded: tm_launch.runtime)
+    import torch.distributed.tensor  # noqa: F401  (a live worker has it loaded: tm_launch.worker.runtime)
 
-    from tm_launch import communicators
-    from tm_launch.transfer import Holding, plan_transfer, recv_state, send_state
+    from tm_launch.worker import communicators
+    from tm_launch.worker.transfer import Holding, plan_transfer, recv_state, send_state
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))

@@ -18,12 +18,12 @@ import os
 import time
 
 PHASES = ["forward", "backward", "allreduce", "vote", "last-vote-node", "optimizer", "logging", "logged", "checkpoint"]
-RUNTIME_POINTS = {"vote": "vote", "last-vote-node": "last-vote/node"}  # phase -> tm_launch.failpoints point
+RUNTIME_POINTS = {"vote": "vote", "last-vote-node": "last-vote/node"}  # phase -> tm_launch.worker.failpoints point
 
 
 def kill_once(marker: str | None, rank: int, where: str) -> None:
-    """SIGKILL this process; with ``marker`` once per job (``tm_launch.failpoints.kill_once``)."""
-    from tm_launch.failpoints import kill_once as kill
+    """SIGKILL this process; with ``marker`` once per job (``tm_launch.worker.failpoints.kill_once``)."""
+    from tm_launch.worker.failpoints import kill_once as kill
 
     kill(marker, f"[faults] rank {rank}: SIGKILL myself at {where}")
 
@@ -43,7 +43,7 @@ class Faults:
         self.args = args
         self.step: int | None = None
         point = RUNTIME_POINTS.get(args.kill_phase)
-        if point and args.kill_rank >= 0:  # a point inside the runtime (tm_launch.failpoints)
+        if point and args.kill_rank >= 0:  # a point inside the runtime (tm_launch.worker.failpoints)
             os.environ["TM_FAILPOINT"] = f"{point}:{args.kill_rank}:{args.kill_step}:{args.kill_marker or ''}"
 
     def at(self, job, phase: str) -> None:

@@ -525,7 +525,7 @@ class Membership:
         return out
 
     def steps(self, node: str, samples: list) -> None:
-        """Replace ``node``'s step series (bounded by the caller: tm_launch.timeline.append_samples)."""
+        """Replace ``node``'s step series (bounded by the caller: tm_launch.ctl.timeline.append_samples)."""
         self.kv.put(f"log/steps/{node}", json.dumps({"node": node, "samples": samples}))
 
     def all_steps(self) -> dict[str, list]:

@@ -64,7 +64,7 @@ def local_job(etcd_endpoint, tmp_path, request):
     """``make(**options) -> LocalJob``: agents on loopback around the session etcd, stopped at the end.
 
     The run id is unique per test; on failure the agents' log tails are attached to the report."""
-    from tm_launch.localjob import LocalJob
+    from tm_launch.local.localjob import LocalJob
 
     jobs = []
 

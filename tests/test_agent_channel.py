@@ -1,4 +1,4 @@
-"""The worker's side of the agent's directives (``tm_launch.agent_channel``), against a real
+"""The worker's side of the agent's directives (``tm_launch.worker.agent_client``), against a real
 agent part: ``WorkerSupervisor.direct`` writes to its own TCPStore server and pushes onto each
 worker's queue; the channel's watch thread blocks on that queue (no polling)."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from rendezvous.plan import Plan
 from rendezvous.planner import Limits
-from tm_launch import store_server
-from tm_launch.agent_channel import AgentChannel, directives_queue
-from tm_launch.agent_config import AgentConfig
-from tm_launch.supervisor import WorkerSupervisor
+from tm_launch.launcher import store_server
+from tm_launch.worker.agent_client import AgentClient, directives_queue
+from tm_launch.launcher.config import AgentConfig
+from tm_launch.launcher.supervisor import WorkerSupervisor
 
 PLAN = Plan(generation=1, nodes=("n1", "n2"), nproc=1, store={"node": "n1", "addr": "127.0.0.1", "port": 1}, live=True)
 
@@ -27,8 +27,8 @@ def agent():
     sup.close()
 
 
-def channel_of(agent) -> AgentChannel:
-    return AgentChannel({"TM_AGENT_STORE": f"127.0.0.1:{agent.store.port}", "LOCAL_RANK": "0"})
+def channel_of(agent) -> AgentClient:
+    return AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{agent.store.port}", "LOCAL_RANK": "0"})
 
 
 class Heard(list):
@@ -127,7 +127,7 @@ def test_waiting_needs_the_watch(agent):
 
 def test_the_watch_ends_when_the_agent_is_gone():
     server = store_server.serve("127.0.0.1")
-    channel = AgentChannel({"TM_AGENT_STORE": f"127.0.0.1:{server.port}", "LOCAL_RANK": "0"})
+    channel = AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{server.port}", "LOCAL_RANK": "0"})
     channel.watch(lambda d: None)
     del server  # the agent's store server goes with its last reference
     channel._watcher.join(timeout=10)

@@ -19,12 +19,12 @@ from rendezvous.kv import EtcdOptions, KVError, connect
 from rendezvous.membership import Membership
 from rendezvous.plan import NodeInfo, Plan
 from rendezvous.planner import Limits, View
-from tm_launch.agent_channel import directives_queue
-from tm_launch.agent_config import AgentConfig
-from tm_launch.failures import FailureWatch
-from tm_launch.observers import DowntimeStamps, DrainWaitNote, MetricsFeed
-from tm_launch.session import EtcdSession, Fenced
-from tm_launch.supervisor import WorkerSupervisor
+from tm_launch.worker.agent_client import directives_queue
+from tm_launch.launcher.config import AgentConfig
+from tm_launch.launcher.failures import FailureWatch
+from tm_launch.launcher.observers import DowntimeStamps, DrainWaitNote, MetricsFeed
+from tm_launch.launcher.session import EtcdSession, Fenced
+from tm_launch.launcher.supervisor import WorkerSupervisor
 from tm_launch.waits import Every
 
 
@@ -341,7 +341,7 @@ def test_root_cause_from_stderr_is_this_workers_own_uncaught_exception(tmp_path)
     """Without an error file the failure line's root cause comes from the worker's stderr.log: only
     from what this worker wrote (a reused attempt directory appends to an earlier worker's log),
     and only for an exit code (a worker killed by a signal printed no traceback of its death)."""
-    from tm_launch.workers import OutputSpec, WorkerSet
+    from tm_launch.launcher.processes import OutputSpec, WorkerSet
 
     ws = WorkerSet([], OutputSpec(log_dir=str(tmp_path), redirects={0: 2}), "r", str(tmp_path))
     _run_to_exit(ws, "def f():\n    raise KeyError('boom')\nf()")

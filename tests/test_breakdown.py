@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tm_launch.breakdown import PHASES, breakdown, node_stamps, plan_stamps
-from tm_launch.timeline import build
+from tm_launch.ctl.timeline import build
 
 T = 1000.0
 PLAN = {"planner": "a", "published": T + 0.07, "detected": T + 0.05, "detected_by": "b"}

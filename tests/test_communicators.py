@@ -1,4 +1,4 @@
-"""tm_launch.communicators: real gloo groups on a real TCPStore (ranks are threads: gloo and
+"""tm_launch.worker.communicators: real gloo groups on a real TCPStore (ranks are threads: gloo and
 NCCL release the GIL while they connect and reduce); the CUDA branches run where CUDA is."""
 
 import datetime
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tm_launch import communicators
-from tm_launch.groups import LiveGroup, StepPoison
+from tm_launch.worker import communicators
+from tm_launch.worker.groups import LiveGroup, StepPoison
 
 HAS_CUDA = torch.cuda.is_available() and dist.is_nccl_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA and NCCL (this is a CPU build or machine)")
@@ -372,7 +372,7 @@ def test_nccl_setup_waiting_for_a_member_that_never_joins_ends_at_the_setup_time
     In a child process: torch reads TORCH_NCCL_NONBLOCKING_TIMEOUT once per process."""
     code = textwrap.dedent("""
         import threading, time, torch, torch.distributed as dist
-        from tm_launch import communicators
+        from tm_launch.worker import communicators
         s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         threading.Thread(target=communicators.build, args=(dist.PrefixStore("p/", s.clone()), 1, 2),
                          kwargs=dict(devices=["cpu"], timeout_s=60, setup_timeout_s=120), daemon=True).start()

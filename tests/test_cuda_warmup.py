@@ -1,9 +1,9 @@
-"""tm_launch.cuda_warmup: the sandbox's clean-up after warm-up steps on a real GPU."""
+"""tm_launch.worker.cuda_warmup: the sandbox's clean-up after warm-up steps on a real GPU."""
 
 import pytest
 import torch
 
-from tm_launch.cuda_warmup import gpu_memory, leave_no_trace
+from tm_launch.worker.cuda_warmup import gpu_memory, leave_no_trace
 
 
 def test_cpu_job_has_nothing_to_release():
@@ -77,7 +77,7 @@ def test_the_sandbox_leaves_only_the_model_and_optimizer_on_the_gpu():
     import subprocess
     import sys
 
-    from tm_launch.localjob import REPO
+    from tm_launch.local.localjob import REPO
 
     out = subprocess.run([sys.executable, "-c", SANDBOX], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": REPO})

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tm_launch.ddp_rebuild import rebuild_buckets_now
+from tm_launch.worker.ddp_rebuild import rebuild_buckets_now
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_after_the_sandboxs_freeze_a_ddp_leaves_the_collector_little_to_scan():
     their sight (its constructor imports torch._dynamo: ~50,000 objects unless imported first)."""
     code = (
         "import gc, torch, torch.distributed as dist\n"
-        "from tm_launch.runtime import freeze_what_exists\n"
+        "from tm_launch.worker.runtime import freeze_what_exists\n"
         "freeze_what_exists()\n"
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
         "before = len(gc.get_objects())\n"

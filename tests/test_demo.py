@@ -7,7 +7,7 @@ while it had kept it (it looked at rank 0's process). These tables pin the readi
 import pytest
 
 from tm_launch.breakdown import breakdown
-from tm_launch.demo import breakdown_table, processes, ranks
+from tm_launch.local.demo import breakdown_table, processes, ranks
 
 # step log rows: (time, rank, step, generation, pid); the fault at t=10
 ROWS = [(9.0, 0, 39, 0, 200), (9.0, 1, 39, 0, 100), (11.0, 0, 40, 1, 300), (11.0, 1, 40, 1, 100)]

@@ -18,7 +18,7 @@ TTL = 3.0
 @pytest.fixture(params=["etcd-v3", "etcd-v2"])
 def cluster_job(tmp_path, request):
     """``make(**options) -> LocalJob`` whose agents get all three members as --rdzv-endpoint."""
-    from tm_launch.localjob import LocalJob
+    from tm_launch.local.localjob import LocalJob
 
     cluster = EtcdCluster().start()
     jobs = []

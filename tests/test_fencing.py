@@ -1,7 +1,7 @@
 """The fencing rule as a table: an etcd outage must not stop training; a cut-off node must."""
 import pytest
 
-from tm_launch.fencing import FENCE, KEEP, REREGISTER, lease_decision, settling_after_outage
+from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, settling_after_outage
 
 TTL, LIMIT = 5.0, 8.0
 

@@ -13,7 +13,7 @@ import torch
 
 from tests.test_live import assert_bitwise
 from tests.test_restart_mode import assert_restarted_once_never_live
-from tm_launch.localjob import REPO
+from tm_launch.local.localjob import REPO
 
 pytest.importorskip("lightning")
 

@@ -167,7 +167,7 @@ def test_unreadable_plan_is_one_clear_error(members, value):
 
 
 def test_ctl_status_with_an_unreadable_plan_shows_the_nodes_and_why(members, etcd_endpoint, capsys):
-    from tm_launch import ctl
+    from tm_launch.ctl import commands as ctl
 
     m, run = members
     lease = m.register(NodeInfo(id="a", host="h", addr="127.0.0.1", store_port=1000, nproc=1, pid=1, joined=1.0), ttl=30)
@@ -290,7 +290,7 @@ def test_hostile_contents_in_a_running_job(local_job, etcd_endpoint):
 def test_ctl_views_survive_hostile_contents(members, etcd_endpoint, capsys):
     """``ctl status`` and ``ctl events`` on the whole table, plus terminal escapes in keys and
     values: exit 0, every output line printable, nothing skipped silently."""
-    from tm_launch import ctl
+    from tm_launch.ctl import commands as ctl
 
     m, run = members
     lease = m.register(NodeInfo(id="a", host="h", addr="127.0.0.1", store_port=1000, nproc=1, pid=1, joined=1.0), ttl=30)

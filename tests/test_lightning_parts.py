@@ -66,7 +66,7 @@ def test_a_resumed_loader_continues_the_saved_epochs_order():
 
 
 def test_loader_iterators_leave_the_global_rng_alone():
-    from tm_launch.live_loop import keep_rng_across_iterators
+    from tm_launch.worker.live_loop import keep_rng_across_iterators
 
     loader = keep_rng_across_iterators(DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True))
     before = torch.random.get_rng_state()

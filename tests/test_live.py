@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tm_launch.breakdown import PHASES
-from tm_launch.localjob import downtime
+from tm_launch.local.localjob import downtime
 
 STEPS = 80
 SCRIPT = ["--steps", str(STEPS), "--step-sleep", "0.02"]
@@ -53,7 +53,7 @@ def reference(tmp_path_factory, etcd_server):
 
 def fault_free_reference(tmp_path_factory, etcd_server):
     """``get(nodes, nproc, steps=STEPS, extra=()) -> params``: a fault-free live run, cached."""
-    from tm_launch.localjob import LocalJob
+    from tm_launch.local.localjob import LocalJob
 
     cache = {}
 
@@ -98,7 +98,7 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     assert codes[victim] != 0  # the node that lost its worker was replaced and says so
     assert_bitwise(params, reference(2, 2))
     entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
-    assert entered[survivor]["store_connects"] == 0, entered  # its connections were ready (tm_launch.store_clients)
+    assert entered[survivor]["store_connects"] == 0, entered  # its connections were ready (tm_launch.worker.store_clients)
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
     assert plans and plans[0]["replaced"] == {"c": victim} and plans[0]["live"], job.events()
 
@@ -106,11 +106,11 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
 def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local_job, reference):
     """The worker of rank 0 SIGKILLs itself: the spare, warmed up as the last node's ranks, runs
     the script again for ranks 0 and 1 with one warm-up step and DDP's bucket rebuild done
-    without peers (``tm_launch.ddp_rebuild``; without it the joiners' DDP would broadcast its
+    without peers (``tm_launch.worker.ddp_rebuild``; without it the joiners' DDP would broadcast its
     bucket order in their second step while the survivors all-reduce gradients). Ranks 0 and 1
     have per-rank state (``--random``) whose mirrors are in generation 0's store, on the victim
     node's agent: it keeps serving them after it left until the joiners are in
-    (``PlanFollower._keep_store_for_joiners``; an agent that exited at once took them along and
+    (``PlanExecutor._keep_store_for_joiners``; an agent that exited at once took them along and
     the job restarted from its checkpoint)."""
     script = ["--random", "--log-loss", "--kill-rank", "0", "--kill-step", str(PAUSE + 5), "--kill-phase", "vote",
               "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
@@ -121,7 +121,7 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     assert not [e for e in job.events() if e["kind"] == "state_lost"], job.logs_tail()
     assert_bitwise(params, reference(2, 2, extra=("--random",)))
     # Rank 0's node hosted the store: generation 1's is the standby, to which the survivor's
-    # workers and the parked spare's held connections ready (tm_launch.store_clients).
+    # workers and the parked spare's held connections ready (tm_launch.worker.store_clients).
     entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
     assert entered[survivor]["store_connects"] == 0 and entered["c"]["store_connects"] == 0, entered
     spare = job.nodes["c"].log()
@@ -214,7 +214,7 @@ def test_node_loss_found_while_the_survivors_compute(local_job, reference):
     """Node b's agent and workers are SIGKILLed while node a's workers are stopped (SIGSTOP: a
     long compute phase, in which no collective of theirs can fail and they report nothing). a's
     agent finds the loss anyway, at once: its kept-open connection to b's agent ends
-    (``tm_launch.peer_link``) and b's port refuses, where it used to wait for its workers'
+    (``tm_launch.launcher.peer_link``) and b's port refuses, where it used to wait for its workers'
     next collective, or for b's lease. Then a's workers go on, and the job ends bitwise."""
     found = {}
 

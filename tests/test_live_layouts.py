@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tm_launch.localjob import REPO
+from tm_launch.local.localjob import REPO
 
 HYBRID = os.path.join(REPO, "examples", "hybrid.py")
 STEPS = 24

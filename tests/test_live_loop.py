@@ -1,9 +1,9 @@
-"""tm_launch.live_loop: the framework step driver's rules, on a scripted job (the real one is
+"""tm_launch.worker.live_loop: the framework step driver's rules, on a scripted job (the real one is
 exercised end to end with each framework in test_frameworks.py)."""
 
 import pytest
 
-from tm_launch.live_loop import LiveLoop, live_job
+from tm_launch.worker.live_loop import LiveLoop, live_job
 
 
 class ScriptedJob:

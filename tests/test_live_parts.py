@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tm_launch.commit import StepCommit, commit_store
-from tm_launch.replicas import mesh_replicas, replica_set
-from tm_launch.transfer import Holding, plan_transfer
+from tm_launch.worker.commit import StepCommit, commit_store
+from tm_launch.worker.replicas import mesh_replicas, replica_set
+from tm_launch.worker.transfer import Holding, plan_transfer
 
 # ------------------------------------------------------------------------------------------------
 # replicas: the pure rule
@@ -43,7 +43,7 @@ def fake_world():
     """``join(rank, world)``: this process becomes ``rank`` of a fake world of ``world`` ranks."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tm_launch.c10d_glue import forget_layouts
+    from tm_launch.worker.c10d_glue import forget_layouts
 
     def join(rank: int, world: int) -> None:
         if dist.is_initialized():
@@ -112,7 +112,7 @@ def test_forget_layouts_reaches_the_thread_that_ran_the_backward(fake_world, dev
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from tm_launch.c10d_glue import forget_layouts
+    from tm_launch.worker.c10d_glue import forget_layouts
 
     fake_world(3, 4)
     mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -196,17 +196,17 @@ def D(joiners=(), all_fresh=False):
     pytest.param((0, 1), D(), 0, 0, False, id="nothing about the group changed"),
 ])
 def test_membership_changed(ranks, d, rank, old_rank, want):
-    from tm_launch.generations import membership_changed
+    from tm_launch.worker.generations import membership_changed
 
     assert membership_changed(ranks, d, rank, old_rank) is want
 
 
 class _Job:
-    """What ``Generations`` reads of its job: this worker's devices, local rank and agent channel."""
+    """What ``Generations`` reads of its job: this worker's devices, local rank and agent client."""
 
     devices, local_rank = ("cpu",), 0
 
-    class channel:
+    class agent:
         @staticmethod
         def latest():
             return 0
@@ -216,7 +216,7 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
     """``build_ahead``: a promoted spare starts its world communicator before it runs the script
     again; entering that generation waits for that build instead of starting another, and any
     other generation gives it up."""
-    from tm_launch.generations import Generations
+    from tm_launch.worker.generations import Generations
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     gens = Generations(_Job(), {"TM_SETUP_TIMEOUT": "2"})  # the unreachable store below fails fast
@@ -246,20 +246,20 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
     ("cuda:0", None, "cpu"),  # a gloo-only job with a model on the GPU
 ])
 def test_wire_for(device, nccl, want):
-    from tm_launch.transfer import wire_for
+    from tm_launch.worker.transfer import wire_for
 
     assert wire_for(torch.device(device), None if nccl is None else torch.device(nccl)) == want
 
 
 def _ph(index, t, layout=None):
     """The sender's placeholder for ``t``."""
-    from tm_launch.transfer import TENSOR
+    from tm_launch.worker.transfer import TENSOR
 
     return (TENSOR, index, tuple(t.shape), str(t.dtype).replace("torch.", ""), layout, "cpu")
 
 
 def test_receive_targets_take_only_tensors_that_fit():
-    from tm_launch.transfer import receive_targets
+    from tm_launch.worker.transfer import receive_targets
 
     base = torch.zeros(10)
     own = {"model": {
@@ -312,13 +312,13 @@ class _Checkpoint:
                  id="a scheduler"),
 ])
 def test_only_torchs_own_loads_receive_in_place(make, want):
-    from tm_launch.transfer import loads_in_place
+    from tm_launch.worker.transfer import loads_in_place
 
     assert loads_in_place(make()) is want
 
 
 def test_tied_tensors_receive_into_fresh_memory_the_second_time():
-    from tm_launch.transfer import receive_targets
+    from tm_launch.worker.transfer import receive_targets
 
     w = torch.zeros(4, 2)
     own = {"m": {"embed.weight": w, "head.weight": w.detach()}}  # tied: one storage
@@ -332,7 +332,7 @@ def test_tied_tensors_receive_into_fresh_memory_the_second_time():
     pytest.param("fsdp-tp", "ddp-tp", "plain only", id="another mesh or placements: the DTensors are allocated"),
 ])
 def test_dtensors_receive_in_place_only_with_the_same_layout(fake_world, sender, receiver, in_place):
-    from tm_launch.transfer import flatten, receive_targets
+    from tm_launch.worker.transfer import flatten, receive_targets
 
     from torch.distributed.tensor import DTensor
 
@@ -357,8 +357,8 @@ TRANSFER = r'''
 import json, sys, datetime
 import torch, torch.distributed as dist
 import torch.distributed.tensor  # as in a live worker
-from tm_launch import communicators
-from tm_launch.transfer import send_state, recv_state
+from tm_launch.worker import communicators
+from tm_launch.worker.transfer import send_state, recv_state
 
 rank, port, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
@@ -412,7 +412,7 @@ def _transfer_between_processes(device: str):
     import subprocess
     import sys
 
-    from tm_launch.localjob import REPO
+    from tm_launch.local.localjob import REPO
 
     server = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
@@ -560,7 +560,7 @@ os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROU
                   LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
 sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
 import hybrid, tm_launch
-from tm_launch import c10d_glue
+from tm_launch.worker import c10d_glue
 job = tm_launch.init()
 
 def build_and_step():
@@ -573,7 +573,7 @@ def build_and_step():
 print("warm", job.rank, *build_and_step())
 try:
     job._take_other_ranks({"ranks": [1], "generation": 1, "active": True})
-except tm_launch.runtime.RankChanged:
+except tm_launch.worker.runtime.RankChanged:
     pass
 print("again", job.rank, *build_and_step())
 '''
@@ -588,7 +588,7 @@ def test_a_promoted_spare_builds_its_new_ranks_layout(tmp_path):
     import subprocess
     import sys
 
-    from tm_launch.localjob import REPO
+    from tm_launch.local.localjob import REPO
 
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", RERUN, REPO], capture_output=True, text=True, timeout=120, env=env)
@@ -615,7 +615,7 @@ class Counter:
 
 
 def _mirroring_rank():
-    from tm_launch.per_rank import PerRankState
+    from tm_launch.worker.per_rank import PerRankState
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     commit = StepCommit()
@@ -638,7 +638,7 @@ def _step(commit, state, step, consume=1, after_commit=0):
 def test_a_mirror_on_a_store_whose_node_is_gone_is_reported_at_once(refusing_port):
     """The store that held a rank's per-rank mirror went with its node: the joiner learns so from
     the refused connection at once, not after torch's client has retried it for its whole connect
-    timeout (which allows for the resolver's dropped lookups, tm_launch.store_clients)."""
+    timeout (which allows for the resolver's dropped lookups, tm_launch.worker.store_clients)."""
     joiner = _mirroring_rank()[2]
     t0 = time.monotonic()
     why = joiner.fetch((4, "127.0.0.1", refusing_port), 0, 4)
@@ -697,7 +697,7 @@ def test_after_the_state_moved_once_every_step_start_is_mirrored_exactly():
 def test_rng_state_round_trips():
     import random
 
-    from tm_launch.per_rank import RNGState
+    from tm_launch.worker.per_rank import RNGState
 
     rng = RNGState()
     saved = rng.state_dict()
@@ -713,7 +713,7 @@ store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROUP_RANK="-1", WORLD_SIZE="2",
                   LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
 import tm_launch
-from tm_launch.c10d_glue import NoPeersYet
+from tm_launch.worker.c10d_glue import NoPeersYet
 job = tm_launch.init()  # a spare: warms up as rank 1, no peers
 objects = [None]
 try:
@@ -734,7 +734,7 @@ def test_a_rooted_object_collective_from_another_rank_before_steps_says_what_is_
     import subprocess
     import sys
 
-    from tm_launch.localjob import REPO
+    from tm_launch.local.localjob import REPO
 
     out = subprocess.run([sys.executable, "-c", SANDBOX_DCP], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})

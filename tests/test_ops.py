@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from rendezvous.etcd_server import free_ports
-from tm_launch.localjob import REPO, TRAIN, launcher
-from tm_launch.timeline import append_samples, build, by_generation, cause_kind, label_rows
+from tm_launch.local.localjob import REPO, TRAIN, launcher
+from tm_launch.ctl.timeline import append_samples, build, by_generation, cause_kind, label_rows
 from tm_launch.waits import Every
 
 
@@ -242,7 +242,7 @@ def test_metrics_count_alarms_failures_and_role():
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tm_launch.metrics import AgentMetrics
+    from tm_launch.launcher.metrics import AgentMetrics
 
     m = AgentMetrics("a")
     m.on_event("alarm", {"alarm": {"signal": "xid", "severity": "fatal"}})
@@ -285,7 +285,7 @@ def test_ctl_timeline_mistakes_are_one_line(etcd_endpoint, args, message):
     (["--metrics-port", "9104"], "", {"PET_METRICS_PORT": "9103"}, 9104),
 ])
 def test_metrics_port_from_flag_yaml_or_env(tmp_path, monkeypatch, argv, yaml_text, env, port):
-    from tm_launch.options import parse_args
+    from tm_launch.launcher.options import parse_args
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -295,7 +295,7 @@ def test_metrics_port_from_flag_yaml_or_env(tmp_path, monkeypatch, argv, yaml_te
 
 
 def test_metrics_port_out_of_range_is_a_usage_error():
-    from tm_launch.options import UsageError, parse_args
+    from tm_launch.launcher.options import UsageError, parse_args
 
     with pytest.raises(UsageError, match=r"--metrics-port 70000: must be a TCP port number"):
         parse_args(["--metrics-port", "70000", TRAIN])

@@ -1,4 +1,4 @@
-"""Table tests for the command line and the YAML config (``tm_launch.options.parse_args``).
+"""Table tests for the command line and the YAML config (``tm_launch.launcher.options.parse_args``).
 
 torchrun's options keep their meaning, the YAML file may set any option by its destination name,
 precedence is command line > PET_* variable > YAML > default, and every mistake is a UsageError
@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from health.config import HealthConfig
-from tm_launch.options import UsageError, parse_args
+from tm_launch.launcher.options import UsageError, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train.py")

@@ -47,7 +47,7 @@ def test_cut_off_node_is_replaced_fenced_and_comes_back_failed(lab, tmp_path, re
     b also hosts the generation's store (the commit votes), which the survivors then cannot
     reach and which does not refuse them either: their votes must give up on it as a collective
     gives up on a peer, and the spare runs the script again for b's ranks."""
-    from tm_launch.localjob import LocalJob
+    from tm_launch.local.localjob import LocalJob
 
     addrs = {n: lab.add(n) for n in ("a", "b", "c")}
     with EtcdServer(host=lab.host_addr) as etcd:

@@ -1,4 +1,4 @@
-"""The ring of kept-open connections between agents (``tm_launch.peer_link``): whom a node
+"""The ring of kept-open connections between agents (``tm_launch.launcher.peer_link``): whom a node
 watches, and what the link reports, on real sockets."""
 
 import math
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from tm_launch.peer_link import PeerLink, probe_targets, successor
+from tm_launch.launcher.peer_link import PeerLink, probe_targets, successor
 
 
 @pytest.mark.parametrize("nodes, me, want", [

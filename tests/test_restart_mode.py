@@ -85,7 +85,7 @@ def test_a_loop_without_job_steps_is_never_repaired_live(local_job, tmp_path):
     import subprocess
     import sys
 
-    from tm_launch.localjob import REPO
+    from tm_launch.local.localjob import REPO
 
     script = os.path.join(REPO, "examples", "plain_loop.py")
     ref = tmp_path / "ref.pt"
@@ -132,7 +132,7 @@ def test_a_hung_restart_mode_worker_is_killed_and_every_worker_restarts(local_jo
     SIGSTOPped worker of b, every worker restarts from the checkpoint, and ``ctl timeline``
     draws both ranks' steps and the restart's downtime. Under ``--no-live`` the same through a
     PlainJob. (The run is long: the test ends it once the restart is drawn.)"""
-    from tm_launch.localjob import REPO
+    from tm_launch.local.localjob import REPO
 
     job = local_job(nnodes="2", nproc=1, script=os.path.join(REPO, "examples", "plain_loop.py"),
                     launcher_args=["--max-restarts", "1", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0", *launcher])

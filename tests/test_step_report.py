@@ -11,9 +11,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tm_launch.agent_channel import AgentChannel
-from tm_launch.localjob import REPO
-from tm_launch.step_report import STATUS_INTERVAL, StepReporter
+from tm_launch.worker.agent_client import AgentClient
+from tm_launch.local.localjob import REPO
+from tm_launch.worker.step_report import STATUS_INTERVAL, StepReporter
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def status(store) -> dict:
 
 
 def test_reports_are_rate_limited_and_carry_the_step_times(agent_store):
-    channel = AgentChannel({"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}", "LOCAL_RANK": "0"})
+    channel = AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}", "LOCAL_RANK": "0"})
     try:
         reporter = StepReporter(channel, rank=3, generation=2, window=2)
         reporter.step(1)
@@ -56,7 +56,7 @@ def test_reports_are_rate_limited_and_carry_the_step_times(agent_store):
 
 def test_a_report_never_breaks_the_loop_when_the_agent_is_gone():
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    channel = AgentChannel({"TM_AGENT_STORE": f"127.0.0.1:{store.port}", "LOCAL_RANK": "0"})
+    channel = AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{store.port}", "LOCAL_RANK": "0"})
     reporter = StepReporter(channel, rank=0, generation=0, window=20)
     reporter.step(1)
     del store  # the agent's store goes away
@@ -73,7 +73,7 @@ WORKER = r'''
 import os, sys
 import torch.distributed as dist
 import tm_launch
-from tm_launch import step_report
+from tm_launch.worker import step_report
 how = sys.argv[1]
 if how == "init":
     job = tm_launch.init()
@@ -144,7 +144,7 @@ import tm_launch
 job = tm_launch.init()  # a LiveJob that entered generation 0, not live until job.steps()
 
 def status():
-    s = json.loads(job.channel.store.get("worker/0/status"))
+    s = json.loads(job.agent.store.get("worker/0/status"))
     return s["state"], s["step"]
 
 job.report_step(7)
@@ -161,8 +161,8 @@ def test_report_step_is_restart_modes_only_a_live_loop_counts_its_own_steps(tmp_
     nothing, and at exit its status stays the live loop's ``finished``."""
     from rendezvous.planner import Limits
     from rendezvous.plan import Plan
-    from tm_launch.agent_config import AgentConfig
-    from tm_launch.supervisor import WorkerSupervisor
+    from tm_launch.launcher.config import AgentConfig
+    from tm_launch.launcher.supervisor import WorkerSupervisor
 
     bootstrap = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     cfg = AgentConfig(node_id="n1", addr="127.0.0.1", nproc=1, limits=Limits(1, 1, 1, 0), cmd=[], run_id="r")
@@ -201,7 +201,7 @@ def test_a_plain_job_asks_torch_for_the_backend_the_script_asked_for(monkeypatch
     not NCCL alone, which would refuse a CPU model's gradients on a GPU machine."""
     import torch.distributed as dist
 
-    from tm_launch.runtime import PlainJob
+    from tm_launch.worker.runtime import PlainJob
 
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -237,6 +237,6 @@ def test_a_plain_job_frees_its_group_before_the_interpreter_tears_down():
     (RuntimeError("x" * 500), 80, "x" * 80),
 ])
 def test_an_error_in_one_log_line(error, limit, want):
-    from tm_launch.agent_channel import first_line
+    from tm_launch.worker.agent_client import first_line
 
     assert first_line(error, limit) == want

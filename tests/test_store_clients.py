@@ -1,12 +1,12 @@
-"""``tm_launch.store_clients``: connections to the generation stores are opened before a change
+"""``tm_launch.worker.store_clients``: connections to the generation stores are opened before a change
 needs them, each is used by one holder, and a store the plan left is let go."""
 
 import datetime
 import threading
 import time
 
-from tm_launch import store_server
-from tm_launch.store_clients import StoreClients
+from tm_launch.launcher import store_server
+from tm_launch.worker.store_clients import StoreClients
 
 
 def _where(server) -> dict:

@@ -1,11 +1,11 @@
-"""``tm_launch.store_server``: the agent's TCPStore takes a generation's connections at once."""
+"""``tm_launch.launcher.store_server``: the agent's TCPStore takes a generation's connections at once."""
 
 import datetime
 import threading
 
 import torch.distributed as dist
 
-from tm_launch import store_server
+from tm_launch.launcher import store_server
 
 
 def test_a_generations_worth_of_clients_connect_at_once():

@@ -257,7 +257,7 @@ def test_worker_wrapper_is_invisible(tmp_path, mode):
 
 
 RERUN = '''import gc, sys, types, weakref
-from tm_launch.runtime import RankChanged
+from tm_launch.worker.runtime import RankChanged
 probe = sys.modules.setdefault("rerun_probe", types.ModuleType("rerun_probe"))  # outlives the runs
 if hasattr(probe, "refs"):  # the second run, for the new ranks: the first run's objects are gone
     print("first run's objects alive:", [name for name, ref in probe.refs.items() if ref() is not None])

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 from rendezvous.rdzv_conf import etcd_options, parse_rdzv_conf, positive_seconds
 
-from .options import LIVE_BACKENDS, UsageError, parse_args, parse_nnodes
+from .launcher.options import LIVE_BACKENDS, UsageError, parse_args, parse_nnodes
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -28,7 +28,7 @@ def _fail(message: str, code: int = 2) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ctl"]:
-        from .ctl import main as ctl_main
+        from .ctl.commands import main as ctl_main
 
         return ctl_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="[tm-launch] %(levelname)s %(message)s")
@@ -127,10 +127,10 @@ def _check_standalone(args) -> None:
 
 def _output(args, config, nproc: int):
     """Where worker output goes, as torchrun's DefaultLogsSpecs decides it (its layout under
-    ``--log-dir``; see tm_launch.workers)."""
+    ``--log-dir``; see tm_launch.launcher.processes)."""
     from torch.distributed.elastic.multiprocessing.api import Std, to_map
 
-    from .workers import OutputSpec
+    from .launcher.processes import OutputSpec
 
     redirects = {k: int(v) for k, v in to_map(Std.from_str(args.redirects), nproc).items()}
     tee = {k: int(v) for k, v in to_map(Std.from_str(args.tee), nproc).items()}
@@ -156,7 +156,7 @@ def _launch(args) -> int:
 
     from rendezvous.kv import AccessDenied, KVError, connect
 
-    from .agent import Agent, AgentConfig
+    from .launcher.agent import Agent, AgentConfig
     from rendezvous.planner import Limits
 
     server = None

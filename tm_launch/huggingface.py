@@ -3,7 +3,7 @@
 **Live**: ``LiveTrainer`` (a ``Trainer``; subclass it as you would subclass ``Trainer``), with
 ``tm_launch.init()`` as the script's first call (``TrainingArguments`` starts the process group,
 so tm-launch's must exist before it). Under tm-launch its optimizer steps are live steps
-(``tm_launch.live_loop``): ``training_step`` (forward, backward, DDP's gradient all-reduce, the
+(``tm_launch.worker.live_loop``): ``training_step`` (forward, backward, DDP's gradient all-reduce, the
 token count all-reduce for the loss scale) runs inside a live step and runs again on the same
 batch when a peer failed before the commit; the ``Trainer``'s loop then steps the optimizer and
 the scheduler once. A joining rank (a spare parks in ``train()`` before the loop) receives the
@@ -36,8 +36,8 @@ from transformers.trainer_callback import ExportableState
 
 import tm_launch
 
-from .agent_channel import log
-from .live_loop import LiveLoop, keep_rng_across_iterators, live_job, new_ddp_like
+from .worker.agent_client import log
+from .worker.live_loop import LiveLoop, keep_rng_across_iterators, live_job, new_ddp_like
 
 
 class ReportSteps(TrainerCallback):

@@ -36,8 +36,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import tm_launch
 
-from .agent_channel import log
-from .live_loop import LiveLoop, gain_methods, keep_rng_across_iterators, live_job, new_ddp_like
+from .worker.agent_client import log
+from .worker.live_loop import LiveLoop, gain_methods, keep_rng_across_iterators, live_job, new_ddp_like
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # identical on every DDP replica: sent as tensors
 

@@ -275,7 +275,7 @@ class EtcdV3(KV):
         report, another node's heartbeat) delayed the next event by up to 100 ms, measured
         here at 84 ms median. A watcher created at the current revision is synced at once and
         sees every later event within milliseconds; the caller covers the gap before it by
-        comparing the created revision with its own read's (``tm_launch.wakeup.StateWatch``)."""
+        comparing the created revision with its own read's (``tm_launch.launcher.wakeup.StateWatch``)."""
         create = self._prefix_range(prefix)
         connect_t = min(self.options.timeout, idle_timeout)
         errors = []

@@ -23,7 +23,7 @@ import time
 
 import torch.distributed as dist
 
-from .wakeup import WAKE_ENV, poke
+from ..launcher.wakeup import WAKE_ENV, poke  # TEMP
 
 
 def log(msg: str) -> None:
@@ -40,7 +40,7 @@ def first_line(error: BaseException, limit: int = 160) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
 
 
-class AgentChannel:
+class AgentClient:
     def __init__(self, env=os.environ):
         host, port = env["TM_AGENT_STORE"].rsplit(":", 1)
         self.local_rank = int(env["LOCAL_RANK"])
@@ -141,10 +141,10 @@ class AgentChannel:
         """Block until the agent hands over a generation newer than ``after`` (``watch`` first);
         say so every few seconds (once only with ``repeat=False``: a parked spare waits by
         design)."""
-        from .waits import Every
+        from ..waits import Every
 
         if self._watcher is None:
-            raise RuntimeError("AgentChannel.wait_directive needs watch() first: the watch thread hears the agent")
+            raise RuntimeError("AgentClient.wait_directive needs watch() first: the watch thread hears the agent")
         ticker, said = Every(), False
         while True:
             latest = self.latest()  # the store is written before the push: never behind the thread

@@ -19,11 +19,11 @@ from typing import Callable
 from rendezvous.plan import Plan
 
 from . import store_server
-from .agent_channel import directives_queue
-from .agent_config import AgentConfig
-from .communicators import nccl_error_handling
+from ..worker.agent_client import directives_queue  # TEMP
+from .config import AgentConfig
+from ..worker.communicators import nccl_error_handling  # TEMP
 from .wakeup import WAKE_ENV, WakeSocket, Wakeup
-from .workers import OutputSpec, WorkerSet
+from .processes import OutputSpec, WorkerSet
 
 
 def watched(status: dict) -> bool:
@@ -193,7 +193,7 @@ class WorkerSupervisor:
         current = self.store.add("node/latest", 0)
         if plan.generation > current:
             self.store.add("node/latest", plan.generation - current)
-            for lr in range(self.cfg.nproc):  # wakes each worker's watch thread (tm_launch.agent_channel)
+            for lr in range(self.cfg.nproc):  # wakes each worker's watch thread (tm_launch.worker.agent_client)
                 self.store.queue_push(directives_queue(lr), str(plan.generation))
 
     def start(self, plan: Plan, sandbox: bool, master: tuple[str, int] | None) -> None:

@@ -1,6 +1,6 @@
 """What one node's agent is told at start (built by ``tm_launch.cli`` from torchrun's options).
 
-Its own module so that the agent's parts (session, supervisor, observers, plan follower) can
+Its own module so that the agent's parts (session, supervisor, observers, plan executor) can
 read it without importing the agent loop that composes them.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from health.config import HealthConfig
 from rendezvous.planner import Limits
 
-from .workers import OutputSpec
+from .processes import OutputSpec
 
 
 @dataclass

@@ -18,7 +18,7 @@ from rendezvous.membership import Membership, UnreadablePlan
 from rendezvous.plan import NodeInfo, Plan
 
 from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
-from .waits import Every
+from ..waits import Every
 
 
 class Fenced(Exception):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 
-from .breakdown import breakdown
+from ..breakdown import breakdown
 
 # One sample per worker per progress publish: [time, generation, rank, step, step_time, state].
 SAMPLE_FIELDS = ("time", "generation", "rank", "step", "step_time", "state")

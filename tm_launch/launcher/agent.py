@@ -1,8 +1,8 @@
 """The per-node agent: register, follow the generations, run and watch this node's workers.
 
 One loop, woken the moment anything happens (a worker exits or reports, something under the
-job's ``state/`` keys changes: ``tm_launch.wakeup``; the next active node's agent dies:
-``tm_launch.peer_link``), and at least every ``--monitor-interval``:
+job's ``state/`` keys changes: ``tm_launch.launcher.wakeup``; the next active node's agent dies:
+``tm_launch.launcher.peer_link``), and at least every ``--monitor-interval``:
 
 1. read the job's state (one etcd range read, or the copy its watch stream keeps up to date; an
    agent that only follows plans reads what changed: ``Membership.refresh``) and, if the plan
@@ -18,7 +18,7 @@ the lease is lost the agent stops its workers (fencing) and exits.
 
 The loop composes parts that each own their state: ``session`` (lease, etcd reachability, the
 fencing rule, reports), ``supervisor`` (worker processes and the agent store), ``failures``
-(reports about workers' ends and dead peers), ``follower`` (acting on a new plan) and the
+(reports about workers' ends and dead peers), ``plan_executor`` (acting on a new plan) and the
 ``observers`` (alarms, progress and stragglers, entry timings, downtime stamps, metrics,
 waiting drains).
 """
@@ -35,15 +35,15 @@ from rendezvous.membership import Membership
 from rendezvous.plan import SUCCEEDED, NodeInfo, Plan
 from rendezvous.planner import View, follows_only, next_plan, spares
 
-from .agent_config import AgentConfig
+from .config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
-from .follower import PlanFollower
+from .plan_executor import PlanExecutor
 from .observers import AlarmWatch, DowntimeStamps, DrainWaitNote, EntryReport, MetricsFeed, ProgressPublisher, StragglerWatch
 from .peer_link import PeerLink, probe_targets, successor
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
-from .waits import Every
+from ..waits import Every
 from .wakeup import StateWatch, Wakeup
 
 JOINED_NAMED = 16  # the waiting line names this many nodes, then counts
@@ -59,7 +59,7 @@ class Agent:
         self.metrics = MetricsFeed(cfg.node_id, members)
         self.events = EventLog(cfg.node_id, cfg.event_log, members, self.metrics)
         say = self.say = self.events.say
-        # Every source of news wakes the loop at once (tm_launch.wakeup): worker exits, workers'
+        # Every source of news wakes the loop at once (tm_launch.launcher.wakeup): worker exits, workers'
         # reports, etcd changes; the --monitor-interval tick is only the upper bound.
         self.wakeup = Wakeup()
         self.state_watch = StateWatch(self.wakeup)
@@ -67,7 +67,7 @@ class Agent:
         self.session = EtcdSession(members, cfg.node_id, cfg.lease_ttl, cfg.collective_timeout, say,
                                    self.supervisor.local_progress)
         self.failures = FailureWatch(cfg, self.session, self.supervisor, say)
-        self.follower = PlanFollower(cfg, self.session, self.supervisor, self.failures, self.metrics, say)
+        self.executor = PlanExecutor(cfg, self.session, self.supervisor, self.failures, self.metrics, say)
         self.alarms = AlarmWatch(cfg, self.session, self.supervisor, say, wake=lambda: self.wakeup.set("alarm"))
         self.progress = ProgressPublisher(cfg.node_id, self.session, self.supervisor, self.metrics,
                                           StragglerWatch(cfg, self.session, say))
@@ -119,16 +119,16 @@ class Agent:
         session = self.session
         snap, fresh_until = None, 0.0
         while True:
-            session.apply_fencing_rule(self.follower.plan)
+            session.apply_fencing_rule(self.executor.plan)
             if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until) or session.lost_lease.is_set():
                 try:  # after a lost lease, a read that shows whether etcd answers (not the mirror)
                     snap = session.members.refresh(snap, self.cfg.node_id, fresh=session.lost_lease.is_set())
                     snap = session.members.with_records(snap, self._peers(snap.view.plan))
                 except KVError as e:
-                    session.back_off(e, self.follower.plan)
+                    session.back_off(e, self.executor.plan)
                     continue
                 session.answered()
-                session.apply_fencing_rule(self.follower.plan, snap)
+                session.apply_fencing_rule(self.executor.plan, snap)
                 # Re-read etcd when the watch saw a change, else (planners only) once a second:
                 # time-based rules (the join window, the grace of an exit report) still move on.
                 fresh_until = time.time() + 1.0
@@ -136,7 +136,7 @@ class Agent:
             try:
                 code = self._tick(snap)
             except KVError as e:  # etcd went away mid-iteration: nothing is half-done, go round again
-                session.back_off(e, self.follower.plan)
+                session.back_off(e, self.executor.plan)
                 snap = None
                 continue
             if code is not None:
@@ -145,18 +145,18 @@ class Agent:
     def _tick(self, snap) -> int | None:
         """One pass of the loop over one consistent view; an exit code when the agent is done."""
         view, me = snap.view, self.cfg.node_id
-        followed = self.follower.plan
+        followed = self.executor.plan
         if view.plan is not None and (followed is None or view.plan.generation != followed.generation):
             self.stamps.plan_seen(view.plan, view.now)
-            code = self.follower.follow(view.plan, view)
+            code = self.executor.follow(view.plan, view)
             if code is not None:
                 self.stamps.flush()
                 return code
-        plan = self.follower.plan
+        plan = self.executor.plan
         if view.plan is None:
             self._check_join_timeout(snap)
         elif plan is not None and me not in plan.nodes and not self.supervisor.workers and view.live:
-            self.follower.be_spare(plan, view)  # the job turned out to be live: warm up now
+            self.executor.be_spare(plan, view)  # the job turned out to be live: warm up now
         self._link_to_successor(plan, view)
         self.failures.watch_workers(plan, view)
         self.failures.probe_peers(plan, view)
@@ -208,7 +208,7 @@ class Agent:
         return probe_targets(plan.nodes, self.cfg.node_id)
 
     def _link_to_successor(self, plan: Plan | None, view: View) -> None:
-        """Keep a connection to the next active node's agent (``tm_launch.peer_link``): its death
+        """Keep a connection to the next active node's agent (``tm_launch.launcher.peer_link``): its death
         is then known when it happens, whatever its workers and ours are doing."""
         me = self.cfg.node_id
         node = successor(plan.nodes, me) if plan is not None and not plan.finished else None

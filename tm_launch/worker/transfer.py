@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import communicators
-from .agent_channel import log
+from .agent_client import log
 
 TENSOR = "__tensor__"
 GPU_WIRE, HOST_WIRE = "cuda", "cpu"  # NCCL, straight from GPU memory / gloo, through host memory
@@ -55,7 +55,7 @@ def cpu_copy(obj):
 def _progress(verb: str, peer: str, total: int):
     """A callback that says every few seconds how far a long state transfer is (a big model over
     a slow link must not look like a hang); silent for transfers shorter than that."""
-    from .waits import Every
+    from ..waits import Every
 
     ticker = Every()
     done = [0]

@@ -48,7 +48,7 @@ def _connect(args):
 
     from rendezvous.rdzv_conf import etcd_options
 
-    from .options import RUN_ID, UsageError
+    from ..launcher.options import RUN_ID, UsageError  # TEMP
 
     conf = {}
     if args.config:
@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="tm-launch ctl: warning: %(message)s")
     from rendezvous.kv import AccessDenied, KVError
 
-    from .options import UsageError
+    from ..launcher.options import UsageError  # TEMP
 
     try:
         members, run_id = _connect(args)

@@ -13,7 +13,7 @@ rules):
   Unix socket, sent by ``poke`` right after the store write;
 - ``StateWatch``: an etcd watch stream kept open in a thread, compared with the revision of
   the agent's last read;
-- ``tm_launch.peer_link.PeerLink``: the connection to the next active node's agent ended.
+- ``tm_launch.launcher.peer_link.PeerLink``: the connection to the next active node's agent ended.
 """
 
 from __future__ import annotations

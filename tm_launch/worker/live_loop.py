@@ -108,7 +108,7 @@ def keep_rng_across_iterators(loader):
     A DataLoader iterator draws its workers' base seed from the global RNG, which is also
     dropout's per-rank stream. A loop that starts an iterator at each epoch would move a rank's
     per-rank state between a step's commit vote and the next step's start, so the vote-time
-    mirror of that state could not be trusted any more (``tm_launch.per_rank``) and a rank lost
+    mirror of that state could not be trusted any more (``tm_launch.worker.per_rank``) and a rank lost
     in that window could not be replaced live. The base seed is still drawn, from the RNG as it
     is, and then given back. (An instance attribute, not a class swap: accelerate's
     DataLoaderShard reports its base class as its ``__class__``, which cannot be assigned; its

@@ -25,16 +25,16 @@ from rendezvous.membership import Membership
 from rendezvous.plan import Plan
 from rendezvous.planner import View, spares
 
-from .agent_config import AgentConfig
-from .breakdown import node_stamps, plan_stamps
+from .config import AgentConfig
+from ..breakdown import node_stamps, plan_stamps
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
-from .timeline import append_samples, cause_kind
-from .waits import Every
+from ..ctl.timeline import append_samples, cause_kind  # TEMP
+from ..waits import Every
 
 
 class MetricsFeed:
-    """tm_launch.metrics.AgentMetrics once ``serve`` started it; every ``on_*`` does nothing before."""
+    """tm_launch.launcher.metrics.AgentMetrics once ``serve`` started it; every ``on_*`` does nothing before."""
 
     def __init__(self, node_id: str, members: Membership):
         self.node_id = node_id
@@ -268,7 +268,7 @@ class EntryReport:
         comm = max(r["communicator"] for r in records)
         state = max(r["state"] for r in records)
         received = any(r["received"] for r in records)
-        connects = sum(r.get("store_connects", 0) for r in records)  # opened on the way in (tm_launch.store_clients)
+        connects = sum(r.get("store_connects", 0) for r in records)  # opened on the way in (tm_launch.worker.store_clients)
         since = time.time() - plan.created
         self.timings[plan.generation] = {"communicator": comm, "state": state}
         self.metrics.on_entered(plan)

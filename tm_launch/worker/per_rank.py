@@ -26,7 +26,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from .agent_channel import first_line
+from .agent_client import first_line
 from .commit import commit_store
 from .store_clients import open_client
 from .transfer import cpu_copy

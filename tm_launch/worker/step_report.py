@@ -67,10 +67,10 @@ class StepStats:
 
 
 class StepReporter:
-    """Restart mode's status, written through ``channel`` (an ``AgentChannel``)."""
+    """Restart mode's status, written through ``agent`` (an ``AgentClient``)."""
 
-    def __init__(self, channel, rank: int, generation: int, window: int):
-        self.channel = channel
+    def __init__(self, agent, rank: int, generation: int, window: int):
+        self.agent = agent
         self.rank, self.generation = rank, generation
         self.stats = StepStats(window)
         self.last: tuple[int, float] | None = None  # the last step reported, and when (perf_counter)
@@ -80,9 +80,9 @@ class StepReporter:
 
     @classmethod
     def from_env(cls, env) -> "StepReporter":
-        from .agent_channel import AgentChannel
+        from .agent_client import AgentClient
 
-        return cls(AgentChannel(env), int(env.get("RANK", 0)), int(env.get("TM_GENERATION", 0)),
+        return cls(AgentClient(env), int(env.get("RANK", 0)), int(env.get("TM_GENERATION", 0)),
                    int(env.get("TM_STRAGGLER_WINDOW", "20")))
 
     def step(self, step: int) -> None:
@@ -115,7 +115,7 @@ class StepReporter:
         self.state, self.written_at = state, now
         step = self.last[0] if self.last else None
         try:
-            self.channel.set("status", {
+            self.agent.set("status", {
                 "step": step, "generation": self.generation, "state": state, "rank": self.rank, "time": now,
                 "pid": os.getpid(), "mode": "restart", **self.stats.report(step),
             })
@@ -127,7 +127,7 @@ _PROCESS: StepReporter | None = None
 
 
 def process_reporter() -> StepReporter | None:
-    """This process's reporter with a channel of its own (made on first use, closed at exit);
+    """This process's reporter with a client of its own (made on first use, closed at exit);
     None without an agent (plain torchrun)."""
     global _PROCESS
     if _PROCESS is None and os.environ.get("TM_AGENT_STORE"):
@@ -139,4 +139,4 @@ def process_reporter() -> StepReporter | None:
 def _close_process_reporter() -> None:
     if _PROCESS is not None:
         _PROCESS.exiting()
-        _PROCESS.channel.close()  # its heartbeat thread must end before interpreter teardown
+        _PROCESS.agent.close()  # its heartbeat thread must end before interpreter teardown

@@ -17,15 +17,15 @@ from rendezvous.plan import FAILED, SUCCEEDED, Plan
 from rendezvous.planner import View, spares
 
 from . import store_server
-from .agent_config import AgentConfig
+from .config import AgentConfig
 from .failures import FailureWatch
 from .observers import MetricsFeed
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
-from .waits import Every
+from ..waits import Every
 
 
-class PlanFollower:
+class PlanExecutor:
     def __init__(self, cfg: AgentConfig, session: EtcdSession, supervisor: WorkerSupervisor, failures: FailureWatch,
                  metrics: MetricsFeed, say: Callable[..., None]):
         self.cfg = cfg
@@ -111,7 +111,7 @@ class PlanFollower:
 
     def _keep_store_for_joiners(self, plan: Plan) -> None:
         """This agent's store holds the per-rank mirrors of the steps committed in the generation
-        it leaves (``tm_launch.per_rank``): a rank that takes over from one that left fetches its
+        it leaves (``tm_launch.worker.per_rank``): a rank that takes over from one that left fetches its
         RNG and data position there. So the store keeps serving, with the workers stopped and the
         registration given back (no longer a spare nor a planner), until every node of a later
         live generation has completed a step in it (its stamps, ``Membership.stamped_nodes``: the

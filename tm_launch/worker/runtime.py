@@ -1,6 +1,6 @@
 """The in-worker runtime: ``tm_launch.init()``, ``job.register()``, ``job.steps()``.
 
-Under tm-launch (live mode) each worker talks only to its own agent (``agent_channel``). Lifecycle:
+Under tm-launch (live mode) each worker talks only to its own agent (``agent_client``). Lifecycle:
 
 * **fresh start** (generation 0 or a full restart, ``TM_SANDBOX=0``): ``init`` joins the
   generation's communicator at once, like ``init_process_group``. ``init(backend=...)`` picks the
@@ -21,7 +21,7 @@ Under tm-launch (live mode) each worker talks only to its own agent (``agent_cha
   agree on the newest committed step, and the ranks behind receive their own state from a live
   replica of the same shard (``replicas``, ``transfer``).
 
-A framework's loop cannot be wrapped in ``job.steps()``: its integration (``tm_launch.live_loop``,
+A framework's loop cannot be wrapped in ``job.steps()``: its integration (``tm_launch.worker.live_loop``,
 used by ``tm_launch.lightning`` and ``tm_launch.huggingface``) advances ``steps()`` from the
 framework's step hook, and ``enter_before_loop()`` lets its spare enter before the loop runs, so
 the framework resumes its own loop from the state received.
@@ -38,7 +38,7 @@ agent then sees what it sees of a live worker: ``ctl status`` shows the step, ``
 draws the steps and each restart's downtime, and the hang watchdog kills the worker when it
 stops (limit from the reported step times; a worker that never reports is never watched). A
 report costs a few list operations, the status is written at most every 0.25 s
-(``tm_launch.step_report``). Inside ``job.steps()`` it does nothing (the live loop counts), a
+(``tm_launch.worker.step_report``). Inside ``job.steps()`` it does nothing (the live loop counts), a
 ``PlainJob``'s ``steps()`` reports by itself under ``--no-live``, and under plain torchrun
 reporting does nothing.
 """
@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild
-from .agent_channel import AgentChannel, first_line, log
+from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
@@ -138,7 +138,7 @@ def _replica_ranks(replicas, world: int):
 
 class PlainJob:
     """The same API over a normal process group, for torchrun and tm-launch's restart mode
-    (``--no-live``: there it reports its steps to the agent, ``tm_launch.step_report``)."""
+    (``--no-live``: there it reports its steps to the agent, ``tm_launch.worker.step_report``)."""
 
     in_sandbox = False
     step_ok = True
@@ -214,7 +214,7 @@ class LiveJob:
         # Every group of the job serves these devices (an unusable choice raises before anything starts).
         self.devices = communicators.job_devices(backend, self.local_rank)
         self._c10d_names = communicators.c10d_names(self.devices)
-        self.channel = AgentChannel(env)
+        self.agent = AgentClient(env)
         self.node = env.get("TM_NODE_ID", "")
         self._sandbox_steps = int(env.get("TM_SANDBOX_STEPS", "2"))
         self._objects: dict = {}
@@ -259,11 +259,11 @@ class LiveJob:
         if spare:  # opened while it warms up, not in the moment it is promoted
             self._keep_connections_ready()
         atexit.register(self._close)
-        self.channel.watch(self._on_directive)
+        self.agent.watch(self._on_directive)
         if env.get("TM_SANDBOX", "1") == "0":
             # Every rank of this generation starts here, like init_process_group: DDP's own
             # broadcast from rank 0 makes the state consistent, nothing to agree on.
-            self.gens.enter(self.channel.wait_directive(int(env["TM_GENERATION"]) - 1), agree=False)
+            self.gens.enter(self.agent.wait_directive(int(env["TM_GENERATION"]) - 1), agree=False)
         self._report(force=True)
 
     def _detach(self, rank: int) -> None:
@@ -276,7 +276,7 @@ class LiveJob:
     def _close(self) -> None:
         """Release communicators and store clients before interpreter teardown: C++ threads
         (gloo, TCPStore) destroyed during teardown abort the process (SIGABRT)."""
-        self.channel.close()
+        self.agent.close()
         self.gens.close()
         for g in [*self._subgroups, self.group]:
             g.swap(None, g.rank(), g.size(), g.generation)
@@ -317,7 +317,7 @@ class LiveJob:
 
         ``per_rank=True``: state this rank alone advances in every step (``tm_launch.RNGState()``,
         a sampler's or loader's position): restored when a step runs again, and mirrored so that
-        a rank that joins in its place continues from it (``tm_launch.per_rank``)."""
+        a rank that joins in its place continues from it (``tm_launch.worker.per_rank``)."""
         if per_rank:
             self._per_rank.objects.update(objects)
             return
@@ -398,13 +398,13 @@ class LiveJob:
         """Restart mode (a loop of its own, not ``job.steps()``): this worker finished step
         ``step``, the global step count its script or framework keeps (1 after the first step).
         The agent shows it (``ctl status``, ``ctl timeline``) and watches the worker for hangs
-        from the first report on (``tm_launch.step_report``). Inside ``job.steps()``, and in the
+        from the first report on (``tm_launch.worker.step_report``). Inside ``job.steps()``, and in the
         sandbox, it does nothing: the live loop counts its own steps."""
         if self._live_marked or self.in_sandbox:
             return
         if self._restart_steps is None:
-            reporter = self._restart_steps = StepReporter(self.channel, self.rank, self.generation, self._stats.window)
-            atexit.register(lambda: self._live_marked or reporter.exiting())  # before _close closes the channel
+            reporter = self._restart_steps = StepReporter(self.agent, self.rank, self.generation, self._stats.window)
+            atexit.register(lambda: self._live_marked or reporter.exiting())  # before _close closes the client
         self._restart_steps.step(step)
 
     def steps(self, total: int, start: int = 0):
@@ -426,7 +426,7 @@ class LiveJob:
             # A spare warms up, and warms up again as the ranks it was promoted to: real steps
             # without peers, so that the framework's lazy set-up is done before this process
             # meets the job (DDP rebuilds its buckets with a broadcast in its second step; a
-            # fresh DDP would send it while its peers run a normal step: tm_launch.ddp_rebuild).
+            # fresh DDP would send it while its peers run a normal step: tm_launch.worker.ddp_rebuild).
             yield from self._warm_up(start)
             if self._entering is None:
                 self._park()
@@ -441,7 +441,7 @@ class LiveJob:
         if self._step is None:
             self._step = start
         if not self._live_marked:
-            self.channel.set("live", "1", wake=True)  # the agent repairs this job in place from now on
+            self.agent.set("live", "1", wake=True)  # the agent repairs this job in place from now on
             self._live_marked = True
         self._state = "running"
         closing = False
@@ -488,14 +488,14 @@ class LiveJob:
             self._step_done_at = now
         if self._first_step_gen != self.generation:
             self._first_step_gen = self.generation
-            self.channel.set(f"first_step/{self.generation}", {"time": now, "step": self._step}, wake=True)
+            self.agent.set(f"first_step/{self.generation}", {"time": now, "step": self._step}, wake=True)
 
     def _state_lost(self, lost: StateLost) -> None:
         """No live rank can give some rank its state: tell the agent (the job restarts every
         worker from the script's own checkpoint) and end this process without touching its
         communicators (peers are ending theirs the same way)."""
         log(f"{lost}: this job cannot continue live without wrong weights; every worker restarts from the script's checkpoint")
-        self.channel.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)}, wake=True)
+        self.agent.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)}, wake=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STATE_LOST)
@@ -504,7 +504,7 @@ class LiveJob:
     def _warm_up(self, start: int):
         """Real steps on local backends (kernels, allocator, the framework's lazy set-up):
         ``--sandbox-steps`` of them for a spare that parks next; one, then DDP's bucket rebuild
-        (``tm_launch.ddp_rebuild``), for a spare promoted to other ranks, which runs the script
+        (``tm_launch.worker.ddp_rebuild``), for a spare promoted to other ranks, which runs the script
         again for them while the job waits. What they leave in the registered objects is
         overwritten when the process enters the job: a joiner always receives its state from a
         live replica (where none exists, every worker restarts), so no copy of the start state
@@ -538,15 +538,15 @@ class LiveJob:
                 torch.cuda.synchronize()  # a step commits only once its GPU work is complete
             ok = not self._poison.active
             mirror = self._per_rank.vote_mirror(self._commit.step) if ok else None
-            if not self._commit.decide(ok, lambda: self.channel.latest() > self.group.generation, mirror,
+            if not self._commit.decide(ok, lambda: self.agent.latest() > self.group.generation, mirror,
                                        peer_gone=self._unplanned_newer) and ok:
                 self._poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
         return bool(self._commit.decision)
 
     def _unplanned_newer(self) -> bool:
         """The agent handed over a newer generation because a peer is gone (not a planned switch)."""
-        latest = self.channel.latest()
-        return latest > self.group.generation and not self.channel.directive(latest).get("planned")
+        latest = self.agent.latest()
+        return latest > self.group.generation and not self.agent.directive(latest).get("planned")
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
         """Every optimizer's step asks for the commit; on a step that did not commit its
@@ -589,15 +589,15 @@ class LiveJob:
                 g.release_if_broken()
             if not self._commit.decision:  # it runs again, with the RNG and data it started with
                 self._per_rank.restore()
-            d = self.channel.wait_directive(self.group.generation)
+            d = self.agent.wait_directive(self.group.generation)
             self._poison.clear()
             self.gens.follow(d, interrupted=True)
             self._state = "running"
             return
-        if self.gens.pending is not None or self.channel.newer_than(self.group.generation):
-            latest = self.channel.latest()
+        if self.gens.pending is not None or self.agent.newer_than(self.group.generation):
+            latest = self.agent.latest()
             if latest > self.group.generation:
-                self.gens.follow(self.channel.directive(latest), interrupted=False)
+                self.gens.follow(self.agent.directive(latest), interrupted=False)
 
     def _park(self) -> None:
         """A warmed-up spare waits here until a generation names its node."""
@@ -605,7 +605,7 @@ class LiveJob:
         self._report(force=True)
         after = self.group.generation
         while True:
-            d = self.channel.wait_directive(after, repeat=False)
+            d = self.agent.wait_directive(after, repeat=False)
             if d.get("stop"):
                 sys.exit(0)
             if not d["active"]:
@@ -628,12 +628,12 @@ class LiveJob:
         """A spare's connections to the store of the plan it waits beside (``d``; None: the one
         its agent handed over last, if any) and to that store's standby, for the day it is
         promoted: the world communicator, its subgroups, the vote and its abort path
-        (``tm_launch.store_clients``)."""
+        (``tm_launch.worker.store_clients``)."""
         if d is None:
-            latest = self.channel.latest()
-            if not self.channel.store.check([f"node/plan/{latest}"]):
+            latest = self.agent.latest()
+            if not self.agent.store.check([f"node/plan/{latest}"]):
                 return
-            d = self.channel.directive(latest)
+            d = self.agent.directive(latest)
         self.gens.clients.prepare([d["store"], d["store"].get("standby")], at_least=3 + len(self._subgroups))
 
     def _take_other_ranks(self, d: dict) -> None:
@@ -675,7 +675,7 @@ class LiveJob:
             elif isinstance(obj, torch.optim.Optimizer):
                 obj.zero_grad(set_to_none=True)
 
-    # -- agent channel -------------------------------------------------------------------------
+    # -- reports to the agent -------------------------------------------------------------------------
     def _slow_vote(self, waiting: bool) -> None:
         """The commit vote waits for a peer longer than a step's skew: tell the agent, which then
         checks whether a peer node died (its agent refuses connections) instead of waiting for
@@ -694,7 +694,7 @@ class LiveJob:
         if not force and now - self._last_report < 0.25:
             return
         self._last_report = now
-        self.channel.set("status", {
+        self.agent.set("status", {
             "step": self._step, "generation": self.group.generation, "state": self._state,
             "rank": self.rank, "time": now, "pid": os.getpid(), "waiting_for_peers": self._waiting_for_peers,
             "why": self._recovering_why if self._state == "recovering" else "",

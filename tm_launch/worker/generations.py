@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import c10d_glue, communicators
-from .agent_channel import first_line, log
+from .agent_client import first_line, log
 from .commit import commit_store
 from .groups import LocalBackend
 from .replicas import fingerprints, replica_set
@@ -91,7 +91,7 @@ class Generations:
 
     # -- communicators ---------------------------------------------------------------------------
     def store(self, where: dict) -> dist.Store:
-        """A connection of its own to the store ``where`` names (``tm_launch.store_clients``)."""
+        """A connection of its own to the store ``where`` names (``tm_launch.worker.store_clients``)."""
         return self.clients.take(where)
 
     def build(self, ranks, global_rank: int, gen: int, d: dict | None = None):
@@ -153,11 +153,11 @@ class Generations:
         setup timeout. An abandoned build is left to fail at its own timeout (a daemon thread).
         ``pending``: a build already started (``_build_in_background``) to wait for instead."""
         pending, box = pending or self._build_in_background(ranks, global_rank, gen, d)
-        channel = self.job.channel
+        agent = self.job.agent
         while pending.is_alive():
             pending.join(0.01)
-            if pending.is_alive() and channel.latest() > gen:
-                raise Superseded(channel.directive(channel.latest()))
+            if pending.is_alive() and agent.latest() > gen:
+                raise Superseded(agent.directive(agent.latest()))
         if "error" in box:
             raise box["error"]
         return box["pg"]
@@ -229,7 +229,7 @@ class Generations:
                 why = f"entering generation {d['generation']} failed ({first_line(e)})"
                 job._recover(why)
                 log(f"{why}; waiting for the next generation")
-                d = job.channel.wait_directive(d["generation"])
+                d = job.agent.wait_directive(d["generation"])
             prebuilt, agree = None, True
             if d.get("stop"):
                 self._leave()
@@ -264,7 +264,7 @@ class Generations:
         received = self._agree_and_transfer(inner, rank, world) if agree else False
         job.in_sandbox = False
         t_done = time.perf_counter()
-        job.channel.set(f"entered/{gen}", {"communicator": t_comm - t0, "state": t_done - t_comm, "received": received, "step": job._step,
+        job.agent.set(f"entered/{gen}", {"communicator": t_comm - t0, "state": t_done - t_comm, "received": received, "step": job._step,
                                            "began": began, "last_step_at": job._step_done_at,  # wall clock: tm_launch.breakdown
                                            "store_connects": self.clients.opened_on_demand - connects_before})
         job._report(force=True)

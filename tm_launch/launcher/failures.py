@@ -16,11 +16,11 @@ from typing import Callable
 from rendezvous.plan import Plan
 from rendezvous.planner import View, finished_without
 
-from .agent_config import AgentConfig
+from .config import AgentConfig
 from .peer_link import probe_targets
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
-from .workers import describe_exit
+from .processes import describe_exit
 
 
 class FailureWatch:
@@ -143,7 +143,7 @@ class FailureWatch:
             self.session.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
 
     def report_if_lost(self, plan: Plan | None, view: View, node: str) -> None:
-        """The connection to ``node``'s agent ended (``tm_launch.peer_link``): report the node
+        """The connection to ``node``'s agent ended (``tm_launch.launcher.peer_link``): report the node
         lost if its agent refuses connections, and only while it is active in the newest plan
         (read now, one key: a node that was replaced, drained or finished closes its connections
         too, and this view may be older than the plan that let it go)."""

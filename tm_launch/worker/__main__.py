@@ -1,7 +1,7 @@
 """``python -m tm_launch.worker SCRIPT ARGS`` (or ``-m MODULE ARGS``): how tm-launch starts a
 Python worker in live mode. It runs the script exactly as ``python SCRIPT ARGS`` would (same
 ``sys.argv``, ``sys.path[0]``, ``__main__``), with one addition: a spare promoted to ranks it did
-not warm up as (``tm_launch.runtime.RankChanged``) runs the script again from the top in the same
+not warm up as (``tm_launch.worker.runtime.RankChanged``) runs the script again from the top in the same
 process, so everything the script derives from its rank (tensor-parallel shards, pipeline stage,
 sampler, rank-0 duties) is built for the ranks it actually took, while imports, the CUDA context
 and compilation caches stay warm.
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
     global _AS_MODULE
     if not argv:
         raise SystemExit("usage: python -m tm_launch.worker SCRIPT [ARGS] | -m MODULE [ARGS]")
-    from tm_launch.runtime import RankChanged
+    from tm_launch.worker.runtime import RankChanged
 
     as_module = argv[0] == "-m"
     target, args = (argv[1], argv[2:]) if as_module else (argv[0], argv[1:])

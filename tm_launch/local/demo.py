@@ -22,7 +22,7 @@ import time
 
 from rendezvous.etcd_server import EtcdServer
 
-from .breakdown import PHASES
+from ..breakdown import PHASES
 from .localjob import LocalJob, downtime
 
 
@@ -31,7 +31,7 @@ def say(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tm_launch.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tm_launch.local.demo", description=__doc__)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--kill-step", type=int, default=40, help="the worker is killed when training passes this step")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, step log, events)")
