@@ -774,7 +774,7 @@ BREAKDOWN_PHASES = ("before_fault", "detect", "plan", "seen", "directed", "commu
 
 
 def breakdown_table(runs) -> list[str]:
-    """tm-live's downtime by phase (``tm_launch.breakdown``, median per case and size, in ms),
+    """tm-live's downtime by phase (``tm_launch.joblog``, median per case and size, in ms),
     with how often the spare took ranks it had not warmed up as (it then runs the script again
     inside the communicator phase)."""
     groups: dict = {}

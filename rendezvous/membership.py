@@ -34,7 +34,7 @@ new delta, a marker naming it or no marker left (``marker_watch``).
 state] worker samples, rewritten with each progress publish; ``ctl timeline`` draws it),
 ``log/breakdown/<gen>/plan`` and ``log/breakdown/<gen>/nodes/<node>`` (the stamps of a
 generation change, one write by the planner that published it and one per active node:
-``tm_launch.breakdown``).
+``tm_launch.joblog``).
 
 Consistency: a plan changes only through compare-and-swap on ``state/plan``, one key, so a node
 killed while publishing leaves either the old plan or the new one, never half of each; its delta
@@ -525,7 +525,7 @@ class Membership:
         return out
 
     def steps(self, node: str, samples: list) -> None:
-        """Replace ``node``'s step series (bounded by the caller: tm_launch.ctl.timeline.append_samples)."""
+        """Replace ``node``'s step series (bounded by the caller: tm_launch.joblog.append_samples)."""
         self.kv.put(f"log/steps/{node}", json.dumps({"node": node, "samples": samples}))
 
     def all_steps(self) -> dict[str, list]:

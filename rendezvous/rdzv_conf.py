@@ -9,6 +9,10 @@ It lives below all three, so none of them imports another to reach it, and impor
 from __future__ import annotations
 
 import os
+import re
+
+# A run id or node id: it becomes an etcd key segment (``--rdzv-id``, ``--node-id``, ``ctl drain NODE``).
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class UsageError(Exception):

@@ -12,7 +12,8 @@ import pytest
 from rendezvous.plan import Plan
 from rendezvous.planner import Limits
 from tm_launch.launcher import store_server
-from tm_launch.worker.agent_client import AgentClient, directives_queue
+from tm_launch.protocol import Directive, WorkerEnv, WorkerKeys
+from tm_launch.worker.agent_client import AgentClient
 from tm_launch.launcher.config import AgentConfig
 from tm_launch.launcher.supervisor import WorkerSupervisor
 
@@ -28,7 +29,7 @@ def agent():
 
 
 def channel_of(agent) -> AgentClient:
-    return AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{agent.store.port}", "LOCAL_RANK": "0"})
+    return AgentClient(WorkerEnv(agent_store=f"127.0.0.1:{agent.store.port}", local_rank=0))
 
 
 class Heard(list):
@@ -36,9 +37,9 @@ class Heard(list):
         super().__init__()
         self.news = threading.Condition()
 
-    def __call__(self, directive: dict) -> None:
+    def __call__(self, directive: Directive) -> None:
         with self.news:
-            self.append(directive["generation"])
+            self.append(directive.generation)
             self.news.notify_all()
 
     def wait_for(self, generations: list[int]) -> list[int]:
@@ -84,7 +85,7 @@ def test_a_waiting_rank_is_woken_by_the_directive_it_waits_for(agent):
         assert waiter.is_alive() and not got  # generation 1 is not newer than 1: it waits
         agent.direct(PLAN.next(generation=4))
         waiter.join(timeout=10)
-        assert [d["generation"] for d in got] == [4]
+        assert [d.generation for d in got] == [4]
     finally:
         channel.close()
 
@@ -92,7 +93,7 @@ def test_a_waiting_rank_is_woken_by_the_directive_it_waits_for(agent):
 def test_close_ends_the_watch_thread_blocked_on_its_queue(agent):
     """The watch waits an hour between wake-ups: only its own close can end it promptly, and a
     close left on the queue by an earlier process of this local rank must not end the next one's."""
-    agent.store.queue_push(directives_queue(0), "close 1")  # an earlier process's, never popped
+    agent.store.queue_push(WorkerKeys(0).directives, "close 1")  # an earlier process's, never popped
     agent.direct(PLAN)
     channel, heard = channel_of(agent), Heard()
     channel.watch(heard)
@@ -127,7 +128,7 @@ def test_waiting_needs_the_watch(agent):
 
 def test_the_watch_ends_when_the_agent_is_gone():
     server = store_server.serve("127.0.0.1")
-    channel = AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{server.port}", "LOCAL_RANK": "0"})
+    channel = AgentClient(WorkerEnv(agent_store=f"127.0.0.1:{server.port}", local_rank=0))
     channel.watch(lambda d: None)
     del server  # the agent's store server goes with its last reference
     channel._watcher.join(timeout=10)

@@ -19,7 +19,7 @@ from rendezvous.kv import EtcdOptions, KVError, connect
 from rendezvous.membership import Membership
 from rendezvous.plan import NodeInfo, Plan
 from rendezvous.planner import Limits, View
-from tm_launch.worker.agent_client import directives_queue
+from tm_launch.protocol import LATEST, Directive, EnteredRecord, FirstStepRecord, WorkerKeys, WorkerState, WorkerStatus, directive_key
 from tm_launch.launcher.config import AgentConfig
 from tm_launch.launcher.failures import FailureWatch
 from tm_launch.launcher.observers import DowntimeStamps, DrainWaitNote, MetricsFeed
@@ -140,14 +140,14 @@ def test_supervisor_directs_a_generation_through_the_store_and_each_workers_queu
     plan = Plan(generation=3, nodes=("n1", "n2"), nproc=2, store={"node": "n1", "addr": "127.0.0.1", "port": 1},
                 joiners=("n2",), live=True)
     supervisor.direct(plan)
-    directive = json.loads(supervisor.store.get("node/plan/3"))
-    assert directive["ranks"] == [2, 3] and directive["joiner_ranks"] == [2, 3] and directive["active"]
-    assert supervisor.store.add("node/latest", 0) == 3
-    supervisor.direct(plan.next(generation=2))  # an older generation never moves node/latest back
-    assert supervisor.store.add("node/latest", 0) == 3
+    directive = Directive.from_json(supervisor.store.get(directive_key(3)))
+    assert directive.ranks == (2, 3) and directive.joiner_ranks == (2, 3) and directive.active
+    assert supervisor.store.add(LATEST, 0) == 3
+    supervisor.direct(plan.next(generation=2))  # an older generation never moves the latest back
+    assert supervisor.store.add(LATEST, 0) == 3
     for lr in range(2):  # only the newer generation wakes the workers' watch threads
-        assert supervisor.store.queue_len(directives_queue(lr)) == 1
-        assert supervisor.store.queue_pop(directives_queue(lr)) == b"3"
+        assert supervisor.store.queue_len(WorkerKeys(lr).directives) == 1
+        assert supervisor.store.queue_pop(WorkerKeys(lr).directives) == b"3"
     env = supervisor.env(plan, 1, sandbox=True)
     assert (env["RANK"], env["GROUP_RANK"], env["WORLD_SIZE"], env["TM_SANDBOX"]) == ("3", "1", "4", "1")
     assert env["TM_AGENT_STORE"] == f"127.0.0.1:{supervisor.store.port}"
@@ -155,27 +155,27 @@ def test_supervisor_directs_a_generation_through_the_store_and_each_workers_queu
 
 def test_supervisor_reads_worker_reports(supervisor):
     assert supervisor.local_progress() == (False, None)  # no workers
-    supervisor.store.set("worker/0/status", json.dumps({"state": "finished", "step": 9}))  # a previous process's
+    supervisor.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.FINISHED, step=9).to_json())  # a previous process's
     supervisor.start(Plan(generation=0, nodes=("n1",), nproc=2), sandbox=True, master=None)
     assert set(supervisor.workers.workers) == {0, 1} and supervisor.statuses() == {}
-    supervisor.store.set("worker/0/status", json.dumps({"state": "running", "step": 4}))
-    supervisor.store.set("worker/1/status", "not json")
+    supervisor.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=4).to_json())
+    supervisor.store.set(WorkerKeys(1).status, "not json")
     supervisor.new_iteration()
-    assert supervisor.statuses() == {0: {"state": "running", "step": 4}}
+    assert supervisor.statuses() == {0: WorkerStatus(state=WorkerState.RUNNING, step=4)}
     recovering, stalled = supervisor.local_progress()
     assert not recovering and 0 <= stalled < 5
-    supervisor.store.set("worker/0/status", json.dumps({"state": "recovering", "step": 4}))
+    supervisor.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RECOVERING, step=4).to_json())
     assert not supervisor.recovering()  # read once per loop iteration
     supervisor.new_iteration()
     assert supervisor.recovering()
     assert not supervisor.note_live()
-    supervisor.store.set("worker/1/live", "1")
+    supervisor.store.set(WorkerKeys(1).live, "1")
     assert supervisor.note_live() and not supervisor.note_live()  # said once
     assert supervisor.entered(5) is None and not supervisor.any_entered(5)
-    supervisor.store.set("worker/0/entered/5", json.dumps({"communicator": 0.1, "state": 0.2, "received": False}))
+    supervisor.store.set(WorkerKeys(0).entered(5), EnteredRecord(communicator=0.1, state=0.2, received=False).to_json())
     assert supervisor.entered(5) is None and supervisor.any_entered(5)
-    supervisor.store.set("worker/1/entered/5", json.dumps({"communicator": 0.3, "state": 0.1, "received": True}))
-    assert [r["communicator"] for r in supervisor.entered(5)] == [0.1, 0.3]
+    supervisor.store.set(WorkerKeys(1).entered(5), EnteredRecord(communicator=0.3, state=0.1, received=True).to_json())
+    assert [r.communicator for r in supervisor.entered(5)] == [0.1, 0.3]
 
 
 def test_no_live_workers_report_to_the_agent_but_never_go_live(tmp_path):
@@ -188,7 +188,7 @@ def test_no_live_workers_report_to_the_agent_but_never_go_live(tmp_path):
         env = sup.env(Plan(generation=0, nodes=("n2",), nproc=1), 0, sandbox=False)
         assert env["TM_AGENT_STORE"] == f"127.0.0.1:{sup.store.port}" and env["TM_NO_LIVE"] == "1"
         sup.start(Plan(generation=0, nodes=("n2",), nproc=1), sandbox=False, master=None)
-        sup.store.set("worker/0/live", "1")
+        sup.store.set(WorkerKeys(0).live, "1")
         assert not sup.note_live() and not sup.live_seen
     finally:
         sup.close()
@@ -213,10 +213,11 @@ def test_hang_watchdog_watches_restart_mode_workers_once_they_reported_a_step(tm
     try:
         plan = Plan(generation=0, nodes=("n2",), nproc=2)
         sup.start(plan, sandbox=False, master=None)
-        sup.store.set("worker/0/status", json.dumps({"state": "running", "step": 5, "mode": "restart", "step_times": [0.1], "steps_run": 4}))
-        sup.store.set("worker/1/status", json.dumps({"state": "started", "step": None}))
+        sup.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=5, mode="restart", step_times=[0.1],
+                                                         steps_run=4).to_json())
+        sup.store.set(WorkerKeys(1).status, WorkerStatus(state=WorkerState.STARTED, step=None).to_json())
         for lr in (0, 1):
-            sup.store.set(f"worker/{lr}/beat", f"{time.time() - 5:.3f}")
+            sup.store.set(WorkerKeys(lr).beat, f"{time.time() - 5:.3f}")
         sup.watch_hangs(plan)
         assert said.kinds() == ["hang"] and "worker 0" in said[0][0]
         deadline = time.time() + 10
@@ -241,12 +242,13 @@ def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(
     supervisor.direct(plan)
     stamps.plan_published(plan, seen - 0.01, View(plan=None, alive={}, report_times={"n3": seen - 0.2, "n1": seen - 0.1}))
     for lr, last in ((0, seen - 1.0), (1, None)):
-        supervisor.store.set(f"worker/{lr}/entered/2", json.dumps({"began": seen + 0.1, "communicator": 0.1 * (lr + 1), "state": 0.05, "last_step_at": last}))
-    supervisor.store.set("worker/0/first_step/2", json.dumps({"time": seen + 0.5, "step": 7}))
+        supervisor.store.set(WorkerKeys(lr).entered(2), EnteredRecord(began=seen + 0.1, communicator=0.1 * (lr + 1), state=0.05,
+                                                                      last_step_at=last, received=False).to_json())
+    supervisor.store.set(WorkerKeys(0).first_step(2), FirstStepRecord(time=seen + 0.5, step=7).to_json())
     stamps.write()
     assert members.all_downtime_stamps() == {2: {"plan": {"planner": "n2", "published": seen - 0.01, "detected": seen - 0.2, "detected_by": "n3"},
                                                  "nodes": {}}}  # worker 1 has yet to complete a step
-    supervisor.store.set("worker/1/first_step/2", json.dumps({"time": seen + 0.6, "step": 7}))
+    supervisor.store.set(WorkerKeys(1).first_step(2), FirstStepRecord(time=seen + 0.6, step=7).to_json())
     stamps.write()
     revision = members.kv.current_revision()
     stamps.write()

@@ -1,4 +1,4 @@
-"""The downtime breakdown of a generation change (tm_launch.breakdown): pure, table-tested.
+"""The downtime breakdown of a generation change (tm_launch.joblog): pure, table-tested.
 
 The end-to-end check (a real failover's `ctl timeline --json` against its step log) is in
 tests/test_live.py::test_node_loss_agent_sigkill.
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tm_launch.breakdown import PHASES, breakdown, node_stamps, plan_stamps
+from tm_launch.joblog import PHASES, breakdown, node_stamps, plan_stamps
+from tm_launch.protocol import EnteredRecord, FirstStepRecord
 from tm_launch.ctl.timeline import build
 
 T = 1000.0
@@ -73,9 +74,9 @@ def test_breakdown_of_nothing_is_none(plan, nodes):
 
 
 def test_node_stamps_take_the_slowest_worker_at_each_stamp():
-    entered = [{"began": T, "communicator": 0.1, "state": 0.05, "last_step_at": T - 1.0},
-               {"began": T + 0.01, "communicator": 0.05, "state": 0.2, "last_step_at": None}]
-    firsts = [{"time": T + 0.5, "step": 26}, {"time": T + 0.4, "step": 26}]
+    entered = [EnteredRecord(began=T, communicator=0.1, state=0.05, last_step_at=T - 1.0, received=False, step=26),
+               EnteredRecord(began=T + 0.01, communicator=0.05, state=0.2, last_step_at=None, received=True, step=26)]
+    firsts = [FirstStepRecord(time=T + 0.5, step=26), FirstStepRecord(time=T + 0.4, step=26)]
     assert node_stamps(T - 0.1, T - 0.05, entered, firsts) == {
         "seen": T - 0.1, "directed": T - 0.05, "last_step": T - 1.0,
         "communicator": T + 0.1, "entered": T + 0.26, "first_step": T + 0.5}

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tm_launch.protocol import nccl_error_handling
 from tm_launch.worker import communicators
 from tm_launch.worker.groups import LiveGroup, StepPoison
 
@@ -26,7 +27,7 @@ def live_nccl_error_handling(monkeypatch):
     """What the agent gives live workers (read by each ProcessGroupNCCL at construction): an
     aborted or failed communicator must not take this test process down with it. Per test, not
     at import: the whole suite's later launches (torchrun's environment) must not inherit it."""
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", communicators.nccl_error_handling(True, None))
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_error_handling(True, None))
 
 
 @pytest.fixture
@@ -321,7 +322,7 @@ def test_gloo_groups_are_not_aborted_by_the_watcher(store):
     (False, None, "1"), (False, "3", "3"),
 ])
 def test_nccl_error_handling_keeps_live_survivors_alive(live, user, expected):
-    assert communicators.nccl_error_handling(live, user) == expected
+    assert nccl_error_handling(live, user) == expected
 
 
 # -- CUDA: one GPU, so world size 1 (NCCL refuses two ranks on one GPU) -------------------------

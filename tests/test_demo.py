@@ -6,7 +6,7 @@ while it had kept it (it looked at rank 0's process). These tables pin the readi
 
 import pytest
 
-from tm_launch.breakdown import breakdown
+from tm_launch.joblog import breakdown
 from tm_launch.local.demo import breakdown_table, processes, ranks
 
 # step log rows: (time, rank, step, generation, pid); the fault at t=10

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tm_launch.breakdown import PHASES
+from tm_launch.joblog import PHASES
 from tm_launch.local.localjob import downtime
 
 STEPS = 80

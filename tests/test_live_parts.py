@@ -9,6 +9,8 @@ import datetime
 import threading
 import time
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -182,7 +184,9 @@ def test_plan_transfer_reports_replicas_that_disagree():
 
 
 def D(joiners=(), all_fresh=False):
-    return {"joiner_ranks": list(joiners), "all_fresh": all_fresh}
+    from tm_launch.protocol import Directive
+
+    return Directive(generation=1, active=True, joiner_ranks=tuple(joiners), all_fresh=all_fresh)
 
 
 @pytest.mark.parametrize("ranks, d, rank, old_rank, want", [
@@ -201,26 +205,25 @@ def test_membership_changed(ranks, d, rank, old_rank, want):
     assert membership_changed(ranks, d, rank, old_rank) is want
 
 
-class _Job:
-    """What ``Generations`` reads of its job: this worker's devices, local rank and agent client."""
+class _Agent:
+    """What ``Generations`` asks of its agent while it builds a communicator: the newest generation."""
 
-    devices, local_rank = ("cpu",), 0
-
-    class agent:
-        @staticmethod
-        def latest():
-            return 0
+    @staticmethod
+    def latest():
+        return 0
 
 
 def test_a_world_built_ahead_is_used_by_its_generation_only():
     """``build_ahead``: a promoted spare starts its world communicator before it runs the script
     again; entering that generation waits for that build instead of starting another, and any
     other generation gives it up."""
+    from tm_launch.protocol import Directive, StoreAddress, WorkerEnv
     from tm_launch.worker.generations import Generations
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    gens = Generations(_Job(), {"TM_SETUP_TIMEOUT": "2"})  # the unreachable store below fails fast
-    d = {"generation": 3, "ranks": [0], "world_size": 1, "store": {"addr": "127.0.0.1", "port": server.port}}
+    # The unreachable store below fails fast: a 2 s set-up timeout.
+    gens = Generations(state=None, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",))
+    d = Directive(generation=3, active=True, ranks=(0,), world_size=1, store=StoreAddress("127.0.0.1", server.port))
     gens.build_ahead(d)
     ahead = gens._take_ahead(3)
     pg = gens._build_watching(None, 0, 3, d, pending=ahead)
@@ -228,7 +231,7 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
     assert gens._take_ahead(3) is None  # taken once
     gens.build_ahead(d)
     assert gens._take_ahead(4) is None  # another generation: given up
-    gens.build_ahead({**d, "store": {"addr": "127.0.0.1", "port": 1}})  # nothing listens there
+    gens.build_ahead(dataclasses.replace(d, store=StoreAddress("127.0.0.1", 1)))  # nothing listens there
     with pytest.raises(RuntimeError):
         gens._build_watching(None, 0, 3, d, pending=gens._take_ahead(3))
     gens.close()
@@ -561,6 +564,7 @@ os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROU
 sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
 import hybrid, tm_launch
 from tm_launch.worker import c10d_glue
+from tm_launch.protocol import Directive
 job = tm_launch.init()
 
 def build_and_step():
@@ -572,7 +576,7 @@ def build_and_step():
 
 print("warm", job.rank, *build_and_step())
 try:
-    job._take_other_ranks({"ranks": [1], "generation": 1, "active": True})
+    job._take_other_ranks(Directive(generation=1, active=True, ranks=(1,), world_size=4))
 except tm_launch.worker.runtime.RankChanged:
     pass
 print("again", job.rank, *build_and_step())

@@ -15,7 +15,8 @@ import pytest
 
 from rendezvous.etcd_server import free_ports
 from tm_launch.local.localjob import REPO, TRAIN, launcher
-from tm_launch.ctl.timeline import append_samples, build, by_generation, cause_kind, label_rows
+from tm_launch.ctl.timeline import build, by_generation, label_rows
+from tm_launch.joblog import append_samples, cause_kind
 from tm_launch.waits import Every
 
 

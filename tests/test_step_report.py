@@ -11,6 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from tm_launch.protocol import WorkerEnv
 from tm_launch.worker.agent_client import AgentClient
 from tm_launch.local.localjob import REPO
 from tm_launch.worker.step_report import STATUS_INTERVAL, StepReporter
@@ -27,7 +28,7 @@ def status(store) -> dict:
 
 
 def test_reports_are_rate_limited_and_carry_the_step_times(agent_store):
-    channel = AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}", "LOCAL_RANK": "0"})
+    channel = AgentClient(WorkerEnv(agent_store=f"127.0.0.1:{agent_store.port}", local_rank=0))
     try:
         reporter = StepReporter(channel, rank=3, generation=2, window=2)
         reporter.step(1)
@@ -56,7 +57,7 @@ def test_reports_are_rate_limited_and_carry_the_step_times(agent_store):
 
 def test_a_report_never_breaks_the_loop_when_the_agent_is_gone():
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    channel = AgentClient({"TM_AGENT_STORE": f"127.0.0.1:{store.port}", "LOCAL_RANK": "0"})
+    channel = AgentClient(WorkerEnv(agent_store=f"127.0.0.1:{store.port}", local_rank=0))
     reporter = StepReporter(channel, rank=0, generation=0, window=20)
     reporter.step(1)
     del store  # the agent's store goes away
@@ -191,7 +192,7 @@ def test_a_spare_warming_up_in_the_sandbox_reports_nothing(agent_store):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-3000:]
     s = status(agent_store)
-    assert s["state"] == "sandbox" and s["step"] is None and "mode" not in s
+    assert s["state"] == "sandbox" and s["step"] is None and s["mode"] == "live"  # not a restart-mode report
 
 
 @pytest.mark.parametrize("asked, given", [(None, None), ("gloo", "gloo"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")])

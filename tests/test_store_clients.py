@@ -6,11 +6,12 @@ import threading
 import time
 
 from tm_launch.launcher import store_server
+from tm_launch.protocol import StoreAddress
 from tm_launch.worker.store_clients import StoreClients
 
 
-def _where(server) -> dict:
-    return {"node": "n0", "addr": "127.0.0.1", "port": server.port}
+def _where(server) -> StoreAddress:
+    return StoreAddress("127.0.0.1", server.port, "n0")
 
 
 def _until(cond, timeout=30.0) -> None:  # a dropped reverse lookup costs a connect 5 s here
@@ -76,7 +77,7 @@ def test_the_standby_gets_ready_connections_and_a_store_left_behind_is_dropped()
 
 def test_an_unreachable_standby_holds_up_no_other_store(refusing_port):
     host = store_server.serve("127.0.0.1")
-    dead = {"node": "n1", "addr": "127.0.0.1", "port": refusing_port}
+    dead = StoreAddress("127.0.0.1", refusing_port, "n1")
     clients = StoreClients(timeout_s=30)
     clients.take(_where(host))
     clients.prepare([dead, _where(host)])
@@ -88,12 +89,12 @@ def test_an_unreachable_standby_holds_up_no_other_store(refusing_port):
 def test_a_plan_without_a_store_address_is_refused():
     clients = StoreClients(timeout_s=1)
     try:
-        clients.take({"node": "n0", "addr": "", "port": 0})
+        clients.take(None)
     except ValueError as e:
         assert "no store address" in str(e)
     else:
         raise AssertionError("took a connection to nowhere")
-    clients.prepare([None, {"addr": "", "port": 0}])  # nothing to open: no error
+    clients.prepare([None, StoreAddress("", 0)])  # nothing to open: no error
     clients.close()
 
 

@@ -8,7 +8,8 @@ import threading
 import time
 
 from rendezvous.kv import WatchNews
-from tm_launch.launcher.wakeup import StateWatch, Wakeup, WakeSocket, poke, watch_exit
+from tm_launch.launcher.wakeup import StateWatch, Wakeup, WakeSocket, watch_exit
+from tm_launch.worker.agent_client import poke
 
 
 def test_wakeup_collects_reasons_and_clears():
@@ -36,7 +37,7 @@ def test_a_poke_from_another_process_wakes_the_socket():
     w = Wakeup()
     sock = WakeSocket(w)
     try:
-        code = f"from tm_launch.launcher.wakeup import poke; poke({sock.address!r})"
+        code = f"from tm_launch.worker.agent_client import poke; poke({sock.address!r})"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
         assert w.wait(5) == {"worker"}
         poke(None)  # no agent (plain torchrun): nothing happens

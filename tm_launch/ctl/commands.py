@@ -48,7 +48,7 @@ def _connect(args):
 
     from rendezvous.rdzv_conf import etcd_options
 
-    from ..launcher.options import RUN_ID, UsageError  # TEMP
+    from rendezvous.rdzv_conf import RUN_ID, UsageError
 
     conf = {}
     if args.config:
@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="tm-launch ctl: warning: %(message)s")
     from rendezvous.kv import AccessDenied, KVError
 
-    from ..launcher.options import UsageError  # TEMP
+    from rendezvous.rdzv_conf import UsageError
 
     try:
         members, run_id = _connect(args)

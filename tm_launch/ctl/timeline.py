@@ -10,61 +10,19 @@ works for a running job and for one that finished hours ago:
   ``time`` is the fault's detection time);
 * ``log/events/``: ``entered`` events carry ``after_plan_s`` (plan -> live workers entered);
 * ``log/steps/<node>``: a bounded per-node series of worker samples, appended by each agent
-  with its once-a-second progress publish (see ``append_samples``);
+  with its once-a-second progress publish (``tm_launch.joblog.append_samples``);
 * ``log/breakdown/<gen>/``: the agents' stamps of each change, turned into its downtime
-  breakdown by ``tm_launch.breakdown``.
+  breakdown by ``tm_launch.joblog``.
 
-The pure parts (``append_samples``, ``cause_kind``, ``build``, ``by_generation``, ``label_rows``)
-are table-tested; ``render`` is the only place that touches matplotlib, imported lazily so
-``ctl status`` stays fast.
+The pure parts (``build``, ``by_generation``, ``label_rows``) are table-tested; ``render`` is the
+only place that touches matplotlib, imported lazily so ``ctl status`` stays fast.
 """
 
 from __future__ import annotations
 
 import json
 
-from ..breakdown import breakdown
-
-# One sample per worker per progress publish: [time, generation, rank, step, step_time, state].
-SAMPLE_FIELDS = ("time", "generation", "rank", "step", "step_time", "state")
-SERIES_CAP = 600  # rows per node key: ~40 bytes each, so one put stays ~25 KB
-
-
-def append_samples(series: list, rows: list, cap: int = SERIES_CAP) -> list:
-    """Append ``rows`` and keep at most ``cap`` rows by thinning the *older* half by two.
-
-    Why thinning instead of a ring buffer: a timeline of a week-long job must still show the
-    start of the run; old samples lose resolution, recent ones keep it, and the size (hence the
-    cost of the one etcd put per second) stays bounded."""
-    out = list(series) + list(rows)
-    while len(out) > cap:
-        half = len(out) // 2
-        out = out[:half][::2] + out[half:]
-    return out
-
-
-def cause_kind(plan: dict, reports: dict) -> str:
-    """A short label for why generation ``plan`` exists (metrics label and legend text).
-
-    ``reports`` are the failure reports of the previous generation ({node: {"kind", ...}}); a
-    primary kind ("signal", "lost", "alarm") beats "exit" (a worker that exited only because a
-    peer died)."""
-    if plan.get("generation", 0) == 0:
-        return "start"
-    if plan.get("state") == "succeeded":
-        return "finished"
-    if plan.get("state") == "failed":
-        return "failed"
-    if plan.get("planned"):
-        return "drain"
-    cause = str(plan.get("cause", ""))
-    if cause.startswith("scale up"):
-        return "scale_up"
-    kinds = {str(r.get("kind", "lost")) for r in reports.values()}
-    for kind in ("alarm", "lost", "signal", "exit"):
-        if kind in kinds:
-            return kind
-    return "failure" if cause else "unknown"
+from ..joblog import breakdown, cause_kind
 
 
 def build(run_id: str, history: list[dict], reports: dict[int, dict], events: list[dict], steps: dict[str, list],
@@ -77,7 +35,7 @@ def build(run_id: str, history: list[dict], reports: dict[int, dict], events: li
     the plan itself for a planned change) to the new generation's workers running again (their
     ``entered`` event in live mode; else the first sample that ran a step in that generation).
     ``stamps``: generation -> {"plan", "nodes"} records; each change gets its ``breakdown``
-    (``tm_launch.breakdown``, its ``origin`` made relative like the other times), None without."""
+    (``tm_launch.joblog``, its ``origin`` made relative like the other times), None without."""
     stamps = stamps or {}
     plans = sorted(history, key=lambda p: p.get("generation", 0))
     rows = sorted((r + [node] for node, rs in steps.items() for r in rs if isinstance(r, list) and len(r) == len(SAMPLE_FIELDS)), key=lambda r: r[0])

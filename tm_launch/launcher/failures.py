@@ -16,6 +16,7 @@ from typing import Callable
 from rendezvous.plan import Plan
 from rendezvous.planner import View, finished_without
 
+from ..protocol import WorkerState
 from .config import AgentConfig
 from .peer_link import probe_targets
 from .session import EtcdSession
@@ -48,7 +49,7 @@ class FailureWatch:
         me = self.cfg.node_id
         failed = sup.workers.failed()
         active = me in plan.nodes and not plan.finished
-        if failed and sup.statuses().get(failed[0], {}).get("state") == "finished":
+        if failed and failed[0] in sup.statuses() and sup.statuses()[failed[0]].state == WorkerState.FINISHED:
             # Training finished in that process; a crash on the way out (interpreter teardown)
             # must not turn a finished job into a failover that nobody can take part in.
             local_rank, code = failed
@@ -62,9 +63,9 @@ class FailureWatch:
                 # Not this node's fault: the live state of some rank exists nowhere any more.
                 sup.workers.stop(grace=0)
                 self.reported_gen = plan.generation
-                why = f"{lost.get('why', 'training state lost')}; every worker restarts from the script's checkpoint"
+                why = f"{lost.why or 'training state lost'}; every worker restarts from the script's checkpoint"
                 self.say(f"generation {plan.generation}: {why}", kind="state_lost", generation=plan.generation,
-                         lost_step=lost.get("step"), lost_ranks=lost.get("ranks"))
+                         lost_step=lost.step, lost_ranks=lost.ranks)
                 self.session.report_failure(plan.generation, me, why, kind="state")
                 return
             why = f"worker {local_rank} (pid {sup.workers.pids()[local_rank]}) {describe_exit(code)}"

@@ -76,9 +76,9 @@ class AgentMetrics:
             self.role.labels(role=r).set(1 if r == role else 0)
 
     def on_statuses(self, statuses: dict) -> None:
-        rates = [1.0 / s["step_time"] for s in statuses.values() if s.get("state") == "running" and s.get("step_time")]
+        rates = [1.0 / s.step_time for s in statuses.values() if s.state == "running" and s.step_time]
         self.steps_per_second.set(sum(rates) / len(rates) if rates else 0.0)
-        steps = [s["step"] for s in statuses.values() if isinstance(s.get("step"), int)]
+        steps = [s.step for s in statuses.values() if isinstance(s.step, int)]
         if steps:
             self.step.set(max(steps))
 

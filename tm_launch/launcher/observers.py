@@ -26,10 +26,9 @@ from rendezvous.plan import Plan
 from rendezvous.planner import View, spares
 
 from .config import AgentConfig
-from ..breakdown import node_stamps, plan_stamps
+from ..joblog import append_samples, cause_kind, node_stamps, plan_stamps
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
-from ..ctl.timeline import append_samples, cause_kind  # TEMP
 from ..waits import Every
 
 
@@ -226,16 +225,16 @@ class ProgressPublisher:
         role = "active" if self.node_id in plan.nodes else "spare"
         record = {
             "node": self.node_id, "role": role, "generation": plan.generation,
-            "workers": {str(lr): {k: s.get(k) for k in ("step", "state", "rank", "step_time", "windows")} for lr, s in statuses.items()},
+            "workers": {str(lr): {"step": s.step, "state": s.state.value, "rank": s.rank, "step_time": s.step_time, "windows": s.windows}
+                        for lr, s in statuses.items()},
             "time": now,
         }
         self.metrics.on_statuses(statuses)
         # Sampled at publish time, also when a worker's status did not change: a step count that
         # stays flat for seconds (a pause, a hang, a wait for the next generation) must draw flat.
         rows = [
-            [round(now, 2), s.get("generation"), s.get("rank"), s.get("step"),
-             None if s.get("step_time") is None else round(s["step_time"], 5), s.get("state")]
-            for s in statuses.values() if s.get("state") in ("running", "recovering", "finished", "left") and s.get("step") is not None
+            [round(now, 2), s.generation, s.rank, s.step, None if s.step_time is None else round(s.step_time, 5), s.state.value]
+            for s in statuses.values() if s.state.trained and s.step is not None
         ]
         members = self.session.members
         try:
@@ -265,10 +264,10 @@ class EntryReport:
         records = self.supervisor.entered(plan.generation)
         if not records:
             return
-        comm = max(r["communicator"] for r in records)
-        state = max(r["state"] for r in records)
-        received = any(r["received"] for r in records)
-        connects = sum(r.get("store_connects", 0) for r in records)  # opened on the way in (tm_launch.worker.store_clients)
+        comm = max(r.communicator for r in records)
+        state = max(r.state for r in records)
+        received = any(r.received for r in records)
+        connects = sum(r.store_connects for r in records)  # opened on the way in (tm_launch.worker.store_clients)
         since = time.time() - plan.created
         self.timings[plan.generation] = {"communicator": comm, "state": state}
         self.metrics.on_entered(plan)
@@ -281,7 +280,7 @@ class EntryReport:
 
 
 class DowntimeStamps:
-    """What this agent knows of each live generation change, for ``tm_launch.breakdown``: when it
+    """What this agent knows of each live generation change, for ``tm_launch.joblog``: when it
     read the plan and handed it to its workers, and (from the workers) when they built their
     communicators, entered and completed their first step; as the publishing planner, when the
     failure was reported and when it sent the plan. One etcd write per node and generation, made

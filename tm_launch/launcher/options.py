@@ -20,10 +20,9 @@ from typing import Any
 import yaml
 
 from health.config import HealthConfig
-from rendezvous.rdzv_conf import UsageError  # one user-mistake type for every option, --rdzv-conf included
+from rendezvous.rdzv_conf import RUN_ID, UsageError  # one user-mistake type for every option, --rdzv-conf included
 
 LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2")
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Options a config file may not set: they name the script, not the job.
 NOT_IN_YAML = {"help", "config", "training_script", "training_script_args"}
 

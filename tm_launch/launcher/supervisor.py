@@ -1,4 +1,5 @@
-"""This node's worker processes and the agent store they report through.
+"""This node's worker processes and the agent store they report through (the agent's side of
+``tm_launch.protocol``).
 
 Starts and stops workers, hands each generation to them (``direct``), reads what they report
 (status, heartbeat, entry into a generation, the live API in use) and kills a worker whose
@@ -8,7 +9,6 @@ it keeps working while etcd is down, which is what the fencing rule relies on.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -18,20 +18,12 @@ from typing import Callable
 
 from rendezvous.plan import Plan
 
+from ..protocol import (LATEST, Directive, EnteredRecord, FirstStepRecord, StateLostRecord, StoreAddress, WorkerEnv, WorkerKeys,
+                        WorkerState, WorkerStatus, directive_key, nccl_error_handling)
 from . import store_server
-from ..worker.agent_client import directives_queue  # TEMP
 from .config import AgentConfig
-from ..worker.communicators import nccl_error_handling  # TEMP
-from .wakeup import WAKE_ENV, WakeSocket, Wakeup
 from .processes import OutputSpec, WorkerSet
-
-
-def watched(status: dict) -> bool:
-    """Does the hang watchdog watch the worker with this status? A live worker from its first
-    step in ``job.steps()``, a restart-mode worker from its first ``report_step`` (both say
-    ``running``). A worker that never reports a step is never watched: its script may simply
-    not report, and nothing tells how long it may stay silent (compiling, loading data)."""
-    return status.get("state") in ("running", "recovering")
+from .wakeup import WakeSocket, Wakeup
 
 
 class WorkerSupervisor:
@@ -59,17 +51,17 @@ class WorkerSupervisor:
         """Forget the statuses read in the previous loop iteration."""
         self._statuses_cache = None
 
-    def statuses(self) -> dict[int, dict]:
+    def statuses(self) -> dict[int, WorkerStatus]:
         """This node's workers' last reports (read once per loop iteration)."""
         if self._statuses_cache is not None:
             return self._statuses_cache
         out = {}
         for lr in self.workers.workers:
-            key = f"worker/{lr}/status"
+            key = WorkerKeys(lr).status
             if self.store.check([key]):
                 try:
-                    out[lr] = json.loads(self.store.get(key))
-                except ValueError:
+                    out[lr] = WorkerStatus.from_json(self.store.get(key))
+                except (ValueError, TypeError):
                     continue
         self._statuses_cache = out
         return out
@@ -77,15 +69,15 @@ class WorkerSupervisor:
     def recovering(self) -> bool:
         """A local worker saw a collective fail (or could not enter its generation) and waits
         for a new generation."""
-        return any(s.get("state") == "recovering" for s in self.statuses().values())
+        return any(s.state == WorkerState.RECOVERING for s in self.statuses().values())
 
     def recovering_why(self) -> str:
         """What made a local worker wait for a new generation, in its own words ('' if none said)."""
-        return next((s.get("why") or "" for s in self.statuses().values() if s.get("state") == "recovering"), "")
+        return next((s.why for s in self.statuses().values() if s.state == WorkerState.RECOVERING), "")
 
     def waiting_for_peers(self) -> bool:
         """A local worker's commit vote has waited long for its peers: one may be dead."""
-        return any(s.get("waiting_for_peers") for s in self.statuses().values())
+        return any(s.waiting_for_peers for s in self.statuses().values())
 
     def local_progress(self) -> tuple[bool, float | None]:
         """(a local worker is recovering from a failed collective, seconds since a local worker
@@ -94,12 +86,12 @@ class WorkerSupervisor:
             return False, None
         self._statuses_cache = None
         statuses = self.statuses()
-        steps = {lr: s.get("step") for lr, s in statuses.items()}
+        steps = {lr: s.step for lr, s in statuses.items()}
         now = time.time()
         if steps != self.step_seen[0]:
             self.step_seen = (steps, now)
         recovering = self.recovering()
-        running = recovering or any(s.get("state") == "running" for s in statuses.values())
+        running = recovering or any(s.state == WorkerState.RUNNING for s in statuses.values())
         return recovering, (now - self.step_seen[1]) if running else None
 
     def note_live(self) -> bool:
@@ -107,46 +99,46 @@ class WorkerSupervisor:
         if self.live_seen or not self.cfg.live_enabled:
             return False
         for lr in self.workers.workers:
-            if self.store.check([f"worker/{lr}/live"]):
+            if self.store.check([WorkerKeys(lr).live]):
                 self.live_seen = True
                 return True
         return False
 
-    def state_lost(self, local_rank: int) -> dict | None:
+    def state_lost(self, local_rank: int) -> StateLostRecord | None:
         """What a worker said before it ended because no live rank holds some rank's state."""
-        key = f"worker/{local_rank}/state_lost"
+        key = WorkerKeys(local_rank).state_lost
         if not self.store.check([key]):
             return None
         try:
-            return json.loads(self.store.get(key))
-        except ValueError:
+            return StateLostRecord.from_json(self.store.get(key))
+        except (ValueError, TypeError):
             return None
 
-    def entered(self, generation: int) -> list[dict] | None:
+    def entered(self, generation: int) -> list[EnteredRecord] | None:
         """Every local worker's record of entering ``generation``; None until all have entered."""
-        return self._from_every_worker(f"entered/{generation}")
+        return self._from_every_worker(lambda keys: keys.entered(generation), EnteredRecord)
 
-    def first_steps(self, generation: int) -> list[dict] | None:
+    def first_steps(self, generation: int) -> list[FirstStepRecord] | None:
         """Every local worker's first completed step in ``generation``; None until all have one."""
-        return self._from_every_worker(f"first_step/{generation}")
+        return self._from_every_worker(lambda keys: keys.first_step(generation), FirstStepRecord)
 
-    def _from_every_worker(self, what: str) -> list[dict] | None:
+    def _from_every_worker(self, key_of, record):
         records = []
         for lr in self.workers.workers:
-            key = f"worker/{lr}/{what}"
+            key = key_of(WorkerKeys(lr))
             if not self.store.check([key]):
                 return None
-            records.append(json.loads(self.store.get(key)))
+            records.append(record.from_json(self.store.get(key)))
         return records or None
 
     def any_entered(self, generation: int) -> bool:
-        return any(self.store.check([f"worker/{lr}/entered/{generation}"]) for lr in self.workers.workers)
+        return any(self.store.check([WorkerKeys(lr).entered(generation)]) for lr in self.workers.workers)
 
     def watch_hangs(self, plan: Plan) -> None:
         """Kill a worker that stopped beating (SIGSTOP, a wedged process): its peers then fail
         fast and the node is replaced (live) or every worker restarts (restart mode). A worker
         waiting in a collective keeps beating, so ranks blocked on a hung peer are never
-        mistaken for the hung one. Only workers that run steps are watched (``watched``)."""
+        mistaken for the hung one. Only workers that run steps are watched (``WorkerState.watched``)."""
         cfg = self.cfg.health
         if cfg is None:
             return
@@ -154,14 +146,14 @@ class WorkerSupervisor:
 
         now = time.time()
         for lr, status in self.statuses().items():
-            if not watched(status) or lr not in self.workers.workers:
+            if not status.state.watched or lr not in self.workers.workers:
                 continue
-            key = f"worker/{lr}/beat"
+            key = WorkerKeys(lr).beat
             if not self.store.check([key]):
                 continue
             silent = now - float(self.store.get(key))
-            recent = status.get("step_times") or ([status["step_time"]] if status.get("step_time") else [])
-            limit = hang_timeout(cfg, recent, status.get("steps_run") or 0, False)
+            recent = status.step_times or ([status.step_time] if status.step_time else [])
+            limit = hang_timeout(cfg, recent, status.steps_run or 0, False)
             if silent > limit and self.workers.poll().get(lr) is None:
                 self.say(
                     f"generation {plan.generation}: worker {lr} (pid {self.workers.pids()[lr]}) silent for {silent:.1f}s "
@@ -182,19 +174,19 @@ class WorkerSupervisor:
         """Hand generation ``plan`` to this node's workers through the local store."""
         me = self.cfg.node_id
         self.directed_at.setdefault(plan.generation, time.time())  # before the write: workers act on it at once
-        joiner_ranks = [r for n in plan.joiners for r in plan.ranks(n)]
-        directive = {
-            "generation": plan.generation, "active": me in plan.nodes, "ranks": plan.ranks(me), "group_rank": plan.group_rank(me),
-            "world_size": plan.world_size, "store": plan.store, "joiner_ranks": joiner_ranks,
-            "all_fresh": set(plan.joiners) >= set(plan.nodes), "planned": plan.planned, "live": plan.live,
-            "stop": plan.finished,
-        }
-        self.store.set(f"node/plan/{plan.generation}", json.dumps(directive))
-        current = self.store.add("node/latest", 0)
+        directive = Directive(
+            generation=plan.generation, active=me in plan.nodes, ranks=tuple(plan.ranks(me)), group_rank=plan.group_rank(me),
+            world_size=plan.world_size, store=StoreAddress.from_plan(plan.store),
+            standby=StoreAddress.from_plan(plan.store.get("standby")),
+            joiner_ranks=tuple(r for n in plan.joiners for r in plan.ranks(n)),
+            all_fresh=set(plan.joiners) >= set(plan.nodes), planned=plan.planned, live=plan.live, stop=plan.finished,
+        )
+        self.store.set(directive_key(plan.generation), directive.to_json())
+        current = self.store.add(LATEST, 0)
         if plan.generation > current:
-            self.store.add("node/latest", plan.generation - current)
+            self.store.add(LATEST, plan.generation - current)
             for lr in range(self.cfg.nproc):  # wakes each worker's watch thread (tm_launch.worker.agent_client)
-                self.store.queue_push(directives_queue(lr), str(plan.generation))
+                self.store.queue_push(WorkerKeys(lr).directives, str(plan.generation))
 
     def start(self, plan: Plan, sandbox: bool, master: tuple[str, int] | None) -> None:
         """Start this node's workers for ``plan`` (already directed): sandboxed warm spares, or
@@ -206,8 +198,8 @@ class WorkerSupervisor:
         for lr in range(self.cfg.nproc):
             # The previous process's last status and heartbeat must not be read as the new
             # one's: the hang watchdog would kill a worker that is still starting up.
-            for key in ("status", "beat", "state_lost"):
-                self.store.delete_key(f"worker/{lr}/{key}")
+            for key in WorkerKeys(lr).restarted():
+                self.store.delete_key(key)
         self._statuses_cache = None
         self.workers.start(envs, plan.generation, "sandbox" if sandbox else "fresh")
 
@@ -239,21 +231,14 @@ class WorkerSupervisor:
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(cfg.live_enabled, os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")),
             "TORCHELASTIC_ERROR_FILE": self.workers.error_file(local_rank),
-            "TM_NODE_ID": me,
-            "TM_LOCAL_ADDR": cfg.addr,
-            "TM_GENERATION": str(plan.generation),
-            "TM_SANDBOX": "1" if sandbox else "0",
-            "TM_SANDBOX_STEPS": str(cfg.sandbox_steps),
-            "TM_COLLECTIVE_TIMEOUT": str(cfg.collective_timeout),
-            "TM_SETUP_TIMEOUT": str(cfg.join_timeout),
-            "TM_STRAGGLER_WINDOW": str(cfg.health.straggler_window if cfg.health else 20),
         })
         # Every worker reports to this agent; under --no-live TM_NO_LIVE keeps it in restart
         # mode (tm_launch.init() gives a PlainJob, which never goes live).
-        env["TM_AGENT_STORE"] = f"{cfg.addr}:{self.store.port}"
-        env[WAKE_ENV] = self.wake_socket.address
-        if cfg.live_enabled:
-            env.pop("TM_NO_LIVE", None)
-        else:
-            env["TM_NO_LIVE"] = "1"
+        env.pop("TM_NO_LIVE", None)
+        env.update(WorkerEnv(
+            agent_store=f"{cfg.addr}:{self.store.port}", wake=self.wake_socket.address, no_live=not cfg.live_enabled,
+            node_id=me, local_addr=cfg.addr, generation=plan.generation, sandbox=sandbox, sandbox_steps=cfg.sandbox_steps,
+            collective_timeout=cfg.collective_timeout, setup_timeout=cfg.join_timeout,
+            straggler_window=cfg.health.straggler_window if cfg.health else 20,
+        ).tm_variables())
         return env

@@ -10,7 +10,8 @@ rules):
   the exit at once and leaves the reaping to ``Popen``);
 - ``WakeSocket``: a worker wrote something the agent must act on now (it entered a generation,
   finished its first step, saw a collective fail, lost the state): a datagram on an abstract
-  Unix socket, sent by ``poke`` right after the store write;
+  Unix socket, sent by the worker's ``agent_client.poke`` right after the store write (the
+  socket's address reaches workers as ``WorkerEnv.wake``);
 - ``StateWatch``: an etcd watch stream kept open in a thread, compared with the revision of
   the agent's last read;
 - ``tm_launch.launcher.peer_link.PeerLink``: the connection to the next active node's agent ended.
@@ -26,9 +27,6 @@ from collections.abc import Iterator
 from typing import Callable
 
 from rendezvous.kv import WatchNews
-
-WAKE_ENV = "TM_AGENT_WAKE"  # the agent's wake socket, for its workers
-
 
 class Wakeup:
     """One event the agent waits on, with the names of what set it since the last wait."""
@@ -94,23 +92,6 @@ class WakeSocket:
         except OSError:
             pass
         self._sock.close()
-
-
-_poke_socket: socket.socket | None = None
-
-
-def poke(address: str | None) -> None:
-    """Wake the agent at ``address`` (a worker's side; never blocks, never raises: the store
-    write it follows is what counts, this only saves the agent's next tick)."""
-    global _poke_socket
-    if not address:
-        return
-    try:
-        if _poke_socket is None:
-            _poke_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        _poke_socket.sendto(b"!", socket.MSG_DONTWAIT, f"\0{address}")
-    except OSError:
-        pass
 
 
 class StateWatch:

@@ -22,7 +22,7 @@ import time
 
 from rendezvous.etcd_server import EtcdServer
 
-from ..breakdown import PHASES
+from ..joblog import PHASES
 from .localjob import LocalJob, downtime
 
 

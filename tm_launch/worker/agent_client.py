@@ -1,9 +1,8 @@
-"""A live worker's only link to the outside: its own agent's local TCPStore.
+"""The worker's side of the agent protocol (``tm_launch.protocol``): its own agent's local TCPStore.
 
-The agent writes one *directive* per generation (``node/plan/<gen>``, the newest number in
-``node/latest``) and pushes that number onto each local worker's queue (``directives_queue``).
-The worker writes its status, a heartbeat, and what it measured when it entered a generation.
-Workers never talk to etcd.
+The agent writes one ``Directive`` per generation and pushes its number onto each local worker's
+queue; the worker writes its status, a heartbeat, and what it measured when it entered a
+generation. Workers never talk to etcd.
 
 Why a queue: a worker's watch thread blocks in ``queue_pop`` (the store's server answers the
 moment the agent pushes, ~0.3 ms here) instead of polling, and the worker can wake its own
@@ -15,24 +14,21 @@ heard, and the per-step check reads it from memory.
 from __future__ import annotations
 
 import datetime
-import json
 import os
+import socket
 import sys
 import threading
 import time
 
 import torch.distributed as dist
 
-from ..launcher.wakeup import WAKE_ENV, poke  # TEMP
+from ..protocol import (CLOSE, LATEST, Directive, EnteredRecord, FirstStepRecord, StateLostRecord, WorkerEnv, WorkerKeys,
+                        WorkerStatus, directive_key)
+from ..waits import Every
 
 
 def log(msg: str) -> None:
     print(f"[tm-launch worker {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
-
-
-def directives_queue(local_rank: int) -> str:
-    """The store queue the agent pushes every newer generation's number onto, for one worker."""
-    return f"worker/{local_rank}/directives"
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
@@ -40,12 +36,32 @@ def first_line(error: BaseException, limit: int = 160) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
 
 
+_poke_socket: socket.socket | None = None
+
+
+def poke(address: str | None) -> None:
+    """Wake the agent at ``address`` (its wake socket, ``WorkerEnv.wake``; never blocks, never
+    raises: the store write it follows is what counts, this only saves the agent's next tick)."""
+    global _poke_socket
+    if not address:
+        return
+    try:
+        if _poke_socket is None:
+            _poke_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        _poke_socket.sendto(b"!", socket.MSG_DONTWAIT, f"\0{address}")
+    except OSError:
+        pass
+
+
 class AgentClient:
-    def __init__(self, env=os.environ):
-        host, port = env["TM_AGENT_STORE"].rsplit(":", 1)
-        self.local_rank = int(env["LOCAL_RANK"])
+    """One worker's connection to its agent's store, with its heartbeat and directive watch."""
+
+    def __init__(self, env: WorkerEnv):
+        host, port = env.agent_store.rsplit(":", 1)
+        self.local_rank = env.local_rank
+        self.keys = WorkerKeys(env.local_rank)
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        self._wake = env.get(WAKE_ENV)
+        self._wake = env.wake
         self._closing = threading.Event()
         self._news = threading.Condition()
         self._heard = -1  # the newest generation the watch thread has heard of
@@ -57,10 +73,9 @@ class AgentClient:
     def _heartbeat(self, store) -> None:
         """Tell the agent this process is alive, also while the main thread waits in a collective
         (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it."""
-        key = f"worker/{self.local_rank}/beat"
         while not self._closing.is_set():
             try:
-                store.set(key, f"{time.time():.3f}")
+                store.set(self.keys.beat, f"{time.time():.3f}")
             except Exception:
                 return
             self._closing.wait(0.5)  # close() ends the wait at once: a worker's exit waits for no beat
@@ -71,7 +86,7 @@ class AgentClient:
         self._closing.set()
         if self._watcher is not None:
             try:
-                self.store.queue_push(directives_queue(self.local_rank), f"close {os.getpid()}")
+                self.store.queue_push(self.keys.directives, f"{CLOSE} {os.getpid()}")
             except Exception:  # noqa: BLE001 -- the agent is gone, and with it the thread's wait
                 pass
             self._watcher.join(timeout=2)
@@ -83,22 +98,22 @@ class AgentClient:
         commit vote or a collective is told that a peer is gone without polling anything."""
         store = self.store.clone()  # its own connection: it blocks in queue_pop
         store.set_timeout(datetime.timedelta(hours=1))  # the agent's death ends the wait at once
-        queue, mine = directives_queue(self.local_rank), f"close {os.getpid()}"
+        queue, mine = self.keys.directives, f"{CLOSE} {os.getpid()}"
 
         def hear(latest: int) -> None:
-            if latest <= self._heard or not store.check([f"node/plan/{latest}"]):
+            if latest <= self._heard or not store.check([directive_key(latest)]):
                 return
             with self._news:
                 self._heard = latest
                 self._news.notify_all()
             try:
-                on_directive(json.loads(store.get(f"node/plan/{latest}")))
+                on_directive(Directive.from_json(store.get(directive_key(latest))))
             except Exception as e:  # noqa: BLE001 -- the watcher must live on
                 log(f"acting on generation {latest} failed: {first_line(e)}")
 
         def run():
             try:
-                hear(store.add("node/latest", 0))
+                hear(store.add(LATEST, 0))
                 while not self._closing.is_set():
                     try:
                         item = store.queue_pop(queue).decode()
@@ -108,8 +123,8 @@ class AgentClient:
                         raise
                     if item == mine:
                         return
-                    if not item.startswith("close "):
-                        hear(store.add("node/latest", 0))  # the newest, also when several were pushed
+                    if not item.startswith(f"{CLOSE} "):
+                        hear(store.add(LATEST, 0))  # the newest, also when several were pushed
             except Exception:  # noqa: BLE001 -- the agent is gone: PR_SET_PDEATHSIG ends this process
                 return
             finally:
@@ -119,30 +134,46 @@ class AgentClient:
         self._watcher = threading.Thread(target=run, daemon=True, name="tm-generation-watch")
         self._watcher.start()
 
-    def set(self, what: str, value, wake: bool = False) -> None:
-        """``worker/<local rank>/<what>``: status, live, entered/<gen>, ... ``wake``: the agent
-        acts on this report (a generation entered, a collective failed): wake its loop now
-        rather than at its next tick."""
-        self.store.set(f"worker/{self.local_rank}/{what}", value if isinstance(value, str) else json.dumps(value))
+    # -- what the worker reports (``wake``: the agent acts on it now, not at its next tick) -----
+    def _put(self, key: str, value: str, wake: bool) -> None:
+        self.store.set(key, value)
         if wake:
             poke(self._wake)
 
+    def report_status(self, status: WorkerStatus, wake: bool = False) -> None:
+        self._put(self.keys.status, status.to_json(), wake)
+
+    def mark_live(self) -> None:
+        """This worker runs ``job.steps()``: the agent repairs the job in place from now on."""
+        self._put(self.keys.live, "1", wake=True)
+
+    def report_entered(self, generation: int, record: EnteredRecord) -> None:
+        self._put(self.keys.entered(generation), record.to_json(), wake=False)
+
+    def report_first_step(self, generation: int, record: FirstStepRecord) -> None:
+        self._put(self.keys.first_step(generation), record.to_json(), wake=True)
+
+    def report_state_lost(self, record: StateLostRecord) -> None:
+        self._put(self.keys.state_lost, record.to_json(), wake=True)
+
+    # -- what the agent handed over ------------------------------------------------------------
     def latest(self) -> int:
-        return self.store.add("node/latest", 0)
+        return self.store.add(LATEST, 0)
 
     def newer_than(self, generation: int) -> bool:
         """The per-step check: what the watch thread heard, no round trip (``watch`` first)."""
         return self._heard > generation
 
-    def directive(self, generation: int) -> dict:
-        return json.loads(self.store.get(f"node/plan/{generation}"))
+    def has_directive(self, generation: int) -> bool:
+        return self.store.check([directive_key(generation)])
 
-    def wait_directive(self, after: int, repeat: bool = True) -> dict:
+    def directive(self, generation: int) -> Directive:
+        return Directive.from_json(self.store.get(directive_key(generation)))
+
+    def wait_directive(self, after: int, repeat: bool = True) -> Directive:
         """Block until the agent hands over a generation newer than ``after`` (``watch`` first);
         say so every few seconds (once only with ``repeat=False``: a parked spare waits by
         design)."""
-        from ..waits import Every
-
         if self._watcher is None:
             raise RuntimeError("AgentClient.wait_directive needs watch() first: the watch thread hears the agent")
         ticker, said = Every(), False

@@ -35,27 +35,6 @@ import torch.distributed as dist
 GLOO = dist.ProcessGroup.BackendType.GLOO
 NCCL = dist.ProcessGroup.BackendType.NCCL
 
-# TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch's ErrorHandlingMode).
-NCCL_NO_HANDLING, NCCL_TEAR_DOWN, NCCL_CLEANUP_ONLY, NCCL_SKIP_CLEANUP = "0", "1", "2", "3"
-
-
-def nccl_error_handling(live: bool, user_value: str | None) -> str:
-    """The ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` a worker gets.
-
-    Live mode: 2 (clean up only). When a collective fails or times out, NCCL's watchdog aborts
-    that communicator and fails its pending works, so the survivor's wait raises and its
-    stream is freed, and the process lives on to enter the next generation. 1 (tear down) and
-    3 (tear down, skip clean-up) kill the survivor on the first NCCL error, which is what live
-    substitution exists to avoid, so they are overridden; 0 (no handling) is honoured when the
-    user asks for it (the runtime then has to call ``abort`` itself, or a timed-out kernel
-    keeps its stream busy for ever).  Restart mode: every worker restarts anyway, so the
-    user's value, else 1 (tear down, the fastest way out).
-    """
-    if live:
-        return user_value if user_value in (NCCL_NO_HANDLING, NCCL_CLEANUP_ONLY) else NCCL_CLEANUP_ONLY
-    return user_value or NCCL_TEAR_DOWN
-
-
 # What live mode can serve: gloo carries CPU tensors (always: the runtime's own traffic, state
 # agreement and pickled headers, is CPU), NCCL carries CUDA tensors.
 LIVE_PAIRS = {"cpu": "gloo", "cuda": "nccl"}

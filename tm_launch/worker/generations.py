@@ -12,6 +12,9 @@ silent restart from the script's start state.
 A planned switch (drain, straggler) has two phases: agree on a switch step and build the new
 world communicator in the background while training goes on, then swap at that boundary.
 
+It acts on the worker's ``TrainingState`` (the groups, the registered objects, the step, the
+commit) and tells the agent what it does through ``AgentClient`` and ``LiveStatus``.
+
 Every group is built by ``communicators.build`` with the job's devices (``LiveJob.devices``, from
 ``tm_launch.init(backend=...)``): gloo for CPU tensors, NCCL too for CUDA tensors. Communicators
 left behind are given up by ``LiveGroup.swap`` (``communicators.release``); an unplanned
@@ -28,20 +31,23 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..protocol import Directive, EnteredRecord, StoreAddress, WorkerEnv, WorkerState
 from . import c10d_glue, communicators
-from .agent_client import first_line, log
+from .agent_client import AgentClient, first_line, log
 from .commit import commit_store
 from .groups import LocalBackend
 from .replicas import fingerprints, replica_set
+from .step_report import LiveStatus
 from .store_clients import StoreClients
+from .training_state import TrainingState
 from .transfer import Holding, allgather_objects, human_size, plan_transfer, recv_state, send_state
 
 
 class Superseded(Exception):
     """A newer generation arrived while this process was entering an older one."""
 
-    def __init__(self, directive: dict):
-        super().__init__(f"generation {directive['generation']}")
+    def __init__(self, directive: Directive):
+        super().__init__(f"generation {directive.generation}")
         self.directive = directive
 
 
@@ -55,28 +61,32 @@ class StateLost(RuntimeError):
         self.step, self.ranks = step, list(ranks)
 
 
-def membership_changed(ranks, d: dict, rank: int, old_rank: int) -> bool:
+def membership_changed(ranks, d: Directive, rank: int, old_rank: int) -> bool:
     """Does generation ``d`` change the membership of group ``ranks`` (global ranks; None: the
     world) for this process, which takes rank ``rank`` in ``d`` (-1: none) after ``old_rank``?
     The world always: a generation exists because a rank failed, left or was replaced. A
     subgroup when one of its ranks is served by a new process (a joiner: the rank failed or was
     replaced), when every process is new, or when this process changes rank. Any other
     subgroup keeps its communicator (delta setup)."""
-    if ranks is None or d.get("all_fresh") or rank != old_rank:
+    if ranks is None or d.all_fresh or rank != old_rank:
         return True
-    return bool(set(d.get("joiner_ranks", ())).intersection(ranks))
+    return bool(set(d.joiner_ranks).intersection(ranks))
 
 
 class Generations:
     Superseded = Superseded
 
-    def __init__(self, job, env):
-        self.job = job
-        self._addr = env.get("TM_LOCAL_ADDR") or None
-        self._timeout = float(env.get("TM_COLLECTIVE_TIMEOUT", "120"))
-        self._setup_timeout = float(env.get("TM_SETUP_TIMEOUT", "600"))  # joiners may start cold
+    def __init__(self, state: TrainingState, agent: AgentClient, status: LiveStatus, env: WorkerEnv, devices: tuple):
+        self.state = state
+        self.agent = agent
+        self.status = status
+        self.local_rank = env.local_rank
+        self.devices = devices  # every group of the job serves these (``communicators.job_devices``)
+        self._addr = env.local_addr
+        self._timeout = env.collective_timeout
+        self._setup_timeout = env.setup_timeout  # joiners may start cold
         self.clients = StoreClients(self._setup_timeout)  # the generation stores' connections, opened ahead
-        self.current: dict | None = None
+        self.current: Directive | None = None
         self.pending: dict | None = None  # a planned switch being prepared
         self._ahead: tuple | None = None  # (generation, (thread, box)): a world communicator built ahead of enter()
 
@@ -90,31 +100,29 @@ class Generations:
         self.clients.close()
 
     # -- communicators ---------------------------------------------------------------------------
-    def store(self, where: dict) -> dist.Store:
+    def store(self, where: StoreAddress | None) -> dist.Store:
         """A connection of its own to the store ``where`` names (``tm_launch.worker.store_clients``)."""
         return self.clients.take(where)
 
-    def build(self, ranks, global_rank: int, gen: int, d: dict | None = None):
+    def build(self, ranks, global_rank: int, gen: int, d: Directive | None = None):
         """A communicator for ``ranks`` (None: the world) in generation ``gen``, via a fresh prefix,
         on the job's devices (``communicators.build``: the one place that builds them)."""
         d = d or self.current
         name = "world" if ranks is None else "sub-" + "-".join(map(str, ranks))
-        store = dist.PrefixStore(f"tm/g{gen}/{name}/", self.store(d["store"]))
-        rank, size = (global_rank, d["world_size"]) if ranks is None else (ranks.index(global_rank), len(ranks))
-        return communicators.build(store, rank, size, devices=self.job.devices, timeout_s=self._timeout,
+        store = dist.PrefixStore(f"tm/g{gen}/{name}/", self.store(d.store))
+        rank, size = (global_rank, d.world_size) if ranks is None else (ranks.index(global_rank), len(ranks))
+        return communicators.build(store, rank, size, devices=self.devices, timeout_s=self._timeout,
                                    setup_timeout_s=self._setup_timeout, hostname=self._addr)
 
-    def abort_changed(self, d: dict) -> list:
+    def abort_changed(self, d: Directive) -> list:
         """Directive watcher, unplanned generation ``d``: abort the NCCL communicators of every
         group whose membership ``d`` changes (``LiveGroup.abort_soon``: off this thread, only
         communicators of older generations; gloo ones are left as before). The groups aborted."""
-        job = self.job
-        rank = d["ranks"][job.local_rank] if d.get("active") else -1
-        old_rank = job.rank
-        return [g for g in [job.group, *list(job._subgroups)]
-                if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d["generation"])]
+        rank, old_rank = d.rank_of(self.local_rank), self.state.rank
+        return [g for g in self.state.groups
+                if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d.generation)]
 
-    def _build_in_background(self, ranks, global_rank: int, gen: int, d: dict) -> tuple:
+    def _build_in_background(self, ranks, global_rank: int, gen: int, d: Directive) -> tuple:
         """``build`` in a daemon thread: (thread, box); the box gets ``pg`` or ``error``."""
         box: dict = {}
 
@@ -127,12 +135,12 @@ class Generations:
         thread.start()
         return thread, box
 
-    def build_ahead(self, d: dict) -> None:
+    def build_ahead(self, d: Directive) -> None:
         """Start building generation ``d``'s world communicator now, for a process that has work
         to do before it can enter ``d`` (a promoted spare running the script again for its new
         ranks): its peers' set-up is not kept waiting for that work, and ``enter(d)`` uses it."""
         self._take_ahead(None)
-        self._ahead = (d["generation"], self._build_in_background(None, d["ranks"][self.job.local_rank], d["generation"], d))
+        self._ahead = (d.generation, self._build_in_background(None, d.rank_of(self.local_rank), d.generation, d))
 
     def _take_ahead(self, gen: int | None):
         """The build started ahead for generation ``gen``, if any; one for another generation is
@@ -147,13 +155,13 @@ class Generations:
             communicators.release(box.get("pg"))
         return None
 
-    def _build_watching(self, ranks, global_rank: int, gen: int, d: dict, pending=None):
+    def _build_watching(self, ranks, global_rank: int, gen: int, d: Directive, pending=None):
         """``build`` in a thread while this one watches for a newer generation: the setup waits
         for every member, so a member that died would otherwise hold this process for the whole
         setup timeout. An abandoned build is left to fail at its own timeout (a daemon thread).
         ``pending``: a build already started (``_build_in_background``) to wait for instead."""
         pending, box = pending or self._build_in_background(ranks, global_rank, gen, d)
-        agent = self.job.agent
+        agent = self.agent
         while pending.is_alive():
             pending.join(0.01)
             if pending.is_alive() and agent.latest() > gen:
@@ -163,49 +171,48 @@ class Generations:
         return box["pg"]
 
     # -- following the agent -------------------------------------------------------------------
-    def follow(self, d: dict, interrupted: bool) -> None:
-        if d.get("stop"):
+    def follow(self, d: Directive, interrupted: bool) -> None:
+        if d.stop:
             self._leave()
-        if d.get("planned") and not interrupted and self._planned_switch(d):
+        if d.planned and not interrupted and self._planned_switch(d):
             return
-        if not d["active"]:
+        if not d.active:
             self._leave()
         self.pending = None
         self.enter(d)
 
     def _leave(self) -> None:
         """This node left the job (drained or replaced): end the script without error."""
-        self.job._state = "left"
-        self.job._report(force=True)
+        self.status.set(WorkerState.LEFT)
         raise SystemExit(0)
 
-    def _planned_switch(self, d: dict) -> bool:
+    def _planned_switch(self, d: Directive) -> bool:
         """Two-phase migration. Phase 1: agree on a switch step and build the new communicators in
         the background while training goes on in the current generation; phase 2, at that step
         boundary: leavers exit, everyone else swaps communicators and joiners receive state.
         Returns True while this rank should keep training in the current generation."""
-        job, gen = self.job, d["generation"]
+        state, gen = self.state, d.generation
         if self.pending is None or self.pending["generation"] != gen:
-            store = self.store(d["store"])
-            margin = max(2, math.ceil(0.5 / max(job._stats.median() or 0.01, 1e-3)))
-            agreed = int(store.compare_set(f"tm/g{gen}/switch", "", str(job._step + margin)))
-            thread, built = self._build_in_background(None, d["ranks"][job.local_rank], gen, d) if d["active"] else (None, {})
+            store = self.store(d.store)
+            margin = max(2, math.ceil(0.5 / max(state.stats.median() or 0.01, 1e-3)))
+            agreed = int(store.compare_set(f"tm/g{gen}/switch", "", str(state.step + margin)))
+            thread, built = self._build_in_background(None, d.rank_of(self.local_rank), gen, d) if d.active else (None, {})
             self.pending = {"generation": gen, "switch": agreed, "thread": thread, "built": built}
             log(f"planned migration to generation {gen}: switching at step {agreed}")
-        if job._step < self.pending["switch"]:
+        if state.step < self.pending["switch"]:
             return True
         pending, self.pending = self.pending, None
-        if not d["active"]:
+        if not d.active:
             # Its per-rank state at the switch step, exactly: the rank taking over starts there
             # (the vote-time mirror is not trusted once the script moved that state between steps).
-            job._per_rank.begin_step(job._step, job._commit)
+            state.per_rank.begin_step(state.step, state.commit)
             self._leave()
         prebuilt = (pending["thread"], pending["built"]) if pending["thread"] is not None else None
         self.enter(d, prebuilt=prebuilt)
         return True
 
     # -- entering ------------------------------------------------------------------------------
-    def enter(self, d: dict, prebuilt=None, agree: bool = True) -> None:
+    def enter(self, d: Directive, prebuilt=None, agree: bool = True) -> None:
         """Enter generation ``d``; when a peer dies on the way in, enter the generation after it.
 
         A joiner can die while the others wait for it in the communicator setup (which may wait
@@ -213,89 +220,89 @@ class Generations:
         the generation can never complete; the agents publish a newer one (the dead node's
         lease, or this node's report after a while), and this process follows it instead of
         waiting out the setup timeout or crashing with the training state that only it holds."""
-        job = self.job
         while True:
-            ahead = self._take_ahead(d["generation"])
+            ahead = self._take_ahead(d.generation)
             prebuilt = prebuilt if prebuilt is not None else ahead
             try:
                 self._enter_once(d, prebuilt, agree)
                 return
             except Superseded as newer:
-                log(f"generation {d['generation']} was superseded by {newer.directive['generation']} while entering it")
+                log(f"generation {d.generation} was superseded by {newer.directive.generation} while entering it")
                 d = newer.directive
             except StateLost:
                 raise
             except RuntimeError as e:  # gloo/store errors: a peer died while entering
-                why = f"entering generation {d['generation']} failed ({first_line(e)})"
-                job._recover(why)
+                why = f"entering generation {d.generation} failed ({first_line(e)})"
+                self.status.recovering(why)
                 log(f"{why}; waiting for the next generation")
-                d = job.agent.wait_directive(d["generation"])
+                d = self.agent.wait_directive(d.generation)
             prebuilt, agree = None, True
-            if d.get("stop"):
+            if d.stop:
                 self._leave()
-            if not d["active"]:
-                if job.in_sandbox:
+            if not d.active:
+                if self.state.in_sandbox:
                     raise Superseded(d)  # a spare that is no longer promoted parks again
                 self._leave()
 
-    def _enter_once(self, d: dict, prebuilt=None, agree: bool = True) -> None:
-        job = self.job
+    def _enter_once(self, d: Directive, prebuilt=None, agree: bool = True) -> None:
+        state = self.state
         t0, began = time.perf_counter(), time.time()
         connects_before = self.clients.opened_on_demand
-        gen, rank, world = d["generation"], d["ranks"][job.local_rank], d["world_size"]
+        gen, rank, world = d.generation, d.rank_of(self.local_rank), d.world_size
         self.current = d
-        old_rank = job.rank
+        old_rank = state.rank
         if isinstance(prebuilt, tuple):  # a planned switch's background build: (thread, box)
             prebuilt = self._build_watching(None, rank, gen, d, pending=prebuilt)
-        elif prebuilt is None and not job.in_sandbox:
+        elif prebuilt is None and not state.in_sandbox:
             # Unplanned: a peer may still be blocked in a collective of the old world with this
             # rank (it moved on at a healthy boundary, e.g. a cordoned node's plan arrived
             # mid-step); closing it here makes that peer fail now instead of both sides waiting
             # for each other, the peer in the old collective and this rank in the new setup.
-            job.group.release()
+            state.world.release()
         inner = prebuilt or self._build_watching(None, rank, gen, d)
-        job.group.swap(inner, rank, world, gen)
-        c10d_glue.register(job.group, range(world))
+        state.world.swap(inner, rank, world, gen)
+        c10d_glue.register(state.world, range(world))
         self._rebuild_subgroups(d, rank, old_rank)
-        job._commit.use(commit_store(self.store(d["store"]), gen), rank, world, gen,
-                        where=(gen, d["store"]["addr"], int(d["store"]["port"])),
-                        abort_store=commit_store(self.store(d["store"]), gen))
+        state.commit.use(commit_store(self.store(d.store), gen), rank, world, gen,
+                         where=(gen, d.store.addr, d.store.port),
+                         abort_store=commit_store(self.store(d.store), gen))
         t_comm = time.perf_counter()
         received = self._agree_and_transfer(inner, rank, world) if agree else False
-        job.in_sandbox = False
+        state.in_sandbox = False
         t_done = time.perf_counter()
-        job.agent.set(f"entered/{gen}", {"communicator": t_comm - t0, "state": t_done - t_comm, "received": received, "step": job._step,
-                                           "began": began, "last_step_at": job._step_done_at,  # wall clock: tm_launch.breakdown
-                                           "store_connects": self.clients.opened_on_demand - connects_before})
-        job._report(force=True)
+        self.agent.report_entered(gen, EnteredRecord(
+            communicator=t_comm - t0, state=t_done - t_comm, received=received, step=state.step,
+            began=began, last_step_at=state.step_done_at,  # wall clock: tm_launch.joblog
+            store_connects=self.clients.opened_on_demand - connects_before))
+        self.status.report(force=True)
         # The next change's connections, opened now that nothing waits for them: to this store,
         # and to the one that takes over if this store's node is lost.
-        self.clients.prepare([d["store"], d["store"].get("standby")])
+        self.clients.prepare([d.store, d.standby])
 
-    def _rebuild_subgroups(self, d: dict, rank: int, old_rank: int) -> None:
+    def _rebuild_subgroups(self, d: Directive, rank: int, old_rank: int) -> None:
         """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by
         a new process (a joiner), when it failed, or when this process took a new rank; the
         others keep their communicator object and its connections. Groups are built in the
         order the script created them, the same order on every rank (each setup waits for all
         of its members, so two ranks building in different orders would wait for each other)."""
-        for sub in self.job._subgroups:
+        for sub in self.state.subgroups:
             ranks = sub.member_ranks
             if rank not in ranks:
                 if sub.inner is not None:
-                    sub.swap(None, -1, len(ranks), d["generation"])  # not a member (any more)
+                    sub.swap(None, -1, len(ranks), d.generation)  # not a member (any more)
                 continue
             fresh = membership_changed(ranks, d, rank, old_rank) or sub.inner is None or isinstance(sub.inner, LocalBackend)
             if fresh:
-                sub.swap(self._build_watching(ranks, rank, d["generation"], d), ranks.index(rank), len(ranks), d["generation"])
+                sub.swap(self._build_watching(ranks, rank, d.generation, d), ranks.index(rank), len(ranks), d.generation)
 
     def _agree_and_transfer(self, pg, rank: int, world: int) -> bool:
         """Every rank says what it holds; ranks behind receive from a replica of their shard."""
-        job = self.job
-        states = {name: obj.state_dict() for name, obj in job._objects.items()}
-        modules = {name for name, obj in job._objects.items() if isinstance(obj, torch.nn.Module)}
+        state = self.state
+        states = {name: obj.state_dict() for name, obj in state.objects.items()}
+        modules = {name for name, obj in state.objects.items() if isinstance(obj, torch.nn.Module)}
         structure, values = fingerprints(states, modules)
-        mine = Holding(rank, -1 if job._step is None else job._step, replica_set(states, job._declared, rank, world), structure, values,
-                       mirrors=job._commit.last_commit_where)
+        mine = Holding(rank, -1 if state.step is None else state.step, replica_set(states, state.declared, rank, world), structure, values,
+                       mirrors=state.commit.last_commit_where)
         del states
         holdings = allgather_objects(pg, world, mine)
         plan = plan_transfer(holdings)
@@ -311,23 +318,23 @@ class Generations:
                 f"layout has none, e.g. FSDP without replicas)", plan.step, plan.missing)
         if plan.step < 0:
             raise StateLost("no live rank holds any training state (every process of this generation is new)", -1, list(range(world)))
-        what = "+".join(sorted(job._objects)) or "nothing registered"
+        what = "+".join(sorted(state.objects)) or "nothing registered"
         for dst, src in sorted(plan.sources.items()):
             if src == rank:
                 t0 = time.perf_counter()
-                sent = send_state(pg, dst, job._objects, job._step)
-                log(f"sent the training state of step {job._step} ({what}, {human_size(sent)}) to rank {dst} in {(time.perf_counter() - t0) * 1000:.0f} ms")
+                sent = send_state(pg, dst, state.objects, state.step)
+                log(f"sent the training state of step {state.step} ({what}, {human_size(sent)}) to rank {dst} in {(time.perf_counter() - t0) * 1000:.0f} ms")
         if rank in plan.sources:
             src = plan.sources[rank]
             t0 = time.perf_counter()
             # Received in place: until it is complete this rank holds no step at all, so a
             # transfer cut short never makes it a source of half-written state.
-            job._step = None
-            step, got = recv_state(pg, src, job._objects)
+            state.step = None
+            step, got = recv_state(pg, src, state.objects)
             log(f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms")
-            lost = job._per_rank.fetch(holdings[src].mirrors, rank, step)
+            lost = state.per_rank.fetch(holdings[src].mirrors, rank, step)
             if lost:
                 raise StateLost(f"{lost}: its RNG or data position exists nowhere else", step, [rank])
-            job._step = step
+            state.step = step
             return True
         return False

@@ -10,18 +10,19 @@ framework's loop never counts a step that was not applied job-wide.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..protocol import WorkerEnv
+
 
 def live_job():
     """The job (``tm_launch.init()``) when this worker may be repaired in place: under tm-launch
     and not ``--no-live``; None otherwise (torchrun, restart mode)."""
-    if not os.environ.get("TM_AGENT_STORE"):
+    if not WorkerEnv.from_environ().under_agent:
         return None
     from . import runtime  # the worker runtime, imported only where a worker goes live
 

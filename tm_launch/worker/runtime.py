@@ -57,17 +57,17 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..protocol import EXIT_STATE_LOST, Directive, FirstStepRecord, StateLostRecord, WorkerEnv, WorkerState
 from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
-from .per_rank import PerRankState
-from .step_report import StepReporter, StepStats, process_reporter
+from .step_report import LiveStatus, StepReporter, StepStats, process_reporter
+from .training_state import TrainingState
 from .transfer import cpu_copy, human_size
 
 PR_SET_PDEATHSIG = 1
-EXIT_STATE_LOST = 3  # the agent reads worker/<local rank>/state_lost for the reason
 
 
 def die_with_parent() -> None:
@@ -99,9 +99,11 @@ def freeze_what_exists() -> None:
 def init(backend: str | None = None):
     """Start this worker's part of the job; returns a ``Job`` (see module docstring)."""
     global _LIVE
-    if os.environ.get("TM_AGENT_STORE") and os.environ.get("TM_NO_LIVE") != "1":
-        if _LIVE is None:
-            _LIVE = LiveJob(backend)
+    if _LIVE is not None:
+        return _LIVE
+    env = WorkerEnv.from_environ()
+    if env.live:
+        _LIVE = LiveJob(env, backend)
         return _LIVE
     return PlainJob(backend)
 
@@ -207,69 +209,57 @@ def _destroy_default_group() -> None:
 class LiveJob:
     """A worker that survives its peers: substitution happens inside ``steps()``."""
 
-    def __init__(self, backend: str | None = None):
-        env = os.environ
+    def __init__(self, env: WorkerEnv, backend: str | None = None):
         die_with_parent()
-        self.local_rank = int(env["LOCAL_RANK"])
+        self.local_rank = env.local_rank
         # Every group of the job serves these devices (an unusable choice raises before anything starts).
         self.devices = communicators.job_devices(backend, self.local_rank)
         self._c10d_names = communicators.c10d_names(self.devices)
         self.agent = AgentClient(env)
-        self.node = env.get("TM_NODE_ID", "")
-        self._sandbox_steps = int(env.get("TM_SANDBOX_STEPS", "2"))
-        self._objects: dict = {}
-        self._declared: dict = {}
-        self._per_rank = PerRankState()
-        self._subgroups: list[LiveGroup] = []
-        self._poison = StepPoison()
-        self._commit = StepCommit()
-        self._in_step = False
-        self._step: int | None = None  # committed steps (= next step to run); None: no state yet
-        self._stats = StepStats(int(env.get("TM_STRAGGLER_WINDOW", "20")))
-        self._restart_steps: StepReporter | None = None  # report_step() outside job.steps() (restart mode)
-        self._last_report = 0.0
-        self._state = "sandbox"
-        self._live_marked = False
-        self._entering: dict | None = None  # a generation to finish entering once the script re-ran
-        self._held: list | None = None  # communicators entered before the loop, used from its first step
-        self._held_per_rank: dict | None = None  # the per-rank state received with them
-        self._step_done_at: float | None = None  # wall clock of the last step that completed cleanly
-        self._first_step_gen = -1  # the generation whose first completed step was reported
-        self._loop_ended = False  # end_loop(): a closed steps() generator means finished, not left
-        self._waiting_for_peers = False  # in a commit vote that has waited long: the agent probes the peers
-        self._recovering_why = ""  # what made this process wait for a new generation (its agent says it)
-        self._commit.on_slow_vote = self._slow_vote
-        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1"))
-        spare = env.get("TM_SANDBOX", "1") == "1" and env.get("GROUP_RANK") == "-1"
+        self.node = env.node_id
+        self._sandbox_steps = env.sandbox_steps
+        world = env.world_size
         # A spare warms up as the last node's ranks: rank-0-only side effects of the script's
         # set-up stay with the real rank 0, and a failed last node needs no second set-up.
-        rank = world - local_world + self.local_rank if spare else int(env.get("RANK", self.local_rank))
-        self.group = LiveGroup(None, rank, world, self._poison, name=c10d_glue.unique_name(None), backend=self._c10d_names)
+        spare = env.starts_as_spare
+        rank = world - env.local_world_size + self.local_rank if spare else env.rank
+        poison = StepPoison()
+        world_group = LiveGroup(None, rank, world, poison, name=c10d_glue.unique_name(None), backend=self._c10d_names)
+        self.state = TrainingState(world=world_group, poison=poison, commit=StepCommit(), stats=StepStats(env.straggler_window))
+        self.status = LiveStatus(self.agent, self.state.stats, lambda: (self.rank, self.generation, self.state.step))
+        self.state.commit.on_slow_vote = self.status.slow_vote
+        self._in_step = False
+        self._restart_steps: StepReporter | None = None  # report_step() outside job.steps() (restart mode)
+        self._live_marked = False
+        self._entering: Directive | None = None  # a generation to finish entering once the script re-ran
+        self._held: list | None = None  # communicators entered before the loop, used from its first step
+        self._held_per_rank: dict | None = None  # the per-rank state received with them
+        self._first_step_gen = -1  # the generation whose first completed step was reported
+        self._loop_ended = False  # end_loop(): a closed steps() generator means finished, not left
         self._detach(rank)
         c10d_glue.route_new_group(self.new_group)
         # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
         # layouts, and the module's first import costs ~0.5-0.9 s on a loaded 2-core machine.
         import torch.distributed.tensor  # noqa: F401
-        if env.get("TM_SANDBOX", "1") == "1":
+        if env.sandbox:
             freeze_what_exists()
         c10d_glue.refuse_rooted_objects_without_peers()
         register_optimizer_step_pre_hook(self._before_optimizer_step)
-        self.gens = Generations(self, env)
-        self.in_sandbox = True
+        self.gens = Generations(self.state, self.agent, self.status, env, self.devices)
         if spare:  # opened while it warms up, not in the moment it is promoted
             self._keep_connections_ready()
         atexit.register(self._close)
         self.agent.watch(self._on_directive)
-        if env.get("TM_SANDBOX", "1") == "0":
+        if not env.sandbox:
             # Every rank of this generation starts here, like init_process_group: DDP's own
             # broadcast from rank 0 makes the state consistent, nothing to agree on.
-            self.gens.enter(self.agent.wait_directive(int(env["TM_GENERATION"]) - 1), agree=False)
-        self._report(force=True)
+            self.gens.enter(self.agent.wait_directive(env.generation - 1), agree=False)
+        self.status.report(force=True)
 
     def _detach(self, rank: int) -> None:
         """Serve every collective locally (sandbox, or a script re-running for its new ranks)."""
         world = self.group.size()
-        self.group.swap(LocalBackend(rank, world), rank, world, self.group.generation)
+        self.group.swap(LocalBackend(rank, world), rank, world, self.generation)
         c10d_glue.install_world(self.group)
         os.environ.update(RANK=str(rank), ROLE_RANK=str(rank))
 
@@ -278,13 +268,23 @@ class LiveJob:
         (gloo, TCPStore) destroyed during teardown abort the process (SIGABRT)."""
         self.agent.close()
         self.gens.close()
-        for g in [*self._subgroups, self.group]:
+        for g in [*self.state.subgroups, self.group]:
             g.swap(None, g.rank(), g.size(), g.generation)
-        self._commit.use(None, 0, 1, -1)
+        self.state.commit.use(None, 0, 1, -1)
         gc.collect()
         communicators.wait_released()  # an NCCL group torn down by interpreter shutdown aborts the process
 
     # -- public API ----------------------------------------------------------------------------
+    @property
+    def group(self) -> LiveGroup:
+        """The world group: hand it to DDP/FSDP; it stays the same object across generations."""
+        return self.state.world
+
+    @property
+    def in_sandbox(self) -> bool:
+        """Still warming up without peers (a spare, or a process joining a running job)."""
+        return self.state.in_sandbox
+
     @property
     def rank(self) -> int:
         return self.group.rank()
@@ -301,7 +301,7 @@ class LiveJob:
     def step_ok(self) -> bool:
         """False while the current step is interrupted: it did not commit (it will run again) or
         a collective after its commit failed (what it logs may be this rank's value only)."""
-        return not self._poison.active and self._commit.decision is not False
+        return not self.state.poison.active and self.state.commit.decision is not False
 
     def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
         """Objects with state_dict()/load_state_dict() that a joining rank must receive.
@@ -319,7 +319,7 @@ class LiveJob:
         a sampler's or loader's position): restored when a step runs again, and mirrored so that
         a rank that joins in its place continues from it (``tm_launch.worker.per_rank``)."""
         if per_rank:
-            self._per_rank.objects.update(objects)
+            self.state.per_rank.objects.update(objects)
             return
         for name, obj in objects.items():
             scheduler = _wrapped(obj, "scheduler", _SCHEDULERS)  # accelerate's AcceleratedScheduler steps the one it wraps
@@ -327,22 +327,22 @@ class LiveJob:
                 _guard(scheduler, "step", self._effect_allowed, None)
             elif isinstance(obj, torch.amp.GradScaler):
                 _guard(obj, "update", self._effect_allowed, _reset_scaler)
-            self._objects[name] = obj
-            self._declared[name] = _replica_ranks(replicas, self.world_size)
+            self.state.objects[name] = obj
+            self.state.declared[name] = _replica_ranks(replicas, self.world_size)
 
     def new_group(self, ranks) -> LiveGroup:
         """A subgroup (TP/PP/DP style) that is rebuilt only when one of its ranks is replaced.
         ``dist.new_group`` and ``init_device_mesh`` come here too in live mode."""
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(sorted(int(r) for r in ranks))
         me = self.rank
-        sub = LiveGroup(ranks, ranks.index(me) if me in ranks else -1, len(ranks), self._poison, name=c10d_glue.unique_name(ranks),
+        sub = LiveGroup(ranks, ranks.index(me) if me in ranks else -1, len(ranks), self.state.poison, name=c10d_glue.unique_name(ranks),
                         backend=self._c10d_names)
         if me in ranks:
             if isinstance(self.group.inner, LocalBackend):
                 sub.swap(LocalBackend(sub.rank(), len(ranks)), sub.rank(), len(ranks), -1)
             else:
-                sub.swap(self.gens.build(ranks, me, self.group.generation), ranks.index(me), len(ranks), self.group.generation)
-        self._subgroups.append(sub)
+                sub.swap(self.gens.build(ranks, me, self.generation), ranks.index(me), len(ranks), self.generation)
+        self.state.subgroups.append(sub)
         c10d_glue.register(sub, ranks)
         return sub
 
@@ -374,24 +374,23 @@ class LiveJob:
                 self._park()
         except StateLost as lost:  # as in steps(): every worker restarts from the checkpoint
             self._state_lost(lost)
-        self._held = [(g, g.inner) for g in [self.group, *self._subgroups] if g.inner is not None]
+        self._held = [(g, g.inner) for g in self.state.groups if g.inner is not None]
         for g, _ in self._held:
             g.swap(LocalBackend(g.rank(), g.size(), keeps_own_objects=True), g.rank(), g.size(), g.generation, keep_old=True)
-        self._held_per_rank = {name: cpu_copy(obj.state_dict()) for name, obj in self._per_rank.objects.items()}
-        self._state = "entering"
-        self._report(force=True)
+        self._held_per_rank = {name: cpu_copy(obj.state_dict()) for name, obj in self.state.per_rank.objects.items()}
+        self.status.set(WorkerState.ENTERING)
 
     def _use_held(self) -> None:
         """The loop reached its first step: talk to the job through the communicators entered
         before it, with the per-rank state received then (its set-up may have drawn random numbers)."""
         held, self._held = self._held, None
         for g, inner in held:
-            if g.generation == self.group.generation:
+            if g.generation == self.generation:
                 g.swap(inner, g.rank(), g.size(), g.generation)
             else:  # entered again meanwhile: that generation's communicator is not needed any more
                 communicators.release(inner)
         for name, state in (self._held_per_rank or {}).items():
-            self._per_rank.objects[name].load_state_dict(state)
+            self.state.per_rank.objects[name].load_state_dict(state)
         self._held_per_rank = None
 
     def report_step(self, step: int) -> None:
@@ -403,7 +402,7 @@ class LiveJob:
         if self._live_marked or self.in_sandbox:
             return
         if self._restart_steps is None:
-            reporter = self._restart_steps = StepReporter(self.agent, self.rank, self.generation, self._stats.window)
+            reporter = self._restart_steps = StepReporter(self.agent, self.rank, self.generation, self.state.stats.window)
             atexit.register(lambda: self._live_marked or reporter.exiting())  # before _close closes the client
         self._restart_steps.step(step)
 
@@ -438,40 +437,40 @@ class LiveJob:
                 self._park()
         if self._held is not None:
             self._use_held()
-        if self._step is None:
-            self._step = start
+        state = self.state
+        if state.step is None:
+            state.step = start
         if not self._live_marked:
-            self.agent.set("live", "1", wake=True)  # the agent repairs this job in place from now on
+            self.agent.mark_live()  # the agent repairs this job in place from now on
             self._live_marked = True
-        self._state = "running"
+        self.status.state = WorkerState.RUNNING
         closing = False
         while True:
             self._boundary()
-            if self._step >= total:
+            if state.step >= total:
                 break
             t0 = time.perf_counter()
             self.group.last_submit = 0.0
-            self._per_rank.begin_step(self._step, self._commit)
-            self._commit.begin(self._step)
-            self._poison.armed = self._in_step = True
+            state.per_rank.begin_step(state.step, state.commit)
+            state.commit.begin(state.step)
+            state.poison.armed = self._in_step = True
             closing = False
             try:
-                yield self._step
+                yield state.step
             except GeneratorExit:
                 closing = True
             finally:
-                self._poison.armed = False
+                state.poison.armed = False
             committed = self._effect_allowed()
             self._in_step = False
             if committed:
-                self._stats.record(self._step, time.perf_counter() - t0, t0, self.group)
-                self._step += 1
+                state.stats.record(state.step, time.perf_counter() - t0, t0, self.group)
+                state.step += 1
                 self._note_step_done()
-                self._report()
+                self.status.report()
             if closing:
                 break
-        self._state = "left" if closing and not self._loop_ended else "finished"
-        self._report(force=True)
+        self.status.set(WorkerState.LEFT if closing and not self._loop_ended else WorkerState.FINISHED)
 
     def end_loop(self) -> None:
         """The loop around ``steps()`` ended as it should before the steps ran out (a
@@ -480,22 +479,22 @@ class LiveJob:
         self._loop_ended = True
 
     def _note_step_done(self) -> None:
-        """Stamps for the downtime breakdown (``tm_launch.breakdown``): when the last clean step
+        """Stamps for the downtime breakdown (``tm_launch.joblog``): when the last clean step
         ended (the origin of the next change, sent in the ``entered`` record) and, once per
         generation, when its first step completed (``first_step/<gen>``: one write per generation)."""
         now = time.time()
         if self.step_ok:
-            self._step_done_at = now
+            self.state.step_done_at = now
         if self._first_step_gen != self.generation:
             self._first_step_gen = self.generation
-            self.agent.set(f"first_step/{self.generation}", {"time": now, "step": self._step}, wake=True)
+            self.agent.report_first_step(self.generation, FirstStepRecord(time=now, step=self.state.step))
 
     def _state_lost(self, lost: StateLost) -> None:
         """No live rank can give some rank its state: tell the agent (the job restarts every
         worker from the script's own checkpoint) and end this process without touching its
         communicators (peers are ending theirs the same way)."""
         log(f"{lost}: this job cannot continue live without wrong weights; every worker restarts from the script's checkpoint")
-        self.agent.set("state_lost", {"step": lost.step, "ranks": lost.ranks, "why": str(lost)}, wake=True)
+        self.agent.report_state_lost(StateLostRecord(step=lost.step, ranks=lost.ranks, why=str(lost)))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STATE_LOST)
@@ -511,14 +510,14 @@ class LiveJob:
         is kept: a spare costs no extra memory. A spare parks after them with its CUDA pools
         handed back; one running the script again for the ranks it was promoted to enters at
         once and keeps them for its first steps."""
-        self._state = "warmup"
+        self.status.state = WorkerState.WARMUP
         again = self._entering is not None  # the script runs again for ranks it was promoted to
         for i in range(1 if again else self._sandbox_steps):
-            self._report(force=True)
+            self.status.report(force=True)
             yield start + i
         if again:  # the job waits for this process: one step, and DDP's second-step set-up now
             ddp_rebuild.rebuild_buckets_now()
-        self._clear_step_effects()
+        self.state.clear_step_effects()
         if self._entering is not None:  # promoted before these steps: it enters now and trains
             return
         left = cuda_warmup.leave_no_trace()  # None: CUDA never used here
@@ -530,30 +529,31 @@ class LiveJob:
         """The current step's job-wide decision (voted on first use); outside a step, True."""
         if not self._in_step:
             return True
-        if self._commit.decision is None:
-            for g in [self.group, *self._subgroups]:
+        state = self.state
+        if state.commit.decision is None:
+            for g in state.groups:
                 g.settle()
-            self._poison.release_broken()  # peers blocked in a failed communicator fail now, before the vote waits
+            state.poison.release_broken()  # peers blocked in a failed communicator fail now, before the vote waits
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # a step commits only once its GPU work is complete
-            ok = not self._poison.active
-            mirror = self._per_rank.vote_mirror(self._commit.step) if ok else None
-            if not self._commit.decide(ok, lambda: self.agent.latest() > self.group.generation, mirror,
+            ok = not state.poison.active
+            mirror = state.per_rank.vote_mirror(state.commit.step) if ok else None
+            if not state.commit.decide(ok, lambda: self.agent.latest() > self.generation, mirror,
                                        peer_gone=self._unplanned_newer) and ok:
-                self._poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
-        return bool(self._commit.decision)
+                state.poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
+        return bool(state.commit.decision)
 
     def _unplanned_newer(self) -> bool:
         """The agent handed over a newer generation because a peer is gone (not a planned switch)."""
         latest = self.agent.latest()
-        return latest > self.group.generation and not self.agent.directive(latest).get("planned")
+        return latest > self.generation and not self.agent.directive(latest).planned
 
     def _before_optimizer_step(self, optimizer, args, kwargs):
         """Every optimizer's step asks for the commit; on a step that did not commit its
         gradients are dropped, so torch's optimizers leave parameters and state untouched."""
         if not self._in_step or self.in_sandbox:
             return None
-        if not any(optimizer is obj for obj in self._carried()):
+        if not any(optimizer is obj for obj in self.state.carried()):
             raise RuntimeError(
                 f"tm-launch: an optimizer ({type(optimizer).__name__}) stepped in job.steps() but is not registered: a rank "
                 "that joins would not receive its state. Register it: job.register(optimizer=opt)")
@@ -563,143 +563,92 @@ class LiveJob:
                     p.grad = None
         return None
 
-    def _on_directive(self, d: dict) -> None:
+    def _on_directive(self, d: Directive) -> None:
         """Watcher thread: an unplanned generation means a peer is gone; a vote waiting for it
         is settled as aborted at once, and the NCCL communicators it changes are aborted (their
         GPU work fails now rather than at the collective timeout). A planned one switches at an
         agreed step instead; a finished job ends its collectives as they are."""
-        if d.get("planned"):  # a drained rank hands over at the switch step instead
+        if d.planned:  # a drained rank hands over at the switch step instead
             return
-        self._commit.abort(d["generation"])
-        if not d.get("stop"):
+        self.state.commit.abort(d.generation)
+        if not d.stop:
             try:
                 self.gens.abort_changed(d)
             except Exception as e:  # noqa: BLE001 -- the watcher must live on; the step boundary still recovers
-                log(f"aborting the communicators generation {d['generation']} changes failed: {e}")
+                log(f"aborting the communicators generation {d.generation} changes failed: {e}")
 
     def _boundary(self) -> None:
-        if self._poison.active:
-            error = first_line(self._poison.error)
-            self._recover(f"a collective failed ({error})")
-            what = ("committed; a collective after its commit failed" if self._commit.decision
+        state = self.state
+        if state.poison.active:
+            error = first_line(state.poison.error)
+            self.status.recovering(f"a collective failed ({error})")
+            what = ("committed; a collective after its commit failed" if state.commit.decision
                     else "interrupted, nothing applied; it runs again")
-            log(f"step {self._commit.step} {what} ({error}); waiting for the next generation")
-            self._clear_step_effects()
-            for g in [self.group, *self._subgroups]:
+            log(f"step {state.commit.step} {what} ({error}); waiting for the next generation")
+            state.clear_step_effects()
+            for g in state.groups:
                 g.release_if_broken()
-            if not self._commit.decision:  # it runs again, with the RNG and data it started with
-                self._per_rank.restore()
-            d = self.agent.wait_directive(self.group.generation)
-            self._poison.clear()
+            if not state.commit.decision:  # it runs again, with the RNG and data it started with
+                state.per_rank.restore()
+            d = self.agent.wait_directive(self.generation)
+            state.poison.clear()
             self.gens.follow(d, interrupted=True)
-            self._state = "running"
+            self.status.state = WorkerState.RUNNING
             return
-        if self.gens.pending is not None or self.agent.newer_than(self.group.generation):
+        if self.gens.pending is not None or self.agent.newer_than(self.generation):
             latest = self.agent.latest()
-            if latest > self.group.generation:
+            if latest > self.generation:
                 self.gens.follow(self.agent.directive(latest), interrupted=False)
 
     def _park(self) -> None:
         """A warmed-up spare waits here until a generation names its node."""
-        self._state = "parked"
-        self._report(force=True)
-        after = self.group.generation
+        self.status.set(WorkerState.PARKED)
+        after = self.generation
         while True:
             d = self.agent.wait_directive(after, repeat=False)
-            if d.get("stop"):
+            if d.stop:
                 sys.exit(0)
-            if not d["active"]:
+            if not d.active:
                 self._keep_connections_ready(d)
-            if d["active"]:
-                os.environ["GROUP_RANK"] = str(d.get("group_rank", -1))  # a spare's was -1
-            if d["active"] and d["ranks"][self.local_rank] != self.rank:
+            if d.active:
+                os.environ["GROUP_RANK"] = str(-1 if d.group_rank is None else d.group_rank)  # a spare's was -1
+            if d.active and d.rank_of(self.local_rank) != self.rank:
                 self._take_other_ranks(d)
-            if d["active"]:
+            if d.active:
                 try:
                     self.gens.enter(d)
                     return
                 except self.gens.Superseded as newer:  # promoted, then replaced before it got in
                     d = newer.directive
-                    self._state = "parked"
-                    self._report(force=True)
-            after = d["generation"]
+                    self.status.set(WorkerState.PARKED)
+            after = d.generation
 
-    def _keep_connections_ready(self, d: dict | None = None) -> None:
+    def _keep_connections_ready(self, d: Directive | None = None) -> None:
         """A spare's connections to the store of the plan it waits beside (``d``; None: the one
         its agent handed over last, if any) and to that store's standby, for the day it is
         promoted: the world communicator, its subgroups, the vote and its abort path
         (``tm_launch.worker.store_clients``)."""
         if d is None:
             latest = self.agent.latest()
-            if not self.agent.store.check([f"node/plan/{latest}"]):
+            if not self.agent.has_directive(latest):
                 return
             d = self.agent.directive(latest)
-        self.gens.clients.prepare([d["store"], d["store"].get("standby")], at_least=3 + len(self._subgroups))
+        self.gens.clients.prepare([d.store, d.standby], at_least=3 + len(self.state.subgroups))
 
-    def _take_other_ranks(self, d: dict) -> None:
+    def _take_other_ranks(self, d: Directive) -> None:
         """Promoted to ranks this process did not warm up as: drop everything the script built
         for the old ranks and run it again from the top for the new ones (``tm_launch.worker``)."""
-        rank = d["ranks"][self.local_rank]
+        rank = d.rank_of(self.local_rank)
         log(f"promoted to rank {rank} (warmed up as rank {self.rank}): running the script again for rank {rank}")
-        for g in self._subgroups:
+        for g in self.state.subgroups:
             c10d_glue.unregister(g)
-        self._subgroups.clear()
         c10d_glue.forget_layouts()
-        self._objects.clear()
-        self._declared.clear()
-        self._per_rank = PerRankState()
+        self.state.forget_script()
         self._detach(rank)
         forget_framework_ranks()
         self._entering = d  # still in the sandbox (no peers) until steps() enters generation d
         self.gens.build_ahead(d)  # its world communicator connects while the script runs again
         raise RankChanged(f"promoted to rank {rank}")
-
-    def _carried(self) -> list:
-        """The registered objects and those whose state they carry: an object holding a whole
-        framework checkpoint (``tm_launch.lightning``) names its modules and optimizers in ``parts()``."""
-        objects = list(self._objects.values())
-        objects += [part for obj in objects if hasattr(obj, "parts") for part in obj.parts()]
-        # A wrapper's optimizer (accelerate's AcceleratedOptimizer) is the one that steps.
-        inners = [getattr(obj, "optimizer", None) for obj in objects]
-        return objects + [inner for inner in inners if isinstance(inner, torch.optim.Optimizer)]
-
-    def _clear_step_effects(self) -> None:
-        """Discard what an interrupted (or sandbox) step left: gradients and DDP's reduction state."""
-        for obj in self._carried():
-            if isinstance(obj, torch.nn.Module):
-                for p in obj.parameters():
-                    p.grad = None
-                reducer = getattr(obj, "reducer", None)
-                if reducer is not None:
-                    reducer._reset_state()
-            elif isinstance(obj, torch.optim.Optimizer):
-                obj.zero_grad(set_to_none=True)
-
-    # -- reports to the agent -------------------------------------------------------------------------
-    def _slow_vote(self, waiting: bool) -> None:
-        """The commit vote waits for a peer longer than a step's skew: tell the agent, which then
-        checks whether a peer node died (its agent refuses connections) instead of waiting for
-        its lease; a dead peer failed no collective of ours, so nothing else would start that."""
-        self._waiting_for_peers = waiting
-        self._report(force=True)
-
-    def _recover(self, why: str) -> None:
-        """Wait for a new generation: tell the agent at once, and why (``failures.FailureWatch``
-        reports this node with that reason if no peer was lost and no new generation comes)."""
-        self._state, self._recovering_why = "recovering", why
-        self._report(force=True)
-
-    def _report(self, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self._last_report < 0.25:
-            return
-        self._last_report = now
-        self.agent.set("status", {
-            "step": self._step, "generation": self.group.generation, "state": self._state,
-            "rank": self.rank, "time": now, "pid": os.getpid(), "waiting_for_peers": self._waiting_for_peers,
-            "why": self._recovering_why if self._state == "recovering" else "",
-            **self._stats.report(self._step),
-        }, wake=force)
 
 
 def forget_framework_ranks() -> None:

@@ -1,7 +1,9 @@
-"""What a worker tells its agent about its steps (``worker/<local rank>/status`` in the agent's
-store): read by the hang watchdog, the straggler statistic, ``ctl status`` and ``ctl timeline``.
+"""What a worker tells its agent about its steps (its ``WorkerStatus`` in the agent's store,
+``tm_launch.protocol``): read by the hang watchdog, the straggler statistic, ``ctl status`` and
+``ctl timeline``.
 
 * ``StepStats``: step and compute times. A live worker records every committed step.
+* ``LiveStatus``: a live worker's status: where it is (``WorkerState``), its step, why it waits.
 * ``StepReporter``: restart mode's ``report_step(step)``. A worker outside ``job.steps()`` (a
   framework's loop, a loop of its own, every worker under ``--no-live``) says how many steps it
   finished; the agent reads the same status as a live worker's. Its state is ``running`` from
@@ -21,7 +23,7 @@ import atexit
 import os
 import time
 
-STATUS_INTERVAL = 0.25  # seconds between two status writes of one worker
+from ..protocol import STATUS_INTERVAL, WorkerEnv, WorkerState, WorkerStatus
 
 
 class StepStats:
@@ -66,6 +68,50 @@ class StepStats:
         }
 
 
+class LiveStatus:
+    """A live worker's status, written through ``agent`` (an ``AgentClient``): at most every
+    ``STATUS_INTERVAL`` seconds, and at once (waking the agent) when ``force``d: a change of
+    state, or anything the agent acts on."""
+
+    def __init__(self, agent, stats: StepStats, where):
+        self.agent = agent
+        self.stats = stats
+        self._where = where  # () -> (rank, generation, step): read at each write
+        self.state = WorkerState.SANDBOX
+        self.waiting_for_peers = False  # in a commit vote that has waited long: the agent probes the peers
+        self.why = ""  # what made this process wait for a new generation (its agent says it)
+        self._written_at = 0.0
+
+    def set(self, state: WorkerState, force: bool = True) -> None:
+        self.state = state
+        self.report(force=force)
+
+    def recovering(self, why: str) -> None:
+        """Wait for a new generation: tell the agent at once, and why (``failures.FailureWatch``
+        reports this node with that reason if no peer was lost and no new generation comes)."""
+        self.why = why
+        self.set(WorkerState.RECOVERING)
+
+    def slow_vote(self, waiting: bool) -> None:
+        """The commit vote waits for a peer longer than a step's skew: tell the agent, which then
+        checks whether a peer node died (its agent refuses connections) instead of waiting for
+        its lease; a dead peer failed no collective of ours, so nothing else would start that."""
+        self.waiting_for_peers = waiting
+        self.report(force=True)
+
+    def report(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._written_at < STATUS_INTERVAL:
+            return
+        self._written_at = now
+        rank, generation, step = self._where()
+        self.agent.report_status(WorkerStatus(
+            state=self.state, step=step, generation=generation, rank=rank, time=now, pid=os.getpid(),
+            waiting_for_peers=self.waiting_for_peers, why=self.why if self.state == WorkerState.RECOVERING else "",
+            **self.stats.report(step),
+        ), wake=force)
+
+
 class StepReporter:
     """Restart mode's status, written through ``agent`` (an ``AgentClient``)."""
 
@@ -74,16 +120,15 @@ class StepReporter:
         self.rank, self.generation = rank, generation
         self.stats = StepStats(window)
         self.last: tuple[int, float] | None = None  # the last step reported, and when (perf_counter)
-        self.state = "started"  # what the status says once written: running, finished, exiting
+        self.state = WorkerState.STARTED  # what the status says once written: running, finished, exiting
         self.written_at = 0.0
         self.agent_gone = False
 
     @classmethod
-    def from_env(cls, env) -> "StepReporter":
+    def from_env(cls, env: WorkerEnv) -> "StepReporter":
         from .agent_client import AgentClient
 
-        return cls(AgentClient(env), int(env.get("RANK", 0)), int(env.get("TM_GENERATION", 0)),
-                   int(env.get("TM_STRAGGLER_WINDOW", "20")))
+        return cls(AgentClient(env), env.rank, env.generation, env.straggler_window)
 
     def step(self, step: int) -> None:
         """This worker finished step ``step`` (the global step count: 1 after the first step)."""
@@ -95,30 +140,29 @@ class StepReporter:
             n = step - last[0]
             self.stats.record(step - 1, (now - last[1]) / n, steps=n)
         self.last = (step, now)  # a step going back (the script reloaded a checkpoint) starts over
-        self._write("running", force=last is None)
+        self._write(WorkerState.RUNNING, force=last is None)
 
     def finished(self) -> None:
         """The loop ran all its steps (``PlainJob.steps``): like a live worker at its end."""
-        self._write("finished", force=True)
+        self._write(WorkerState.FINISHED, force=True)
 
     def exiting(self) -> None:
         """At interpreter exit: not ``running`` any more, so that the watchdog leaves the process
         alone while it tears down; not ``finished`` either (the script may have raised), so
         that a non-zero exit still counts as a failure."""
-        if self.state == "running":
-            self._write("exiting", force=True)
+        if self.state == WorkerState.RUNNING:
+            self._write(WorkerState.EXITING, force=True)
 
-    def _write(self, state: str, force: bool) -> None:
+    def _write(self, state: WorkerState, force: bool) -> None:
         now = time.time()
         if self.agent_gone or (not force and now - self.written_at < STATUS_INTERVAL):
             return
         self.state, self.written_at = state, now
         step = self.last[0] if self.last else None
         try:
-            self.agent.set("status", {
-                "step": step, "generation": self.generation, "state": state, "rank": self.rank, "time": now,
-                "pid": os.getpid(), "mode": "restart", **self.stats.report(step),
-            })
+            self.agent.report_status(WorkerStatus(
+                state=state, step=step, generation=self.generation, rank=self.rank, time=now, pid=os.getpid(),
+                mode="restart", **self.stats.report(step)))
         except Exception:  # the agent is gone: reporting must never break the training loop
             self.agent_gone = True
 
@@ -130,9 +174,11 @@ def process_reporter() -> StepReporter | None:
     """This process's reporter with a client of its own (made on first use, closed at exit);
     None without an agent (plain torchrun)."""
     global _PROCESS
-    if _PROCESS is None and os.environ.get("TM_AGENT_STORE"):
-        _PROCESS = StepReporter.from_env(os.environ)
-        atexit.register(_close_process_reporter)
+    if _PROCESS is None:
+        env = WorkerEnv.from_environ()
+        if env.under_agent:
+            _PROCESS = StepReporter.from_env(env)
+            atexit.register(_close_process_reporter)
     return _PROCESS
 
 

@@ -28,6 +28,8 @@ import threading
 
 import torch.distributed as dist
 
+from ..protocol import StoreAddress
+
 _READY_MAX = 8  # per store: the world, a few subgroups, the commit vote and its abort path
 # A background connect gives up sooner than a take(): a store whose node is gone must not keep
 # its opener (and the connections it holds ready) for the whole set-up timeout.
@@ -51,11 +53,11 @@ def open_client(addr: str, port: int, timeout: datetime.timedelta, connect_timeo
     return client
 
 
-def store_key(where: dict | None) -> tuple[str, int] | None:
-    """(addr, port) of a plan's ``store`` (or ``store["standby"]``) entry; None when it names none."""
-    if not where or not where.get("addr") or not where.get("port"):
+def store_key(where: StoreAddress | None) -> tuple[str, int] | None:
+    """(addr, port) of a directive's ``store`` (or ``standby``); None when it names none."""
+    if where is None or not where.addr or not where.port:
         return None
-    return where["addr"], int(where["port"])
+    return where.addr, int(where.port)
 
 
 class StoreClients:
@@ -73,7 +75,7 @@ class StoreClients:
         self._closed = False
         self.opened_on_demand = 0  # connections a caller waited for (none was ready)
 
-    def take(self, where: dict) -> dist.TCPStore:
+    def take(self, where: StoreAddress | None) -> dist.TCPStore:
         """A connection to ``where``'s store that nobody else uses: a ready one, else opened now."""
         key = store_key(where)
         if key is None:
@@ -86,7 +88,7 @@ class StoreClients:
             self.opened_on_demand += 1
         return open_client(*key, self._timeout, connect_timeout=self._timeout, probe=False)  # errors as torch raises them
 
-    def prepare(self, stores: list[dict | None], at_least: int = 1) -> None:
+    def prepare(self, stores: list[StoreAddress | None], at_least: int = 1) -> None:
         """After a generation change: keep as many connections ready to each of ``stores`` as a
         change took at most (``at_least``: for a parked spare, which took none yet), opened in
         the background; ready connections to any other store are dropped (the plan moved away)."""
@@ -105,7 +107,7 @@ class StoreClients:
                     self._filling[key] = threading.Thread(target=self._fill, args=(key,), name="tm-store-clients", daemon=True)
                     self._filling[key].start()
 
-    def ready(self, where: dict | None) -> int:
+    def ready(self, where: StoreAddress | None) -> int:
         """How many connections to ``where``'s store are ready now."""
         with self._lock:
             return len(self._ready.get(store_key(where), ()))

@@ -1,4 +1,14 @@
-"""Where a generation change's downtime went: every millisecond of it under a name.
+"""The job's history as the agents leave it in etcd for operators: what ``tm-launch ctl``
+(``status``, ``timeline``) and the demo read, and what every agent writes. The keys are
+``rendezvous.membership``'s; this module owns the records' meaning, so that the agent and the
+operator's commands share it without importing each other.
+
+**Step samples** (``log/steps/<node>``): a bounded per-node series of worker samples, appended by
+each agent with its once-a-second progress publish (``append_samples``), and ``cause_kind``, the
+short label of why a generation exists.
+
+**Downtime breakdown** (``log/breakdown/<gen>/``): where a generation change's downtime went,
+every millisecond of it under a name.
 
 Agents stamp what they saw (wall-clock seconds) once per generation change, in etcd under
 ``log/breakdown/<gen>/`` (``rendezvous.membership``): the planner that published the plan
@@ -30,6 +40,53 @@ from __future__ import annotations
 
 import math
 
+# -- step samples ---------------------------------------------------------------------------
+
+# One sample per worker per progress publish: [time, generation, rank, step, step_time, state].
+SAMPLE_FIELDS = ("time", "generation", "rank", "step", "step_time", "state")
+SERIES_CAP = 600  # rows per node key: ~40 bytes each, so one put stays ~25 KB
+
+
+def append_samples(series: list, rows: list, cap: int = SERIES_CAP) -> list:
+    """Append ``rows`` and keep at most ``cap`` rows by thinning the *older* half by two.
+
+    Why thinning instead of a ring buffer: a timeline of a week-long job must still show the
+    start of the run; old samples lose resolution, recent ones keep it, and the size (hence the
+    cost of the one etcd put per second) stays bounded."""
+    out = list(series) + list(rows)
+    while len(out) > cap:
+        half = len(out) // 2
+        out = out[:half][::2] + out[half:]
+    return out
+
+
+def cause_kind(plan: dict, reports: dict) -> str:
+    """A short label for why generation ``plan`` exists (metrics label and legend text).
+
+    ``reports`` are the failure reports of the previous generation ({node: {"kind", ...}}); a
+    primary kind ("signal", "lost", "alarm") beats "exit" (a worker that exited only because a
+    peer died)."""
+    if plan.get("generation", 0) == 0:
+        return "start"
+    if plan.get("state") == "succeeded":
+        return "finished"
+    if plan.get("state") == "failed":
+        return "failed"
+    if plan.get("planned"):
+        return "drain"
+    cause = str(plan.get("cause", ""))
+    if cause.startswith("scale up"):
+        return "scale_up"
+    kinds = {str(r.get("kind", "lost")) for r in reports.values()}
+    for kind in ("alarm", "lost", "signal", "exit"):
+        if kind in kinds:
+            return kind
+    return "failure" if cause else "unknown"
+
+
+
+# -- downtime breakdown ----------------------------------------------------------------------
+
 PHASES = ("detect", "plan", "seen", "directed", "communicator", "state", "first_step")
 NODE_STAMPS = ("seen", "directed", "communicator", "entered", "first_step")  # end of the node's phases
 
@@ -54,7 +111,7 @@ def plan_stamps(planner: str, published: float, report_times: dict[str, float]) 
             "detected": report_times[first] if first else None, "detected_by": first}
 
 
-def node_stamps(seen: float, directed: float | None, entered: list[dict], first_steps: list[dict]) -> dict:
+def node_stamps(seen: float, directed: float | None, entered: list, first_steps: list) -> dict:
     """One node's record from its agent's stamps and its workers' reports (``entered/<gen>``:
     ``began`` wall clock, ``communicator`` and ``state`` seconds, ``last_step_at``;
     ``first_step/<gen>``: ``time``). At every stamp the slowest local worker counts: a phase
@@ -62,10 +119,10 @@ def node_stamps(seen: float, directed: float | None, entered: list[dict], first_
     return {
         "seen": seen,
         "directed": directed,
-        "last_step": _latest(_time(e.get("last_step_at")) for e in entered),
-        "communicator": _latest(e["began"] + e["communicator"] for e in entered),
-        "entered": _latest(e["began"] + e["communicator"] + e["state"] for e in entered),
-        "first_step": _latest(_time(f.get("time")) for f in first_steps),
+        "last_step": _latest(_time(e.last_step_at) for e in entered),
+        "communicator": _latest(e.began + e.communicator for e in entered),
+        "entered": _latest(e.began + e.communicator + e.state for e in entered),
+        "first_step": _latest(_time(f.time) for f in first_steps),
     }
 
 

@@ -1,0 +1,345 @@
+"""The contract between a node's agent and its workers: everything that crosses that boundary.
+
+The agent (``tm_launch.launcher``) and each training process (``tm_launch.worker``) talk through
+two channels only: the environment the agent starts a worker with (``WorkerEnv``) and the
+agent's own TCPStore, a local key-value store on the node (``WorkerKeys`` and the records
+below). Both sides import this module and nothing of each other, so a field added to a record is
+one edit here plus its readers, which a type checker finds.
+
+Through the agent's store:
+
+* agent -> worker: one ``Directive`` per generation (``directive_key``), the newest number in
+  ``LATEST``, and that number pushed onto each worker's queue (``WorkerKeys.directives``), where
+  the worker's watch thread blocks (no polling on either side);
+* worker -> agent: its ``WorkerStatus`` (step, state, step times), a heartbeat, the mark that
+  it uses the live API, what it measured entering a generation (``EnteredRecord``), its first
+  step in one (``FirstStepRecord``), and why it ends when no live rank holds some state
+  (``StateLostRecord``, with the exit code ``EXIT_STATE_LOST``).
+
+torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...) are torchrun's contract and
+keep its meaning; ``WorkerEnv`` reads the ones the runtime needs beside tm-launch's own ``TM_*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+# -- the environment --------------------------------------------------------------------------
+
+EXIT_STATE_LOST = 3  # a worker's exit code when no live rank holds some rank's state (``StateLostRecord``)
+
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch's ErrorHandlingMode).
+NCCL_NO_HANDLING, NCCL_TEAR_DOWN, NCCL_CLEANUP_ONLY, NCCL_SKIP_CLEANUP = "0", "1", "2", "3"
+
+
+def nccl_error_handling(live: bool, user_value: str | None) -> str:
+    """The ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` a worker gets.
+
+    Live mode: 2 (clean up only). When a collective fails or times out, NCCL's watchdog aborts
+    that communicator and fails its pending works, so the survivor's wait raises and its
+    stream is freed, and the process lives on to enter the next generation. 1 (tear down) and
+    3 (tear down, skip clean-up) kill the survivor on the first NCCL error, which is what live
+    substitution exists to avoid, so they are overridden; 0 (no handling) is honoured when the
+    user asks for it (the runtime then has to call ``abort`` itself, or a timed-out kernel
+    keeps its stream busy for ever).  Restart mode: every worker restarts anyway, so the
+    user's value, else 1 (tear down, the fastest way out).
+    """
+    if live:
+        return user_value if user_value in (NCCL_NO_HANDLING, NCCL_CLEANUP_ONLY) else NCCL_CLEANUP_ONLY
+    return user_value or NCCL_TEAR_DOWN
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What the agent tells a worker at its start, read once from the environment.
+
+    ``agent_store`` is None outside tm-launch's agent (plain torchrun): the worker then runs as
+    under torchrun. ``no_live``: ``tm-launch --no-live`` (restart mode for every script)."""
+
+    agent_store: str | None = None  # "host:port" of the agent's TCPStore
+    wake: str | None = None  # the agent's wake socket (``tm_launch.launcher.wakeup``)
+    no_live: bool = False
+    node_id: str = ""
+    local_addr: str | None = None  # the address this node's communicators listen on
+    generation: int = 0  # the generation the worker was started in
+    sandbox: bool = True  # start in the sandbox (a spare, or a process joining a running job)
+    sandbox_steps: int = 2
+    collective_timeout: float = 120.0
+    setup_timeout: float = 600.0  # joiners may start cold
+    straggler_window: int = 20
+    # torchrun's variables, as torchrun sets them
+    local_rank: int = 0
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+
+    VARIABLES = {  # field -> variable (the TM_* ones are tm-launch's)
+        "agent_store": "TM_AGENT_STORE", "wake": "TM_AGENT_WAKE", "no_live": "TM_NO_LIVE", "node_id": "TM_NODE_ID",
+        "local_addr": "TM_LOCAL_ADDR", "generation": "TM_GENERATION", "sandbox": "TM_SANDBOX",
+        "sandbox_steps": "TM_SANDBOX_STEPS", "collective_timeout": "TM_COLLECTIVE_TIMEOUT",
+        "setup_timeout": "TM_SETUP_TIMEOUT", "straggler_window": "TM_STRAGGLER_WINDOW",
+        "local_rank": "LOCAL_RANK", "rank": "RANK", "world_size": "WORLD_SIZE",
+        "local_world_size": "LOCAL_WORLD_SIZE", "group_rank": "GROUP_RANK",
+    }
+    OWN = tuple(v for v in VARIABLES.values() if v.startswith("TM_"))
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        env = os.environ if environ is None else environ
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(cls.VARIABLES[f.name])
+            if raw is None or raw == "":
+                continue
+            if f.type == "bool":
+                values[f.name] = raw == "1"
+            elif f.type == "int":
+                values[f.name] = int(raw)
+            elif f.type == "float":
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
+        if "rank" not in values:
+            values["rank"] = values.get("local_rank", 0)
+        return cls(**values)
+
+    def tm_variables(self) -> dict[str, str]:
+        """tm-launch's own variables (``TM_*``) as the agent sets them for a worker; torchrun's
+        are set beside them by the agent, as torchrun sets them."""
+        out = {}
+        for name, var in self.VARIABLES.items():
+            value = getattr(self, name)
+            if not var.startswith("TM_") or value is None:
+                continue
+            out[var] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        if not self.no_live:
+            out.pop("TM_NO_LIVE")  # unset: the worker may go live
+        return out
+
+    @property
+    def under_agent(self) -> bool:
+        """Started by a tm-launch agent (it reports to it), live or not."""
+        return bool(self.agent_store)
+
+    @property
+    def live(self) -> bool:
+        """``tm_launch.init()`` gives a live job: under an agent and not ``--no-live``."""
+        return self.under_agent and not self.no_live
+
+    @property
+    def starts_as_spare(self) -> bool:
+        """A spare in its sandbox: no group rank yet (torchrun's ``GROUP_RANK`` is -1 for it)."""
+        return self.sandbox and self.group_rank == -1
+
+
+# -- the agent's store ------------------------------------------------------------------------
+
+LATEST = "node/latest"  # the newest generation handed over (a counter: ``store.add(LATEST, 0)`` reads it)
+CLOSE = "close"  # ``close <pid>`` on a worker's queue ends that process's watch thread
+
+
+def directive_key(generation: int) -> str:
+    return f"node/plan/{generation}"
+
+
+@dataclass(frozen=True)
+class WorkerKeys:
+    """The keys of one local worker in its agent's store."""
+
+    local_rank: int
+
+    def _key(self, what: str) -> str:
+        return f"worker/{self.local_rank}/{what}"
+
+    @property
+    def directives(self) -> str:
+        """The queue the agent pushes every newer generation's number onto."""
+        return self._key("directives")
+
+    @property
+    def status(self) -> str:
+        return self._key("status")
+
+    @property
+    def beat(self) -> str:
+        return self._key("beat")
+
+    @property
+    def live(self) -> str:
+        return self._key("live")
+
+    @property
+    def state_lost(self) -> str:
+        return self._key("state_lost")
+
+    def entered(self, generation: int) -> str:
+        return self._key(f"entered/{generation}")
+
+    def first_step(self, generation: int) -> str:
+        return self._key(f"first_step/{generation}")
+
+    def restarted(self) -> tuple[str, ...]:
+        """What a new process of this local rank must not inherit from the one before it (the
+        hang watchdog would read the old heartbeat as the new process's)."""
+        return self.status, self.beat, self.state_lost
+
+
+# -- records ----------------------------------------------------------------------------------
+
+
+class _Record:
+    """JSON form of a dataclass record: unknown keys are ignored, missing ones take defaults."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes):
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where a generation's bootstrap store lives (an agent's TCPStore on some node)."""
+
+    addr: str
+    port: int
+    node: str = ""
+
+    @classmethod
+    def from_plan(cls, entry: Mapping | None) -> StoreAddress | None:
+        if not entry or not entry.get("addr") or not entry.get("port"):
+            return None
+        return cls(str(entry["addr"]), int(entry["port"]), str(entry.get("node", "")))
+
+
+@dataclass(frozen=True)
+class Directive:
+    """What generation ``generation`` asks of this node's workers."""
+
+    generation: int
+    active: bool  # this node holds ranks in it (else: a spare, or it left)
+    ranks: tuple[int, ...] = ()  # global rank of each local rank (active nodes)
+    group_rank: int | None = None
+    world_size: int = 0
+    store: StoreAddress | None = None  # the generation's bootstrap store
+    standby: StoreAddress | None = None  # where it moves if the store's node is lost
+    joiner_ranks: tuple[int, ...] = ()  # ranks served by a new process in this generation
+    all_fresh: bool = False  # every process of this generation is new
+    planned: bool = False  # a drain or migration: switch at an agreed step
+    live: bool = True
+    stop: bool = False  # the job is over
+
+    def rank_of(self, local_rank: int) -> int:
+        """The global rank of ``local_rank`` in this generation; -1 when this node holds none."""
+        return self.ranks[local_rank] if self.active else -1
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Directive:
+        data = json.loads(text)
+        data["ranks"] = tuple(data.get("ranks") or ())
+        data["joiner_ranks"] = tuple(data.get("joiner_ranks") or ())
+        for where in ("store", "standby"):
+            entry = data.get(where)
+            data[where] = StoreAddress(**entry) if entry else None
+        return cls(**data)
+
+
+class WorkerState(str, Enum):
+    """Where a worker is in its life, as its status says (``WorkerStatus.state``)."""
+
+    STARTED = "started"  # restart mode, before its first step report
+    SANDBOX = "sandbox"  # built its job, warms up without peers
+    WARMUP = "warmup"  # running its warm-up steps
+    PARKED = "parked"  # a warmed-up spare waiting to be named
+    ENTERING = "entering"  # entered before its framework's loop runs (``enter_before_loop``)
+    RUNNING = "running"  # training (a live worker in ``job.steps()``, or a restart-mode worker that reports steps)
+    RECOVERING = "recovering"  # a collective failed: waiting for the next generation
+    LEFT = "left"  # left the job (drained, replaced, or its loop was left early)
+    FINISHED = "finished"  # its steps ran out
+    EXITING = "exiting"  # restart mode: the interpreter is exiting
+
+    @property
+    def watched(self) -> bool:
+        """Does the agent's hang watchdog watch a worker in this state? From its first step
+        (live) or its first step report (restart mode) on: a worker that never reports a step
+        is never watched (its script may simply not report, and nothing says how long it may
+        stay silent: compiling, loading data)."""
+        return self in (WorkerState.RUNNING, WorkerState.RECOVERING)
+
+    @property
+    def trained(self) -> bool:
+        """A state whose step counts on the job's step series (``ctl timeline``)."""
+        return self in (WorkerState.RUNNING, WorkerState.RECOVERING, WorkerState.FINISHED, WorkerState.LEFT)
+
+
+@dataclass(frozen=True)
+class WorkerStatus(_Record):
+    """A worker's report of itself (written at most every ``STATUS_INTERVAL`` s, and at once on a
+    change of state): read by the hang watchdog, the straggler statistic and ``ctl status``."""
+
+    state: WorkerState = WorkerState.STARTED
+    step: int | None = None  # completed steps (the global step count)
+    generation: int = 0
+    rank: int = -1
+    time: float = 0.0
+    pid: int = 0
+    mode: str = "live"  # "restart": a loop of its own reports its steps
+    waiting_for_peers: bool = False  # its commit vote has waited long for a peer
+    why: str = ""  # what it waits for a new generation for (state recovering)
+    step_time: float = 0.0  # median of the recent steps
+    step_times: list = field(default_factory=list)
+    steps_run: int = 0
+    compute: list = field(default_factory=list)
+    windows: dict = field(default_factory=dict)  # completed straggler windows: {index: summed compute seconds}
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerStatus:
+        status = super().from_json(text)
+        return dataclasses.replace(status, state=WorkerState(status.state))
+
+
+STATUS_INTERVAL = 0.25  # seconds between two status writes of one worker
+
+
+@dataclass(frozen=True)
+class EnteredRecord(_Record):
+    """What a worker measured entering a live generation (``tm_launch.joblog`` reads it)."""
+
+    communicator: float  # seconds to build its communicators (picking the directive up included)
+    state: float  # seconds to agree on the step and transfer the state
+    received: bool  # it received its state from a peer
+    step: int | None = None  # the step it holds after entering
+    began: float = 0.0  # wall clock when it began entering
+    last_step_at: float | None = None  # wall clock of its last clean step before the change
+    store_connects: int = 0  # store connections it had to open on the way (none were ready)
+
+
+@dataclass(frozen=True)
+class FirstStepRecord(_Record):
+    """A worker completed its first step in a generation."""
+
+    time: float
+    step: int | None
+
+
+@dataclass(frozen=True)
+class StateLostRecord(_Record):
+    """Why a worker ends with ``EXIT_STATE_LOST``: no live rank holds the state of ``ranks``."""
+
+    step: int
+    ranks: list
+    why: str
