@@ -17,6 +17,7 @@ from rendezvous.etcd_server import free_ports
 from tm_launch.local.localjob import REPO, TRAIN, launcher
 from tm_launch.ctl.timeline import build, by_generation, label_rows
 from tm_launch.joblog import append_samples, cause_kind
+from tm_launch.protocol import WorkerState, WorkerStatus
 from tm_launch.waits import Every
 
 
@@ -252,8 +253,9 @@ def test_metrics_count_alarms_failures_and_role():
     m.on_event("worker_failed", {})
     m.on_event("info", {})
     m.on_state(3, "draining", 2)
-    m.on_statuses({0: {"state": "running", "step_time": 0.5, "step": 7}, 1: {"state": "running", "step_time": 0.25, "step": 8},
-                   2: {"state": "parked", "step_time": 9.0, "step": 1}})
+    m.on_statuses({0: WorkerStatus(state=WorkerState.RUNNING, step_time=0.5, step=7),
+                   1: WorkerStatus(state=WorkerState.RUNNING, step_time=0.25, step=8),
+                   2: WorkerStatus(state=WorkerState.PARKED, step_time=9.0, step=1)})
     m.on_downtime("lost", 2.5)
     values = {(s.name, frozenset(s.labels.items())): s.value
               for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 
-from ..joblog import breakdown, cause_kind
+from ..joblog import SAMPLE_FIELDS, breakdown, cause_kind
 
 
 def build(run_id: str, history: list[dict], reports: dict[int, dict], events: list[dict], steps: dict[str, list],
