@@ -73,30 +73,30 @@ def blackhole():
 
 
 USAGE = {
-    "bad YAML key": (["--config", "{tmp}/bad.yaml", "examples/train.py"], 2,
+    "bad YAML key": (["--config", "{tmp}/bad.yaml", "tests/scripts/train.py"], 2,
                      ["unknown key 'nproc_per_nod'", "did you mean 'nproc_per_node'"]),
-    "--nnodes 3:2": (["--nnodes", "3:2", "examples/train.py"], 2, ["--nnodes 3:2", "MIN (3) is larger than MAX (2)"]),
+    "--nnodes 3:2": (["--nnodes", "3:2", "tests/scripts/train.py"], 2, ["--nnodes 3:2", "MIN (3) is larger than MAX (2)"]),
     "missing script": (["--nproc-per-node", "1", "no/such/train.py"], 2, ["training script 'no/such/train.py' not found"]),
     "bad --rdzv-conf": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "timeout=soon",
-                         "examples/train.py"], 2, ["timeout=soon"]),
+                         "tests/scripts/train.py"], 2, ["timeout=soon"]),
     "bad last_call_timeout": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
-                               "last_call_timeout=soon", "examples/train.py"], 2, ["last_call_timeout=soon"]),
+                               "last_call_timeout=soon", "tests/scripts/train.py"], 2, ["last_call_timeout=soon"]),
     "bad --nproc-per-node": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "abc",
-                              "examples/train.py"], 2, ["nproc_per_node", "abc"]),
+                              "tests/scripts/train.py"], 2, ["nproc_per_node", "abc"]),
     "password on the command line": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
-                                      "user=u,password=hunter2", "examples/train.py"], 2, ["password_file=", "TM_ETCD_PASSWORD"]),
-    "YAML: TLS key without cert": (["--config", "{tmp}/tls.yaml", "examples/train.py"], 2, ["key= needs cert= too"]),
+                                      "user=u,password=hunter2", "tests/scripts/train.py"], 2, ["password_file=", "TM_ETCD_PASSWORD"]),
+    "YAML: TLS key without cert": (["--config", "{tmp}/tls.yaml", "tests/scripts/train.py"], 2, ["key= needs cert= too"]),
     "--node-id with a slash": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--node-id", "a/b",
-                                "examples/train.py"], 2, ["--node-id 'a/b'"]),
-    "--standalone --nnodes 2": (["--standalone", "--nnodes", "2", "examples/train.py"], 2,
+                                "tests/scripts/train.py"], 2, ["--node-id 'a/b'"]),
+    "--standalone --nnodes 2": (["--standalone", "--nnodes", "2", "tests/scripts/train.py"], 2,
                                 ["--standalone --nnodes 2", "no other node can ever join",
                                  "--rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379"]),
-    "--standalone --nnodes 2:4": (["--standalone", "--nnodes", "2:4", "examples/train.py"], 2,
+    "--standalone --nnodes 2:4": (["--standalone", "--nnodes", "2:4", "tests/scripts/train.py"], 2,
                                   ["--standalone --nnodes 2:4", "no other node can ever join", "--nnodes 2:4"]),
     "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
-                              "examples/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
+                              "tests/scripts/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
     "etcd: never answers": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung",
-                             "examples/train.py"], 1, ["127.0.0.1:{blackhole}", "no answer"]),
+                             "tests/scripts/train.py"], 1, ["127.0.0.1:{blackhole}", "no answer"]),
 }
 
 
@@ -148,7 +148,7 @@ CTL_USAGE = {
 def test_standalone_with_a_range_from_one_runs_alone(tmp_path):
     """``--standalone --nnodes 1:2`` is torchrun's spirit too: MIN nodes can form, so the job runs
     on this node alone (after --last-call) instead of being refused."""
-    rc, _, err = finish(launch(["--standalone", "--nnodes", "1:2", "--nproc-per-node", "1", "examples/env_dump.py",
+    rc, _, err = finish(launch(["--standalone", "--nnodes", "1:2", "--nproc-per-node", "1", "tests/scripts/env_dump.py",
                                 "--out", str(tmp_path)]), timeout=120)
     assert rc == 0 and "job finished successfully (generation 0)" in err, err
     assert (tmp_path / "rank0.json").exists()
@@ -182,7 +182,7 @@ def _etcd_args(endpoint: str, run_id: str) -> list[str]:
 def test_finished_run_id_is_refused(etcd_endpoint):
     run_id = _run_id()
     job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1"]
-    rc, _, err = finish(launch(job + ["examples/train.py", "--steps", "2"]), timeout=120)
+    rc, _, err = finish(launch(job + ["tests/scripts/train.py", "--steps", "2"]), timeout=120)
     assert rc == 0, err
     assert "job finished successfully (generation 0)" in err  # the generation that ran, not the end marker
     status = subprocess.run(CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"], cwd=ROOT,
@@ -192,7 +192,7 @@ def test_finished_run_id_is_refused(etcd_endpoint):
     [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change"))]
     assert row[1] == "finished", status.stdout  # its agent exited after success: not "lost"
     t0 = time.monotonic()
-    rc, _, err = finish(launch(job + ["examples/train.py", "--steps", "2"]), timeout=60)
+    rc, _, err = finish(launch(job + ["tests/scripts/train.py", "--steps", "2"]), timeout=60)
     assert_one_error(rc, err, f"run id '{run_id}' already finished (succeeded)", "new --rdzv-id")
     assert time.monotonic() - t0 < 30
     assert "joined run" not in err  # refused before registering
@@ -204,7 +204,7 @@ def test_failed_run_status_says_what_happened(etcd_endpoint, tmp_path):
     agent was there to the end)."""
     run_id = _run_id()
     job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0"]
-    rc, _, err = finish(launch(job + ["examples/env_dump.py", "--out", str(tmp_path), "--fail-rank", "0"]), timeout=120)
+    rc, _, err = finish(launch(job + ["tests/scripts/env_dump.py", "--out", str(tmp_path), "--fail-rank", "0"]), timeout=120)
     assert rc == 1 and "generation 0: job failed: max restarts (0) exhausted" in err, err
     status = subprocess.run(CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"], cwd=ROOT,
                             env=_env(), capture_output=True, text=True, timeout=60)
@@ -218,7 +218,7 @@ def test_duplicate_node_id_while_the_first_agent_is_alive(etcd_endpoint):
     run_id = _run_id()
     job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "2", "--nproc-per-node", "1", "--node-id", "twin"]
     kv = connect("v3", EtcdOptions(endpoints=(etcd_endpoint,), prefix=run_prefix(run_id)))
-    first = launch(job + ["examples/train.py"])  # waits for a second node that never comes
+    first = launch(job + ["tests/scripts/train.py"])  # waits for a second node that never comes
     try:
         deadline = time.monotonic() + 60
         while kv.get("state/nodes/twin") is None:
@@ -226,7 +226,7 @@ def test_duplicate_node_id_while_the_first_agent_is_alive(etcd_endpoint):
             assert time.monotonic() < deadline, "first agent never registered"
             time.sleep(0.1)
         t0 = time.monotonic()
-        rc, _, err = finish(launch(job + ["examples/train.py"]), timeout=60)
+        rc, _, err = finish(launch(job + ["tests/scripts/train.py"]), timeout=60)
         assert_one_error(rc, err, "node id 'twin' is already registered", "--node-id")
         assert time.monotonic() - t0 < 30
         assert first.poll() is None, "the second agent disturbed the first"

@@ -17,7 +17,7 @@ from tm_launch.local.localjob import REPO
 
 pytest.importorskip("lightning")
 
-LIGHTNING = os.path.join(REPO, "examples", "lightning_train.py")
+LIGHTNING = os.path.join(REPO, "tests", "scripts", "lightning_train.py")
 # Every rank holds at PAUSE until the spare parked; the victim dies at KILL. 16 steps per epoch:
 # epoch 1, after the loader's new iterator moved the per-rank RNG between two steps.
 PAUSE, KILL = 18, 21
@@ -117,7 +117,7 @@ def test_lightning_script_calling_init_without_the_live_strategy_restarts_bitwis
         assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))
 
 
-ACCELERATE = os.path.join(REPO, "examples", "accelerate_train.py")
+ACCELERATE = os.path.join(REPO, "tests", "scripts", "accelerate_train.py")
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_accelerate_loop_spare_takes_over_bitwise(local_job, accelerate_referenc
     assert_spare_took_over_live(job, codes, params, accelerate_reference)
 
 
-HF = os.path.join(REPO, "examples", "hf_train.py")
+HF = os.path.join(REPO, "tests", "scripts", "hf_train.py")
 
 
 @pytest.mark.slow

@@ -320,7 +320,7 @@ def test_agent_joining_a_run_with_an_unreadable_plan_says_one_line(members, etcd
     m, run = members
     m.kv.put("state/plan", DEEP)
     proc = launch(["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run,
-                   "--nnodes", "1", "examples/train.py"])
+                   "--nnodes", "1", "tests/scripts/train.py"])
     rc, _, err = finish(proc, timeout=90)
     line = assert_one_error(rc, err, f"{run_prefix(run)}state/plan", "is unreadable", "--rdzv-id")
     assert rc == 1 and "joined run" not in err and len(line) < 400

@@ -44,7 +44,7 @@ def test_cuda_state_survives_a_worker_sigkill_bitwise(local_job, reference, kill
     assert len(plans) == 1 and plans[0]["live"], [p["cause"] for p in plans]
 
 
-# Ranks holding different state on the GPU (examples/hybrid.py): DTensor tensor parallel, FSDP2
+# Ranks holding different state on the GPU (tests/scripts/hybrid.py): DTensor tensor parallel, FSDP2
 # and pipeline stages, four ranks on one GPU through gloo. The joiner must receive its own shard,
 # on the GPU.
 HYBRID_CUDA = ("--device", "cuda", "--backend", "gloo")

@@ -1,5 +1,5 @@
 """Live substitution for jobs whose ranks hold different state: tensor parallel, HSDP, pipeline
-stages, FSDP2 with and without replicas (``examples/hybrid.py``).
+stages, FSDP2 with and without replicas (``tests/scripts/hybrid.py``).
 
 Real agents, real etcd, real gloo, real SIGKILLs; 4 ranks + 1 spare. Every test ends with every
 rank's parameters and optimizer state bitwise equal to the same script's fault-free run under
@@ -19,7 +19,7 @@ import torch
 
 from tm_launch.local.localjob import REPO
 
-HYBRID = os.path.join(REPO, "examples", "hybrid.py")
+HYBRID = os.path.join(REPO, "tests", "scripts", "hybrid.py")
 STEPS = 24
 PAUSE = 10  # faulty runs hold every rank at this step until the spare is parked
 KILL = 14  # the kill happens at the first step >= KILL once released (checkpoints every 10 steps)

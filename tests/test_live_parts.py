@@ -59,7 +59,7 @@ def fake_world():
 
 
 def _layout(name: str):
-    """(model, optimizer, ``replicas=`` declaration) as examples/hybrid.py builds them."""
+    """(model, optimizer, ``replicas=`` declaration) as tests/scripts/hybrid.py builds them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -561,7 +561,7 @@ import torch, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROUP_RANK="-1", WORLD_SIZE="4",
                   LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
-sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
+sys.path.insert(0, os.path.join(sys.argv[1], "tests", "scripts"))
 import hybrid, tm_launch
 from tm_launch.worker import c10d_glue
 from tm_launch.protocol import Directive

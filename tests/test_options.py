@@ -15,7 +15,7 @@ from health.config import HealthConfig
 from tm_launch.launcher.options import UsageError, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "train.py")
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "train.py")
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def parse(tmp_path, monkeypatch):
     """``parse(argv, yaml=None, env=None)``: parse_args in a clean environment (no PET_* set).
 
     ``yaml`` is written to a file and passed as ``--config FILE`` in front of ``argv``; the
-    string "SCRIPT" in argv is replaced by the path of examples/train.py."""
+    string "SCRIPT" in argv is replaced by the path of tests/scripts/train.py."""
     for name in list(os.environ):
         if name.startswith("PET_"):
             monkeypatch.delenv(name)

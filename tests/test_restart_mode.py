@@ -87,7 +87,7 @@ def test_a_loop_without_job_steps_is_never_repaired_live(local_job, tmp_path):
 
     from tm_launch.local.localjob import REPO
 
-    script = os.path.join(REPO, "examples", "plain_loop.py")
+    script = os.path.join(REPO, "tests", "scripts", "plain_loop.py")
     ref = tmp_path / "ref.pt"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
                           "--steps", "30", "--out", str(ref), "--step-sleep", "0"],
@@ -127,14 +127,14 @@ def _timeline_when(job, ready, timeout: float) -> dict:
 
 @pytest.mark.parametrize("launcher", [[], pytest.param(["--no-live"], marks=pytest.mark.slow)], ids=["init", "no-live"])
 def test_a_hung_restart_mode_worker_is_killed_and_every_worker_restarts(local_job, tmp_path, launcher):
-    """A loop of its own that reports its steps (examples/plain_loop.py, job.report_step): no
+    """A loop of its own that reports its steps (tests/scripts/plain_loop.py, job.report_step): no
     worker is live, yet ``ctl status`` shows each worker's step, the hang watchdog kills the
     SIGSTOPped worker of b, every worker restarts from the checkpoint, and ``ctl timeline``
     draws both ranks' steps and the restart's downtime. Under ``--no-live`` the same through a
     PlainJob. (The run is long: the test ends it once the restart is drawn.)"""
     from tm_launch.local.localjob import REPO
 
-    job = local_job(nnodes="2", nproc=1, script=os.path.join(REPO, "examples", "plain_loop.py"),
+    job = local_job(nnodes="2", nproc=1, script=os.path.join(REPO, "tests", "scripts", "plain_loop.py"),
                     launcher_args=["--max-restarts", "1", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0", *launcher])
     job.script_args = ["--steps", "100000", "--step-sleep", "0.02", "--ckpt-dir", os.path.join(job.workdir, "ckpt")]
     job.start_all(["a", "b"])

@@ -32,7 +32,7 @@ from test_kv import _make_certs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "tm_launch.cli"]
-ENV_DUMP = "examples/env_dump.py"
+ENV_DUMP = "tests/scripts/env_dump.py"
 PASSWORD = f"pw-{uuid.uuid4().hex}"          # unique: grep for it anywhere it must not be
 ROOT_PASSWORD = f"root-{uuid.uuid4().hex}"
 RUN = f"sec-{uuid.uuid4().hex[:8]}"           # the run the trainer's role may touch

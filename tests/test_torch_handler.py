@@ -117,10 +117,10 @@ def _torchrun(endpoint, run, *args):
 
 
 def test_two_torchrun_agents_train(etcd_endpoint, tmp_path):
-    """Two real `torchrun --rdzv-backend etcd-v3` agents run examples/train.py to the end."""
+    """Two real `torchrun --rdzv-backend etcd-v3` agents run tests/scripts/train.py to the end."""
     run = f"torchrun-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "params.pt"
-    cmd = _torchrun(etcd_endpoint, run, os.path.join(ROOT, "examples", "train.py"), "--steps", "5", "--out", str(out))
+    cmd = _torchrun(etcd_endpoint, run, os.path.join(ROOT, "tests", "scripts", "train.py"), "--steps", "5", "--out", str(out))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOGLEVEL": "INFO"}
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
     procs = [subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -154,7 +154,7 @@ def test_spare_agent_replaces_killed_node(etcd_endpoint, tmp_path):
 
     run = f"spare-{uuid.uuid4().hex[:8]}"
     steps = tmp_path / "steps.log"
-    cmd = _torchrun(etcd_endpoint, run, "--max-restarts", "3", os.path.join(ROOT, "examples", "train.py"),
+    cmd = _torchrun(etcd_endpoint, run, "--max-restarts", "3", os.path.join(ROOT, "tests", "scripts", "train.py"),
                     "--steps", "30", "--step-sleep", "0.2", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5",
                     "--step-log", str(steps), "--out", str(tmp_path / "params.pt"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOGLEVEL": "INFO"}

@@ -1,6 +1,6 @@
 """The same scripts under `torchrun` and `tm-launch` (both --standalone, 2 workers): what a worker
 sees must be the same: torchrun's env vars, argv (with torchrun's ``${local_rank}`` macro), a
-working env:// gloo group, and, for examples/train.py, bitwise-equal final parameters; what the
+working env:// gloo group, and, for tests/scripts/train.py, bitwise-equal final parameters; what the
 user sees too: the failure report, the worker's traceback, the --log-dir/--redirects layout.
 
 Each launcher start costs ~5-10 s here (torch imports on 2 cores): the fast suite starts each
@@ -18,7 +18,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 sys.path.insert(0, ROOT)
-from examples.env_dump import TORCHRUN_ENV  # noqa: E402
+from tests.scripts.env_dump import TORCHRUN_ENV  # noqa: E402
 
 # Must be equal under both launchers. The rest of TORCHRUN_ENV must be present but may differ:
 # MASTER_PORT (each picks its own), TORCHELASTIC_RUN_ID (random per --standalone),
@@ -38,7 +38,7 @@ def launch(launcher: str, args: list[str], timeout: float = 180, rc: int = 0, en
     """Run `<launcher> --standalone --nproc-per-node 2 ARGS` from the repo root; its output."""
     env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))},
            **(env or {})}
-    env["PYTHONPATH"] = ROOT  # tm_launch for examples/train.py under plain torchrun
+    env["PYTHONPATH"] = ROOT  # tm_launch for tests/scripts/train.py under plain torchrun
     cmd = [os.path.join(BIN, launcher), "--standalone", "--nproc-per-node", "2", *args]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -88,7 +88,7 @@ def assert_same_worker_view(ours: dict, theirs: dict, ours_out, theirs_out) -> N
 
 def test_script_env_matches_torchrun(tmp_path):
     """The fast-suite proof of compatibility: one start of each launcher, script mode."""
-    script = ["examples/env_dump.py"]
+    script = ["tests/scripts/env_dump.py"]
     theirs = dump("torchrun", script, tmp_path / "torchrun")
     ours = dump("tm-launch", script, tmp_path / "tm-launch")
     assert_same_worker_view(ours, theirs, tmp_path / "tm-launch", tmp_path / "torchrun")
@@ -105,7 +105,7 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
     blocks, layouts, names, consoles = {}, {}, {}, {}
     for launcher in ("torchrun", "tm-launch"):
         out, logs = tmp_path / launcher, tmp_path / f"{launcher}-logs"
-        output = launch(launcher, ["--max-restarts", "1", "--log-dir", str(logs), "examples/env_dump.py",
+        output = launch(launcher, ["--max-restarts", "1", "--log-dir", str(logs), "tests/scripts/env_dump.py",
                                    "--out", str(out), "--fail-rank", "1"], rc=1)
         for attempt in (0, 1):
             for rank in (0, 1):
@@ -125,14 +125,14 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
         names[launcher] = re.findall(r"^(\S+) FAILED$", output, re.M)
         first = output.index("Traceback (most recent call last):")  # the worker's, printed by Python
         consoles[launcher] = output[first:output.index("ValueError: env_dump", first)]
-    assert names["tm-launch"][-1] == names["torchrun"][-1] == "examples/env_dump.py", names
+    assert names["tm-launch"][-1] == names["torchrun"][-1] == "tests/scripts/env_dump.py", names
     assert consoles["tm-launch"] == consoles["torchrun"], consoles
     tracebacks = {launcher: block[block.index("traceback :"):] for launcher, block in blocks.items()}
     assert tracebacks["tm-launch"] == tracebacks["torchrun"], tracebacks
     assert layouts["tm-launch"] == layouts["torchrun"] == ["attempt_0/1/error.json", "attempt_1/1/error.json"], layouts
     for launcher, block in blocks.items():
         assert "rank      : 1 (local_rank: 1)" in block and "exitcode  : 1" in block, (launcher, block)
-        assert re.search(r'File ".*examples/env_dump\.py", line \d+, in fail', block), (launcher, block)
+        assert re.search(r'File ".*tests/scripts/env_dump\.py", line \d+, in fail', block), (launcher, block)
         assert "ValueError: env_dump: rank 1 fails on purpose" in block, (launcher, block)
         assert re.search(r"error_file: .*/attempt_1/1/error\.json", block), (launcher, block)
 
@@ -205,24 +205,24 @@ def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [
-    pytest.param(["-m", "examples.env_dump"], id="module"),
-    pytest.param(["--no-python", sys.executable, "examples/env_dump.py"], id="no-python"),
+    pytest.param(["-m", "tests.scripts.env_dump"], id="module"),
+    pytest.param(["--no-python", sys.executable, "tests/scripts/env_dump.py"], id="no-python"),
 ])
 def test_modes_match_torchrun(tmp_path, mode):
     theirs = dump("torchrun", mode, tmp_path / "torchrun")
     ours = dump("tm-launch", mode, tmp_path / "tm-launch")
     assert_same_worker_view(ours, theirs, tmp_path / "tm-launch", tmp_path / "torchrun")
     if mode[0] == "-m":
-        assert ours[0]["argv"][0] == os.path.join(ROOT, "examples", "env_dump.py")
+        assert ours[0]["argv"][0] == os.path.join(ROOT, "tests", "scripts", "env_dump.py")
 
 
 @pytest.mark.slow
 def test_train_parameters_bitwise_equal(tmp_path):
-    """examples/train.py (DDP, 2 workers, 10 steps) ends with identical parameters under both."""
+    """tests/scripts/train.py (DDP, 2 workers, 10 steps) ends with identical parameters under both."""
     params = {}
     for launcher in ("torchrun", "tm-launch"):
         out = tmp_path / f"{launcher}.pt"
-        launch(launcher, ["examples/train.py", "--steps", "10", "--out", str(out)])
+        launch(launcher, ["tests/scripts/train.py", "--steps", "10", "--out", str(out)])
         params[launcher] = torch.load(out)
     theirs, ours = params["torchrun"], params["tm-launch"]
     assert theirs.keys() == ours.keys() and len(theirs) > 0

@@ -7,7 +7,7 @@ With ``--fail-rank R`` no group is formed: each worker writes its env to
 (``main`` is torch's ``@record``, so the traceback lands in the error file) and the others wait
 to be stopped by the launcher: the failure report and the restart layout can be compared.
 
-    torchrun --standalone --nproc-per-node 2 examples/env_dump.py --out DIR [--foo bar ...]
+    torchrun --standalone --nproc-per-node 2 tests/scripts/env_dump.py --out DIR [--foo bar ...]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A Hugging Face ``Trainer`` job under tm-launch.
 
-    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... examples/hf_train.py --live --output-dir ckpt
-    torchrun --standalone --nproc-per-node 2 examples/hf_train.py --output-dir ckpt     # the same job
+    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... tests/scripts/hf_train.py --live --output-dir ckpt
+    torchrun --standalone --nproc-per-node 2 tests/scripts/hf_train.py --output-dir ckpt     # the same job
 
 ``--live``: ``tm_launch.init()`` first, then ``LiveTrainer`` instead of ``Trainer``: a spare takes
 a failed rank's place in the running job (``tm_launch.huggingface``). Without it: restart mode,
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 import tm_launch  # noqa: E402
-from faults import kill_once  # noqa: E402  (examples/faults.py, beside this script)
+from faults import kill_once  # noqa: E402  (tests/scripts/faults.py, beside this script)
 from tm_launch.huggingface import LiveTrainer, ReportSteps  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """A PyTorch Lightning job with tm-launch's live failover: the only change to a Lightning script is
 the strategy, ``Trainer(strategy=LiveStrategy())`` (``tm_launch.lightning``).
 
-    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... examples/lightning_train.py
-    torchrun --standalone --nproc-per-node 2 examples/lightning_train.py --strategy ddp   # the same job
+    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... tests/scripts/lightning_train.py
+    torchrun --standalone --nproc-per-node 2 tests/scripts/lightning_train.py --strategy ddp   # the same job
 
 The model has dropout (per-rank random numbers), the loss is logged with ``sync_dist=True``
 (a collective inside the step) and all-reduced again after the optimizer step (a collective
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from faults import kill_once  # noqa: E402  (examples/faults.py, beside this script)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+from faults import kill_once  # noqa: E402  (tests/scripts/faults.py, beside this script)
 from tm_launch.lightning import LiveStrategy  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer", "logged")

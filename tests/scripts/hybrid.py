@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 import tm_launch  # noqa: E402
-from faults import Faults  # noqa: E402  (examples/faults.py, beside this script)
+from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 LAYOUTS = ("fsdp-tp", "ddp-tp", "hsdp", "pp", "fsdp")
 

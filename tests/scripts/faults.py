@@ -7,7 +7,7 @@ communication for DDP/FSDP), ``vote`` (inside tm-launch's commit vote: its vote 
 decision not read), ``last-vote-node`` (its vote completed the count and the whole node dies:
 agent and workers, while the other ranks wait for the decision), ``optimizer`` (after the commit, before the update), ``logging`` (after the
 update, before the loss all-reduce) or ``logged`` (after it); a script may add points of its own
-(``examples/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
+(``tests/scripts/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
 whichever process holds rank R by then.
 """

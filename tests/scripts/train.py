@@ -10,7 +10,7 @@ the CPU first, so the weights do not depend on the device); ``--backend gloo`` t
 ranks on one GPU, which NCCL refuses.
 
 Fault injection (a real SIGKILL of this worker, once: a marker file remembers it happened):
-``--kill-rank R --kill-step S --kill-phase PHASE`` (``examples/faults.py``; here ``allreduce`` is
+``--kill-rank R --kill-step S --kill-phase PHASE`` (``tests/scripts/faults.py``; here ``allreduce`` is
 inside the gradient allreduce, ``checkpoint`` mid-write with --ckpt-dir, ``logging``/``logged``
 around the loss allreduce of --log-loss).
 
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 import tm_launch  # noqa: E402
-from faults import Faults  # noqa: E402  (examples/faults.py, beside this script)
+from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 
 def parse():

@@ -2,8 +2,8 @@
 uses the live API directly: ``tm_launch.init()`` before ``Accelerator()``, ``job.register()``
 with what ``accelerator.prepare()`` returned, and ``job.steps()`` as the loop.
 
-    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... examples/accelerate_train.py
-    torchrun --standalone --nproc-per-node 2 examples/accelerate_train.py      # the same job
+    tm-launch --nnodes 2 --nproc-per-node 1 --rdzv-backend etcd-v3 ... tests/scripts/accelerate_train.py
+    torchrun --standalone --nproc-per-node 2 tests/scripts/accelerate_train.py      # the same job
 
 The loader's position follows from the step (epoch, batch = divmod(step, len(loader))), so a
 joining rank, or a step that runs again, starts the iterator at the right batch with
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 import tm_launch  # noqa: E402
-from faults import kill_once  # noqa: E402  (examples/faults.py, beside this script)
+from faults import kill_once  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 
 def main() -> None:
