@@ -1,6 +1,6 @@
 """Dump what a launcher gives a worker: torchrun's env vars, argv and one gloo allreduce.
 
-Each worker writes ``<outdir>/rank<RANK>.json``; tests/test_torchrun_compat.py runs it under
+Each worker writes ``<outdir>/rank<RANK>.json``; tests/e2e/test_torchrun_compat.py runs it under
 torchrun and tm-launch and compares. Any extra arguments are accepted and recorded in argv.
 With ``--fail-rank R`` no group is formed: each worker writes its env to
 ``<outdir>/attempt<N>/rank<RANK>.json`` (N = ``TORCHELASTIC_RESTART_COUNT``), rank R raises

@@ -315,7 +315,7 @@ def test_the_interface_imports_no_etcd_client_library(module):
     """Only v2.py/v3.py import the clients; connect loads the one it needs."""
     code = (f"import sys, {module} as m; print(m.__file__); "
             "print(' '.join(n for n in ('etcd', 'etcd3gw', 'requests', 'urllib3') if n in sys.modules))")
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, check=True, capture_output=True, text=True,
                          timeout=60).stdout.splitlines()
     assert Path(out[0]).resolve().is_relative_to(repo / "rendezvous" / "kv")

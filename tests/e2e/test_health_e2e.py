@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tests.test_live import PAUSE, SCRIPT, assert_bitwise, reference  # noqa: F401  (fixture)
+from test_live import PAUSE, SCRIPT, assert_bitwise, reference  # noqa: F401  (fixture)
 
 
 def _start(local_job, actives, spare, nproc, launcher=(), script=(), env_for=None):

@@ -25,7 +25,7 @@ from rendezvous.membership import Membership
 from rendezvous.plan import NodeInfo, Plan
 from rendezvous.planner import Limits, next_plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the repository root
 
 
 def info(node: str, joined: float = 0.0) -> NodeInfo:

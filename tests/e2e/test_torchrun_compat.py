@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 BIN = os.path.dirname(sys.executable)
 sys.path.insert(0, ROOT)
 from tests.scripts.env_dump import TORCHRUN_ENV  # noqa: E402

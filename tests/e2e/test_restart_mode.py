@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.test_live import assert_bitwise, reference  # noqa: F401  (fixture)
+from test_live import assert_bitwise, reference  # noqa: F401  (fixture)
 
 STEPS = 60
 

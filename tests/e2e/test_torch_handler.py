@@ -11,7 +11,7 @@ import torch
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 BIN = os.path.dirname(sys.executable)
 
 

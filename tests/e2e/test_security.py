@@ -28,9 +28,9 @@ import pytest
 from rendezvous.etcd_server import EtcdServer, find_etcd_binary
 from rendezvous.kv import EtcdOptions, KVError, connect
 from test_bad_input import assert_one_error, finish
-from test_kv import _make_certs
+from tests.unit.rendezvous.test_kv import _make_certs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 CLI = [sys.executable, "-m", "tm_launch.cli"]
 ENV_DUMP = "tests/scripts/env_dump.py"
 PASSWORD = f"pw-{uuid.uuid4().hex}"          # unique: grep for it anywhere it must not be

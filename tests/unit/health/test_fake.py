@@ -249,7 +249,7 @@ def test_format_md_documents_every_key():
     from health.config import HealthConfig
     from health.fake_nvml import EVENT_KEYS, STATE_KEYS
 
-    text = (pathlib.Path(__file__).parent.parent / "health" / "FORMAT.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[3] / "health" / "FORMAT.md").read_text()
     documented = set(re.findall(r"`([a-z_]+)`", text))
     for key in [f.name for f in dataclasses.fields(HealthConfig)] + list(EVENT_KEYS) + list(STATE_KEYS):
         assert key in documented, key

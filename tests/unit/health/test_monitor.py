@@ -13,7 +13,7 @@ from health.alarms import DEGRADED, FATAL, INFO
 from health.config import HealthConfig
 from health.fake_nvml import FakeNvml
 from health.nvml_monitor import NvmlMonitor, gpus_for_local_ranks
-from test_health_nvml_real import DRIVER
+from test_nvml_real import DRIVER
 
 
 class Clock:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 
 ETCD_CLIENTS = ("etcd", "etcd3gw", "requests", "urllib3")
 

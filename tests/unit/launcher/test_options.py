@@ -14,7 +14,7 @@ import pytest
 from health.config import HealthConfig
 from tm_launch.launcher.options import UsageError, parse_args
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the repository root
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "train.py")
 
 

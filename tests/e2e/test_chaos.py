@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import chaos  # noqa: E402  (bench/chaos.py)
 

@@ -2,7 +2,7 @@
 
 A node that only follows plans learns each new plan from the delta published with it, so the
 round trip must be exact for every plan the planner can make. The cases are the planner's own
-tables (tests/test_planner.py: formation, loss, drain, scale-up, finish) fed through the real
+tables (test_planner.py beside this file: formation, loss, drain, scale-up, finish) fed through the real
 ``next_plan``, a long random run of events at 64 nodes, and the size of a delta, which must not
 grow with the job. Anything that does not fit the plan at hand is refused, never half-applied.
 """
@@ -17,7 +17,7 @@ import pytest
 from rendezvous.plan import FAILED, SUCCEEDED, DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_delta
 from rendezvous.planner import Limits, View, next_plan, spares
 
-from test_planner import DRAIN, FORMATION, LOSS, SCALE, STEADY, plan  # noqa: E402  (tests/ is on sys.path)
+from test_planner import DRAIN, FORMATION, LOSS, SCALE, STEADY, plan  # noqa: E402  (beside this file, on sys.path)
 
 
 def round_trip(previous: Plan | None, new: Plan) -> Plan:

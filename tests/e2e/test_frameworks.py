@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from tests.test_live import assert_bitwise
-from tests.test_restart_mode import assert_restarted_once_never_live
+from test_live import assert_bitwise
+from test_restart_mode import assert_restarted_once_never_live
 from tm_launch.local.localjob import REPO
 
 pytest.importorskip("lightning")

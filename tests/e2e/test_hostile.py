@@ -30,7 +30,7 @@ from rendezvous.membership import Membership, run_prefix
 from rendezvous.plan import NodeInfo, Plan
 from rendezvous.planner import Limits, next_plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 MIB = "x" * (1 << 20)
 DEEP = "[" * 100_000 + "]" * 100_000          # json.loads -> RecursionError, not ValueError
 HUGE_INT = "9" * 5000                          # beyond Python's int-from-string limit

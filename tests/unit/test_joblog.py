@@ -1,7 +1,7 @@
 """The downtime breakdown of a generation change (tm_launch.joblog): pure, table-tested.
 
 The end-to-end check (a real failover's `ctl timeline --json` against its step log) is in
-tests/test_live.py::test_node_loss_agent_sigkill.
+tests/e2e/test_live.py::test_node_loss_agent_sigkill.
 """
 
 import json

@@ -19,7 +19,7 @@ import pytest
 from rendezvous.kv import EtcdOptions, connect
 from rendezvous.membership import run_prefix
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 CLI = [sys.executable, "-m", "tm_launch.cli"]
 ERROR = "tm-launch: error: "
 
