@@ -1,7 +1,9 @@
-"""The operator surface: `ctl timeline`, Prometheus metrics, progress lines during long waits.
+"""The operator surface end to end: `ctl timeline`, Prometheus metrics, progress lines during long
+waits, operator commands as events.
 
-Pure parts are table tests; the end-to-end tests run real agents around the session etcd, a real
-spare taking over from a really killed worker, and scrape the agents' metrics over HTTP.
+Real agents around the session etcd, a real spare taking over from a really killed worker, the
+agents' metrics scraped over HTTP, `tm-launch ctl` as a subprocess. The pure parts are table tests
+in tests/unit/ (ctl/test_timeline.py, test_joblog.py, test_waits.py, launcher/test_metrics.py).
 """
 
 import json
@@ -15,117 +17,8 @@ import pytest
 
 from rendezvous.etcd_server import free_ports
 from tm_launch.local.localjob import REPO, TRAIN, launcher
-from tm_launch.ctl.timeline import build, by_generation, label_rows
-from tm_launch.joblog import append_samples, cause_kind
-from tm_launch.waits import Every
 
 
-# -- pure parts ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("before, add, cap, expect", [
-    ([], [[1], [2]], 10, [[1], [2]]),
-    ([[i] for i in range(8)], [[8], [9]], 10, [[i] for i in range(10)]),
-    # over the cap: the older half is thinned by two, the recent half kept whole
-    ([[i] for i in range(10)], [[10]], 10, [[0], [2], [4], [5], [6], [7], [8], [9], [10]]),
-])
-def test_append_samples_is_bounded_and_keeps_recent(before, add, cap, expect):
-    assert append_samples(before, add, cap) == expect
-
-
-def test_append_samples_stays_bounded_over_a_long_run():
-    series = []
-    for t in range(10_000):
-        series = append_samples(series, [[t]], cap=100)
-    assert len(series) <= 100 and series[0] == [0] and series[-1] == [9999]
-
-
-@pytest.mark.parametrize("plan, reports, kind", [
-    ({"generation": 0}, {}, "start"),
-    ({"generation": 3, "state": "succeeded"}, {}, "finished"),
-    ({"generation": 2, "state": "failed", "cause": "x"}, {}, "failed"),
-    ({"generation": 1, "planned": True, "cause": "a: drain (operator)"}, {}, "drain"),
-    ({"generation": 1, "cause": "scale up: c joined"}, {}, "scale_up"),
-    ({"generation": 1, "cause": "b: killed"}, {"a": {"kind": "exit"}, "b": {"kind": "signal"}}, "signal"),
-    ({"generation": 1, "cause": "b: lost"}, {"b": {"kind": "lost"}, "a": {"kind": "exit"}}, "lost"),
-    ({"generation": 1, "cause": "b: exit 1"}, {"b": {"kind": "exit"}}, "exit"),
-    ({"generation": 1, "cause": "b: xid 79"}, {"b": {"kind": "alarm"}}, "alarm"),
-    ({"generation": 1, "cause": "b: ?"}, {}, "failure"),
-])
-def test_cause_kind(plan, reports, kind):
-    assert cause_kind(plan, reports) == kind
-
-
-@pytest.mark.parametrize("xs, gap, rows", [
-    ([], 1.0, []),
-    ([0, 5, 10], 1.0, [0, 0, 0]),
-    ([0, 0.5, 0.7, 5], 1.0, [0, 1, 2, 0]),
-    ([0, 0.5, 1.2, 1.3], 1.0, [0, 1, 0, 2]),
-])
-def test_label_rows_never_put_close_labels_on_one_row(xs, gap, rows):
-    assert label_rows(xs, gap) == rows
-
-
-@pytest.mark.parametrize("gens, runs", [
-    ([], []),
-    ([0, 0, 0], [[0, 0, 0]]),
-    ([0, 0, 1, 1, 2], [[0, 0], [1, 1], [2]]),  # no line drawn across a generation change
-])
-def test_by_generation_cuts_a_ranks_samples_at_each_generation_change(gens, runs):
-    samples = [{"generation": g, "step": i} for i, g in enumerate(gens)]
-    assert [[s["generation"] for s in run] for run in by_generation(samples)] == runs
-    assert [s for run in by_generation(samples) for s in run] == samples
-
-
-def test_build_downtime_from_fault_to_entry():
-    t0 = 1000.0
-    history = [
-        {"generation": 0, "created": t0, "cause": "initial rendezvous", "state": "running", "nodes": ["a", "b"]},
-        {"generation": 1, "created": t0 + 10.5, "cause": "b: worker 0 killed by SIGKILL", "state": "running", "live": True,
-         "replaced": {"c": "b"}, "nodes": ["a", "c"]},
-        {"generation": 2, "created": t0 + 20.0, "cause": "a: drain (operator)", "state": "running", "live": True, "planned": True},
-        {"generation": 3, "created": t0 + 30.0, "cause": "all workers finished", "state": "succeeded"},
-    ]
-    reports = {0: {"b": {"kind": "signal", "time": t0 + 10.0}, "a": {"kind": "exit", "time": t0 + 10.2}}}
-    events = [{"kind": "entered", "generation": 1, "after_plan_s": 0.5}, {"kind": "entered", "generation": 1, "after_plan_s": 1.5},
-              {"kind": "entered", "generation": 2, "after_plan_s": 0.25}]
-    steps = {"a": [[t0 + 1, 0, 0, 10, 0.1, "running"], [t0 + 2, 0, 0, 20, 0.1, "parked"], [t0 + 13, 1, 0, 30, 0.1, "running"]]}
-    data = build("r", history, reports, events, steps)
-    by_gen = {g["generation"]: g for g in data["generations"]}
-    assert by_gen[1]["kind"] == "signal" and by_gen[1]["fault_time"] == 10.0 and by_gen[1]["downtime_s"] == 2.0
-    assert by_gen[2]["kind"] == "drain" and by_gen[2]["downtime_s"] == 0.25  # planned: from the plan itself
-    assert by_gen[0]["downtime_s"] is None and by_gen[3]["downtime_s"] is None
-    assert [s["step"] for s in data["series"]["0"]] == [10, 30]  # parked samples are not training
-    json.dumps(data)  # `ctl timeline --json` prints exactly this
-
-
-def test_build_restart_mode_downtime_from_the_step_series():
-    """Restart mode has no ``entered`` events: the workers run again at the first sample of the
-    new generation that ran a step (the step count starts again from the checkpoint)."""
-    t0 = 1000.0
-    history = [{"generation": 0, "created": t0, "state": "running"},
-               {"generation": 1, "created": t0 + 10.1, "cause": "b: worker 0 killed by SIGKILL", "state": "running"}]
-    reports = {0: {"b": {"kind": "signal", "time": t0 + 10.0}}}
-    steps = {"a": [[t0 + 9, 0, 0, 42, 0.02, "running"], [t0 + 16, 1, 0, 41, None, "running"], [t0 + 17, 1, 0, 80, 0.02, "running"]],
-             "b": [[t0 + 9, 0, 1, 43, 0.02, "running"], [t0 + 16.5, 1, 1, 41, None, "running"]]}
-    data = build("r", history, reports, [], steps)
-    change = data["generations"][1]
-    assert (change["live"], change["kind"], change["downtime_s"]) == (False, "signal", 6.0)
-    assert [s["step"] for s in data["series"]["0"]] == [42, 41, 80]
-
-
-def test_every_prints_at_most_once_per_interval():
-    now = [0.0]
-    ticker = Every(5.0, clock=lambda: now[0])
-    seen = []
-    for i in range(0, 260):
-        now[0] = i * 0.1
-        if ticker.due():
-            seen.append(round(now[0], 1))
-    assert seen == [5.0, 10.0, 15.0, 20.0, 25.0]
-    now[0] = 100.0  # a loop that stalled: one line, not a burst of the missed ones
-    assert ticker.due() and not ticker.due()
-
-
-# -- end to end ------------------------------------------------------------------------------------
 def scrape(port: int) -> dict:
     """{(name, frozenset(labels)): value} from an agent's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -239,35 +132,6 @@ def test_metrics_port_in_use_is_one_clear_line(etcd_endpoint, tmp_path):
                      "(every agent on one machine needs its own, e.g. PET_METRICS_PORT per agent)"], out.stderr
 
 
-def test_metrics_count_alarms_failures_and_role():
-    from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from tm_launch.launcher.metrics import AgentMetrics
-
-    m = AgentMetrics("a")
-    m.on_event("alarm", {"alarm": {"signal": "xid", "severity": "fatal"}})
-    m.on_event("alarm", {"alarm": {"signal": "xid", "severity": "fatal"}})
-    m.on_event("alarm", {"alarm": {"signal": "temperature", "severity": "degraded"}})
-    m.on_event("worker_failed", {})
-    m.on_event("info", {})
-    m.on_state(3, "draining", 2)
-    m.on_statuses({0: {"state": "running", "step_time": 0.5, "step": 7}, 1: {"state": "running", "step_time": 0.25, "step": 8},
-                   2: {"state": "parked", "step_time": 9.0, "step": 1}})
-    m.on_downtime("lost", 2.5)
-    values = {(s.name, frozenset(s.labels.items())): s.value
-              for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples}
-    assert values[("tm_launch_alarms_total", frozenset({("signal", "xid"), ("severity", "fatal")}))] == 2
-    assert values[("tm_launch_alarms_total", frozenset({("signal", "temperature"), ("severity", "degraded")}))] == 1
-    assert values[("tm_launch_worker_failures_total", frozenset({("kind", "worker_failed")}))] == 1
-    assert values[("tm_launch_generation", frozenset())] == 3 and values[("tm_launch_spares_available", frozenset())] == 2
-    assert [r for r in ("active", "spare", "draining", "failed") if values[("tm_launch_role", frozenset({("role", r)}))] == 1] == ["draining"]
-    assert values[("tm_launch_steps_per_second", frozenset())] == 3.0  # (2 + 4) / 2: parked workers do not train
-    assert values[("tm_launch_step", frozenset())] == 8
-    assert values[("tm_launch_downtime_seconds_bucket", frozenset({("cause", "lost"), ("le", "5.0")}))] == 1
-    assert values[("tm_launch_downtime_seconds_bucket", frozenset({("cause", "lost"), ("le", "2.0")}))] == 0
-
-
 @pytest.mark.parametrize("args, message", [
     (["timeline"], "timeline: give --out FILE.png (a picture), --json (the data), or both"),
     (["timeline", "--json"], "has no plans and no step samples in etcd yet; check --rdzv-id and --rdzv-endpoint"),
@@ -276,30 +140,6 @@ def test_ctl_timeline_mistakes_are_one_line(etcd_endpoint, args, message):
     cmd = launcher() + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", f"nothing-{time.time_ns()}", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
-
-
-@pytest.mark.parametrize("argv, yaml_text, env, port", [
-    ([], "", {}, None),  # off by default
-    (["--metrics-port", "9101"], "", {}, 9101),
-    ([], "metrics_port: 9102\n", {}, 9102),
-    ([], "metrics_port: 9102\n", {"PET_METRICS_PORT": "9103"}, 9103),  # torchrun's precedence: env beats YAML
-    (["--metrics-port", "9104"], "", {"PET_METRICS_PORT": "9103"}, 9104),
-])
-def test_metrics_port_from_flag_yaml_or_env(tmp_path, monkeypatch, argv, yaml_text, env, port):
-    from tm_launch.launcher.options import parse_args
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml_text or "{}\n")
-    assert parse_args(["--config", str(config), *argv, TRAIN]).metrics_port == port
-
-
-def test_metrics_port_out_of_range_is_a_usage_error():
-    from tm_launch.launcher.options import UsageError, parse_args
-
-    with pytest.raises(UsageError, match=r"--metrics-port 70000: must be a TCP port number"):
-        parse_args(["--metrics-port", "70000", TRAIN])
 
 
 def test_operator_commands_are_events(etcd_endpoint):

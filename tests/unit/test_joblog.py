@@ -1,4 +1,5 @@
-"""The downtime breakdown of a generation change (tm_launch.joblog): pure, table-tested.
+"""What agents leave operators in etcd's log/ (tm_launch.joblog): the step samples' bound,
+the kind of a generation change and its downtime breakdown; pure, table-tested.
 
 The end-to-end check (a real failover's `ctl timeline --json` against its step log) is in
 tests/e2e/test_live.py::test_node_loss_agent_sigkill.
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from tm_launch.joblog import PHASES, breakdown, node_stamps, plan_stamps
+from tm_launch.joblog import PHASES, append_samples, breakdown, cause_kind, node_stamps, plan_stamps
 from tm_launch.protocol import EnteredRecord, FirstStepRecord
 from tm_launch.ctl.timeline import build
 
@@ -98,3 +99,37 @@ def test_timeline_gives_each_change_its_breakdown():
     by_gen = {g["generation"]: g["breakdown"] for g in data["generations"]}
     assert by_gen[0] is None and by_gen[2] is None  # no change to break down: the start, the end marker
     assert by_gen[1]["origin"] == 10.0 and by_gen[1]["total_s"] == 0.3 and by_gen[1]["critical_node"] == "a"
+
+
+# -- step samples and the kind of a change ----------------------------------------------------------
+@pytest.mark.parametrize("before, add, cap, expect", [
+    ([], [[1], [2]], 10, [[1], [2]]),
+    ([[i] for i in range(8)], [[8], [9]], 10, [[i] for i in range(10)]),
+    # over the cap: the older half is thinned by two, the recent half kept whole
+    ([[i] for i in range(10)], [[10]], 10, [[0], [2], [4], [5], [6], [7], [8], [9], [10]]),
+])
+def test_append_samples_is_bounded_and_keeps_recent(before, add, cap, expect):
+    assert append_samples(before, add, cap) == expect
+
+
+def test_append_samples_stays_bounded_over_a_long_run():
+    series = []
+    for t in range(10_000):
+        series = append_samples(series, [[t]], cap=100)
+    assert len(series) <= 100 and series[0] == [0] and series[-1] == [9999]
+
+
+@pytest.mark.parametrize("plan, reports, kind", [
+    ({"generation": 0}, {}, "start"),
+    ({"generation": 3, "state": "succeeded"}, {}, "finished"),
+    ({"generation": 2, "state": "failed", "cause": "x"}, {}, "failed"),
+    ({"generation": 1, "planned": True, "cause": "a: drain (operator)"}, {}, "drain"),
+    ({"generation": 1, "cause": "scale up: c joined"}, {}, "scale_up"),
+    ({"generation": 1, "cause": "b: killed"}, {"a": {"kind": "exit"}, "b": {"kind": "signal"}}, "signal"),
+    ({"generation": 1, "cause": "b: lost"}, {"b": {"kind": "lost"}, "a": {"kind": "exit"}}, "lost"),
+    ({"generation": 1, "cause": "b: exit 1"}, {"b": {"kind": "exit"}}, "exit"),
+    ({"generation": 1, "cause": "b: xid 79"}, {"b": {"kind": "alarm"}}, "alarm"),
+    ({"generation": 1, "cause": "b: ?"}, {}, "failure"),
+])
+def test_cause_kind(plan, reports, kind):
+    assert cause_kind(plan, reports) == kind
