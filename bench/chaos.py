@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/chaos.py --seed 1 --faults 24      # ~6-10 minutes on 2 cores
 
-One job (3 active nodes x 1 worker, examples/train.py in live mode) runs while the driver injects
+One job (3 active nodes x 1 worker, tests/scripts/train.py in live mode) runs while the driver injects
 faults one after another, waiting for recovery in between, and keeps the job supplied with warm
 spares by starting a fresh agent under a new node name whenever one is consumed (a cluster that
 re-provisions nodes). Every fault is real: a signal to a process, a file the training script or

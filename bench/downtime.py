@@ -36,8 +36,8 @@ Launchers
   tm-restart      tm-launch ``--no-live`` with one spare node, same checkpointing.
   tm-live         tm-launch live mode with one spare node (parked), no checkpoint.
 
-Scripts: ``examples/train.py`` (DDP) by default; ``--layout ddp-tp|hsdp|pp|fsdp-tp|fsdp`` runs
-``examples/hybrid.py`` instead (4 ranks = 2 nodes x 2 workers; the worker killed holds rank 2).
+Scripts: ``tests/scripts/train.py`` (DDP) by default; ``--layout ddp-tp|hsdp|pp|fsdp-tp|fsdp`` runs
+``tests/scripts/hybrid.py`` instead (4 ranks = 2 nodes x 2 workers; the worker killed holds rank 2).
 Layouts without replicas (fsdp-tp, fsdp) cannot be repaired live: tm-live falls back to the
 same DCP checkpoint restart as the others, and the table says so. ``--script-args`` passes more
 arguments to the script under every launcher (``'--device cuda --backend gloo'``: a GPU job).
@@ -80,7 +80,7 @@ sys.path.insert(0, REPO)
 from rendezvous.etcd_server import free_ports  # noqa: E402
 from tm_launch.local.localjob import LocalJob, Node, downtime  # noqa: E402
 
-HYBRID = os.path.join(REPO, "examples", "hybrid.py")
+HYBRID = os.path.join(REPO, "tests", "scripts", "hybrid.py")
 NO_REPLICA = ("fsdp-tp", "fsdp")  # layouts whose lost shards only a checkpoint holds
 
 TAG_VAR = "TM_BENCH_TAG"
@@ -838,7 +838,7 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
     lines += ["",
               f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']} ({device_text}), loopback. "
               f"Step = {args.step_sleep * 1000:.0f} ms sleep + "
-              f"{f'examples/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
+              f"{f'tests/scripts/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
               f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
               f"Training paused at step {args.pause_step} until ready, an unplanned fault {args.fault_at:g} of a step after step "
               f"{args.pause_step + args.fault_after} completed (\"before the fault\": the part of the interrupted step done before it); "
@@ -858,7 +858,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description="Downtime and step-time overhead: tm-launch against torchrun, in one run.")
     p.add_argument("--quick", action="store_true", help="worker-sigkill at 2 ranks under all three launchers + overhead (~2-3 min)")
     p.add_argument("--layout", default="", choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp"),
-                   help="run examples/hybrid.py with this layout (4 ranks) instead of the DDP script")
+                   help="run tests/scripts/hybrid.py with this layout (4 ranks) instead of the DDP script")
     p.add_argument("--victim", default="first", choices=VICTIMS, help="the node that loses a worker, dies or is drained (tm-launch; "
                    "torchrun: n1): first = the node holding rank 0 (default; the spare runs the script again for those ranks), "
                    "last = the node holding the last ranks, which the spare warmed up as, n1 = the node named n1 (see victim_node)")

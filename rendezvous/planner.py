@@ -1,6 +1,6 @@
 """The planner: given what etcd says about the job, what is the next generation's plan?
 
-A pure function with table tests (tests/test_planner.py). Every agent runs it on its own view
+A pure function with table tests (tests/unit/rendezvous/test_planner.py). Every agent runs it on its own view
 and tries to publish the result with compare-and-swap; whichever publish lands first is the
 plan, and the others re-read and agree. Keeping it pure is what makes that safe: the decision
 depends only on the view, never on which agent computes it.

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN = os.path.join(REPO, "examples", "train.py")
+TRAIN = os.path.join(REPO, "tests", "scripts", "train.py")
 
 
 def launcher() -> list[str]:

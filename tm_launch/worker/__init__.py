@@ -2,6 +2,6 @@
 
 A worker knows only its own agent, through ``tm_launch.protocol`` (the agent's local TCPStore
 and the environment): it never imports etcd clients, the rendezvous or the agent's code, which
-``tests/unit/worker/test_boundaries.py`` checks in a fresh interpreter.
+``tests/unit/test_boundaries.py`` checks in a fresh interpreter.
 ``python -m tm_launch.worker SCRIPT`` (``__main__``) is how the agent starts a live worker.
 """

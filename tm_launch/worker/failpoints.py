@@ -48,7 +48,7 @@ def _claim(marker: str) -> bool:
 def kill_once(marker: str | None, message: str) -> None:
     """SIGKILL this process, saying ``message``; with ``marker`` (a file that records the kill)
     once per job, so the process that takes this rank's place does not die at the same point
-    again (also used by the example scripts' fault injection, ``examples/faults.py``)."""
+    again (also used by the example scripts' fault injection, ``tests/scripts/faults.py``)."""
     if marker and not _claim(marker):
         return
     print(message, flush=True)

@@ -1,0 +1,747 @@
+"""The live runtime's decisions, without agents: which ranks replicate a rank's state, who sends
+state to whom, and the job-wide commit vote (on a real TCPStore, ranks as threads).
+
+Layouts are built for real (``init_device_mesh``, ``fully_shard``, ``parallelize_module``) in one
+process on torch's ``fake`` backend, which gives any rank of any world size without peers.
+"""
+
+import datetime
+import threading
+import time
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tm_launch.worker.commit import StepCommit, commit_store
+from tm_launch.worker.replicas import mesh_replicas, replica_set
+from tm_launch.worker.transfer import Holding, plan_transfer
+
+# ------------------------------------------------------------------------------------------------
+# replicas: the pure rule
+
+
+@pytest.mark.parametrize("mesh, sharded, rank, want", [
+    pytest.param([[0, 1], [2, 3]], {0, 1}, 1, {1}, id="sharded on both dims (FSDP x TP): nobody else"),
+    pytest.param([[0, 1], [2, 3]], {1}, 1, {1, 3}, id="sharded on dim 1 only (HSDP shard / TP under DDP): the dim-0 peer"),
+    pytest.param([[0, 1], [2, 3]], {0}, 1, {0, 1}, id="sharded on dim 0 only: the dim-1 peer"),
+    pytest.param([[0, 1], [2, 3]], set(), 2, {0, 1, 2, 3}, id="replicated everywhere: the whole mesh"),
+    pytest.param([[0, 1, 2], [3, 4, 5]], {1}, 4, {1, 4}, id="2 x 3, sharded on dim 1"),
+    pytest.param([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], {1, 2}, 5, {1, 5}, id="3-d: HSDP x TP, replicated on dim 0"),
+    pytest.param([[0, 1], [2, 3]], {0}, 7, set(), id="a rank outside the mesh holds none of it"),
+])
+def test_mesh_replicas(mesh, sharded, rank, want):
+    assert mesh_replicas(mesh, sharded, rank) == frozenset(want)
+
+
+# ------------------------------------------------------------------------------------------------
+# replicas: read off real layouts
+
+
+@pytest.fixture
+def fake_world():
+    """``join(rank, world)``: this process becomes ``rank`` of a fake world of ``world`` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tm_launch.worker.c10d_glue import forget_layouts
+
+    def join(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        forget_layouts()  # meshes compare by value: cached sharding decisions would cross worlds
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _layout(name: str):
+    """(model, optimizer, ``replicas=`` declaration) as tests/scripts/hybrid.py builds them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    declared = None
+    if name in ("fsdp-tp", "ddp-tp"):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        if name == "fsdp-tp":
+            fully_shard(net, mesh=mesh["dp"])
+    elif name == "hsdp":
+        fully_shard(net, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    elif name == "fsdp":
+        fully_shard(net, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",)))
+    elif name == "pp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        declared = tuple(dist.get_process_group_ranks(mesh["dp"].get_group()))
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()  # optimizer state exists (and follows the parameters' layout)
+    return net, opt, declared
+
+
+@pytest.mark.parametrize("layout, want", [
+    pytest.param("ddp-tp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="TP under data parallel: the dp peer, same TP shard"),
+    pytest.param("hsdp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="HSDP: the replicate peer"),
+    pytest.param("pp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="pipeline stages: the declared dp group"),
+    pytest.param("fsdp-tp", {r: {r} for r in range(4)}, id="FSDP x TP: no replica"),
+    pytest.param("fsdp", {r: {r} for r in range(4)}, id="FSDP: no replica"),
+])
+def test_replica_set_of_real_layouts(fake_world, layout, want):
+    for rank in range(4):
+        fake_world(rank, 4)
+        net, opt, declared = _layout(layout)
+        states = {"model": net.state_dict(), "optimizer": opt.state_dict()}
+        decl = {"model": declared, "optimizer": declared}
+        assert replica_set(states, decl, rank, 4) == frozenset(want[rank]), (layout, rank)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU's backward runs on autograd's device thread")),
+])
+def test_forget_layouts_reaches_the_thread_that_ran_the_backward(fake_world, device):
+    """A spare's sandbox run of a TP script caches DTensor's sharding decisions, per thread, on
+    the thread that ran each op: on a GPU the backward's run on autograd's device thread. Once
+    promoted to another TP shard, no thread may still hold them (on an H100 the spare's second
+    run failed: "Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tm_launch.worker.c10d_glue import forget_layouts
+
+    fake_world(3, 4)
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)).to(device)
+    parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    net(torch.randn(2, 8, device=device)).sum().backward()
+
+    cached = []
+
+    class Probe(torch.autograd.Function):  # reads the cache on the thread the backward runs on
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # (hits, misses) of the C++ fast path's cache, its Python fallback's size
+            python = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize
+            cached.append((torch._C._get_DTensor_sharding_propagator_cache_stats(), python))
+            return grad
+
+    def probe():
+        Probe.apply(torch.zeros(1, device=device, requires_grad=True)).sum().backward()
+
+    probe()
+    forget_layouts()
+    probe()
+    assert cached[0] != ((0, 0), 0) and cached[1] == ((0, 0), 0), cached
+
+
+# ------------------------------------------------------------------------------------------------
+# the transfer plan
+
+
+def H(rank, step, replicas, structure="s", values="v"):
+    return Holding(rank=rank, step=step, replicas=frozenset(replicas), structure=structure, values=values)
+
+
+@pytest.mark.parametrize("holdings, want_step, want_sources, want_missing", [
+    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}), H(3, 5, {1, 3})], 5, {2: 0}, [],
+                 id="a joiner receives from the replica of its own shard"),
+    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, 5, {0, 2}), H(3, -1, {1, 3})], 5, {3: 1}, [],
+                 id="never from the first rank at the newest step when that rank holds another shard"),
+    pytest.param([H(0, -1, {0, 2}), H(1, -1, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})], 5, {0: 2, 1: 3}, [],
+                 id="two joiners, two different sources (in parallel)"),
+    pytest.param([H(0, 5, {0, 1, 2, 3}), H(1, 5, {0, 1, 2, 3}), H(2, -1, {0, 1, 2, 3}), H(3, -1, {0, 1, 2, 3})],
+                 5, {2: 0, 3: 1}, [], id="plain DP: joiners spread over the holders"),
+    pytest.param([H(0, 5, {0}), H(1, 5, {1}), H(2, -1, {2}), H(3, 5, {3})], 5, {}, [2],
+                 id="no replica (FSDP): the joiner's shard is missing"),
+    pytest.param([H(0, 6, {0, 2}), H(1, 6, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})], 6, {2: 0, 3: 1}, [],
+                 id="ranks behind the newest committed step catch up from their replica"),
+    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}, structure="other"), H(3, 5, {1, 3})], 5, {}, [2],
+                 id="a source whose module shapes differ is no source"),
+    pytest.param([H(0, -1, {0, 1}), H(1, -1, {0, 1})], -1, {}, [], id="nobody holds state"),
+])
+def test_plan_transfer(holdings, want_step, want_sources, want_missing):
+    plan = plan_transfer(holdings)
+    assert (plan.step, plan.sources, plan.missing, plan.conflicts) == (want_step, want_sources, want_missing, [])
+
+
+def test_plan_transfer_reports_replicas_that_disagree():
+    plan = plan_transfer([H(0, 5, {0, 1}, values="a"), H(1, 5, {0, 1}, values="b")])
+    assert plan.conflicts == [(0, 1)]
+
+
+# ------------------------------------------------------------------------------------------------
+# which communicators a generation changes (rebuilt on entry; NCCL ones aborted when it arrives)
+
+
+def D(joiners=(), all_fresh=False):
+    from tm_launch.protocol import Directive
+
+    return Directive(generation=1, active=True, joiner_ranks=tuple(joiners), all_fresh=all_fresh)
+
+
+@pytest.mark.parametrize("ranks, d, rank, old_rank, want", [
+    pytest.param(None, D(), 1, 1, True, id="the world always: somebody failed, left or was replaced"),
+    pytest.param((0, 1), D(joiners=[3]), 1, 1, False, id="a subgroup without the replaced rank is kept"),
+    pytest.param((2, 3), D(joiners=[3]), 2, 2, True, id="a subgroup with the replaced rank changes"),
+    pytest.param((0, 2), D(joiners=[2, 3]), 0, 0, True, id="two joiners, one in the group"),
+    pytest.param((0, 1), D(all_fresh=True), 1, 1, True, id="every process is new"),
+    pytest.param((0, 1), D(), 1, 3, True, id="this process changed rank (a promoted spare)"),
+    pytest.param((0, 1), D(joiners=[3]), -1, 1, True, id="this process is replaced itself"),
+    pytest.param((0, 1), D(), 0, 0, False, id="nothing about the group changed"),
+])
+def test_membership_changed(ranks, d, rank, old_rank, want):
+    from tm_launch.worker.generations import membership_changed
+
+    assert membership_changed(ranks, d, rank, old_rank) is want
+
+
+class _Agent:
+    """What ``Generations`` asks of its agent while it builds a communicator: the newest generation."""
+
+    @staticmethod
+    def latest():
+        return 0
+
+
+def test_a_world_built_ahead_is_used_by_its_generation_only():
+    """``build_ahead``: a promoted spare starts its world communicator before it runs the script
+    again; entering that generation waits for that build instead of starting another, and any
+    other generation gives it up."""
+    from tm_launch.protocol import Directive, StoreAddress, WorkerEnv
+    from tm_launch.worker.generations import Generations
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    # The unreachable store below fails fast: a 2 s set-up timeout.
+    gens = Generations(state=None, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",))
+    d = Directive(generation=3, active=True, ranks=(0,), world_size=1, store=StoreAddress("127.0.0.1", server.port))
+    gens.build_ahead(d)
+    ahead = gens._take_ahead(3)
+    pg = gens._build_watching(None, 0, 3, d, pending=ahead)
+    assert pg is ahead[1]["pg"] and pg.size() == 1
+    assert gens._take_ahead(3) is None  # taken once
+    gens.build_ahead(d)
+    assert gens._take_ahead(4) is None  # another generation: given up
+    gens.build_ahead(dataclasses.replace(d, store=StoreAddress("127.0.0.1", 1)))  # nothing listens there
+    with pytest.raises(RuntimeError):
+        gens._build_watching(None, 0, 3, d, pending=gens._take_ahead(3))
+    gens.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# the transfer's wire: which backend carries a tensor, which own tensor receives it in place
+
+
+@pytest.mark.parametrize("device, nccl, want", [
+    ("cpu", None, "cpu"),
+    ("cpu", "cuda:0", "cpu"),  # CPU state (Adam's step counters) stays on gloo in an NCCL job
+    ("cuda:0", "cuda:0", "cuda"),  # GPU to GPU through NCCL, no host staging
+    ("cuda:1", "cuda:0", "cpu"),  # not the communicator's device: staged, one tensor at a time
+    ("cuda:0", None, "cpu"),  # a gloo-only job with a model on the GPU
+])
+def test_wire_for(device, nccl, want):
+    from tm_launch.worker.transfer import wire_for
+
+    assert wire_for(torch.device(device), None if nccl is None else torch.device(nccl)) == want
+
+
+def _ph(index, t, layout=None):
+    """The sender's placeholder for ``t``."""
+    from tm_launch.worker.transfer import TENSOR
+
+    return (TENSOR, index, tuple(t.shape), str(t.dtype).replace("torch.", ""), layout, "cpu")
+
+
+def test_receive_targets_take_only_tensors_that_fit():
+    from tm_launch.worker.transfer import receive_targets
+
+    base = torch.zeros(10)
+    own = {"model": {
+        "w": torch.zeros(2, 3),  # fits
+        "b": torch.zeros(3),  # the sender's is longer: allocate
+        "h": torch.zeros(3, dtype=torch.float64),  # another dtype: allocate
+        "t": torch.zeros(3, 2).t(),  # not contiguous: one message cannot fill it
+        "x": base[:4], "y": base[4:8],  # views of one buffer that do not overlap: both fit
+        "z": base[6:10],  # overlaps y: fresh memory
+        "n": 7,  # not a tensor
+    }, "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)}}, "param_groups": [{"lr": 0.1}]}}
+    skeleton = {"model": {
+        "w": _ph(0, torch.zeros(2, 3)), "b": _ph(1, torch.zeros(4)), "h": _ph(2, torch.zeros(3)),
+        "t": _ph(3, torch.zeros(2, 3)), "x": _ph(4, torch.zeros(4)), "y": _ph(5, torch.zeros(4)),
+        "z": _ph(6, torch.zeros(4)), "n": _ph(7, torch.zeros(1)), "gone": _ph(8, torch.zeros(1)),
+    }, "opt": {"state": {0: {"step": _ph(9, torch.tensor(1.0)), "exp_avg": _ph(10, torch.zeros(2, 3))}},
+               "param_groups": [{"lr": 0.1}]}}
+    targets = receive_targets(skeleton, own)
+    assert sorted(targets) == [0, 4, 5, 9, 10]
+    assert targets[0] is own["model"]["w"] and targets[10] is own["opt"]["state"][0]["exp_avg"]
+
+
+class _SelectiveModule(torch.nn.Linear):
+    def load_state_dict(self, state_dict, strict=True, assign=False):  # may keep some of its own
+        return super().load_state_dict({k: v for k, v in state_dict.items() if k != "bias"}, strict=False)
+
+
+class _OwnLoadAdam(torch.optim.Adam):
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+
+
+class _Checkpoint:
+    """A framework's whole checkpoint as one registered object."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("make, want", [
+    pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), True, id="a module: torch's key-by-key load"),
+    pytest.param(lambda: torch.optim.Adam(torch.nn.Linear(2, 2).parameters()), True, id="an optimizer: keeps the tensors given"),
+    pytest.param(lambda: _SelectiveModule(2, 2), False, id="a module with a load of its own"),
+    pytest.param(lambda: _OwnLoadAdam(torch.nn.Linear(2, 2).parameters()), False, id="an optimizer with a load of its own"),
+    pytest.param(_Checkpoint, False, id="any other object"),
+    pytest.param(lambda: torch.optim.lr_scheduler.StepLR(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 1), False,
+                 id="a scheduler"),
+])
+def test_only_torchs_own_loads_receive_in_place(make, want):
+    from tm_launch.worker.transfer import loads_in_place
+
+    assert loads_in_place(make()) is want
+
+
+def test_tied_tensors_receive_into_fresh_memory_the_second_time():
+    from tm_launch.worker.transfer import receive_targets
+
+    w = torch.zeros(4, 2)
+    own = {"m": {"embed.weight": w, "head.weight": w.detach()}}  # tied: one storage
+    skeleton = {"m": {"embed.weight": _ph(0, w), "head.weight": _ph(1, w)}}
+    assert sorted(receive_targets(skeleton, own)) == [0]
+
+
+@pytest.mark.parametrize("sender, receiver, in_place", [
+    pytest.param("fsdp-tp", "fsdp-tp", "all", id="FSDP x TP shards: the same layout, every tensor in place"),
+    pytest.param("hsdp", "hsdp", "all", id="HSDP"),
+    pytest.param("fsdp-tp", "ddp-tp", "plain only", id="another mesh or placements: the DTensors are allocated"),
+])
+def test_dtensors_receive_in_place_only_with_the_same_layout(fake_world, sender, receiver, in_place):
+    from tm_launch.worker.transfer import flatten, receive_targets
+
+    from torch.distributed.tensor import DTensor
+
+    fake_world(1, 4)
+    tensors: list = []
+    net, opt, _ = _layout(sender)
+    theirs = {"model": flatten(net.state_dict(), tensors), "optimizer": flatten(opt.state_dict(), tensors)}
+    net, opt, _ = _layout(receiver)
+    own = {"model": net.state_dict(), "optimizer": opt.state_dict()}
+    targets = receive_targets(theirs, own)
+    dtensors = [t for t in targets.values() if isinstance(t, DTensor)]
+    if in_place == "all":
+        assert sorted(targets) == list(range(len(tensors))) and dtensors
+        first = next(iter(net.parameters()))
+        dtensors[0].to_local().detach().fill_(7.0)  # what a receive does: the parameter itself changes
+        assert bool((first.to_local() == 7.0).all())
+    else:
+        assert not dtensors and targets  # Adam's step counters are plain tensors and still fit
+
+
+TRANSFER = r'''
+import json, sys, datetime
+import torch, torch.distributed as dist
+import torch.distributed.tensor  # as in a live worker
+from tm_launch.worker import communicators
+from tm_launch.worker.transfer import send_state, recv_state
+
+rank, port, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+devices = ["cpu"] if device == "cpu" else ["cpu", f"cuda:{rank}"]
+dev = torch.device("cpu" if device == "cpu" else f"cuda:{rank}")
+pg = communicators.build(dist.PrefixStore("t/", store), rank, 2, devices=devices, timeout_s=60, setup_timeout_s=60)
+
+torch.manual_seed(rank)  # the receiver's own state differs from the sender's everywhere
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dev)
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+def step(seed):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(5, 8, generator=g).to(dev), torch.randn(5, 4, generator=g).to(dev)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+def state():
+    return [p.detach().cpu().tolist() for p in model.parameters()] + [
+        [v.detach().cpu().tolist() for _, v in sorted(s.items())] for s in opt.state.values()]
+
+def storage():
+    return [p.data_ptr() for p in model.parameters()] + [v.data_ptr() for s in opt.state.values() for _, v in sorted(s.items())]
+
+objects = {"model": model, "optimizer": opt}
+if rank == 0:
+    for s in range(3):
+        step(100 + s)
+    send_state(pg, 1, objects, 3)
+else:
+    step(7)  # the sandbox's warm-up step: the optimizer state exists
+    before = storage()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated(dev)
+    got, _ = recv_state(pg, 0, objects)
+    extra = torch.cuda.memory_allocated(dev) - allocated if dev.type == "cuda" else 0
+    print("RECV", json.dumps({"step": got, "same_storage": storage() == before, "extra_gpu_bytes": extra}))
+step(200)  # both ranks, after the transfer: the optimizer still drives the same tensors
+print("STATE", json.dumps(state()))
+pg.barrier().wait()
+'''
+
+
+def _transfer_between_processes(device: str):
+    """A sender at step 3 and a receiver that warmed up on its own: the receiver's model and
+    optimizer keep their storage, and one more step on both is bitwise the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tm_launch.local.localjob import REPO
+
+    server = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", TRANSFER, str(r), str(server.port), device], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
+    found = [{line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+              if line.startswith(("RECV", "STATE"))} for out, _ in outs]
+    return found[1]["RECV"], found[0]["STATE"], found[1]["STATE"]
+
+
+def test_a_joiner_receives_into_its_own_model_and_optimizer():
+    recv, sender, receiver = _transfer_between_processes("cpu")
+    assert recv["step"] == 3
+    assert recv["same_storage"] is True  # parameters and Adam's moments and step counters: in place
+    assert receiver == sender  # bitwise, and the next step too
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= 2),
+                    reason="needs 2 CUDA devices with NCCL (NCCL refuses two ranks on one GPU; this is a CPU build or machine)")
+def test_a_joiner_receives_cuda_state_in_place_through_nccl():
+    recv, sender, receiver = _transfer_between_processes("cuda")
+    assert recv["step"] == 3 and recv["same_storage"] is True
+    assert recv["extra_gpu_bytes"] <= 0  # no second copy of the state on the GPU
+    assert receiver == sender
+
+
+# ------------------------------------------------------------------------------------------------
+# the commit vote: every rank gets the same decision
+
+
+def _voters(world: int):
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    commits = []
+    for rank in range(world):
+        c = StepCommit()
+        c.use(dist.PrefixStore("commit/", dist.TCPStore("127.0.0.1", server.port, world, False, wait_for_workers=False)), rank, world, 0)
+        commits.append(c)
+    return server, commits
+
+
+def _vote_all(commits, oks, step=3, newer=lambda: False):
+    decisions = {}
+
+    def vote(rank):
+        commits[rank].begin(step)
+        decisions[rank] = commits[rank].decide(oks[rank], newer)
+
+    threads = [threading.Thread(target=vote, args=(r,)) for r in range(len(commits)) if oks[r] is not None]
+    for t in threads:
+        t.start()
+    return threads, decisions
+
+
+def test_a_vote_walks_away_from_a_store_that_never_answers_once_a_peer_is_gone():
+    """The store's node is cut off the network (here: its process stopped): no answer, no
+    refusal, and torch's client has no timeout for a count or a compare-and-set. A rank whose
+    step failed knows the decision (no commit without its count) and does not wait for the
+    store; one whose step worked gives up as uncertain once a peer is known gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    server = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; "
+                               "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+                               "print(s.port, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        commits = []
+        for rank in range(2):
+            c = StepCommit()
+            c.use(dist.PrefixStore("commit/", dist.TCPStore("127.0.0.1", port, 2, False, wait_for_workers=False)), rank, 2, 0)
+            c.begin(7)
+            commits.append(c)
+        os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert commits[0].decide(False, lambda: False) is False  # at once: nothing to wait for
+        gone = {"yes": False}
+        timer = threading.Timer(0.5, lambda: gone.update(yes=True))
+        timer.start()
+        assert commits[1].decide(True, lambda: gone["yes"], peer_gone=lambda: gone["yes"]) is False
+        assert commits[1].uncertain and time.monotonic() - t0 < 30  # not the store client's 300 s
+        # The next generation's store answers: its votes do not wait behind the one left on the lost store.
+        fresh_server, fresh = _voters(1)
+        commits[1].use(fresh[0].store, 0, 1, 1)
+        commits[1].begin(8)
+        t1 = time.monotonic()
+        assert commits[1].decide(True, lambda: False, peer_gone=lambda: time.monotonic() - t1 > 1) is True
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize("oks, want", [
+    pytest.param([True, True, True], True, id="everyone's collectives worked -> commit everywhere"),
+    pytest.param([True, False, True], False, id="one rank saw a failure -> abort everywhere"),
+    pytest.param([False, False, False], False, id="everyone saw it -> abort"),
+])
+def test_vote_is_the_same_on_every_rank(oks, want):
+    server, commits = _voters(3)
+    threads, decisions = _vote_all(commits, oks)
+    for t in threads:
+        t.join(30)
+    assert decisions == {r: want for r in range(3)}
+
+
+def test_a_rank_that_never_votes_is_settled_by_the_next_generation():
+    """Rank 2 died before voting: the others wait until their agent hands them a newer
+    generation (the watcher calls abort()), then all abort; none commits alone."""
+    server, commits = _voters(3)
+    threads, decisions = _vote_all(commits, [True, True, None])
+    for t in threads:
+        t.join(0.5)
+    assert not decisions, "nobody may decide while a rank's vote is missing"
+    commits[0].abort(newer=1)  # the watcher thread of rank 0 sees generation 1
+    for t in threads:
+        t.join(30)
+    assert decisions == {0: False, 1: False}
+
+
+def test_a_decision_once_written_never_changes():
+    """The last voter commits; an abort arriving afterwards (the watcher saw a failure after
+    the step committed) changes nothing: the step stays committed on every rank."""
+    server, commits = _voters(2)
+    threads, decisions = _vote_all(commits, [True, True])
+    for t in threads:
+        t.join(30)
+    commits[1].abort(newer=1)
+    assert decisions == {0: True, 1: True}
+    assert commits[0].store.get("3/d") == b"commit"
+
+
+# ------------------------------------------------------------------------------------------------
+# a spare promoted to ranks it did not warm up as
+
+
+RERUN = r'''
+import os, sys
+import torch, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROUP_RANK="-1", WORLD_SIZE="4",
+                  LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
+sys.path.insert(0, os.path.join(sys.argv[1], "tests", "scripts"))
+import hybrid, tm_launch
+from tm_launch.worker import c10d_glue
+from tm_launch.protocol import Directive
+job = tm_launch.init()
+
+def build_and_step():
+    model, _, dp_index, _, mesh = hybrid.build("ddp-tp", job.rank, job.world_size)
+    x, y = hybrid.batch(0, dp_index)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    w = model.blocks[0].w1.weight
+    return w.device_mesh._dim_group_names == mesh["tp"]._dim_group_names, mesh["tp"].mesh.tolist()
+
+print("warm", job.rank, *build_and_step())
+try:
+    job._take_other_ranks(Directive(generation=1, active=True, ranks=(1,), world_size=4))
+except tm_launch.worker.runtime.RankChanged:
+    pass
+print("again", job.rank, *build_and_step())
+'''
+
+
+def test_a_promoted_spare_builds_its_new_ranks_layout(tmp_path):
+    """A spare warms up as rank 3 (TP group {2, 3}) and is promoted to rank 1: running the script
+    again for rank 1 gives DTensors on rank 1's mesh (TP group {0, 1}). DTensor caches sharding
+    decisions by mesh *value*, which ignores the groups behind it: without forgetting them, the
+    new parameters got the old rank's groups, unregistered by then (a crash in the first step)."""
+    import os
+    import subprocess
+    import sys
+
+    from tm_launch.local.localjob import REPO
+
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RERUN, REPO], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [l.split() for l in out.stdout.splitlines() if l.startswith(("warm", "again"))]
+    assert lines == [["warm", "3", "True", "[2,", "3]"], ["again", "1", "True", "[0,", "1]"]], out.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# per-rank state: snapshot and restore, mirrors for joiners
+
+
+class Counter:
+    """Per-rank state a step advances (a data position)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def _mirroring_rank():
+    from tm_launch.worker.per_rank import PerRankState
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    commit = StepCommit()
+    where = (4, "127.0.0.1", server.port)
+    commit.use(commit_store(dist.TCPStore("127.0.0.1", server.port, 1, False, wait_for_workers=False), 4), 0, 1, 4, where=where)
+    state = PerRankState()
+    state.objects["data"] = Counter()
+    return server, commit, state, where
+
+
+def _step(commit, state, step, consume=1, after_commit=0):
+    """One committed step: the body consumes ``consume``, then ``after_commit`` after the vote."""
+    state.begin_step(step, commit)
+    commit.begin(step)
+    state.objects["data"].n += consume
+    assert commit.decide(True, lambda: False, state.vote_mirror(step))
+    state.objects["data"].n += after_commit
+
+
+def test_a_mirror_on_a_store_whose_node_is_gone_is_reported_at_once(refusing_port):
+    """The store that held a rank's per-rank mirror went with its node: the joiner learns so from
+    the refused connection at once, not after torch's client has retried it for its whole connect
+    timeout (which allows for the resolver's dropped lookups, tm_launch.worker.store_clients)."""
+    joiner = _mirroring_rank()[2]
+    t0 = time.monotonic()
+    why = joiner.fetch((4, "127.0.0.1", refusing_port), 0, 4)
+    assert why is not None and "is gone" in why and time.monotonic() - t0 < 3
+
+
+def test_an_interrupted_step_runs_again_with_the_state_it_started_with():
+    server, commit, state, _ = _mirroring_rank()
+    _step(commit, state, 0)
+    state.begin_step(1, commit)
+    state.objects["data"].n += 5  # the step's body ran, then a peer failed
+    state.restore()
+    assert state.objects["data"].n == 1
+
+
+def test_a_joiner_gets_the_mirror_of_the_agreed_step():
+    server, commit, state, where = _mirroring_rank()
+    for step in range(3):
+        _step(commit, state, step)
+    joiner = _mirroring_rank()[2]
+    assert joiner.fetch(commit.last_commit_where, 0, 3) is None
+    assert joiner.objects["data"].n == 3
+    assert "not mirrored" in joiner.fetch(commit.last_commit_where, 0, 7)  # a step nobody mirrored
+    assert "not mirrored" in joiner.fetch(where, 0, 0)  # deleted: only the last two are kept
+
+
+def test_state_changed_after_the_commit_makes_vote_time_mirrors_inexact():
+    """A script that draws randomness after the optimizer step: the vote-time mirror is not the
+    state the next step starts with. The rank mirrors the exact state at the next step's start,
+    and a joiner refuses a vote-time mirror from then on (its rank may have died before
+    reaching the next step: that is lost state, never a silently different stream)."""
+    server, commit, state, _ = _mirroring_rank()
+    _step(commit, state, 0, after_commit=10)
+    state.begin_step(1, commit)  # sees the change, mirrors step 1 exactly
+    joiner = _mirroring_rank()[2]
+    assert joiner.fetch(commit.last_commit_where, 0, 1) is None and joiner.objects["data"].n == 11
+    commit.begin(1)
+    state.objects["data"].n += 1
+    assert commit.decide(True, lambda: False, state.vote_mirror(1))  # the rank dies after this vote
+    assert "only at its vote" in joiner.fetch(commit.last_commit_where, 0, 2)
+
+
+def test_after_the_state_moved_once_every_step_start_is_mirrored_exactly():
+    """The state moved after one vote (an epoch's new loader iterator), then never again: every
+    later step still gets an exact start-of-step mirror, so a rank drained or lost at any later
+    step can be replaced (a vote-time mirror, marked inexact since the move, is refused)."""
+    server, commit, state, _ = _mirroring_rank()
+    _step(commit, state, 0, after_commit=10)  # moved after the vote: vote-time mirrors untrusted
+    for step in range(1, 4):
+        _step(commit, state, step)  # nothing moves after these votes
+    state.begin_step(4, commit)
+    joiner = _mirroring_rank()[2]
+    assert joiner.fetch(commit.last_commit_where, 0, 4) is None and joiner.objects["data"].n == 14
+
+
+def test_rng_state_round_trips():
+    import random
+
+    from tm_launch.worker.per_rank import RNGState
+
+    rng = RNGState()
+    saved = rng.state_dict()
+    first = (torch.rand(3), random.random())
+    rng.load_state_dict(saved)
+    assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]
+
+
+SANDBOX_DCP = r'''
+import os, sys
+import torch, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROUP_RANK="-1", WORLD_SIZE="2",
+                  LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
+import tm_launch
+from tm_launch.worker.c10d_glue import NoPeersYet
+job = tm_launch.init()  # a spare: warms up as rank 1, no peers
+objects = [None]
+try:
+    dist.broadcast_object_list(objects, src=0)
+except NoPeersYet as e:
+    print("refused:", e)
+mine = [{"from": "me"}]
+dist.broadcast_object_list(mine, 1)  # its own rank is the source: served locally
+print("own:", mine[0])
+'''
+
+
+def test_a_rooted_object_collective_from_another_rank_before_steps_says_what_is_wrong():
+    """A spare (or joiner) has no peers before job.steps(): an object broadcast from rank 0 there
+    (a DCP load, say) has nothing to receive; it is refused with one clear line instead of
+    unpickling uninitialised memory. From its own rank it is served locally."""
+    import os
+    import subprocess
+    import sys
+
+    from tm_launch.local.localjob import REPO
+
+    out = subprocess.run([sys.executable, "-c", SANDBOX_DCP], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: tm-launch: broadcast_object_list from rank 0 ran before job.steps()" in out.stdout, out.stdout
+    assert "own: {'from': 'me'}" in out.stdout, out.stdout
