@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tm-launch-installed
 
-.PHONY: demo test test-all bench clean
+.PHONY: demo test test-all lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m tm_launch.local.demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -q -m "not slow"
 
 test-all: $(STAMP)

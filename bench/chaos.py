@@ -48,8 +48,18 @@ sys.path.insert(0, BENCH)
 from tm_launch.local.localjob import LocalJob, downtime  # noqa: E402
 
 KINDS = (
-    "kill-forward", "kill-allreduce", "kill-optimizer", "kill-checkpoint", "agent-kill", "hang", "xid",
-    "straggler", "drain", "spare-killed-parked", "spare-killed-promotion", "double-failure",
+    "kill-forward",
+    "kill-allreduce",
+    "kill-optimizer",
+    "kill-checkpoint",
+    "agent-kill",
+    "hang",
+    "xid",
+    "straggler",
+    "drain",
+    "spare-killed-parked",
+    "spare-killed-promotion",
+    "double-failure",
 )
 PLANNED = ("straggler", "drain")
 ACTIVE = 3  # straggler detection needs three ranks to single one out
@@ -74,22 +84,32 @@ def summarize(results: list[dict]) -> list[dict]:
         if not mine:
             continue
         times = [r["downtime_s"] for r in mine if r["recovered"] and r.get("downtime_s") is not None]
-        rows.append({
-            "kind": kind, "injected": len(mine), "recovered": sum(1 for r in mine if r["recovered"]),
+        rows.append(
+            {
+                "kind": kind,
+                "injected": len(mine),
+                "recovered": sum(1 for r in mine if r["recovered"]),
+                "median_downtime_s": statistics.median(times) if times else None,
+                "max_downtime_s": max(times) if times else None,
+            }
+        )
+    times = [r["downtime_s"] for r in results if r["recovered"] and r.get("downtime_s") is not None]
+    rows.append(
+        {
+            "kind": "all",
+            "injected": len(results),
+            "recovered": sum(1 for r in results if r["recovered"]),
             "median_downtime_s": statistics.median(times) if times else None,
             "max_downtime_s": max(times) if times else None,
-        })
-    times = [r["downtime_s"] for r in results if r["recovered"] and r.get("downtime_s") is not None]
-    rows.append({
-        "kind": "all", "injected": len(results), "recovered": sum(1 for r in results if r["recovered"]),
-        "median_downtime_s": statistics.median(times) if times else None, "max_downtime_s": max(times) if times else None,
-    })
+        }
+    )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     def num(x):
         return "—" if x is None else f"{x:.2f}"
+
     out = ["| fault | injected | recovered | median downtime (s) | max downtime (s) |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['kind']} | {r['injected']} | {r['recovered']} | {num(r['median_downtime_s'])} | {num(r['max_downtime_s'])} |")
@@ -112,19 +132,47 @@ class Chaos:
         self.out = os.path.join(workdir, "params.pt")
         run_id = f"chaos-{seed}-{uuid.uuid4().hex[:8]}"
         self.job = LocalJob(
-            endpoint=endpoint, run_id=run_id, workdir=workdir, nnodes=str(ACTIVE), nproc=1,
+            endpoint=endpoint,
+            run_id=run_id,
+            workdir=workdir,
+            nnodes=str(ACTIVE),
+            nproc=1,
             launcher_args=[
                 # Dead agents are found by probing in milliseconds; the lease is only the backstop,
                 # and on a shared, overloaded 2-core machine 5 s leases of live agents expired.
-                "--lease-ttl", "15",
-                "--max-restarts", "1000", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0",
-                "--health-straggler-window", "5", "--health-straggler-need", "3", "--health-straggler-of", "5",
+                "--lease-ttl",
+                "15",
+                "--max-restarts",
+                "1000",
+                "--health-hang-timeout",
+                "2",
+                "--health-hang-warmup-steps",
+                "0",
+                "--health-straggler-window",
+                "5",
+                "--health-straggler-need",
+                "3",
+                "--health-straggler-of",
+                "5",
             ],
         )
         self.job.script_args = [
-            "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", self.out, "--step-log", self.job.step_log,
-            "--chaos-dir", self.chaos, "--ckpt-dir", os.path.join(workdir, "ckpt"), "--ckpt-every", str(CKPT_EVERY),
-            "--slow-factor", "8",
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            str(step_sleep),
+            "--out",
+            self.out,
+            "--step-log",
+            self.job.step_log,
+            "--chaos-dir",
+            self.chaos,
+            "--ckpt-dir",
+            os.path.join(workdir, "ckpt"),
+            "--ckpt-every",
+            str(CKPT_EVERY),
+            "--slow-factor",
+            "8",
         ]
         self.spare_count = 0
         self.results: list[dict] = []
@@ -179,8 +227,14 @@ class Chaos:
         return [n for n in s["nodes"] if n["role"] == role]
 
     def parked(self, s: dict) -> list[str]:
-        return [n["id"] for n in self.roles(s, "spare")
-                if n["id"] in self.job.nodes and self.job.nodes[n["id"]].proc.poll() is None and n["progress"] and all(w.get("state") == "parked" for w in n["progress"].values())]
+        return [
+            n["id"]
+            for n in self.roles(s, "spare")
+            if n["id"] in self.job.nodes
+            and self.job.nodes[n["id"]].proc.poll() is None
+            and n["progress"]
+            and all(w.get("state") == "parked" for w in n["progress"].values())
+        ]
 
     def max_step(self) -> int:
         done = self.job.steps_done()
@@ -328,9 +382,11 @@ class Chaos:
         """Wait (bounded) until the victim is out of the job and every rank trained on; measure."""
         try:
             if expect_plan:
+
                 def replaced(s):
                     active = {n["id"] for n in s["nodes"] if n["role"] in ("active", "draining")}
                     return s["generation"] > gen and victim not in active and len(active) == ACTIVE
+
                 self.wait(replaced, 90, f"{victim} to be replaced after {kind}", interval=0.1)
             elif info.get("how") == "worker":
                 # Its progress record says "parked" until the agent publishes the restart (~1 s).
@@ -340,6 +396,7 @@ class Chaos:
             def trained(_):
                 d = downtime(self.job.step_records(), fault_time)
                 return d if d["first_step_after"] is not None and self.max_step() >= d["first_step_after"] + 3 else None
+
             self.wait(trained, 90, f"every rank to train on after {kind}", interval=0.1)
         except SoakError as e:
             info.update(recovered=False, error=str(e))
@@ -355,8 +412,15 @@ class Chaos:
             at = switch_time(records, fault_time) or fault_time
         d = downtime(records, at)
         s = self.status()
-        info.update(recovered=True, fault_time=fault_time, generation_after=s["generation"], downtime_s=d["downtime_s"],
-                    steps_redone=d["steps_redone"], last_step_before=d["last_step_before"], cause=s["cause"])
+        info.update(
+            recovered=True,
+            fault_time=fault_time,
+            generation_after=s["generation"],
+            downtime_s=d["downtime_s"],
+            steps_redone=d["steps_redone"],
+            last_step_before=d["last_step_before"],
+            cause=s["cause"],
+        )
         return info
 
 
@@ -365,8 +429,15 @@ def reference_params(endpoint: str, workdir: str, steps: int):
     import torch
 
     out = os.path.join(workdir, "reference.pt")
-    job = LocalJob(endpoint=endpoint, run_id=f"chaos-ref-{uuid.uuid4().hex[:8]}", workdir=os.path.join(workdir, "reference"),
-                   nnodes=str(ACTIVE), nproc=1, launcher_args=["--lease-ttl", "15"], script_args=["--steps", str(steps), "--out", out])
+    job = LocalJob(
+        endpoint=endpoint,
+        run_id=f"chaos-ref-{uuid.uuid4().hex[:8]}",
+        workdir=os.path.join(workdir, "reference"),
+        nnodes=str(ACTIVE),
+        nproc=1,
+        launcher_args=["--lease-ttl", "15"],
+        script_args=["--steps", str(steps), "--out", out],
+    )
     job.start_all([f"r{i}" for i in range(ACTIVE)])
     try:
         codes = job.wait(timeout=300)
@@ -398,9 +469,16 @@ def soak(endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_s
     finally:
         chaos.job.stop()
     steps = chaos.end
-    report = {"seed": seed, "steps": steps, "faults": len(chaos.results), "seconds": round(run["seconds"], 1),
-              "codes": run["codes"], "results": chaos.results, "table": summarize(chaos.results),
-              "spares_started": chaos.spare_count}
+    report = {
+        "seed": seed,
+        "steps": steps,
+        "faults": len(chaos.results),
+        "seconds": round(run["seconds"], 1),
+        "codes": run["codes"],
+        "results": chaos.results,
+        "table": summarize(chaos.results),
+        "spares_started": chaos.spare_count,
+    }
     if not os.path.exists(chaos.out):
         report["bitwise_equal"], report["error"] = False, f"no final parameters: the job ended with {run['codes']}\n{chaos.job.logs_tail()}"
         return report
@@ -447,15 +525,21 @@ def main() -> int:
             server.stop()
     os.makedirs(args.out_dir, exist_ok=True)
     table = markdown(report["table"])
-    head = (f"Chaos soak, seed {args.seed}: {report['faults']} faults in {report['seconds']:.0f} s, {report['steps']} steps, "
-            f"{ACTIVE} active nodes x 1 worker, {report['spares_started']} spares started; final parameters "
-            f"{'bitwise equal to' if report['bitwise_equal'] else 'DIFFERENT from'} the fault-free run")
+    head = (
+        f"Chaos soak, seed {args.seed}: {report['faults']} faults in {report['seconds']:.0f} s, {report['steps']} steps, "
+        f"{ACTIVE} active nodes x 1 worker, {report['spares_started']} spares started; final parameters "
+        f"{'bitwise equal to' if report['bitwise_equal'] else 'DIFFERENT from'} the fault-free run"
+    )
     with open(os.path.join(args.out_dir, f"chaos-{args.seed}.md"), "w") as f:
         f.write(head + "\n\n" + table + "\n")
     with open(os.path.join(args.out_dir, f"chaos-{args.seed}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(head + "\n\n" + table)
-    ok = report["bitwise_equal"] and all(r["recovered"] for r in report["results"]) and len(report["results"]) == len(kinds or schedule(args.seed, args.faults))
+    ok = (
+        report["bitwise_equal"]
+        and all(r["recovered"] for r in report["results"])
+        and len(report["results"]) == len(kinds or schedule(args.seed, args.faults))
+    )
     return 0 if ok else 1
 
 

@@ -38,7 +38,9 @@ def main() -> int:
     args = p.parse_args()
     t = time.perf_counter()
     import torch
+
     from tm_launch.worker.cuda_warmup import gpu_memory, leave_no_trace
+
     t_import = time.perf_counter() - t
     if not torch.cuda.is_available():
         print("no CUDA here", file=sys.stderr)
@@ -74,16 +76,23 @@ def main() -> int:
     dropped = leave_no_trace()
     params = args.layers * (args.width * args.width + args.width)
     out = {
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "params_m": round(params / 1e6, 1), "model_plus_adam_mib": round(params * 4 * 3 / 2**20, 1),
-        "import_torch_s": round(t_import, 2), "cuda_context_s": round(t_context, 3),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "params_m": round(params / 1e6, 1),
+        "model_plus_adam_mib": round(params * 4 * 3 / 2**20, 1),
+        "import_torch_s": round(t_import, 2),
+        "cuda_context_s": round(t_context, 3),
         "alloc_model_optimizer_s": round(t_alloc, 3),
         "first_step_s": round(step_times[0], 3),
         "later_steps_median_s": round(statistics.median(step_times[1:]), 4) if len(step_times) > 1 else None,
         "leave_no_trace_s": round(t_release, 4),
-        "mib": {"context_baseline": mib(base), "after_steps": mib(after_steps),
-                "peak_reserved": round(peak / 2**20, 1), "parked_model_kept": mib(parked),
-                "dropped": mib(dropped)},
+        "mib": {
+            "context_baseline": mib(base),
+            "after_steps": mib(after_steps),
+            "peak_reserved": round(peak / 2**20, 1),
+            "parked_model_kept": mib(parked),
+            "dropped": mib(dropped),
+        },
         "dropped_minus_baseline_mib": mib({k: dropped[k] - base[k] for k in base}),
         "threads": {"before_context": before_ctx, "end": threads()},
     }

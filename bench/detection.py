@@ -53,11 +53,28 @@ def first_step_of_new_process(job: LocalJob, fault: float) -> float | None:
 
 def run_case(endpoint: str, name: str, workdir: str, launcher=(), script=(), env_for=None, inject=None, spare_after=True) -> dict:
     nodes = ["a", "b", "d"] if name == "straggler" else ["a", "b"]
-    job = LocalJob(endpoint=endpoint, run_id=f"det-{name}-{time.time_ns()}", workdir=os.path.join(workdir, name),
-                   nnodes=str(len(nodes)), nproc=1, launcher_args=["--max-restarts", "3", *launcher])
+    job = LocalJob(
+        endpoint=endpoint,
+        run_id=f"det-{name}-{time.time_ns()}",
+        workdir=os.path.join(workdir, name),
+        nnodes=str(len(nodes)),
+        nproc=1,
+        launcher_args=["--max-restarts", "3", *launcher],
+    )
     trigger = os.path.join(job.workdir, "go")
-    job.script_args = ["--steps", "200", "--step-sleep", "0.05", "--step-log", job.step_log,
-                       "--pause-step", "10", "--pause-file", trigger, *script]
+    job.script_args = [
+        "--steps",
+        "200",
+        "--step-sleep",
+        "0.05",
+        "--step-log",
+        job.step_log,
+        "--pause-step",
+        "10",
+        "--pause-file",
+        trigger,
+        *script,
+    ]
     try:
         for n in nodes:
             job.start(n, (env_for or {}).get(n))
@@ -117,10 +134,15 @@ def main(argv=None) -> int:
             "worker": dict(inject=lambda j: (os.kill(j.worker_pids("b")[0], signal.SIGKILL), time.time())[1]),
             "agent": dict(inject=lambda j: (j.kill_agent("b"), time.time())[1]),
             "xid": dict(env_for={"b": {"TM_FAKE_NVML": xid}}, inject=lambda j: _xid(j, xid)),
-            "hang": dict(launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
-                         inject=lambda j: (os.kill(j.worker_pids("b")[0], signal.SIGSTOP), time.time())[1]),
-            "straggler": dict(launcher=["--health-straggler-window", "5"], script=["--slow-node", "b", "--slow-factor", "0.8"],
-                              inject=lambda j: time.time()),
+            "hang": dict(
+                launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
+                inject=lambda j: (os.kill(j.worker_pids("b")[0], signal.SIGSTOP), time.time())[1],
+            ),
+            "straggler": dict(
+                launcher=["--health-straggler-window", "5"],
+                script=["--slow-node", "b", "--slow-factor", "0.8"],
+                inject=lambda j: time.time(),
+            ),
         }
         for name in args.signals.split(","):
             if name == "xid":
@@ -136,8 +158,10 @@ def main(argv=None) -> int:
     for r in rows:
         out.append(f"| {r['signal']} | {fmt(r['detected_s'])} | {fmt(r['plan_s'])} | {fmt(r['first_step_s'])} | {r['how'][:90]} |")
     out.append("")
-    out.append(f"NVML monitor: {cost['cpu_ms_per_poll']:.2f} ms CPU per batched poll of {cost['gpus']} fake GPUs "
-               f"(18 NVLink links each), {100 * cost['cpu_share_of_one_core']:.3f}% of one core at a {cost['poll_interval']:.0f} s poll interval.")
+    out.append(
+        f"NVML monitor: {cost['cpu_ms_per_poll']:.2f} ms CPU per batched poll of {cost['gpus']} fake GPUs "
+        f"(18 NVLink links each), {100 * cost['cpu_share_of_one_core']:.3f}% of one core at a {cost['poll_interval']:.0f} s poll interval."
+    )
     text = "\n".join(out)
     print(text)
     os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)

@@ -153,14 +153,27 @@ class TorchrunJob(LocalJob):
 
     def start(self, name: str, extra_env: dict[str, str] | None = None) -> Node:
         os.makedirs(self.workdir, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run",
-               "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
-               *self.launcher_args, self.script, *self.script_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            self.nnodes,
+            "--nproc-per-node",
+            str(self.nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            self.endpoint,
+            "--rdzv-id",
+            self.run_id,
+            *self.launcher_args,
+            self.script,
+            *self.script_args,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(extra_env or {})}
         log_path = os.path.join(self.workdir, f"{name}.log")
-        proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
         node = Node(name, proc, log_path)
         self.nodes[name] = node
         return node
@@ -178,7 +191,7 @@ class TorchrunJob(LocalJob):
                 break
             except OSError:
                 if self.nodes[first].proc.poll() is not None:
-                    raise RuntimeError(f"torchrun agent {first} exited early\n{self.logs_tail()}")
+                    raise RuntimeError(f"torchrun agent {first} exited early\n{self.logs_tail()}") from None
                 time.sleep(0.1)
         super().start_all(rest, gap)
 
@@ -335,14 +348,22 @@ class Bench:
         workdir = os.path.join(self.logdir, spec.name)
         trigger = os.path.join(workdir, "release")
         pause, fault_step = a.pause_step, a.pause_step + a.fault_after
-        script = ["--steps", str(a.steps), "--step-sleep", str(a.step_sleep),
-                  "--pause-step", str(pause), "--pause-file", trigger]
+        script = ["--steps", str(a.steps), "--step-sleep", str(a.step_sleep), "--pause-step", str(pause), "--pause-file", trigger]
         if spec.launcher in ("torchrun", "tm-restart") or a.layout in NO_REPLICA:
             script += ["--ckpt-dir", os.path.join(workdir, "ckpt"), "--ckpt-every", str(a.ckpt_every)]
         tm = spec.launcher != "torchrun"
         standby = spec.launcher == "torchrun" and spec.case == "node-sigkill"
-        result = {"case": spec.case, "size": spec.size, "launcher": spec.launcher, "repeat": spec.repeat,
-                  "nodes": nodes, "nproc": nproc, "spare": tm or standby, "workdir": workdir, "load": os.getloadavg()[0]}
+        result = {
+            "case": spec.case,
+            "size": spec.size,
+            "launcher": spec.launcher,
+            "repeat": spec.repeat,
+            "nodes": nodes,
+            "nproc": nproc,
+            "spare": tm or standby,
+            "workdir": workdir,
+            "load": os.getloadavg()[0],
+        }
         t0 = time.time()
         job = self.make_job(spec, script, spare=tm)
         actives = [f"n{i}" for i in range(nodes)]
@@ -357,7 +378,9 @@ class Bench:
                 if spec.launcher == "tm-live":
                     job.wait_parked("s0", timeout=a.start_timeout)
                 else:
-                    job.wait_for(lambda s: any(n["id"] == "s0" and n["role"] == "spare" for n in s["nodes"]), a.start_timeout, "spare s0 to register")
+                    job.wait_for(
+                        lambda s: any(n["id"] == "s0" and n["role"] == "spare" for n in s["nodes"]), a.start_timeout, "spare s0 to register"
+                    )
             elif standby:
                 job.start("s0")
                 self.wait_standby(job, a.start_timeout)
@@ -392,8 +415,10 @@ class Bench:
             records = job.step_records()
             result.update(self.measure(records, spec, fault_time))
             if rec is not None and result.get("downtime_s") is not None:
-                say(f"{spec.label}: recovered in {result['downtime_s']:.1f} s ({result['steps_redone']} steps redone, "
-                    f"step time {fmt_num(result['step_time_s'] and result['step_time_s'] * 1000, '{:.0f}')} ms)")
+                say(
+                    f"{spec.label}: recovered in {result['downtime_s']:.1f} s ({result['steps_redone']} steps redone, "
+                    f"step time {fmt_num(result['step_time_s'] and result['step_time_s'] * 1000, '{:.0f}')} ms)"
+                )
             elif rec is not None:
                 result["recovered"] = False
                 result["error"] = "the step log shows no step completed by every rank after the fault"
@@ -513,7 +538,7 @@ class Bench:
             time.sleep(0.1)
         raise TimeoutError(f"not every rank reached step {step} in {timeout:.0f} s\n{job.logs_tail()}")
 
-    def wait_standby(self, job: "TorchrunJob", timeout: float) -> None:
+    def wait_standby(self, job: TorchrunJob, timeout: float) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if job.standby_waiting():
@@ -575,8 +600,16 @@ class Bench:
         nodes, nproc = spec.layout
         script = ["--steps", str(a.overhead_steps), "--step-sleep", str(a.step_sleep)]
         t0 = time.time()
-        result = {"case": "overhead", "size": spec.size, "launcher": spec.launcher, "repeat": spec.repeat,
-                  "nodes": nodes, "nproc": nproc, "steps": a.overhead_steps, "load": os.getloadavg()[0]}
+        result = {
+            "case": "overhead",
+            "size": spec.size,
+            "launcher": spec.launcher,
+            "repeat": spec.repeat,
+            "nodes": nodes,
+            "nproc": nproc,
+            "steps": a.overhead_steps,
+            "load": os.getloadavg()[0],
+        }
         job = self.make_job(spec, script, spare=False)
         result["workdir"] = job.workdir
         try:
@@ -606,9 +639,11 @@ class Bench:
             result["step_time_s"] = median_step_time(records, first=a.overhead_warmup)
             result["measured_steps"] = max(0, a.overhead_steps - a.overhead_warmup - 1)
             result["agent_cpu_s"], result["worker_cpu_s"] = cpu.totals()
-            say(f"{spec.launcher} overhead {spec.size} ranks: median step {result['step_time_s'] * 1000:.2f} ms "
+            say(
+                f"{spec.launcher} overhead {spec.size} ranks: median step {result['step_time_s'] * 1000:.2f} ms "
                 f"(steady-state CPU per step: agents {fmt_num(result.get('steady_agent_cpu_ms_per_step'))} ms, "
-                f"workers {fmt_num(result.get('steady_worker_cpu_ms_per_step'))} ms; load {result['load']:.1f})")
+                f"workers {fmt_num(result.get('steady_worker_cpu_ms_per_step'))} ms; load {result['load']:.1f})"
+            )
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001
@@ -690,17 +725,39 @@ def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
     for case, size, launcher in keys:
         group = [r for r in runs if (r["case"], r["size"], r["launcher"]) == (case, size, launcher)]
         ok = [r for r in group if r.get("recovered") and r.get("downtime_s") is not None]
-        row = {"case": case, "size": size, "launcher": launcher, "runs": len(group), "failed": len(group) - len(ok),
-               "downtime_s": _median_of(ok, "downtime_s"), "steps_redone": _median_of(ok, "steps_redone"),
-               "after_fault_s": _median_of(ok, "after_fault_s"), "fault_offset_s": _median_of(ok, "fault_offset_s"),
-               "step_time_s": statistics.median([r["step_time_s"] for r in ok if r.get("step_time_s")]) if any(r.get("step_time_s") for r in ok) else None,
-               "note": "; ".join(sorted({r["error"].splitlines()[0][:120] for r in group if r.get("error")}))}
+        row = {
+            "case": case,
+            "size": size,
+            "launcher": launcher,
+            "runs": len(group),
+            "failed": len(group) - len(ok),
+            "downtime_s": _median_of(ok, "downtime_s"),
+            "steps_redone": _median_of(ok, "steps_redone"),
+            "after_fault_s": _median_of(ok, "after_fault_s"),
+            "fault_offset_s": _median_of(ok, "fault_offset_s"),
+            "step_time_s": statistics.median([r["step_time_s"] for r in ok if r.get("step_time_s")])
+            if any(r.get("step_time_s") for r in ok)
+            else None,
+            "note": "; ".join(sorted({r["error"].splitlines()[0][:120] for r in group if r.get("error")})),
+        }
         rows.append(row)
     # torchrun has no drain: an explicit n/a row where tm-launch drain rows exist
     for case, size in {(r["case"], r["size"]) for r in rows if r["case"] == "drain"}:
         if not any(r["case"] == case and r["size"] == size and r["launcher"] == "torchrun" for r in rows) and "torchrun" in args.launchers:
-            rows.append({"case": case, "size": size, "launcher": "torchrun", "runs": 0, "failed": 0, "downtime_s": None,
-                         "steps_redone": None, "step_time_s": None, "na": True, "note": "torchrun has no drain"})
+            rows.append(
+                {
+                    "case": case,
+                    "size": size,
+                    "launcher": "torchrun",
+                    "runs": 0,
+                    "failed": 0,
+                    "downtime_s": None,
+                    "steps_redone": None,
+                    "step_time_s": None,
+                    "na": True,
+                    "note": "torchrun has no drain",
+                }
+            )
     order = {c: i for i, c in enumerate(CASES)}
     lorder = {l: i for i, l in enumerate(LAUNCHERS)}
     rows.sort(key=lambda r: (order[r["case"]], r["size"], lorder[r["launcher"]]))
@@ -723,19 +780,24 @@ def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
                 pairs.append(tm[0] / tr[0] - 1)
         tr = statistics.median(per["torchrun"]) if per["torchrun"] else None
         tm = statistics.median(per["tm-live"]) if per["tm-live"] else None
+
         def cpu(key, launcher):
             vals = [r[key] for r in mine if r["launcher"] == launcher and r.get(key) is not None]
             return statistics.median(vals) if vals else None
 
-        overhead.append({
-            "size": size, "torchrun_step_s": tr, "tm_live_step_s": tm,
-            "pair_overheads_pct": [p * 100 for p in pairs],
-            "overhead_pct": statistics.median(pairs) * 100 if pairs else None,
-            "overhead_ms": (tm - tr) * 1000 if tr and tm else None,
-            "agent_cpu_ms_per_step": {l: cpu("steady_agent_cpu_ms_per_step", l) for l in ("torchrun", "tm-live")},
-            "worker_cpu_ms_per_step": {l: cpu("steady_worker_cpu_ms_per_step", l) for l in ("torchrun", "tm-live")},
-            "runs": len(mine),
-        })
+        overhead.append(
+            {
+                "size": size,
+                "torchrun_step_s": tr,
+                "tm_live_step_s": tm,
+                "pair_overheads_pct": [p * 100 for p in pairs],
+                "overhead_pct": statistics.median(pairs) * 100 if pairs else None,
+                "overhead_ms": (tm - tr) * 1000 if tr and tm else None,
+                "agent_cpu_ms_per_step": {l: cpu("steady_agent_cpu_ms_per_step", l) for l in ("torchrun", "tm-live")},
+                "worker_cpu_ms_per_step": {l: cpu("steady_worker_cpu_ms_per_step", l) for l in ("torchrun", "tm-live")},
+                "runs": len(mine),
+            }
+        )
     return rows, overhead
 
 
@@ -744,8 +806,11 @@ def _median_of(runs: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-VICTIM_TEXT = {"first": "the node holding rank 0", "last": "the node holding the last ranks (the ranks the spare warmed up as)",
-               "n1": "node n1"}
+VICTIM_TEXT = {
+    "first": "the node holding rank 0",
+    "last": "the node holding the last ranks (the ranks the spare warmed up as)",
+    "n1": "node n1",
+}
 
 
 def fmt_num(x, spec="{:.1f}", none="—"):
@@ -760,13 +825,17 @@ def run_notes(runs: list[dict]) -> list[str]:
         if r.get("error"):
             notes.append(f"{label}: {r['error'].splitlines()[0][:200]}")
         elif r.get("finish_timeout"):
-            notes.append(f"{label}: recovered, but the job did not end afterwards (stopped by the benchmark; exit codes {r.get('exit_codes')})")
+            notes.append(
+                f"{label}: recovered, but the job did not end afterwards (stopped by the benchmark; exit codes {r.get('exit_codes')})"
+            )
         elif r.get("exit_codes") and any(c != 0 for n, c in r["exit_codes"].items() if n != r.get("victim") or r["case"] == "overhead"):
             notes.append(f"{label}: exit codes {r['exit_codes']}")
         if r["case"] == "drain" and r.get("request_to_switch_s") is not None:
             lost = r.get("prepare_time_lost_s")
-            notes.append(f"{label}: switch {r['request_to_switch_s']:.2f} s after the drain request; training went on meanwhile"
-                         + (f" (time lost to slower steps while preparing: {lost:.2f} s)" if lost is not None else ""))
+            notes.append(
+                f"{label}: switch {r['request_to_switch_s']:.2f} s after the drain request; training went on meanwhile"
+                + (f" (time lost to slower steps while preparing: {lost:.2f} s)" if lost is not None else "")
+            )
     return notes
 
 
@@ -783,10 +852,14 @@ def breakdown_table(runs) -> list[str]:
             groups.setdefault((r["case"], r["size"]), []).append(r)
     if not groups:
         return []
-    lines = ["", "tm-live downtime by phase (ms, median; the phases of the node that resumed last, which add up to its total; "
-             "the step log's downtime adds the gap between the agents' stamps and the script's step log):", "",
-             "| case | world size | " + " | ".join(BREAKDOWN_PHASES) + " | spare ran the script again |",
-             "|---|---|" + "---|" * len(BREAKDOWN_PHASES) + "---|"]
+    lines = [
+        "",
+        "tm-live downtime by phase (ms, median; the phases of the node that resumed last, which add up to its total; "
+        "the step log's downtime adds the gap between the agents' stamps and the script's step log):",
+        "",
+        "| case | world size | " + " | ".join(BREAKDOWN_PHASES) + " | spare ran the script again |",
+        "|---|---|" + "---|" * len(BREAKDOWN_PHASES) + "---|",
+    ]
     order = {c: i for i, c in enumerate(CASES)}
     for (case, size), group in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
         cells = []
@@ -799,8 +872,14 @@ def breakdown_table(runs) -> list[str]:
 
 
 def markdown(rows, overhead, args, meta, runs=()) -> str:
-    lines = ["| case | world size | launcher | downtime s | of it before the fault, ms | steps redone | ratio vs torchrun |",
-             "|---|---|---|---|---|---|---|"] if rows else []
+    lines = (
+        [
+            "| case | world size | launcher | downtime s | of it before the fault, ms | steps redone | ratio vs torchrun |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        if rows
+        else []
+    )
     for r in rows:
         if r.get("na"):
             dt, before, redone, ratio = "n/a (no drain)", "n/a", "n/a", "n/a"
@@ -816,40 +895,58 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
         case = f"{r['case']} ({args.layout})" if args.layout else r["case"]
         lines.append(f"| {case} | {r['size']} | {r['launcher']} | {dt} | {before} | {redone} | {ratio} |")
     if overhead:
-        lines += ["" if rows else None, "| steady state (no fault) | world size | torchrun median step ms | tm-live median step ms | overhead (median of A/B pairs) | CPU ms/step, workers: torchrun / tm-live | CPU ms/step, agents: torchrun / tm-live |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "" if rows else None,
+            "| steady state (no fault) | world size | torchrun median step ms | tm-live median step ms | overhead (median of A/B pairs) | CPU ms/step, workers: torchrun / tm-live | CPU ms/step, agents: torchrun / tm-live |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for o in overhead:
-            pct = "—" if o["overhead_pct"] is None else f"{o['overhead_pct']:+.1f} % (pairs: {', '.join(f'{p:+.0f}' for p in o['pair_overheads_pct'])} %)"
+            pct = (
+                "—"
+                if o["overhead_pct"] is None
+                else f"{o['overhead_pct']:+.1f} % (pairs: {', '.join(f'{p:+.0f}' for p in o['pair_overheads_pct'])} %)"
+            )
             acpu, wcpu = o["agent_cpu_ms_per_step"], o["worker_cpu_ms_per_step"]
-            lines.append(f"| overhead{f' ({args.layout})' if args.layout else ''} | {o['size']} | {fmt_num(o['torchrun_step_s'] and o['torchrun_step_s'] * 1000, '{:.1f}')} | "
-                         f"{fmt_num(o['tm_live_step_s'] and o['tm_live_step_s'] * 1000, '{:.1f}')} | {pct} | "
-                         f"{fmt_num(wcpu.get('torchrun'))} / {fmt_num(wcpu.get('tm-live'))} | "
-                         f"{fmt_num(acpu.get('torchrun'))} / {fmt_num(acpu.get('tm-live'))} |")
+            lines.append(
+                f"| overhead{f' ({args.layout})' if args.layout else ''} | {o['size']} | {fmt_num(o['torchrun_step_s'] and o['torchrun_step_s'] * 1000, '{:.1f}')} | "
+                f"{fmt_num(o['tm_live_step_s'] and o['tm_live_step_s'] * 1000, '{:.1f}')} | {pct} | "
+                f"{fmt_num(wcpu.get('torchrun'))} / {fmt_num(wcpu.get('tm-live'))} | "
+                f"{fmt_num(acpu.get('torchrun'))} / {fmt_num(acpu.get('tm-live'))} |"
+            )
     lines += breakdown_table(runs)
     notes = run_notes(runs)
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     steps = [r["step_time_s"] for r in rows if r.get("step_time_s")]
     device_text = f"GPU {meta.get('gpu')}, script args {args.script_args!r}" if args.script_args else "CPU, gloo"
-    overhead_text = (f"Overhead: median step over {args.overhead_steps} steps (first {args.overhead_warmup} skipped), no spare, "
-                     f"{args.overhead_pairs * args.repeat} alternating torchrun/tm-live pair(s). " if overhead else "")
-    cut_short = (f" (interrupted: {meta.get('runs_done')} of {meta.get('runs_planned')} runs done; medians over those)"
-                 if meta.get("interrupted") else "")
-    lines += ["",
-              f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']} ({device_text}), loopback. "
-              f"Step = {args.step_sleep * 1000:.0f} ms sleep + "
-              f"{f'tests/scripts/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
-              f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
-              f"Training paused at step {args.pause_step} until ready, an unplanned fault {args.fault_at:g} of a step after step "
-              f"{args.pause_step + args.fault_after} completed (\"before the fault\": the part of the interrupted step done before it); "
-              f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
-              f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
-              f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "
-              f"Fault on {VICTIM_TEXT[args.victim]} (torchrun: n1). "
-              f"Median over {args.repeat} run(s) per row{cut_short}. "
-              f"{overhead_text}"
-              f"Load average at start: {meta['load_start']:.1f} (the machine is shared).",
-              f"Command: `{meta['command']}` (total {meta['total_s']:.0f} s)"]
+    overhead_text = (
+        f"Overhead: median step over {args.overhead_steps} steps (first {args.overhead_warmup} skipped), no spare, "
+        f"{args.overhead_pairs * args.repeat} alternating torchrun/tm-live pair(s). "
+        if overhead
+        else ""
+    )
+    cut_short = (
+        f" (interrupted: {meta.get('runs_done')} of {meta.get('runs_planned')} runs done; medians over those)"
+        if meta.get("interrupted")
+        else ""
+    )
+    lines += [
+        "",
+        f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']} ({device_text}), loopback. "
+        f"Step = {args.step_sleep * 1000:.0f} ms sleep + "
+        f"{f'tests/scripts/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
+        f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
+        f"Training paused at step {args.pause_step} until ready, an unplanned fault {args.fault_at:g} of a step after step "
+        f'{args.pause_step + args.fault_after} completed ("before the fault": the part of the interrupted step done before it); '
+        f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
+        f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
+        f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "
+        f"Fault on {VICTIM_TEXT[args.victim]} (torchrun: n1). "
+        f"Median over {args.repeat} run(s) per row{cut_short}. "
+        f"{overhead_text}"
+        f"Load average at start: {meta['load_start']:.1f} (the machine is shared).",
+        f"Command: `{meta['command']}` (total {meta['total_s']:.0f} s)",
+    ]
     return "\n".join(l for l in lines if l is not None) + "\n"
 
 
@@ -857,36 +954,62 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description="Downtime and step-time overhead: tm-launch against torchrun, in one run.")
     p.add_argument("--quick", action="store_true", help="worker-sigkill at 2 ranks under all three launchers + overhead (~2-3 min)")
-    p.add_argument("--layout", default="", choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp"),
-                   help="run tests/scripts/hybrid.py with this layout (4 ranks) instead of the DDP script")
-    p.add_argument("--victim", default="first", choices=VICTIMS, help="the node that loses a worker, dies or is drained (tm-launch; "
-                   "torchrun: n1): first = the node holding rank 0 (default; the spare runs the script again for those ranks), "
-                   "last = the node holding the last ranks, which the spare warmed up as, n1 = the node named n1 (see victim_node)")
-    p.add_argument("--sizes", default="2,4,8", help="world sizes for the worker-sigkill sweep (torchrun vs tm-live), e.g. 2,4,8,16; the largest is the cap")
+    p.add_argument(
+        "--layout",
+        default="",
+        choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp"),
+        help="run tests/scripts/hybrid.py with this layout (4 ranks) instead of the DDP script",
+    )
+    p.add_argument(
+        "--victim",
+        default="first",
+        choices=VICTIMS,
+        help="the node that loses a worker, dies or is drained (tm-launch; "
+        "torchrun: n1): first = the node holding rank 0 (default; the spare runs the script again for those ranks), "
+        "last = the node holding the last ranks, which the spare warmed up as, n1 = the node named n1 (see victim_node)",
+    )
+    p.add_argument(
+        "--sizes",
+        default="2,4,8",
+        help="world sizes for the worker-sigkill sweep (torchrun vs tm-live), e.g. 2,4,8,16; the largest is the cap",
+    )
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the table shows the median")
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of stand-in compute per step")
-    p.add_argument("--script-args", default="", help="more arguments for the training script of every launcher, e.g. "
-                   "'--device cuda --backend gloo' (a GPU job whose ranks share one GPU)")
+    p.add_argument(
+        "--script-args",
+        default="",
+        help="more arguments for the training script of every launcher, e.g. "
+        "'--device cuda --backend gloo' (a GPU job whose ranks share one GPU)",
+    )
     p.add_argument("--steps", type=int, default=100, help="steps per fault run")
     p.add_argument("--pause-step", type=int, default=20, help="training waits here until everything is ready")
     p.add_argument("--fault-after", type=int, default=5, help="inject the fault this many steps after the release")
-    p.add_argument("--fault-at", type=float, default=0.5,
-                   help="where in the next step the fault strikes, as a fraction of the median step after the step log shows "
-                        "step pause+fault-after: 0.5 (default) is where a fault that may come at any time lands on average")
+    p.add_argument(
+        "--fault-at",
+        type=float,
+        default=0.5,
+        help="where in the next step the fault strikes, as a fraction of the median step after the step log shows "
+        "step pause+fault-after: 0.5 (default) is where a fault that may come at any time lands on average",
+    )
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--overhead-steps", type=int, default=150, help="steps per overhead run")
     p.add_argument("--overhead-pairs", type=int, default=3, help="torchrun/tm-live overhead runs, alternating (per --repeat)")
     p.add_argument("--overhead-warmup", type=int, default=20)
     p.add_argument("--overhead-size", type=int, default=2, help="world size of the overhead runs")
-    p.add_argument("--torchrun-shared-store", action="store_true",
-                   help="run torchrun with torch's default shared rendezvous store (by default the benchmark sets "
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with sharing, torch 2.13 restarts often hang on stale gloo addresses)")
+    p.add_argument(
+        "--torchrun-shared-store",
+        action="store_true",
+        help="run torchrun with torch's default shared rendezvous store (by default the benchmark sets "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with sharing, torch 2.13 restarts often hang on stale gloo addresses)",
+    )
     p.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS for every worker of every launcher (0: leave unset)")
     p.add_argument("--start-timeout", type=float, default=180)
     p.add_argument("--recover-timeout", type=float, default=120)
-    p.add_argument("--finish-timeout", type=float, default=30, help="seconds (plus 3 x the remaining steps' time) for the job to end after recovering")
+    p.add_argument(
+        "--finish-timeout", type=float, default=30, help="seconds (plus 3 x the remaining steps' time) for the job to end after recovering"
+    )
     p.add_argument("--out-dir", default=os.path.join(BENCH, "results"))
     args = p.parse_args(argv)
     args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
@@ -932,7 +1055,7 @@ def plan_runs(args) -> list[Spec]:
             # alternate A/B, B/A, ... so that drifting background load hits both launchers alike
             for pair in range(args.overhead_pairs):
                 n = rep * args.overhead_pairs + pair
-                for launcher in (("torchrun", "tm-live") if n % 2 == 0 else ("tm-live", "torchrun")):
+                for launcher in ("torchrun", "tm-live") if n % 2 == 0 else ("tm-live", "torchrun"):
                     specs.append(Spec("overhead", args.overhead_size, launcher, n))
     # group repeats of the same configuration next to each other is worse for drift; keep rounds
     return specs
@@ -967,16 +1090,30 @@ def main(argv=None) -> int:
     total = time.time() - started
     import torch
 
-    meta = {"command": command, "total_s": total, "load_start": load_start, "host_cpus": os.cpu_count(), "torch": torch.__version__,
-            "started": started, "interrupted": interrupted, "tag": TAG, "runs_done": len(runs), "runs_planned": len(specs),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    meta = {
+        "command": command,
+        "total_s": total,
+        "load_start": load_start,
+        "host_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "started": started,
+        "interrupted": interrupted,
+        "tag": TAG,
+        "runs_done": len(runs),
+        "runs_planned": len(specs),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
     rows, overhead = summarize(runs, args)
     md = markdown(rows, overhead, args, meta, runs)
     with open(os.path.join(args.out_dir, "downtime.md"), "w") as f:
         f.write(md)
     with open(os.path.join(args.out_dir, "downtime.json"), "w") as f:
-        json.dump({"meta": meta, "config": {k: v for k, v in vars(args).items()}, "rows": rows, "overhead": overhead,
-                   "runs": runs}, f, indent=1, default=str)
+        json.dump(
+            {"meta": meta, "config": {k: v for k, v in vars(args).items()}, "rows": rows, "overhead": overhead, "runs": runs},
+            f,
+            indent=1,
+            default=str,
+        )
     print(md, flush=True)
     say(f"done in {total:.0f} s; wrote {os.path.relpath(os.path.join(args.out_dir, 'downtime.md'))} and downtime.json")
     return 130 if interrupted else (1 if any(r.get("error") for r in runs) else 0)

@@ -50,8 +50,7 @@ def snapshot(cuda: bool) -> dict:
     if cuda:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
-        s.update(device_used_mib=round((total - free) / 2**20, 1),
-                 reserved_mib=round(torch.cuda.memory_reserved() / 2**20, 1))
+        s.update(device_used_mib=round((total - free) / 2**20, 1), reserved_mib=round(torch.cuda.memory_reserved() / 2**20, 1))
     return s
 
 
@@ -59,8 +58,7 @@ def cycle(store, gen: int, backend: str, release: bool) -> dict:
     cuda = backend == "nccl"
     devices = ["cpu", "cuda:0"] if cuda else ["cpu"]
     t0 = time.perf_counter()
-    pg = communicators.build(dist.PrefixStore(f"tm/g{gen}/world/", store), 0, 1, devices=devices,
-                             timeout_s=30, setup_timeout_s=60)
+    pg = communicators.build(dist.PrefixStore(f"tm/g{gen}/world/", store), 0, 1, devices=devices, timeout_s=30, setup_timeout_s=60)
     t_built = time.perf_counter()
     x = torch.ones(1 << 18, device="cuda" if cuda else "cpu")
     pg.allreduce([x]).wait()
@@ -78,21 +76,28 @@ def cycle(store, gen: int, backend: str, release: bool) -> dict:
         t_aborted = time.perf_counter()
         del pg
         t_done = time.perf_counter()
-    return {"build": t_built - t0, "first_allreduce": t_reduced - t_built, "abort": t_aborted - t_reduced,
-            "drop": t_done - t_aborted, "cycle": t_done - t0, "aborted": aborted}
+    return {
+        "build": t_built - t0,
+        "first_allreduce": t_reduced - t_built,
+        "abort": t_aborted - t_reduced,
+        "drop": t_done - t_aborted,
+        "cycle": t_done - t0,
+        "aborted": aborted,
+    }
 
 
 def stats(values: list[float]) -> dict:
     values = sorted(values)
-    return {"median_ms": round(1000 * statistics.median(values), 2),
-            "p90_ms": round(1000 * values[int(0.9 * (len(values) - 1))], 2),
-            "max_ms": round(1000 * values[-1], 2)}
+    return {
+        "median_ms": round(1000 * statistics.median(values), 2),
+        "p90_ms": round(1000 * values[int(0.9 * (len(values) - 1))], 2),
+        "max_ms": round(1000 * values[-1], 2),
+    }
 
 
 def run(backend: str, cycles: int, release: bool) -> dict:
     cuda = backend == "nccl"
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     if cuda:
         torch.ones(1, device="cuda")  # the CUDA context exists before "before"
     first = cycle(store, 0, backend, release)
@@ -101,8 +106,15 @@ def run(backend: str, cycles: int, release: bool) -> dict:
     if release:
         assert communicators.wait_released(120)
     after = snapshot(cuda)
-    out = {"backend": backend, "release": release, "cycles": cycles, "first_cycle_ms": round(1000 * first["cycle"], 1),
-           "aborted": rounds[0]["aborted"], "before": before, "after": after}
+    out = {
+        "backend": backend,
+        "release": release,
+        "cycles": cycles,
+        "first_cycle_ms": round(1000 * first["cycle"], 1),
+        "aborted": rounds[0]["aborted"],
+        "before": before,
+        "after": after,
+    }
     for key in ("cycle", "build", "first_allreduce", "abort", "drop"):
         out[key] = stats([r[key] for r in rounds])
     return out
@@ -117,8 +129,11 @@ def main() -> int:
     if "nccl" in backends and not (torch.cuda.is_available() and dist.is_nccl_available()):
         print("no CUDA/NCCL here: gloo only", file=sys.stderr)
         backends = ["gloo"]
-    env = {"torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    env = {
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
     print(json.dumps(env), flush=True)
     for b in backends:
         print(json.dumps(run(b, args.cycles, release=False)), flush=True)

@@ -44,8 +44,15 @@ def metric(port: int, name: str) -> float | None:
 
 
 def one_run(endpoint: str, workdir: str, png: str | None) -> dict:
-    job = LocalJob(endpoint=endpoint, run_id=f"ops-{time.time_ns()}", workdir=workdir, nnodes="2", nproc=1,
-                   launcher_args=["--max-restarts", "3"], env={"OMP_NUM_THREADS": "1"})
+    job = LocalJob(
+        endpoint=endpoint,
+        run_id=f"ops-{time.time_ns()}",
+        workdir=workdir,
+        nnodes="2",
+        nproc=1,
+        launcher_args=["--max-restarts", "3"],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     trigger = os.path.join(workdir, "trigger")
     job.script_args = ["--steps", "200", "--step-sleep", "0.03", "--step-log", job.step_log, "--pause-step", "10", "--pause-file", trigger]
     ports = dict(zip("abc", free_ports(3)))
@@ -81,8 +88,15 @@ def one_run(endpoint: str, workdir: str, png: str | None) -> dict:
 
         kv = connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=run_prefix(job.run_id)))
         size = max(len(e.value) for e in kv.get_prefix("log/steps/"))
-        return {"step_log_s": truth["downtime_s"], "timeline_s": g1["downtime_s"], "metric_s": seen, "kind": g1["kind"],
-                "ctl_timeline_s": took, "series_bytes": size, "steps_redone": truth["steps_redone"]}
+        return {
+            "step_log_s": truth["downtime_s"],
+            "timeline_s": g1["downtime_s"],
+            "metric_s": seen,
+            "kind": g1["kind"],
+            "ctl_timeline_s": took,
+            "series_bytes": size,
+            "steps_redone": truth["steps_redone"],
+        }
     finally:
         job.stop()
 
@@ -98,10 +112,14 @@ def main() -> int:
             png = args.out if i == args.repeat - 1 else None
             rows.append(one_run(server.endpoint, os.path.join(tmp, f"run{i}"), png))
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| run | cause | step log downtime (s) | timeline downtime (s) | metric downtime (s) | steps redone | ctl timeline (s) | log/steps key (bytes) |")
+    print(
+        "\n| run | cause | step log downtime (s) | timeline downtime (s) | metric downtime (s) | steps redone | ctl timeline (s) | log/steps key (bytes) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        print(f"| {i + 1} | {r['kind']} | {r['step_log_s']:.3f} | {r['timeline_s']:.3f} | {r['metric_s']:.3f} | {r['steps_redone']} | {r['ctl_timeline_s']:.1f} | {r['series_bytes']} |")
+        print(
+            f"| {i + 1} | {r['kind']} | {r['step_log_s']:.3f} | {r['timeline_s']:.3f} | {r['metric_s']:.3f} | {r['steps_redone']} | {r['ctl_timeline_s']:.1f} | {r['series_bytes']} |"
+        )
     if len(rows) > 1:
         med = {k: statistics.median(r[k] for r in rows) for k in ("step_log_s", "timeline_s", "metric_s")}
         print(f"| median | | {med['step_log_s']:.3f} | {med['timeline_s']:.3f} | {med['metric_s']:.3f} | | | |")

@@ -82,7 +82,7 @@ class _Frozen(BaseException):
 
 
 class CountingLease(Lease):
-    def __init__(self, inner: Lease, owner: "CountingKV"):
+    def __init__(self, inner: Lease, owner: CountingKV):
         self.inner, self.owner, self.ttl = inner, owner, inner.ttl
 
     def refresh(self) -> bool:
@@ -205,6 +205,7 @@ def summarize(counts: Counter) -> dict:
 
 # ------------------------------------------------------------------ tm-launch stand-ins (child side)
 
+
 def _standin_class():
     """Defined lazily: importing the agent imports torch (seconds), only in the child processes."""
     import tm_launch.launcher.agent as agent_mod
@@ -277,8 +278,8 @@ def _standin_class():
 
 def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opts: dict) -> None:
     sys.stderr = open(opts["log"], "a", buffering=1)
-    from tm_launch.launcher.agent import AgentConfig
     from rendezvous.planner import Limits
+    from tm_launch.launcher.agent import AgentConfig
 
     StandIn = _standin_class()
     lim = Limits(**limits)
@@ -286,8 +287,16 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
     for node in ids:
         kv = CountingKV(connect("v3", EtcdOptions(endpoints=(endpoint,), prefix=f"/tm-launch/{run_id}", timeout=60.0)))
         cfg = AgentConfig(
-            node_id=node, addr="127.0.0.1", nproc=lim.nproc, limits=lim, cmd=["true"], run_id=run_id,
-            lease_ttl=opts["lease_ttl"], monitor_interval=opts["monitor_interval"], join_timeout=3600, last_call=1.0,
+            node_id=node,
+            addr="127.0.0.1",
+            nproc=lim.nproc,
+            limits=lim,
+            cmd=["true"],
+            run_id=run_id,
+            lease_ttl=opts["lease_ttl"],
+            monitor_interval=opts["monitor_interval"],
+            join_timeout=3600,
+            last_call=1.0,
         )
         standins[node] = StandIn(cfg, kv)
     conn.send("ready")
@@ -307,14 +316,24 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
         elif cmd == "status":
             # The plans' digests only when asked (arg): hashing N plans of N nodes is O(N^2), and
             # the controller polls while the stand-ins work.
-            conn.send({
-                n: {"seen": dict(s.executor.seen), "published": dict(s.published), "counts": dict(s.kv.counts),
-                    "received": s.kv.inner.received, "follows": s.follows, "reads": s.reads, "whole_reads": s.whole_reads,
-                    "joined": s.session.lease is not None,
-                    "plan": plan_digest(s.executor.plan) if arg and s.executor.plan else None,
-                    "frozen": s.kv.frozen.is_set(), "exit": s.exit_code}
-                for n, s in standins.items()
-            })
+            conn.send(
+                {
+                    n: {
+                        "seen": dict(s.executor.seen),
+                        "published": dict(s.published),
+                        "counts": dict(s.kv.counts),
+                        "received": s.kv.inner.received,
+                        "follows": s.follows,
+                        "reads": s.reads,
+                        "whole_reads": s.whole_reads,
+                        "joined": s.session.lease is not None,
+                        "plan": plan_digest(s.executor.plan) if arg and s.executor.plan else None,
+                        "frozen": s.kv.frozen.is_set(),
+                        "exit": s.exit_code,
+                    }
+                    for n, s in standins.items()
+                }
+            )
         elif cmd == "kill":
             s = standins[arg]
             s.kv.freeze()
@@ -329,6 +348,7 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
 
 
 # ------------------------------------------------------------------ torch c10d stand-ins (child side)
+
 
 def c10d_child(conn, host: str, port: int, run_id: str, n: int, limits: dict, opts: dict) -> None:
     sys.stderr = open(opts["log"], "a", buffering=1)
@@ -366,7 +386,12 @@ def c10d_child(conn, host: str, port: int, run_id: str, n: int, limits: dict, op
         store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=600))
         backend = Counting(C10dRendezvousBackend(store, run_id))
         h = dr.DynamicRendezvousHandler.from_backend(
-            run_id, store, backend, limits["min_nodes"], limits["max_nodes"], "127.0.0.1",
+            run_id,
+            store,
+            backend,
+            limits["min_nodes"],
+            limits["max_nodes"],
+            "127.0.0.1",
             dr.RendezvousTimeout(join=timedelta(seconds=3600), last_call=timedelta(seconds=1)),
         )
         handlers.append(h)
@@ -390,8 +415,14 @@ def c10d_child(conn, host: str, port: int, run_id: str, n: int, limits: dict, op
             conn.send(time.time())
         elif cmd == "status":
             st = handlers[0]._state_holder.state
-            conn.send({"rounds": rounds, "counts": [dict(b.counts) for b in backends], "errors": dict(errors),
-                       "state": (st.round, st.complete, len(st.participants), len(st.wait_list), len(st.redundancy_list))})
+            conn.send(
+                {
+                    "rounds": rounds,
+                    "counts": [dict(b.counts) for b in backends],
+                    "errors": dict(errors),
+                    "state": (st.round, st.complete, len(st.participants), len(st.wait_list), len(st.redundancy_list)),
+                }
+            )
         elif cmd == "leave":
             h = handlers[arg]
             h._stop_heartbeats()
@@ -410,6 +441,7 @@ def c10d_child(conn, host: str, port: int, run_id: str, n: int, limits: dict, op
 
 
 # ------------------------------------------------------------------ controller
+
 
 class Children:
     def __init__(self, target, per_child_args: list[tuple]):
@@ -501,6 +533,7 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
     kids = Children(tm_child, [(endpoint, run_id, g, limits, opts) for g in groups])
     result = {"system": "tm-launch", "nodes": n, "spares": spares, "procs": procs, "events": []}
     try:
+
         def poll(digests: bool = False) -> dict:
             status = {}
             for part in kids.all("status", digests):
@@ -528,8 +561,10 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
                     return min(pubs) - t0, max(v["seen"][gen] for v in live) - t0, publisher
                 time.sleep(0.2)
             seen = sum(gen in v["seen"] for v in live)
-            raise TimeoutError(f"generation {gen} {'published' if pubs else 'not published'} and seen by {seen} of the "
-                               f"{len(live)} live stand-ins within {timeout:.0f}s")
+            raise TimeoutError(
+                f"generation {gen} {'published' if pubs else 'not published'} and seen by {seen} of the "
+                f"{len(live)} live stand-ins within {timeout:.0f}s"
+            )
 
         def cpu() -> tuple[float, float]:
             return _cpu([etcd_pid] if etcd_pid else []), _cpu([p.pid for p in kids.procs])
@@ -539,17 +574,26 @@ def run_tm(endpoint: str, n: int, procs: int, spares: int, opts: dict, timeout: 
             _settle(totals)
             cpu1 = cpu()
             after = poll(digests=True)
-            ev = {"event": name, "generation": gen, "publish_s": round(publish, 3), "all_seen_s": round(all_seen, 3),
-                  "publisher": publisher, **per_event(before, after, _plan_digest(endpoint, run_id)),
-                  "etcd_cpu_s": round(cpu1[0] - cpu0[0], 2), "standins_cpu_s": round(cpu1[1] - cpu0[1], 2),
-                  "load_avg": os.getloadavg()[0]}
+            ev = {
+                "event": name,
+                "generation": gen,
+                "publish_s": round(publish, 3),
+                "all_seen_s": round(all_seen, 3),
+                "publisher": publisher,
+                **per_event(before, after, _plan_digest(endpoint, run_id)),
+                "etcd_cpu_s": round(cpu1[0] - cpu0[0], 2),
+                "standins_cpu_s": round(cpu1[1] - cpu0[1], 2),
+                "load_avg": os.getloadavg()[0],
+            }
             f = ev["followers"]
-            say(f"tm-launch N={n} {name}: plan published {publish:.3f}s, all saw it {all_seen:.3f}s, "
+            say(
+                f"tm-launch N={n} {name}: plan published {publish:.3f}s, all saw it {all_seen:.3f}s, "
                 f"CPU: etcd {ev['etcd_cpu_s']}s, stand-ins {ev['standins_cpu_s']}s, load {ev['load_avg']:.1f}; "
                 f"{ev['ops']} ops ({ev['ops_per_node']}/node, max {ev['max_ops_one_node']} on one node), "
                 f"{ev['received'] / 1e6:.2f} MB from etcd; {f['count']} followers: {f['ops_mean']} ops, "
                 f"{f['bytes_mean']:.0f} B each (max {f['ops_max']} ops, {f['bytes_max']} B), {f['reads']} reads, {f['whole_reads']} whole; "
-                f"{ev['agree']}/{ev['live']} hold etcd's plan; {ev['by_op']}")
+                f"{ev['agree']}/{ev['live']} hold etcd's plan; {ev['by_op']}"
+            )
             if ev["agree"] != ev["live"]:
                 raise RuntimeError(f"{name}: only {ev['agree']} of {ev['live']} stand-ins hold the plan in etcd")
             return ev
@@ -581,6 +625,7 @@ def per_event(before: dict, after: dict, digest: str) -> dict:
     before and after, or, for generation 0, after: the planners, group rank 0, joiners and the
     dead node are the others).
     ``agree``: the live stand-ins holding exactly etcd's plan."""
+
     def ops(node: str, status: dict) -> int:
         return sum(x for k, x in status[node]["counts"].items() if k != "bytes_read")
 
@@ -589,12 +634,17 @@ def per_event(before: dict, after: dict, digest: str) -> dict:
     for node in after:
         total.update(_delta(Counter(after[node]["counts"]), Counter(before[node]["counts"])))
     d = summarize(total)
-    followers = [node for node in after if (before[node]["follows"] or not before[node]["reads"])
-                 and after[node]["follows"] and not after[node]["frozen"]]
+    followers = [
+        node
+        for node in after
+        if (before[node]["follows"] or not before[node]["reads"]) and after[node]["follows"] and not after[node]["frozen"]
+    ]
     live = [v for v in after.values() if not v["frozen"]]
     n = len(after)
     return {
-        **d, "ops_per_node": round(d["ops"] / n, 2), "max_ops_one_node": max(c[0] for c in cost.values()),
+        **d,
+        "ops_per_node": round(d["ops"] / n, 2),
+        "max_ops_one_node": max(c[0] for c in cost.values()),
         "received": sum(c[1] for c in cost.values()),
         "followers": {
             "count": len(followers),
@@ -606,7 +656,8 @@ def per_event(before: dict, after: dict, digest: str) -> dict:
             "whole_reads": sum(after[f]["whole_reads"] - before[f]["whole_reads"] for f in followers),
         },
         "others_bytes": sum(c[1] for node, c in cost.items() if node not in followers),
-        "live": len(live), "agree": sum(v["plan"] == digest for v in live),
+        "live": len(live),
+        "agree": sum(v["plan"] == digest for v in live),
     }
 
 
@@ -642,6 +693,7 @@ def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:
     kids = Children(c10d_child, [("127.0.0.1", master.port, run_id, k, limits, opts) for k in sizes])
     result = {"system": "torch c10d", "nodes": n, "events": []}
     try:
+
         def poll():
             parts = kids.all("status")
             errs = [e for p in parts for e in p["errors"].values()]
@@ -664,7 +716,9 @@ def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:
                 if len(done) >= want:
                     return max(done) - t0
                 time.sleep(0.25)
-            say(f"c10d state seen by each process' first handler (round, complete, participants, wait, redundancy): {[p['state'] for p in parts]}; joined: {[r for p in parts for r in p['rounds']]}")
+            say(
+                f"c10d state seen by each process' first handler (round, complete, participants, wait, redundancy): {[p['state'] for p in parts]}; joined: {[r for p in parts for r in p['rounds']]}"
+            )
             raise TimeoutError(f"c10d round {rnd}: fewer than {want} of {n} nodes joined within {timeout:.0f}s")
 
         def event(name, rnd, t0, before, want):
@@ -672,13 +726,22 @@ def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:
             after = totals()
             d = _delta(after, before)
             ops = d.get("get_state", 0) + d.get("set_state", 0)
-            ev = {"event": name, "round": rnd, "all_seen_s": round(formed, 3), "ops": ops,
-                  "ops_per_node": round(ops / n, 2), "get_state": d.get("get_state", 0),
-                  "set_state": d.get("set_state", 0), "set_state_failed": d.get("set_state_failed", 0),
-                  "bytes_read": d.get("bytes_read", 0)}
-            say(f"c10d N={n} {name}: all {want} joined {formed:.3f}s, {ops} backend ops ({ev['ops_per_node']}/node: "
+            ev = {
+                "event": name,
+                "round": rnd,
+                "all_seen_s": round(formed, 3),
+                "ops": ops,
+                "ops_per_node": round(ops / n, 2),
+                "get_state": d.get("get_state", 0),
+                "set_state": d.get("set_state", 0),
+                "set_state_failed": d.get("set_state_failed", 0),
+                "bytes_read": d.get("bytes_read", 0),
+            }
+            say(
+                f"c10d N={n} {name}: all {want} joined {formed:.3f}s, {ops} backend ops ({ev['ops_per_node']}/node: "
                 f"{ev['get_state']} get_state, {ev['set_state']} set_state of which {ev['set_state_failed']} failed CAS), "
-                f"{ev['bytes_read'] / 1e6:.1f} MB read")
+                f"{ev['bytes_read'] / 1e6:.1f} MB read"
+            )
             return ev
 
         t0 = min(kids.all("go"))
@@ -706,6 +769,7 @@ def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:
 
 
 # ------------------------------------------------------------------ report
+
 
 def table(results: list[dict]) -> str:
     """One row per event. A *follower* is a node that neither plans nor has another role (see
@@ -738,12 +802,17 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="64,256,1024", help="comma-separated node counts (default: 64,256,1024)")
-    p.add_argument("--procs", type=int, default=1,
-                   help="processes the stand-in threads other than the planners' are spread over (default 1)")
+    p.add_argument(
+        "--procs", type=int, default=1, help="processes the stand-in threads other than the planners' are spread over (default 1)"
+    )
     p.add_argument("--spares", type=int, default=2, help="spare nodes among N (default 2: one per loss event)")
     p.add_argument("--lease-ttl", type=float, default=600.0, help="stand-ins' lease TTL (default 600 s: no keepalive during the events)")
-    p.add_argument("--monitor-interval", type=float, default=60.0,
-                   help="stand-ins' watch timeout (default 60 s: no workers to poll, so they wake only on changes)")
+    p.add_argument(
+        "--monitor-interval",
+        type=float,
+        default=60.0,
+        help="stand-ins' watch timeout (default 60 s: no workers to poll, so they wake only on changes)",
+    )
     p.add_argument("--timeout", type=float, default=180.0, help="give up on one event after this long (default 180 s)")
     p.add_argument("--c10d-max-nodes", type=int, default=1024, help="skip torch's c10d rendezvous above this N")
     p.add_argument("--c10d-idle", type=float, default=6.0, help="seconds to sample c10d's idle heartbeat load")
@@ -764,8 +833,12 @@ def main(argv=None) -> int:
 
     logdir = tempfile.mkdtemp(prefix="tm-scale-")
     say(f"stand-ins' own output goes to {logdir}/children.log")
-    opts = {"lease_ttl": args.lease_ttl, "monitor_interval": args.monitor_interval, "c10d_idle": args.c10d_idle,
-            "log": os.path.join(logdir, "children.log")}
+    opts = {
+        "lease_ttl": args.lease_ttl,
+        "monitor_interval": args.monitor_interval,
+        "c10d_idle": args.c10d_idle,
+        "log": os.path.join(logdir, "children.log"),
+    }
     results = []
     t_start = time.time()
     with EtcdServer() as etcd:

@@ -48,7 +48,6 @@ class Shard:
 def worker(rank: int, world: int, port: int, mib: float, out) -> None:
     import torch
     import torch.distributed as dist
-
     import torch.distributed.tensor  # noqa: F401  (a live worker has it loaded: tm_launch.worker.runtime)
 
     from tm_launch.worker import communicators
@@ -97,7 +96,7 @@ def run(joiners: int, mib: float) -> dict:
             if time.time() > deadline or any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     p.kill()
-                raise SystemExit("a transfer process failed or timed out (see its traceback above)")
+                raise SystemExit("a transfer process failed or timed out (see its traceback above)") from None
     for p in procs:
         p.join(60)
     received = [r for r in results if r[1] == "received"]
@@ -105,8 +104,14 @@ def run(joiners: int, mib: float) -> dict:
         raise SystemExit("a joiner received another shard's values")
     slowest = max(r[3] for r in received)
     total = sum(r[2] for r in received)
-    return {"joiners": joiners, "mib": mib, "bytes_per_joiner": received[0][2], "slowest_s": slowest,
-            "per_joiner_s": sorted(r[3] for r in received), "aggregate_mib_s": total / 2**20 / slowest}
+    return {
+        "joiners": joiners,
+        "mib": mib,
+        "bytes_per_joiner": received[0][2],
+        "slowest_s": slowest,
+        "per_joiner_s": sorted(r[3] for r in received),
+        "aggregate_mib_s": total / 2**20 / slowest,
+    }
 
 
 def main() -> int:
@@ -122,14 +127,18 @@ def main() -> int:
             slow = statistics.median(r["slowest_s"] for r in runs)
             agg = statistics.median(r["aggregate_mib_s"] for r in runs)
             rows.append((mib, j, runs[0]["bytes_per_joiner"], slow, agg))
-            print(f"[bench] {mib:g} MiB x {j} joiner(s): slowest {slow * 1000:.0f} ms, aggregate {agg:.0f} MiB/s", file=sys.stderr, flush=True)
+            print(
+                f"[bench] {mib:g} MiB x {j} joiner(s): slowest {slow * 1000:.0f} ms, aggregate {agg:.0f} MiB/s", file=sys.stderr, flush=True
+            )
     base = {mib: slow for mib, j, _, slow, _ in rows if j == min(int(x) for x in args.joiners.split(","))}
     print("| state per joiner | joiners at once | bytes per joiner | slowest joiner s | vs 1 joiner | aggregate MiB/s |")
     print("|---|---|---|---|---|---|")
     for mib, j, nbytes, slow, agg in rows:
         print(f"| {mib:g} MiB | {j} | {nbytes / 2**20:.1f} MiB | {slow:.3f} | {slow / base[mib]:.2f}x | {agg:.0f} |")
-    print(f"\n{os.cpu_count()} CPU cores, gloo over loopback, median of {args.repeat} run(s). "
-          f"Command: `.venv/bin/python bench/transfer.py {' '.join(sys.argv[1:])}`".rstrip())
+    print(
+        f"\n{os.cpu_count()} CPU cores, gloo over loopback, median of {args.repeat} run(s). "
+        f"Command: `.venv/bin/python bench/transfer.py {' '.join(sys.argv[1:])}`".rstrip()
+    )
     return 0
 
 

@@ -36,8 +36,9 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
     x = torch.randn(1024, 20, generator=torch.Generator().manual_seed(1))
     # The loader's own generator: a new iterator must not draw from the global RNG (dropout's).
-    loader = DataLoader(TensorDataset(x, x[:, :4].sum(dim=1, keepdim=True).sin()), batch_size=32, shuffle=True,
-                        generator=torch.Generator().manual_seed(2))
+    loader = DataLoader(
+        TensorDataset(x, x[:, :4].sum(dim=1, keepdim=True).sin()), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(2)
+    )
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     job.register(model=model, optimizer=opt, scheduler=sched)
     torch.manual_seed(10 + job.rank)  # dropout draws from a stream of each rank's own

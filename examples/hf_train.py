@@ -59,8 +59,15 @@ def main() -> None:
     tm_launch.init()  # first: TrainingArguments would start a process group of its own
     torch.manual_seed(0)
     training = TrainingArguments(
-        output_dir=args.output_dir, num_train_epochs=args.epochs, per_device_train_batch_size=32,
-        learning_rate=0.01, save_steps=20, logging_steps=10, report_to=[], use_cpu=True, disable_tqdm=True,
+        output_dir=args.output_dir,
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=32,
+        learning_rate=0.01,
+        save_steps=20,
+        logging_steps=10,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
         ddp_find_unused_parameters=False,
     )
     trainer = LiveTrainer(model=Regressor(), args=training, train_dataset=Points())

@@ -52,9 +52,14 @@ def main() -> None:
     data = TensorDataset(x, x[:, :4].sum(dim=1, keepdim=True).sin())
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     trainer = pl.Trainer(
-        strategy=LiveStrategy(), accelerator="cpu", devices=per_node,
-        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // per_node, max_epochs=args.epochs,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        strategy=LiveStrategy(),
+        accelerator="cpu",
+        devices=per_node,
+        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // per_node,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
     )
     trainer.fit(Regressor(), DataLoader(data, batch_size=32, shuffle=True))
     if trainer.is_global_zero:

@@ -39,8 +39,11 @@ def newest_checkpoint(ckpt_dir: str | None) -> int | None:
     """The step of the newest complete checkpoint (DCP writes ``.metadata`` last)."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
         return None
-    steps = [int(name[5:]) for name in os.listdir(ckpt_dir)
-             if name.startswith("step-") and os.path.exists(os.path.join(ckpt_dir, name, ".metadata"))]
+    steps = [
+        int(name[5:])
+        for name in os.listdir(ckpt_dir)
+        if name.startswith("step-") and os.path.exists(os.path.join(ckpt_dir, name, ".metadata"))
+    ]
     return max(steps, default=None)
 
 
@@ -82,8 +85,10 @@ def main() -> None:
         if args.ckpt_dir and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
             # At the top of the step: the state after step - 1, which every rank completed.
             model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()},
-                     checkpoint_id=os.path.join(args.ckpt_dir, f"step-{step}"))
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict()},
+                checkpoint_id=os.path.join(args.ckpt_dir, f"step-{step}"),
+            )
         x, y = batch(step, job.rank)
         loss = F.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)

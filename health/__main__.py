@@ -33,29 +33,34 @@ def measure_poll_cost(monitor: NvmlMonitor, polls: int, interval: float | None =
         monitor.poll_once()
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
     cpu_ms = 1000 * cpu / polls
-    return {"gpus": len(monitor.gpus), "polls": polls, "cpu_ms_per_poll": round(cpu_ms, 4),
-            "wall_ms_per_poll": round(1000 * wall / polls, 4),
-            "poll_interval": interval, "cpu_share_of_one_core": round(cpu_ms / 1000 / interval, 6)}
+    return {
+        "gpus": len(monitor.gpus),
+        "polls": polls,
+        "cpu_ms_per_poll": round(cpu_ms, 4),
+        "wall_ms_per_poll": round(1000 * wall / polls, 4),
+        "poll_interval": interval,
+        "cpu_share_of_one_core": round(cpu_ms / 1000 / interval, 6),
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m health", description=__doc__.split("\n")[0])
     p.add_argument("--bench", type=int, metavar="POLLS", help="measure POLLS polls and exit")
-    p.add_argument("--watch", type=float, metavar="SECONDS", default=None,
-                   help="run the monitor for SECONDS, printing alarms")
+    p.add_argument("--watch", type=float, metavar="SECONDS", default=None, help="run the monitor for SECONDS, printing alarms")
     p.add_argument("--nproc", type=int, default=None, help="local ranks (default: all GPUs)")
     p.add_argument("--poll-interval", type=float, default=None)
     p.add_argument("--node", default=socket.gethostname())
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
+    )
     cfg = HealthConfig()
     if args.poll_interval:
         cfg.poll_interval = args.poll_interval
     interval = cfg.poll_interval
     if args.bench:
-        cfg.poll_interval = 3600.0   # the benchmark polls itself, not the background thread
+        cfg.poll_interval = 3600.0  # the benchmark polls itself, not the background thread
     nvml, why = load_nvml()
     if nvml is None:
         logging.info("NVML unavailable: %s", why)

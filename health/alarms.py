@@ -38,32 +38,43 @@ def _jsonable(value):
 @dataclass(frozen=True)
 class Alarm:
     node: str
-    gpu: int | None          # local GPU: index into the agent's gpus list (= LOCAL_RANK)
-    signal: str              # e.g. "xid", "ecc_dbe", "nvml_hang", "straggler", "hang"
-    value: object            # JSON-able reading (XID number, temperature, delta, ...)
-    severity: str            # FATAL, DEGRADED or INFO
+    gpu: int | None  # local GPU: index into the agent's gpus list (= LOCAL_RANK)
+    signal: str  # e.g. "xid", "ecc_dbe", "nvml_hang", "straggler", "hang"
+    value: object  # JSON-able reading (XID number, temperature, delta, ...)
+    severity: str  # FATAL, DEGRADED or INFO
     message: str
-    time: float              # wall-clock seconds (time.time())
+    time: float  # wall-clock seconds (time.time())
 
     def __post_init__(self):
         if self.severity not in _RANK:
             raise ValueError(f"Alarm.severity must be one of {SEVERITIES}, got {self.severity!r}")
 
     def to_json(self) -> dict:
-        return {"node": self.node, "gpu": self.gpu, "signal": self.signal,
-                "value": _jsonable(self.value), "severity": self.severity,
-                "message": self.message, "time": self.time}
+        return {
+            "node": self.node,
+            "gpu": self.gpu,
+            "signal": self.signal,
+            "value": _jsonable(self.value),
+            "severity": self.severity,
+            "message": self.message,
+            "time": self.time,
+        }
 
     @staticmethod
-    def from_json(d: dict) -> "Alarm":
+    def from_json(d: dict) -> Alarm:
         missing = [k for k in ("node", "signal", "severity", "time") if k not in d]
         if missing:
             raise ValueError(f"alarm JSON lacks {', '.join(missing)}: {d!r}")
         gpu = d.get("gpu")
-        return Alarm(node=str(d["node"]), gpu=None if gpu is None else int(gpu),
-                     signal=str(d["signal"]), value=d.get("value"),
-                     severity=str(d["severity"]), message=str(d.get("message", "")),
-                     time=float(d["time"]))
+        return Alarm(
+            node=str(d["node"]),
+            gpu=None if gpu is None else int(gpu),
+            signal=str(d["signal"]),
+            value=d.get("value"),
+            severity=str(d["severity"]),
+            message=str(d.get("message", "")),
+            time=float(d["time"]),
+        )
 
 
 class AlarmFilter:
@@ -98,9 +109,8 @@ class AlarmFilter:
                 times.popleft()
             if len(times) >= self.repeat_count:
                 alarm = dataclasses.replace(
-                    alarm, severity=DEGRADED,
-                    message=f"{alarm.message} (repeated {len(times)} times within "
-                            f"{self.repeat_window:g} s)")
+                    alarm, severity=DEGRADED, message=f"{alarm.message} (repeated {len(times)} times within {self.repeat_window:g} s)"
+                )
         rank = _RANK[alarm.severity]
         latch_key = key if alarm.severity != INFO else key + (repr(alarm.value),)
         for k in {key, latch_key}:

@@ -41,10 +41,27 @@ NVLINK_COUNTER_FIELDS = {
     "replay": pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL,
     "recovery": pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL,
 }
-STATE_KEYS = ("uuid", "name", "temperature", "temp_slowdown", "temp_shutdown", "clocks",
-              "recovery_action", "ecc_dbe", "remap_corr", "remap_unc", "remap_pending",
-              "remap_failure", "nvlinks", "nvlink_down", "nvlink_up", "nvlink_errors",
-              "pcie_replay", "pcie_width", "pcie_max_width")
+STATE_KEYS = (
+    "uuid",
+    "name",
+    "temperature",
+    "temp_slowdown",
+    "temp_shutdown",
+    "clocks",
+    "recovery_action",
+    "ecc_dbe",
+    "remap_corr",
+    "remap_unc",
+    "remap_pending",
+    "remap_failure",
+    "nvlinks",
+    "nvlink_down",
+    "nvlink_up",
+    "nvlink_errors",
+    "pcie_replay",
+    "pcie_width",
+    "pcie_max_width",
+)
 ACTION_KEYS = ("xid", "field", "value", "raise", "hang", "call", "count")
 EVENT_KEYS = ("at", "after_file", "gpu") + ACTION_KEYS + STATE_KEYS
 # values returned as NVML_VALUE_TYPE_UNSIGNED_INT (the rest: UNSIGNED_LONG_LONG)
@@ -55,31 +72,29 @@ class _Gpu:
     def __init__(self, index: int):
         self.index = index
         self.struct = pynvml.struct_c_nvmlDevice_t()
-        self.handle = ctypes.pointer(self.struct)          # a real c_nvmlDevice_t
+        self.handle = ctypes.pointer(self.struct)  # a real c_nvmlDevice_t
         self.addr = ctypes.addressof(self.struct)
         self.uuid = f"GPU-{index:08x}-fa4e-4000-8000-{index:012x}"
         self.name = "Fake NVIDIA GPU"
         self.temperature = 40
-        self.thresholds = {pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 87,
-                           pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 95}
+        self.thresholds = {pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 87, pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 95}
         self.clocks = 0
-        self.remap = [0, 0, 0, 0]     # corr, unc, pending, failure
+        self.remap = [0, 0, 0, 0]  # corr, unc, pending, failure
         self.nvlinks: list[int] = []  # per link: 1 active, 0 not
         self.pcie_replay = 0
         self.pcie_width = 16
         self.pcie_max_width = 16
-        self.fields: dict[int, object] = {pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0,
-                                          pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: 0}
+        self.fields: dict[int, object] = {pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0, pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: 0}
 
 
 @dataclass
 class _Rule:
-    kind: str               # "raise" or "hang"
-    gpu: int | None         # None: every call, device-less ones included
-    call: str | None        # None: every function
-    error: type | None      # raise: the NVMLError subclass
-    seconds: float          # hang: how long the call blocks
-    count: int | None       # None: for ever (raise default); hang default 1
+    kind: str  # "raise" or "hang"
+    gpu: int | None  # None: every call, device-less ones included
+    call: str | None  # None: every function
+    error: type | None  # raise: the NVMLError subclass
+    seconds: float  # hang: how long the call blocks
+    count: int | None  # None: for ever (raise default); hang default 1
 
     def matches(self, call: str, gpu: int | None) -> bool:
         return (self.call is None or self.call == call) and (self.gpu is None or self.gpu == gpu)
@@ -99,8 +114,7 @@ def _error_class(spec, where: str):
         cls = getattr(pynvml, spec, None)
         if isinstance(cls, type) and issubclass(cls, pynvml.NVMLError) and cls is not pynvml.NVMLError:
             return cls
-    raise ValueError(f"{where}: unknown pynvml error {spec!r} (e.g. NVMLError_GpuIsLost, "
-                     f"NVML_ERROR_GPU_IS_LOST or an error code)")
+    raise ValueError(f"{where}: unknown pynvml error {spec!r} (e.g. NVMLError_GpuIsLost, NVML_ERROR_GPU_IS_LOST or an error code)")
 
 
 def _field_id(spec, where: str) -> int:
@@ -131,18 +145,19 @@ class FakeNvml:
         self._t0: float | None = None
         self._refcount = 0
         self._rules: list[_Rule] = []
-        self._xids: list[tuple[int, int]] = []            # (gpu, xid) not yet delivered
-        self._sets: dict[int, tuple[object, set]] = {}    # addr -> (struct, registered gpus)
-        self.calls: dict[str, int] = {}                   # call counts, for tests/benchmarks
+        self._xids: list[tuple[int, int]] = []  # (gpu, xid) not yet delivered
+        self._sets: dict[int, tuple[object, set]] = {}  # addr -> (struct, registered gpus)
+        self.calls: dict[str, int] = {}  # call counts, for tests/benchmarks
         self._parse(spec)
 
     # ----------------------------------------------------------------------------- loading
     @classmethod
-    def from_file(cls, path: str, clock=time.monotonic) -> "FakeNvml":
+    def from_file(cls, path: str, clock=time.monotonic) -> FakeNvml:
         with open(path) as f:
             text = f.read()
         try:
             import yaml
+
             spec = yaml.safe_load(text)
         except ImportError:  # pragma: no cover - pyyaml is a dependency
             spec = json.loads(text)
@@ -154,8 +169,7 @@ class FakeNvml:
             raise ValueError(f"{src}: expected a mapping with gpus and events")
         unknown = set(spec) - {"gpus", "init", "events"}
         if unknown:
-            raise ValueError(f"{src}: unknown top-level key(s) {sorted(unknown)}; "
-                             f"expected gpus, init, events")
+            raise ValueError(f"{src}: unknown top-level key(s) {sorted(unknown)}; expected gpus, init, events")
         gpus = spec.get("gpus", 1)
         per_gpu = [{} for _ in range(gpus)] if isinstance(gpus, int) and not isinstance(gpus, bool) else gpus
         if not isinstance(per_gpu, list) or not all(isinstance(g, dict) for g in per_gpu):
@@ -168,8 +182,7 @@ class FakeNvml:
             for where, state in ((f"{src}: init", init), (f"{src}: gpus[{i}]", per_gpu[i])):
                 for key, value in state.items():
                     if key not in STATE_KEYS:
-                        raise ValueError(f"{where}: unknown key {key!r}; state keys are "
-                                         f"{', '.join(STATE_KEYS)}")
+                        raise ValueError(f"{where}: unknown key {key!r}; state keys are {', '.join(STATE_KEYS)}")
                     self._set_state(gpu, key, value, f"{where}.{key}")
         events = spec.get("events") or []
         if not isinstance(events, list):
@@ -181,8 +194,7 @@ class FakeNvml:
                 raise ValueError(f"{where}: expected a mapping")
             unknown = set(ev) - set(EVENT_KEYS)
             if unknown:
-                raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; keys are "
-                                 f"{', '.join(EVENT_KEYS)}")
+                raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; keys are {', '.join(EVENT_KEYS)}")
             at = ev.get("at", 0.0)
             if isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0:
                 raise ValueError(f"{where}: at: expected seconds >= 0, got {at!r}")
@@ -193,8 +205,7 @@ class FakeNvml:
             if "value" in ev and "field" not in ev:
                 raise ValueError(f"{where}: value without field")
             if not any(k in ev for k in ("xid", "field", "raise", "hang") + STATE_KEYS):
-                raise ValueError(f"{where}: nothing to do (give xid, field, raise, hang or a "
-                                 f"state key)")
+                raise ValueError(f"{where}: nothing to do (give xid, field, raise, hang or a state key)")
             if ("call" in ev or "count" in ev) and not ("raise" in ev or "hang" in ev):
                 raise ValueError(f"{where}: call/count only go with raise or hang")
             self._check_event(ev, where)
@@ -210,8 +221,7 @@ class FakeNvml:
                 for key in ("nvlink_down", "nvlink_up"):
                     for link in _links(ev[key], "") if key in ev else []:
                         if link >= links[gpu]:
-                            raise ValueError(f"{src}: events[{i}]: {key}: GPU {gpu} has no "
-                                             f"link {link} (it has {links[gpu]}; set nvlinks)")
+                            raise ValueError(f"{src}: events[{i}]: {key}: GPU {gpu} has no link {link} (it has {links[gpu]}; set nvlinks)")
 
     def _targets(self, ev, where, default):
         gpu = ev.get("gpu", default)
@@ -239,10 +249,8 @@ class FakeNvml:
                 raise ValueError(f"{where}: hang: expected seconds > 0, got {h!r}")
         if "call" in ev:
             call = ev["call"]
-            if (not isinstance(call, str) or not call.startswith("nvml")
-                    or not callable(getattr(type(self), call, None))):
-                raise ValueError(f"{where}: call: {call!r} is not a function the fake NVML "
-                                 f"implements")
+            if not isinstance(call, str) or not call.startswith("nvml") or not callable(getattr(type(self), call, None)):
+                raise ValueError(f"{where}: call: {call!r} is not a function the fake NVML implements")
         if "count" in ev:
             c = ev["count"]
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
@@ -268,8 +276,7 @@ class FakeNvml:
         elif key == "temperature":
             gpu.temperature = want_int()
         elif key in ("temp_slowdown", "temp_shutdown"):
-            which = (pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN if key == "temp_slowdown"
-                     else pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)
+            which = pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN if key == "temp_slowdown" else pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN
             if value is None:
                 gpu.thresholds.pop(which, None)
             else:
@@ -279,8 +286,7 @@ class FakeNvml:
                 mask = 0
                 for name in value:
                     if name not in CLOCK_REASONS:
-                        raise ValueError(f"{where}: unknown clock event reason {name!r}; "
-                                         f"known: {', '.join(CLOCK_REASONS)}")
+                        raise ValueError(f"{where}: unknown clock event reason {name!r}; known: {', '.join(CLOCK_REASONS)}")
                     mask |= CLOCK_REASONS[name]
                 gpu.clocks = mask
             else:
@@ -288,8 +294,7 @@ class FakeNvml:
         elif key == "recovery_action":
             if isinstance(value, str):
                 if value.upper() not in _RECOVERY_BY_NAME:
-                    raise ValueError(f"{where}: unknown recovery action {value!r}; known: "
-                                     f"{', '.join(_RECOVERY_BY_NAME)}")
+                    raise ValueError(f"{where}: unknown recovery action {value!r}; known: {', '.join(_RECOVERY_BY_NAME)}")
                 value = _RECOVERY_BY_NAME[value.upper()]
             gpu.fields[pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION] = want_int(value)
         elif key == "ecc_dbe":
@@ -310,13 +315,11 @@ class FakeNvml:
         elif key in ("nvlink_down", "nvlink_up"):
             for link in _links(value, where):
                 if link >= len(gpu.nvlinks):
-                    raise ValueError(f"{where}: link {link} does not exist "
-                                     f"(the GPU has {len(gpu.nvlinks)}; set nvlinks)")
+                    raise ValueError(f"{where}: link {link} does not exist (the GPU has {len(gpu.nvlinks)}; set nvlinks)")
                 gpu.nvlinks[link] = 0 if key == "nvlink_down" else 1
         elif key == "nvlink_errors":
             if not isinstance(value, dict) or not set(value) <= set(NVLINK_COUNTER_FIELDS):
-                raise ValueError(f"{where}: expected a mapping of {', '.join(NVLINK_COUNTER_FIELDS)}"
-                                 f" to totals, got {value!r}")
+                raise ValueError(f"{where}: expected a mapping of {', '.join(NVLINK_COUNTER_FIELDS)} to totals, got {value!r}")
             for name, total in value.items():
                 gpu.fields[NVLINK_COUNTER_FIELDS[name]] = want_int(total)
         elif key in ("pcie_replay", "pcie_width", "pcie_max_width"):
@@ -358,22 +361,18 @@ class FakeNvml:
     def _apply(self, ev, where):
         if "raise" in ev or "hang" in ev:
             gpus = self._targets(ev, where, None)
-            for gpu in (gpus if gpus is not None else [None]):
+            for gpu in gpus if gpus is not None else [None]:
                 if "raise" in ev:
                     if ev["raise"] in (None, "none"):
-                        self._rules = [r for r in self._rules if not (
-                            r.kind == "raise" and r.gpu == gpu and r.call == ev.get("call"))]
+                        self._rules = [r for r in self._rules if not (r.kind == "raise" and r.gpu == gpu and r.call == ev.get("call"))]
                     else:
-                        self._rules.append(_Rule("raise", gpu, ev.get("call"),
-                                                 _error_class(ev["raise"], where), 0.0,
-                                                 ev.get("count")))
+                        self._rules.append(_Rule("raise", gpu, ev.get("call"), _error_class(ev["raise"], where), 0.0, ev.get("count")))
                 if "hang" in ev:
-                    self._rules.append(_Rule("hang", gpu, ev.get("call"), None,
-                                             float(ev["hang"]), ev.get("count", 1)))
+                    self._rules.append(_Rule("hang", gpu, ev.get("call"), None, float(ev["hang"]), ev.get("count", 1)))
         for gpu in self._targets(ev, where, 0):
             g = self._gpus[gpu]
             if "xid" in ev:
-                for xid in (ev["xid"] if isinstance(ev["xid"], list) else [ev["xid"]]):
+                for xid in ev["xid"] if isinstance(ev["xid"], list) else [ev["xid"]]:
                     self._xids.append((gpu, xid))
                 self._cond.notify_all()
             if "field" in ev:
@@ -571,7 +570,7 @@ class FakeNvml:
 
     def nvmlEventSetWait_v2(self, eventSet, timeoutms):
         self._enter("nvmlEventSetWait_v2")
-        deadline = time.monotonic() + timeoutms / 1000.0   # real time, whatever the clock
+        deadline = time.monotonic() + timeoutms / 1000.0  # real time, whatever the clock
         with self._cond:
             while True:
                 if self._refcount <= 0:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
 
-def hang_timeout(cfg, recent_step_seconds: Sequence[float], steps_done: int,
-                 in_checkpoint: bool) -> float:
+def hang_timeout(cfg, recent_step_seconds: Sequence[float], steps_done: int, in_checkpoint: bool) -> float:
     """Seconds without step progress after which a worker counts as hung.
 
     * ``cfg.hang_timeout > 0``: that fixed value; else ``hang_multiplier`` x the slowest of the
@@ -57,7 +56,7 @@ class HangWatch:
 
     def checkpoint(self, active: bool, now: float) -> None:
         if self.in_checkpoint and not active:
-            self.last_progress = now   # the save finished: the next step starts now
+            self.last_progress = now  # the save finished: the next step starts now
         self.in_checkpoint = active
 
     def timeout(self) -> float:

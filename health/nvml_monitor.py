@@ -20,8 +20,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .alarms import DEGRADED, FATAL, INFO, Alarm, AlarmFilter
 from .checks import CheckState, Finding, GpuSample, baseline_findings, evaluate
@@ -32,12 +32,19 @@ log = logging.getLogger(__name__)
 FAKE_ENV = "TM_FAKE_NVML"
 
 # pynvml field ids read in the batched nvmlDeviceGetFieldValues call
-FI_RECOVERY_ACTION = 230     # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-FI_ECC_DBE_VOL_TOTAL = 4     # NVML_FI_DEV_ECC_DBE_VOL_TOTAL
+FI_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+FI_ECC_DBE_VOL_TOTAL = 4  # NVML_FI_DEV_ECC_DBE_VOL_TOTAL
 NVLINK_ERROR_FIELDS = {38: "crc_flit", 45: "crc_data", 52: "replay", 59: "recovery"}
 FIELD_IDS = [FI_RECOVERY_ACTION, FI_ECC_DBE_VOL_TOTAL] + list(NVLINK_ERROR_FIELDS)
-_VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
-                 6: "usVal"}  # NVML_VALUE_TYPE_* -> c_nvmlValue_t member
+_VALUE_MEMBER = {
+    0: "dVal",
+    1: "uiVal",
+    2: "ulVal",
+    3: "ullVal",
+    4: "sllVal",
+    5: "siVal",
+    6: "usVal",
+}  # NVML_VALUE_TYPE_* -> c_nvmlValue_t member
 _LOG_LEVEL = {FATAL: logging.ERROR, DEGRADED: logging.WARNING, INFO: logging.INFO}
 
 
@@ -74,6 +81,7 @@ def load_nvml():
     path = os.environ.get(FAKE_ENV)
     if path:
         from .fake_nvml import FakeNvml
+
         return FakeNvml.from_file(path), None
     try:
         import pynvml
@@ -111,8 +119,7 @@ class _Device:
 
     @property
     def label(self) -> str:
-        who = "local ranks " + ",".join(map(str, self.ranks)) if len(self.ranks) > 1 else \
-            f"local rank {self.rank}"
+        who = "local ranks " + ",".join(map(str, self.ranks)) if len(self.ranks) > 1 else f"local rank {self.rank}"
         where = f"NVML {self.index}" if self.index is not None else self.spec
         return f"GPU {self.rank} ({where}, {self.uuid}, {who})"
 
@@ -126,8 +133,7 @@ class NvmlMonitor:
     monitor's threads, one alarm at a time; keep it quick.
     """
 
-    def __init__(self, node: str, gpus: list[str], cfg, on_alarm: Callable[[Alarm], None],
-                 nvml=None):
+    def __init__(self, node: str, gpus: list[str], cfg, on_alarm: Callable[[Alarm], None], nvml=None):
         self.node = node
         self.gpus = [str(g) for g in gpus]
         self.cfg = cfg
@@ -140,22 +146,22 @@ class NvmlMonitor:
         self._poll_now = threading.Event()
         self._devices: list[_Device] = []
         self._by_addr: dict[int, _Device] = {}
-        self._current: tuple | None = None      # (device, call) the poll thread is in
+        self._current: tuple | None = None  # (device, call) the poll thread is in
         self._event_set = None
         self._event_beat: float | None = None
         self._event_hang_reported = False
-        self._node_xid_times: dict = {}         # XIDs that name no watched GPU
+        self._node_xid_times: dict = {}  # XIDs that name no watched GPU
         self._threads: list[threading.Thread] = []
         self._initialized = False
         self.started = False
-        self.wedged = False                     # an NVML call hung: NVML is not touched again
+        self.wedged = False  # an NVML call hung: NVML is not touched again
 
     # ------------------------------------------------------------------------ lifecycle
     def start(self) -> bool:
         """Initialise NVML, take the baseline, start the threads.  False (after one info
         log line) when the monitor is off: disabled, NVML unavailable, or no GPU to watch."""
         if self.started or self.wedged:
-            return True     # running, or an NVML call hung (already reported as fatal)
+            return True  # running, or an NVML call hung (already reported as fatal)
         if not self.cfg.nvml:
             log.info("GPU health monitor off (health.nvml is false)")
             return False
@@ -179,7 +185,7 @@ class NvmlMonitor:
             return False
         self.started = True
         if not finished:
-            return True     # the fatal nvml_hang alarm is out; NVML is not touched again
+            return True  # the fatal nvml_hang alarm is out; NVML is not touched again
         if self._event_set is not None:
             self._spawn("tm-health-xid", self._event_loop)
         self._spawn("tm-health-poll", self._poll_loop)
@@ -206,8 +212,7 @@ class NvmlMonitor:
                     lib.nvmlEventSetFree(self._event_set)
                 lib.nvmlShutdown()
 
-            t = threading.Thread(target=self._quietly, args=(release,), daemon=True,
-                                 name="tm-health-stop")
+            t = threading.Thread(target=self._quietly, args=(release,), daemon=True, name="tm-health-stop")
             t.start()
             t.join(self.cfg.nvml_timeout)
             self._initialized = False
@@ -232,7 +237,7 @@ class NvmlMonitor:
         try:
             return getattr(self._nvml, name)(*args)
         finally:
-            self._current = None   # not reached while the call hangs: the watchdog reads it
+            self._current = None  # not reached while the call hangs: the watchdog reads it
 
     def _guarded(self, fn, timeout, what):
         """Run fn in a fresh thread; (True, result) or (False, None) when it hung, in
@@ -252,9 +257,17 @@ class NvmlMonitor:
             self.wedged = True
             dev, call = self._current or (None, what)
             where = dev.label if dev is not None else "NVML"
-            self._emit(Alarm(self.node, dev.rank if dev else None, "nvml_hang", call, FATAL,
-                             f"{where}: {call} did not return within {timeout:g} s",
-                             time.time()))
+            self._emit(
+                Alarm(
+                    self.node,
+                    dev.rank if dev else None,
+                    "nvml_hang",
+                    call,
+                    FATAL,
+                    f"{where}: {call} did not return within {timeout:g} s",
+                    time.time(),
+                )
+            )
             return False, None
         if "error" in box:
             raise box["error"]
@@ -266,8 +279,7 @@ class NvmlMonitor:
             if passed is None:
                 log.debug("suppressed repeat: %s", alarm.message)
                 return None
-            log.log(_LOG_LEVEL[passed.severity], "health %s [%s] %s: %s", passed.severity,
-                    self.node, passed.signal, passed.message)
+            log.log(_LOG_LEVEL[passed.severity], "health %s [%s] %s: %s", passed.severity, self.node, passed.signal, passed.message)
             try:
                 self.on_alarm(passed)
             except Exception:
@@ -276,15 +288,13 @@ class NvmlMonitor:
 
     def _alarm(self, dev: _Device | None, f: Finding) -> Alarm:
         where = dev.label if dev is not None else "NVML"
-        return Alarm(self.node, dev.rank if dev is not None else None, f.signal, f.value,
-                     f.severity, f"{where}: {f.message}", time.time())
+        return Alarm(self.node, dev.rank if dev is not None else None, f.signal, f.value, f.severity, f"{where}: {f.message}", time.time())
 
     def _is(self, error, *names) -> bool:
         return isinstance(error, tuple(getattr(self._nvml, n) for n in names))
 
     def _lost(self, error) -> bool:
-        return self._is(error, "NVMLError_GpuIsLost", "NVMLError_ResetRequired",
-                        "NVMLError_GpuNotFound")
+        return self._is(error, "NVMLError_GpuIsLost", "NVMLError_ResetRequired", "NVMLError_GpuNotFound")
 
     # ------------------------------------------------------------------------ start-up
     def _start_sync(self):
@@ -304,9 +314,11 @@ class NvmlMonitor:
                 if self._lost(e):
                     self._emit(self._alarm(dev, self._lost_finding(e, "device lookup")))
                 else:
-                    self._emit(self._alarm(dev, Finding(
-                        "nvml_error", INFO, f"lookup: {e}",
-                        f"cannot find the GPU ({type(e).__name__}: {e}); not watched")))
+                    self._emit(
+                        self._alarm(
+                            dev, Finding("nvml_error", INFO, f"lookup: {e}", f"cannot find the GPU ({type(e).__name__}: {e}); not watched")
+                        )
+                    )
                 continue
             dev.addr = ctypes.cast(dev.handle, ctypes.c_void_p).value
             if dev.addr in devices:
@@ -331,11 +343,14 @@ class NvmlMonitor:
         self._register_events()
         for dev in self._devices:
             if dev.base is not None:
-                log.info("health: watching %s; not supported: %s", dev.label,
-                         ", ".join(sorted(dev.unsupported)) or "none")
-        log.info("GPU health monitor on: %d GPU(s), driver %s, poll every %g s, XID events %s",
-                 len(self._devices), driver, self.cfg.poll_interval,
-                 "on" if self._event_set is not None else "off")
+                log.info("health: watching %s; not supported: %s", dev.label, ", ".join(sorted(dev.unsupported)) or "none")
+        log.info(
+            "GPU health monitor on: %d GPU(s), driver %s, poll every %g s, XID events %s",
+            len(self._devices),
+            driver,
+            self.cfg.poll_interval,
+            "on" if self._event_set is not None else "off",
+        )
 
     def _resolve(self, dev: _Device):
         lib, spec = self._nvml, dev.spec
@@ -368,8 +383,7 @@ class NvmlMonitor:
         registered = 0
         for dev in live:
             try:
-                self._call(dev, "nvmlDeviceRegisterEvents", dev.handle,
-                           lib.nvmlEventTypeXidCriticalError, event_set)
+                self._call(dev, "nvmlDeviceRegisterEvents", dev.handle, lib.nvmlEventTypeXidCriticalError, event_set)
                 registered += 1
             except lib.NVMLError as e:
                 if self._lost(e):
@@ -391,8 +405,7 @@ class NvmlMonitor:
         dev.lost = True
         self._emit(self._alarm(dev, self._lost_finding(error, call)))
 
-    def _read(self, dev: _Device, key: str, call: str, *args, findings: list,
-              baseline: bool = False):
+    def _read(self, dev: _Device, key: str, call: str, *args, findings: list, baseline: bool = False):
         """One NVML reading; None when unsupported or failed (failure: an info finding).
         A reading that fails at start-up is never read again: there is no reference for it
         (and e.g. MIG handles refuse many queries with InvalidArgument)."""
@@ -408,8 +421,7 @@ class NvmlMonitor:
                 dev.unsupported.add(key)
                 log.debug("health: %s: %s unavailable (%s)", dev.label, key, e)
             else:
-                findings.append(Finding("nvml_error", INFO, f"{call}: {type(e).__name__}",
-                                        f"{call} failed: {e}"))
+                findings.append(Finding("nvml_error", INFO, f"{call}: {type(e).__name__}", f"{call} failed: {e}"))
             return None
 
     def _sample(self, dev: _Device, baseline: bool = False):
@@ -457,10 +469,8 @@ class NvmlMonitor:
             s.pcie_replay = read("pcie_replay", "nvmlDeviceGetPcieReplayCounter")
             s.pcie_width = read("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth")
             if baseline:
-                s.temp_slowdown = read("temp_slowdown", "nvmlDeviceGetTemperatureThreshold",
-                                       lib.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
-                s.temp_shutdown = read("temp_shutdown", "nvmlDeviceGetTemperatureThreshold",
-                                       lib.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)
+                s.temp_slowdown = read("temp_slowdown", "nvmlDeviceGetTemperatureThreshold", lib.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
+                s.temp_shutdown = read("temp_shutdown", "nvmlDeviceGetTemperatureThreshold", lib.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)
                 s.pcie_max_width = read("pcie_max_width", "nvmlDeviceGetMaxPcieLinkWidth")
         except _Lost as lost:
             dev.lost = True
@@ -472,14 +482,13 @@ class NvmlMonitor:
         lib = self._nvml
         for link in range(lib.NVML_NVLINK_MAX_LINKS):
             try:
-                s.nvlink_state[link] = int(self._call(dev, "nvmlDeviceGetNvLinkState",
-                                                      dev.handle, link))
+                s.nvlink_state[link] = int(self._call(dev, "nvmlDeviceGetNvLinkState", dev.handle, link))
             except lib.NVMLError as e:
                 if self._lost(e):
                     raise _Lost(e, "nvmlDeviceGetNvLinkState") from None
                 if link == 0:
                     dev.unsupported.add("nvlink")
-                break   # past the last link (InvalidArgument / NotSupported)
+                break  # past the last link (InvalidArgument / NotSupported)
 
     # ------------------------------------------------------------------------ polling
     def poll_once(self) -> list[Alarm]:
@@ -534,9 +543,17 @@ class NvmlMonitor:
         if beat is None or self._event_hang_reported or time.monotonic() - beat <= limit:
             return
         self._event_hang_reported = True
-        self._emit(Alarm(self.node, None, "nvml_hang", "nvmlEventSetWait_v2", FATAL,
-                         f"NVML: nvmlEventSetWait_v2 did not return within {limit:g} s",
-                         time.time()))
+        self._emit(
+            Alarm(
+                self.node,
+                None,
+                "nvml_hang",
+                "nvmlEventSetWait_v2",
+                FATAL,
+                f"NVML: nvmlEventSetWait_v2 did not return within {limit:g} s",
+                time.time(),
+            )
+        )
 
     # ------------------------------------------------------------------------ XID events
     def _event_loop(self):
@@ -553,11 +570,14 @@ class NvmlMonitor:
                         break
                     if self._lost(e):
                         self._emit(self._alarm(None, self._lost_finding(e, "nvmlEventSetWait_v2")))
-                        self._poll_now.set()   # the poll finds out which GPU
+                        self._poll_now.set()  # the poll finds out which GPU
                         break
-                    self._emit(self._alarm(None, Finding(
-                        "nvml_error", INFO, f"nvmlEventSetWait_v2: {type(e).__name__}",
-                        f"nvmlEventSetWait_v2 failed: {e}")))
+                    self._emit(
+                        self._alarm(
+                            None,
+                            Finding("nvml_error", INFO, f"nvmlEventSetWait_v2: {type(e).__name__}", f"nvmlEventSetWait_v2 failed: {e}"),
+                        )
+                    )
                     self._stop.wait(min(1.0, self.cfg.poll_interval))
                     continue
                 self._on_event(data)
@@ -583,4 +603,4 @@ class NvmlMonitor:
             return
         repeat = f" ({len(times)} within {self.cfg.repeat_window:g} s)" if len(times) > 1 else ""
         self._emit(self._alarm(dev, Finding("xid", severity, xid, f"{xid_name(xid)}{repeat}")))
-        self._poll_now.set()    # read recovery action / ECC / remap state right away
+        self._poll_now.set()  # read recovery action / ECC / remap state right away

@@ -16,11 +16,11 @@ from __future__ import annotations
 import collections
 import statistics
 import time as _time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .alarms import DEGRADED, Alarm
 
-_Z_SCALE = 0.6745   # makes MAD comparable to a standard deviation for normal data
+_Z_SCALE = 0.6745  # makes MAD comparable to a standard deviation for normal data
 
 
 def robust_z(values: Sequence[float], mad_floor: float = 0.01) -> list[float]:
@@ -32,8 +32,7 @@ def robust_z(values: Sequence[float], mad_floor: float = 0.01) -> list[float]:
     mad = max(mad, mad_floor * abs(med))
     if mad == 0:
         # all equal to a zero median: nobody deviates; anything above it deviates infinitely
-        return [0.0 if v == med else (float("inf") if v > med else float("-inf"))
-                for v in values]
+        return [0.0 if v == med else (float("inf") if v > med else float("-inf")) for v in values]
     return [_Z_SCALE * (v - med) / mad for v in values]
 
 
@@ -71,19 +70,26 @@ class StragglerDetector:
         else:
             self._slow.pop(rank, None)
 
-    def alarm_for(self, rank: int, node: str, gpu: int | None = None,
-                  now: float | None = None) -> Alarm:
+    def alarm_for(self, rank: int, node: str, gpu: int | None = None, now: float | None = None) -> Alarm:
         """The degraded alarm for a straggler returned by the last ``add_window``."""
         value = self.last_values.get(rank)
         z = self.last_z.get(rank, 0.0)
         med = self.last_median or 0.0
         ratio = value / med if value is not None and med else float("inf")
         slow = sum(self._slow.get(rank, ()))
-        return Alarm(node=node, gpu=gpu, signal="straggler", value=rank, severity=DEGRADED,
-                     message=(f"rank {rank} is a straggler: compute {value:.4g} s = "
-                              f"{ratio:.2f}x median, z {z:.1f}, slow in {slow} of the last "
-                              f"{self.cfg.straggler_of} windows"),
-                     time=_time.time() if now is None else now)
+        return Alarm(
+            node=node,
+            gpu=gpu,
+            signal="straggler",
+            value=rank,
+            severity=DEGRADED,
+            message=(
+                f"rank {rank} is a straggler: compute {value:.4g} s = "
+                f"{ratio:.2f}x median, z {z:.1f}, slow in {slow} of the last "
+                f"{self.cfg.straggler_of} windows"
+            ),
+            time=_time.time() if now is None else now,
+        )
 
 
 class WindowAggregator:

@@ -5,6 +5,7 @@ to the venv's python, with ``--enable-v2`` so that both client flavours work aga
 Everything is loopback-only on free ports with a throw-away data dir, and the process is tied
 to its parent (PDEATHSIG) so a crashed launcher or test run never leaves an etcd behind.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -79,9 +80,15 @@ class EtcdServer:
     separate plain-http metrics port, so TLS and auth do not get in the way of ``start()``.
     """
 
-    def __init__(self, data_dir: str | None = None, *, name: str = "tm-launch",
-                 log_file: str | None = None, extra_args: list[str] | tuple[str, ...] = (),
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        *,
+        name: str = "tm-launch",
+        log_file: str | None = None,
+        extra_args: list[str] | tuple[str, ...] = (),
+        host: str = "127.0.0.1",
+    ):
         self.name = name
         self.host = host  # e.g. a bridge address that agents in network namespaces can reach
         # Set by EtcdCluster: fixed (client, peer, metrics) ports and the --initial-cluster list,
@@ -98,7 +105,7 @@ class EtcdServer:
         self.endpoint = ""
         self.metrics_url = ""
 
-    def start(self, timeout: float = 20.0) -> "EtcdServer":
+    def start(self, timeout: float = 20.0) -> EtcdServer:
         binary = find_etcd_binary()
         if binary is None:
             raise RuntimeError(_MISSING)
@@ -128,30 +135,47 @@ class EtcdServer:
         client, peer, metrics = self.ports or free_ports(3, self.host)
         self._spawn(binary, self.data_dir, self.log_path, client, peer, metrics)
 
-    def _spawn(self, binary: str, data_dir: str, log_path: str,
-               client: int, peer: int, metrics: int) -> None:
+    def _spawn(self, binary: str, data_dir: str, log_path: str, client: int, peer: int, metrics: int) -> None:
         self.port = client
         self.endpoint = f"{self.scheme}://{self.host}:{client}"
         self.metrics_url = f"http://{self.host}:{metrics}"
         peer_url = f"http://{self.host}:{peer}"
         args = [
-            binary, "--name", self.name, "--data-dir", data_dir,
-            "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", self.initial_cluster or f"{self.name}={peer_url}",
-            "--initial-cluster-state", "new",  # ignored by etcd when the data dir has a member
-            "--listen-metrics-urls", self.metrics_url,
+            binary,
+            "--name",
+            self.name,
+            "--data-dir",
+            data_dir,
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            self.initial_cluster or f"{self.name}={peer_url}",
+            "--initial-cluster-state",
+            "new",  # ignored by etcd when the data dir has a member
+            "--listen-metrics-urls",
+            self.metrics_url,
             "--enable-v2",
             # Light and quick on small boxes: the data is disposable by design.
-            "--unsafe-no-fsync", "--snapshot-count", "10000",
-            "--quota-backend-bytes", str(512 * 1024 * 1024),
-            "--log-level", "warn",
+            "--unsafe-no-fsync",
+            "--snapshot-count",
+            "10000",
+            "--quota-backend-bytes",
+            str(512 * 1024 * 1024),
+            "--log-level",
+            "warn",
             *self.extra_args,
         ]
         log = open(log_path, "ab")
         try:
-            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                          preexec_fn=_die_with_parent, close_fds=True)
+            self._proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent, close_fds=True
+            )
         finally:
             log.close()
 
@@ -202,7 +226,7 @@ class EtcdServer:
             proc.kill()
             proc.wait()
 
-    def __enter__(self) -> "EtcdServer":
+    def __enter__(self) -> EtcdServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -211,8 +235,7 @@ class EtcdServer:
 
 def _member_status(endpoint: str, timeout: float = 1.0) -> dict | None:
     """The v3 maintenance status of one member (its id, the leader's id), None if it is down."""
-    req = urllib.request.Request(endpoint + "/v3/maintenance/status", data=b"{}",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(endpoint + "/v3/maintenance/status", data=b"{}", headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
@@ -234,8 +257,7 @@ class EtcdCluster:
         ports = free_ports(3 * size, host)
         self.members = []
         for i in range(size):
-            m = EtcdServer(os.path.join(self._tmp, f"m{i}"), name=f"{name}{i}", host=host,
-                           log_file=os.path.join(self._tmp, f"m{i}.log"))
+            m = EtcdServer(os.path.join(self._tmp, f"m{i}"), name=f"{name}{i}", host=host, log_file=os.path.join(self._tmp, f"m{i}.log"))
             m.ports = (ports[3 * i], ports[3 * i + 1], ports[3 * i + 2])
             self.members.append(m)
         cluster = ",".join(f"{m.name}=http://{host}:{m.ports[1]}" for m in self.members)
@@ -247,7 +269,7 @@ class EtcdCluster:
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
-    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
         binary = find_etcd_binary()
         if binary is None:
             raise RuntimeError(_MISSING)
@@ -310,7 +332,7 @@ class EtcdCluster:
             m._kill()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdCluster":
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

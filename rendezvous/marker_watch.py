@@ -17,19 +17,20 @@ the read that follows judges it (and names the bad key).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .kv import Change
 
 
-def matters(node: str, change: Change, markers_prefix: str, markers: dict[str, str] | None,
-            names: Callable[[str], tuple[str, ...]]) -> bool:
+def matters(
+    node: str, change: Change, markers_prefix: str, markers: dict[str, str] | None, names: Callable[[str], tuple[str, ...]]
+) -> bool:
     """Whether ``change`` calls for ``node`` to read the feed; ``markers``: key -> value of the
     markers after it (None: unknown), ``names`` parses a marker's value, raising ValueError."""
     if not change.key.startswith(markers_prefix) or markers is None:
-        return True   # the delta (a new plan), or markers not known
+        return True  # the delta (a new plan), or markers not known
     if change.value is None:
-        return not any(_readable(names, value) for value in markers.values())   # no planner left
+        return not any(_readable(names, value) for value in markers.values())  # no planner left
     try:
         return node in names(change.value)
     except ValueError:

@@ -52,11 +52,10 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from . import marker_watch
+from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
 from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, fresh_nodes, plan_delta, plan_digest
 from .planner import PLANNERS, View, follows_only, planners, spares
-
-from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
-from . import marker_watch
 from .state_mirror import StateMirror
 
 log = logging.getLogger("rendezvous.membership")
@@ -90,41 +89,46 @@ class Snapshot:
     view: View
     plan_entry: Entry | None
     revision: int
-    spares_alive: int   # planner.spares, counted; partial: as the last delta's publisher counted them
-    plan_error: str = ""   # lenient reads only: why state/plan could not be read (plan is None)
-    planners: tuple[str, ...] = ()   # who plans (planner.planners; partial: as the markers say)
+    spares_alive: int  # planner.spares, counted; partial: as the last delta's publisher counted them
+    plan_error: str = ""  # lenient reads only: why state/plan could not be read (plan is None)
+    planners: tuple[str, ...] = ()  # who plans (planner.planners; partial: as the markers say)
     partial: bool = False
-
 
 
 def _writes_state(method):
     """A method that writes under ``state/``: the next whole snapshot is read, not mirrored, so
     that it holds the write (the watch stream may not have delivered it yet)."""
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         self.state_mirror.wrote = self.feed_mirror.wrote = True
         return method(self, *args, **kwargs)
+
     return wrapper
 
 
 class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
-        self.skipped: dict[str, str] = {}   # key -> why it was ignored (each is logged once)
-        self.state_mirror = StateMirror()   # a whole reader's copy of state/, between reads
-        self.feed_mirror = StateMirror(max_age_s=None)   # a follower's copy of the plan feed
+        self.skipped: dict[str, str] = {}  # key -> why it was ignored (each is logged once)
+        self.state_mirror = StateMirror()  # a whole reader's copy of state/, between reads
+        self.feed_mirror = StateMirror(max_age_s=None)  # a follower's copy of the plan feed
 
     def _where(self, key: str) -> str:
         options = getattr(self.kv, "options", None)
         where = (options.prefix.rstrip("/") + "/" if options and options.prefix else "") + key
-        return ascii(where)[1:-1]   # a key is input too: no newlines or terminal escapes in logs
+        return ascii(where)[1:-1]  # a key is input too: no newlines or terminal escapes in logs
 
     def _skip(self, key: str, error: Exception) -> None:
         """Ignore one unreadable value, and say so once per key: what it is and how to fix it."""
         why = " ".join(str(error).split())[:100] or type(error).__name__
         if key not in self.skipped:
-            log.warning("ignoring etcd key %s: unreadable (%s); tm-launch never wrote that, "
-                        "delete it (etcdctl del %s)", self._where(key), why, self._where(key))
+            log.warning(
+                "ignoring etcd key %s: unreadable (%s); tm-launch never wrote that, delete it (etcdctl del %s)",
+                self._where(key),
+                why,
+                self._where(key),
+            )
         self.skipped[key] = why
 
     # -- registration ---------------------------------------------------------------------
@@ -134,8 +138,7 @@ class Membership:
         if not self.kv.create(f"state/nodes/{info.id}", info.to_json(), lease=lease):
             lease.revoke()
             raise ValueError(
-                f"node id '{info.id}' is already registered in this job; pick another --node-id "
-                "or wait for the old node's lease to expire"
+                f"node id '{info.id}' is already registered in this job; pick another --node-id or wait for the old node's lease to expire"
             )
         return lease
 
@@ -190,12 +193,25 @@ class Membership:
                 self._skip(key, e)  # a garbage value under our keys is ignored, never fatal
                 continue
         view = View(
-            plan=plan, alive=alive, failed=failed, reports=reports, drains=drains,
-            done=frozenset(done), live=getattr(entries.get("state/live"), "value", None) == "1",
-            report_kinds=kinds, report_times=times, now=time.time(),
+            plan=plan,
+            alive=alive,
+            failed=failed,
+            reports=reports,
+            drains=drains,
+            done=frozenset(done),
+            live=getattr(entries.get("state/live"), "value", None) == "1",
+            report_kinds=kinds,
+            report_times=times,
+            now=time.time(),
         )
-        return Snapshot(view=view, plan_entry=plan_entry, revision=revision, spares_alive=len(spares(view)),
-                        plan_error=plan_error, planners=planners(view))
+        return Snapshot(
+            view=view,
+            plan_entry=plan_entry,
+            revision=revision,
+            spares_alive=len(spares(view)),
+            plan_error=plan_error,
+            planners=planners(view),
+        )
 
     def refresh(self, previous: Snapshot | None, node: str, *, fresh: bool = False) -> Snapshot:
         """The job's state as agent ``node`` needs it next, for the least reading.
@@ -215,7 +231,7 @@ class Membership:
         try:
             return self._read(previous, node, fresh)
         except KVError:
-            self.state_mirror.forget()   # etcd did not answer: no view until it does
+            self.state_mirror.forget()  # etcd did not answer: no view until it does
             self.feed_mirror.forget()
             raise
 
@@ -299,7 +315,7 @@ class Membership:
             if not key.startswith(PLANNER_MARKERS):
                 continue
             try:
-                if "/" in key[len(PLANNER_MARKERS):]:
+                if "/" in key[len(PLANNER_MARKERS) :]:
                     raise ValueError("a key of an unexpected shape")
                 markers[key] = _marker_names(entry.value)
             except ValueError as e:
@@ -311,14 +327,14 @@ class Membership:
         on (None when the plan stands); None when only a whole read can tell (no delta, an
         unreadable one, or one that does not fit ``held``)."""
         if entry is None:
-            return (None, None) if held is None else None   # no plan yet: generation 0 forms
+            return (None, None) if held is None else None  # no plan yet: generation 0 forms
         try:
             delta = PlanDelta.from_json(entry.value)
         except ValueError as e:
             self._skip(DELTA, e)
             return None
         if held is not None and delta.generation == held.generation and delta.digest == plan_digest(held):
-            return held, None   # woken by a marker, or by nothing: the plan stands
+            return held, None  # woken by a marker, or by nothing: the plan stands
         try:
             return apply_delta(held, delta), delta
         except DeltaMismatch as e:
@@ -340,9 +356,15 @@ class Membership:
         live = before.live or getattr(self.kv.get("state/live"), "value", None) == "1"
         same_gen = before.plan is not None and plan.generation == before.plan.generation
         return dataclasses.replace(
-            before, plan=plan, alive=alive, live=live, now=time.time(),
-            reports=before.reports if same_gen else {}, report_kinds=before.report_kinds if same_gen else {},
-            report_times=before.report_times if same_gen else {}, done=before.done if same_gen else frozenset(),
+            before,
+            plan=plan,
+            alive=alive,
+            live=live,
+            now=time.time(),
+            reports=before.reports if same_gen else {},
+            report_kinds=before.report_kinds if same_gen else {},
+            report_times=before.report_times if same_gen else {},
+            done=before.done if same_gen else frozenset(),
         )
 
     def node_record(self, node: str) -> NodeInfo | None:
@@ -411,8 +433,7 @@ class Membership:
 
     # -- writing ----------------------------------------------------------------------------
     @_writes_state
-    def publish(self, plan: Plan, expected: Entry | None, records: Mapping[str, NodeInfo] | None = None,
-                spares: int | None = None) -> bool:
+    def publish(self, plan: Plan, expected: Entry | None, records: Mapping[str, NodeInfo] | None = None, spares: int | None = None) -> bool:
         """Compare-and-swap the next plan in; False when someone else published first.
         ``records``: the registrations the planner read (``View.alive``); the delta carries those
         of the nodes the followers do not hold yet, and ``spares``, the spares beside the plan.
@@ -530,8 +551,7 @@ class Membership:
 
     def all_steps(self) -> dict[str, list]:
         return {
-            key.rsplit("/", 1)[-1]: v["samples"]
-            for key, v in self._json_values("log/steps/").items() if isinstance(v.get("samples"), list)
+            key.rsplit("/", 1)[-1]: v["samples"] for key, v in self._json_values("log/steps/").items() if isinstance(v.get("samples"), list)
         }
 
     def downtime_stamps(self, generation: int, node: str | None, record: dict) -> None:

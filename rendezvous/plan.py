@@ -89,16 +89,19 @@ class NodeInfo:
         return _json(self)
 
     @staticmethod
-    def from_json(text: str) -> "NodeInfo":
+    def from_json(text: str) -> NodeInfo:
         """Parse and type-check a registration (etcd content is input, not trusted)."""
         return NodeInfo.from_dict(_loads(text))
 
     @staticmethod
-    def from_dict(d) -> "NodeInfo":
+    def from_dict(d) -> NodeInfo:
         """A registration from its JSON object (``to_json``'s), type-checked."""
         info = NodeInfo(**_only_fields(d, NodeInfo, "node record"))
-        _check_types(info, "node record", (("id", str), ("host", str), ("addr", str), ("store_port", int), ("nproc", int),
-                                           ("pid", int), ("joined", (int, float))))
+        _check_types(
+            info,
+            "node record",
+            (("id", str), ("host", str), ("addr", str), ("store_port", int), ("nproc", int), ("pid", int), ("joined", (int, float))),
+        )
         # Values other nodes act on (connect to the port, order joins by time) must be sane.
         if not 0 < info.store_port < 65536 or info.nproc < 0 or not math.isfinite(info.joined):  # torchrun's handler registers nproc 0
             raise ValueError("node record has an out-of-range store_port, nproc or joined")
@@ -150,11 +153,11 @@ class Plan:
         return _json(self)
 
     @staticmethod
-    def from_json(text: str) -> "Plan":
+    def from_json(text: str) -> Plan:
         return Plan.from_dict(_loads(text))
 
     @staticmethod
-    def from_dict(d) -> "Plan":
+    def from_dict(d) -> Plan:
         """A plan from its JSON object (``to_json``'s), type-checked: etcd content is input."""
         d = dict(_only_fields(d, Plan, "plan"))
         for key in ("nodes", "joiners", "removed"):
@@ -164,16 +167,30 @@ class Plan:
         plan = Plan(**d)
         # etcd content is input: every field an agent acts on is type-checked, so that a bad
         # plan is refused here, in one place, rather than crashing an agent later.
-        _check_types(plan, "plan", (("generation", int), ("nproc", int), ("restarts", int), ("store", dict),
-                                    ("cause", str), ("replaced", dict), ("live", bool), ("planned", bool),
-                                    ("state", str), ("reason", str), ("created", (int, float))))
+        _check_types(
+            plan,
+            "plan",
+            (
+                ("generation", int),
+                ("nproc", int),
+                ("restarts", int),
+                ("store", dict),
+                ("cause", str),
+                ("replaced", dict),
+                ("live", bool),
+                ("planned", bool),
+                ("state", str),
+                ("reason", str),
+                ("created", (int, float)),
+            ),
+        )
         if plan.generation < 0 or plan.nproc < 0 or plan.state not in (RUNNING, SUCCEEDED, FAILED):  # torchrun's handler: nproc 0
             raise ValueError("plan has an out-of-range generation, nproc or state")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.replaced.items()):
             raise ValueError("plan field 'replaced' must map node ids to node ids")
         return plan
 
-    def next(self, **changes) -> "Plan":
+    def next(self, **changes) -> Plan:
         """The following generation with ``changes`` applied; per-event fields start empty."""
         base = dict(
             generation=self.generation + 1,
@@ -237,21 +254,27 @@ class PlanDelta:
         return _json(self)
 
     @staticmethod
-    def from_json(text: str) -> "PlanDelta":
+    def from_json(text: str) -> PlanDelta:
         """Parse and type-check a delta; whether it fits a plan is ``apply_delta``'s to say."""
         d = _record(text, PlanDelta, "plan delta")
         try:
             delta = PlanDelta(**d)
         except TypeError:
             raise ValueError("a plan delta lacks a field") from None
-        _check_types(delta, "plan delta", (("nodes", list), ("joiners", list), ("every_node_joins", bool),
-                                           ("fields", dict), ("digest", str)))
+        _check_types(
+            delta, "plan delta", (("nodes", list), ("joiners", list), ("every_node_joins", bool), ("fields", dict), ("digest", str))
+        )
         if delta.previous is not None and (isinstance(delta.previous, bool) or not isinstance(delta.previous, int)):
             raise ValueError(f"plan delta field 'previous' has the wrong type: {_short(delta.previous)}")
         splices = []
         for splice in delta.nodes:
-            if not (isinstance(splice, list) and len(splice) == 3 and all(_is_int(x) for x in splice[:2])
-                    and isinstance(splice[2], list) and all(isinstance(n, str) for n in splice[2])):
+            if not (
+                isinstance(splice, list)
+                and len(splice) == 3
+                and all(_is_int(x) for x in splice[:2])
+                and isinstance(splice[2], list)
+                and all(isinstance(n, str) for n in splice[2])
+            ):
                 raise ValueError(f"plan delta splice {_short(splice)} is not [start, end, [node ids]]")
             splices.append((splice[0], splice[1], tuple(splice[2])))
         if not all(isinstance(n, str) for n in delta.joiners):
@@ -264,9 +287,16 @@ class PlanDelta:
             records = tuple(NodeInfo.from_dict(r) for r in delta.records)
         except TypeError:
             raise ValueError("a node record in the plan delta lacks a field") from None
-        return PlanDelta(previous=delta.previous, nodes=tuple(splices), joiners=tuple(delta.joiners),
-                         every_node_joins=delta.every_node_joins, fields=delta.fields, digest=delta.digest,
-                         records=records, spares=delta.spares)
+        return PlanDelta(
+            previous=delta.previous,
+            nodes=tuple(splices),
+            joiners=tuple(delta.joiners),
+            every_node_joins=delta.every_node_joins,
+            fields=delta.fields,
+            digest=delta.digest,
+            records=records,
+            spares=delta.spares,
+        )
 
 
 def _is_int(value) -> bool:
@@ -285,8 +315,7 @@ def fresh_nodes(previous: Plan | None, new: Plan) -> list[str]:
     return fresh
 
 
-def plan_delta(previous: Plan | None, new: Plan, records: Mapping[str, NodeInfo] | None = None,
-               spares: int | None = None) -> PlanDelta:
+def plan_delta(previous: Plan | None, new: Plan, records: Mapping[str, NodeInfo] | None = None, spares: int | None = None) -> PlanDelta:
     """The delta that turns ``previous`` (None before the first plan) into ``new``, carrying the
     ``records`` (node id -> registration) of its ``fresh_nodes``. None are sent at formation:
     there every node is fresh, O(N) records, and a node that follows reads only those of the
@@ -297,9 +326,16 @@ def plan_delta(previous: Plan | None, new: Plan, records: Mapping[str, NodeInfo]
     every = bool(new.nodes) and new.joiners == new.nodes
     rest = {k: list(v) if isinstance(v, tuple) else v for k, v in _fields_of(new).items() if k not in ("nodes", "joiners")}
     sent = () if previous is None else tuple(records[n] for n in fresh_nodes(previous, new) if n in (records or {}))
-    return PlanDelta(previous=previous.generation if previous is not None else None, nodes=splices, records=sent,
-                     joiners=() if every else new.joiners, every_node_joins=every, fields=rest, digest=plan_digest(new),
-                     spares=spares)
+    return PlanDelta(
+        previous=previous.generation if previous is not None else None,
+        nodes=splices,
+        records=sent,
+        joiners=() if every else new.joiners,
+        every_node_joins=every,
+        fields=rest,
+        digest=plan_digest(new),
+        spares=spares,
+    )
 
 
 class DeltaMismatch(ValueError):
@@ -324,8 +360,13 @@ def apply_delta(previous: Plan | None, delta: PlanDelta) -> Plan:
     nodes += before[at:]
     nodes_t = tuple(nodes)
     try:
-        plan = Plan.from_dict({**_only_fields(delta.fields, Plan, "plan delta's fields", leave_out=("nodes", "joiners")),
-                               "nodes": nodes_t, "joiners": nodes_t if delta.every_node_joins else delta.joiners})
+        plan = Plan.from_dict(
+            {
+                **_only_fields(delta.fields, Plan, "plan delta's fields", leave_out=("nodes", "joiners")),
+                "nodes": nodes_t,
+                "joiners": nodes_t if delta.every_node_joins else delta.joiners,
+            }
+        )
     except (ValueError, TypeError) as e:
         raise DeltaMismatch(f"the delta's plan is unreadable: {e}") from None
     if plan_digest(plan) != delta.digest:

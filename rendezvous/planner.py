@@ -66,14 +66,12 @@ def spares(view: View) -> list[str]:
     active = set(view.plan.nodes) if view.plan else set()
     removed = set(view.plan.removed) if view.plan else set()
     candidates = [
-        n for n in view.alive.values()
-        if n.id not in active and n.id not in view.failed and n.id not in view.drains and n.id not in removed
+        n for n in view.alive.values() if n.id not in active and n.id not in view.failed and n.id not in view.drains and n.id not in removed
     ]
     return [n.id for n in sorted(candidates, key=lambda n: (n.joined, n.id))]
 
 
-def _store_for(nodes: tuple[str, ...], joiners: tuple[str, ...], alive: dict[str, NodeInfo],
-               previous: dict | None = None) -> dict:
+def _store_for(nodes: tuple[str, ...], joiners: tuple[str, ...], alive: dict[str, NodeInfo], previous: dict | None = None) -> dict:
     """Where the generation's bootstrap store lives, and its standby. On a surviving node (its
     agent is known good), else the first live one. It stays on the node of ``previous`` (the
     last plan's store) while that node survives, and moves to the standby ``previous`` named when
@@ -182,8 +180,11 @@ def next_plan(view: View, limits: Limits) -> Plan | None:
         grow = tuple(spares(view)[: limits.max_nodes - len(plan.nodes)])
         nodes = plan.nodes + grow
         return plan.next(
-            nodes=nodes, joiners=nodes, store=_store_for(nodes, nodes, view.alive, view.plan.store),
-            cause=f"scale up: {', '.join(grow)} joined", live=False,
+            nodes=nodes,
+            joiners=nodes,
+            store=_store_for(nodes, nodes, view.alive, view.plan.store),
+            cause=f"scale up: {', '.join(grow)} joined",
+            live=False,
         )
     return None
 
@@ -192,15 +193,17 @@ def _describe(lost: dict[str, str]) -> str:
     return "; ".join(f"{node}: {why}" for node, why in lost.items())
 
 
-def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: set[str] = frozenset(),
-                  state_lost: str = "") -> Plan:
+def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: set[str] = frozenset(), state_lost: str = "") -> Plan:
     """Replace the lost nodes; ``state_lost`` (a reason) makes every worker restart."""
     plan = view.plan
     cause = "; ".join(filter(None, [_describe(lost), state_lost]))
     restarts = plan.restarts + 1
     if restarts > limits.max_restarts:
         return plan.next(
-            state=FAILED, restarts=restarts, cause=cause, removed=tuple(lost),
+            state=FAILED,
+            restarts=restarts,
+            cause=cause,
+            removed=tuple(lost),
             reason=f"max restarts ({limits.max_restarts}) exhausted; last failure: {cause}",
         )
     free = spares(view)
@@ -225,11 +228,11 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
             removed.append(node)
     if len(nodes) < limits.min_nodes:
         return plan.next(
-            state=FAILED, restarts=restarts, cause=cause, removed=tuple(removed),
-            reason=(
-                f"no spare left: {len(nodes)} node(s) remain, --nnodes needs at least "
-                f"{limits.min_nodes}; last failure: {cause}"
-            ),
+            state=FAILED,
+            restarts=restarts,
+            cause=cause,
+            removed=tuple(removed),
+            reason=(f"no spare left: {len(nodes)} node(s) remain, --nnodes needs at least {limits.min_nodes}; last failure: {cause}"),
         )
     nodes_t, joiners_t = tuple(nodes), tuple(joiners)
     # Live needs the same world size and a surviving process that holds the training state;
@@ -238,8 +241,13 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
     if not live:
         joiners_t = nodes_t
     return plan.next(
-        nodes=nodes_t, joiners=joiners_t, replaced=replaced, removed=tuple(removed),
-        restarts=restarts, cause=cause, live=live,
+        nodes=nodes_t,
+        joiners=joiners_t,
+        replaced=replaced,
+        removed=tuple(removed),
+        restarts=restarts,
+        cause=cause,
+        live=live,
         store=_store_for(nodes_t, joiners_t, view.alive, plan.store),
     )
 
@@ -257,8 +265,12 @@ def _migrate(view: View, drains: list[str]) -> Plan | None:
     live = view.live and len(moves) < len(plan.nodes)  # someone must stay to hand over the state
     joiners = tuple(moves.values()) if live else nodes
     return plan.next(
-        nodes=nodes, joiners=joiners, replaced={new: old for old, new in moves.items()},
-        removed=tuple(moves), live=live, planned=True,
+        nodes=nodes,
+        joiners=joiners,
+        replaced={new: old for old, new in moves.items()},
+        removed=tuple(moves),
+        live=live,
+        planned=True,
         cause="; ".join(f"{old}: drain ({view.drains[old]})" for old in moves),
         store=_store_for(nodes, joiners, view.alive, plan.store),
     )

@@ -47,12 +47,28 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
     if not run_id or "/" in run_id:  # a '/' would nest this run's keys inside another run's
         raise UsageError(f"--rdzv-id {run_id!r}: give a run id without '/'")
     values = parse_rdzv_conf(conf)
-    known = {"cacert", "cert", "key", "user", "password_file", "timeout", "read_timeout", "protocol", "join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt"}
+    known = {
+        "cacert",
+        "cert",
+        "key",
+        "user",
+        "password_file",
+        "timeout",
+        "read_timeout",
+        "protocol",
+        "join_timeout",
+        "last_call_timeout",
+        "close_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+    }
     for key in values:
         if key == "password":
             # A command line is readable by every user of the machine (/proc/PID/cmdline, ps).
-            raise UsageError("--rdzv-conf password=...: a password may not be given on the command line or in the "
-                             "config; use password_file=FILE or the TM_ETCD_PASSWORD environment variable")
+            raise UsageError(
+                "--rdzv-conf password=...: a password may not be given on the command line or in the "
+                "config; use password_file=FILE or the TM_ETCD_PASSWORD environment variable"
+            )
         if key not in known:
             raise UsageError(f"--rdzv-conf: unknown key '{key}' (known: cacert, cert, key, user, password_file, timeout)")
     password = None
@@ -73,8 +89,14 @@ def etcd_options(endpoint: str | None, run_id: str, conf: str | dict | None):
             positive_seconds(name, values[name])
     timeout = positive_seconds("read_timeout", values.get("read_timeout", 5.0))
     return EtcdOptions(
-        endpoints=endpoints, prefix=run_prefix(run_id), cacert=values.get("cacert"), cert=values.get("cert"),
-        key=values.get("key"), user=values.get("user"), password=password, timeout=timeout,
+        endpoints=endpoints,
+        prefix=run_prefix(run_id),
+        cacert=values.get("cacert"),
+        cert=values.get("cert"),
+        key=values.get("key"),
+        user=values.get("user"),
+        password=password,
+        timeout=timeout,
     )
 
 

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 
 from .kv import Change, Entry, Listing, WatchNews
 
-MAX_AGE_S = 1.0       # a whole read at least this often while the mirror is used
-RECENT_LIMIT = 4096   # changes buffered for a replay; beyond that, the next read must be newer
+MAX_AGE_S = 1.0  # a whole read at least this often while the mirror is used
+RECENT_LIMIT = 4096  # changes buffered for a replay; beyond that, the next read must be newer
 
 
 class StateMirror:
@@ -43,19 +43,23 @@ class StateMirror:
         self._max_age_s = max_age_s
         self._clock = clock
         self._entries: dict[str, Entry] | None = None  # None: nothing to trust
-        self._read_revision = 0   # the last whole read's revision
-        self._revision = 0        # the read's, or the newest change applied since
-        self._read_at = 0.0       # when the last whole read was seeded
+        self._read_revision = 0  # the last whole read's revision
+        self._revision = 0  # the read's, or the newest change applied since
+        self._read_at = 0.0  # when the last whole read was seeded
         self._stream_from: int | None = None  # the open stream's start revision; None: no stream
-        self._recent: list[Change] = []   # changes since the last seed, for its replay
-        self._dropped_up_to = 0   # the newest change dropped from ``_recent`` (a read must be newer)
-        self.wrote = False        # the reader wrote under the prefix since its last read
+        self._recent: list[Change] = []  # changes since the last seed, for its replay
+        self._dropped_up_to = 0  # the newest change dropped from ``_recent`` (a read must be newer)
+        self.wrote = False  # the reader wrote under the prefix since its last read
 
     def listing(self) -> Listing | None:
         """What a read of the watched prefix would list now; None when a read is needed."""
         with self._lock:
-            if (self._entries is None or self._stream_from is None or self.wrote
-                    or (self._max_age_s is not None and self._clock() - self._read_at > self._max_age_s)):
+            if (
+                self._entries is None
+                or self._stream_from is None
+                or self.wrote
+                or (self._max_age_s is not None and self._clock() - self._read_at > self._max_age_s)
+            ):
                 return None
             return Listing(sorted(self._entries.values(), key=lambda e: e.key), self._revision)
 
@@ -79,7 +83,7 @@ class StateMirror:
             read = listing.revision
             self._recent = [c for c in self._recent if c.revision > read]
             if read < self._dropped_up_to or (self._stream_from is not None and read < self._stream_from):
-                self._entries = None   # changes between the read and the stream are unknown
+                self._entries = None  # changes between the read and the stream are unknown
                 return
             self._entries = {e.key: e for e in listing}
             self._read_revision = self._revision = read
@@ -119,7 +123,7 @@ class StateMirror:
         """Changes come in revision order (a transaction's several at one revision); applying
         one again (the replay) sets the same value."""
         if change.revision <= self._read_revision:
-            return   # the read already has it
+            return  # the read already has it
         if change.value is None:
             self._entries.pop(change.key, None)
         else:

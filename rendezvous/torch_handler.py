@@ -46,14 +46,19 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError, RendezvousConnectionError, RendezvousHandler,
-    RendezvousInfo, RendezvousParameters, RendezvousStoreInfo, RendezvousTimeoutError)
-
-from .plan import SUCCEEDED, NodeInfo, Plan
-from .planner import Limits, View, next_plan, spares
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
 
 from .kv import KVError, connect
 from .membership import Membership
+from .plan import SUCCEEDED, NodeInfo, Plan
+from .planner import Limits, View, next_plan, spares
 from .rdzv_conf import etcd_options
 
 log = logging.getLogger(__name__)
@@ -91,13 +96,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._server = dist.TCPStore(self.addr, 0, is_master=True, wait_for_workers=False)
         self.node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         # nproc is unknown here (torchrun's agent assigns worker ranks itself): recorded as 0.
-        self._info = NodeInfo(id=self.node, host=socket.gethostname(), addr=self.addr, store_port=self._server.port,
-                              nproc=0, pid=os.getpid(), joined=time.time())
+        self._info = NodeInfo(
+            id=self.node,
+            host=socket.gethostname(),
+            addr=self.addr,
+            store_port=self._server.port,
+            nproc=0,
+            pid=os.getpid(),
+            joined=time.time(),
+        )
         self._lease_m = Membership(connect("v3", self._options))  # the lease thread's own HTTP session
         self._lease = self._lease_m.register(self._info, self._ttl)
-        self._gen: int | None = None          # generation this node last joined
+        self._gen: int | None = None  # generation this node last joined
         self._min_since: float | None = None  # when MIN nodes were first seen (last call)
-        self._waiting = (0.0, 0)              # num_nodes_waiting() cache: (time, value)
+        self._waiting = (0.0, 0)  # num_nodes_waiting() cache: (time, value)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keepalive, name="tm-rdzv-lease", daemon=True)
         self._thread.start()
@@ -162,8 +174,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     raise RendezvousClosedError(f"rendezvous '{self._run_id}' is closed: {plan.reason or plan.cause}")
                 # A spare that was not needed: exit 0 (torch's RendezvousGracefulExitError makes
                 # torchrun 2.13 crash with "'NoneType' object has no attribute 'is_failed'").
-                log.warning("etcd-v3 rendezvous '%s' finished while node %s was a spare: exiting",
-                            self._run_id, self.node)
+                log.warning("etcd-v3 rendezvous '%s' finished while node %s was a spare: exiting", self._run_id, self.node)
                 raise SystemExit(0)
             mine = plan is not None and self.node in plan.nodes
             if mine and (prev is None or plan.generation > prev):
@@ -182,15 +193,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 continue
             spare = plan is not None and not mine
             if not spare and time.monotonic() > deadline:  # spares never time out
-                raise RendezvousTimeoutError(
-                    f"rendezvous '{self._run_id}' did not complete within {self._join_timeout:.0f} s")
+                raise RendezvousTimeoutError(f"rendezvous '{self._run_id}' did not complete within {self._join_timeout:.0f} s")
             self._m.wait(snap.revision, 1.0)
 
     def _barrier(self, plan, deadline: float):
         """Acknowledge generation N in its store and wait for all its nodes; None if the plan moved on."""
         try:
-            client = dist.TCPStore(plan.store["addr"], int(plan.store["port"]), is_master=False,
-                                   timeout=timedelta(seconds=self._ttl + 5))
+            client = dist.TCPStore(plan.store["addr"], int(plan.store["port"]), is_master=False, timeout=timedelta(seconds=self._ttl + 5))
             client.set_timeout(timedelta(seconds=60))
             store = dist.PrefixStore(f"/torchelastic/gen{plan.generation}/", client)
             if store.add("rdzv/joined", 1) == len(plan.nodes):
@@ -210,16 +219,17 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if now is None or now.generation != plan.generation or self._advance(snap):
                 return None
             if time.monotonic() > deadline:
-                raise RendezvousTimeoutError(f"generation {plan.generation} of '{self._run_id}' did not complete: "
-                                             f"not every node of {list(plan.nodes)} joined in time")
+                raise RendezvousTimeoutError(
+                    f"generation {plan.generation} of '{self._run_id}' did not complete: "
+                    f"not every node of {list(plan.nodes)} joined in time"
+                )
             self._m.wait(snap.revision, 0.25 if store is not None else 1.0)
 
     def _joined(self, plan, store) -> RendezvousInfo:
         rank = plan.group_rank(self.node)
         self._gen, self._waiting = plan.generation, (0.0, 0)  # a cached answer was about the old round
         info = RendezvousStoreInfo.build(rank, store, local_addr=self.addr)
-        log.info("etcd-v3 rendezvous: node %s is group rank %d of %d in generation %d",
-                 self.node, rank, len(plan.nodes), plan.generation)
+        log.info("etcd-v3 rendezvous: node %s is group rank %d of %d in generation %d", self.node, rank, len(plan.nodes), plan.generation)
         self._m.event(self.node, "rdzv-join", generation=plan.generation, rank=rank)
         return RendezvousInfo(store, rank, len(plan.nodes), info)
 

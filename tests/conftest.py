@@ -1,5 +1,6 @@
 """Shared fixtures: one real etcd per test session, KV clients for both API versions, and a port
 that refuses connections."""
+
 import os
 import socket
 import sys
@@ -48,8 +49,7 @@ def kv_factory(request, etcd_endpoint):
     made = []
 
     def make(prefix: str = "", **options):
-        kv = connect(request.param, EtcdOptions(endpoints=(etcd_endpoint,),
-                                                prefix=f"{root}/{prefix}".rstrip("/"), **options))
+        kv = connect(request.param, EtcdOptions(endpoints=(etcd_endpoint,), prefix=f"{root}/{prefix}".rstrip("/"), **options))
         made.append(kv)
         return kv
 
@@ -77,4 +77,3 @@ def local_job(etcd_endpoint, tmp_path, request):
     yield make
     for job in jobs:
         job.stop()
-

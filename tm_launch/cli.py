@@ -122,7 +122,8 @@ def _check_standalone(args) -> None:
         raise UsageError(
             f"--standalone --nnodes {args.nnodes}: --standalone starts a private etcd on this machine's loopback, so no "
             f"other node can ever join; run every node with --rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379 "
-            f"--rdzv-id JOB --nnodes {args.nnodes} (an etcd all nodes reach)")
+            f"--rdzv-id JOB --nnodes {args.nnodes} (an etcd all nodes reach)"
+        )
 
 
 def _output(args, config, nproc: int):
@@ -145,7 +146,9 @@ def _output(args, config, nproc: int):
         elif os.path.isdir(made) and not os.listdir(made):
             os.rmdir(made)  # unused: error files go to the agent's own scratch directory
     return OutputSpec(
-        log_dir=log_dir, redirects=redirects, tee=tee,
+        log_dir=log_dir,
+        redirects=redirects,
+        tee=tee,
         shown=set(map(int, args.local_ranks_filter.split(","))) if args.local_ranks_filter else None,
         role=args.role,
     )
@@ -155,9 +158,9 @@ def _launch(args) -> int:
     from torch.distributed.run import config_from_args
 
     from rendezvous.kv import AccessDenied, KVError, connect
+    from rendezvous.planner import Limits
 
     from .launcher.agent import Agent, AgentConfig
-    from rendezvous.planner import Limits
 
     server = None
     if args.standalone:
@@ -206,12 +209,23 @@ def _launch(args) -> int:
         entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u"]
         cfg = AgentConfig(
             node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
-            addr=addr, nproc=nproc,
+            addr=addr,
+            nproc=nproc,
             limits=Limits(min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, max_restarts=args.max_restarts),
-            cmd=entry + list(cmd_args), run_id=run_id, role=args.role, lease_ttl=args.lease_ttl,
-            monitor_interval=args.monitor_interval, join_timeout=_join_timeout(args), last_call=_last_call(args),
-            spares_wanted=args.spares, live_enabled=not args.no_live, collective_timeout=args.collective_timeout,
-            sandbox_steps=args.sandbox_steps, output=output, health=args.health, event_log=args.event_log,
+            cmd=entry + list(cmd_args),
+            run_id=run_id,
+            role=args.role,
+            lease_ttl=args.lease_ttl,
+            monitor_interval=args.monitor_interval,
+            join_timeout=_join_timeout(args),
+            last_call=_last_call(args),
+            spares_wanted=args.spares,
+            live_enabled=not args.no_live,
+            collective_timeout=args.collective_timeout,
+            sandbox_steps=args.sandbox_steps,
+            output=output,
+            health=args.health,
+            event_log=args.event_log,
             metrics_port=args.metrics_port,
         )
         try:

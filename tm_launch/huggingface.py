@@ -65,11 +65,14 @@ class LiveTrainer(Trainer):
                 resume_from_checkpoint = received.write(resume_dir)
                 log(f"tm_launch.huggingface: resuming the Trainer at step {received.trainer_state['global_step']} from the state received")
                 if self.args.dataloader_num_workers > 0:
-                    log("tm_launch.huggingface: random numbers drawn inside the train loader's worker processes start "
-                        "afresh at this step on this rank (as after any checkpoint resume)")
+                    log(
+                        "tm_launch.huggingface: random numbers drawn inside the train loader's worker processes start "
+                        "afresh at this step on this rank (as after any checkpoint resume)"
+                    )
         try:
-            result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            result = super().train(
+                resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
         finally:
             if resume_dir:
                 shutil.rmtree(resume_dir, ignore_errors=True)
@@ -81,8 +84,10 @@ class LiveTrainer(Trainer):
         """Go live if this run can be repaired in place; a spare parks here. Returns what a
         joining rank received (a ``Received``), else None."""
         if self.args.gradient_accumulation_steps != 1:
-            log(f"tm_launch.huggingface: restart mode, not live: gradient_accumulation_steps="
-                f"{self.args.gradient_accumulation_steps} (a step's earlier micro-batches would be lost)")
+            log(
+                f"tm_launch.huggingface: restart mode, not live: gradient_accumulation_steps="
+                f"{self.args.gradient_accumulation_steps} (a step's earlier micro-batches would be lost)"
+            )
             return None
         self._loop = LiveLoop(job)
         self._live_state = TrainerCheckpoint(self)

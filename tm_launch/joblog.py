@@ -84,7 +84,6 @@ def cause_kind(plan: dict, reports: dict) -> str:
     return "failure" if cause else "unknown"
 
 
-
 # -- downtime breakdown ----------------------------------------------------------------------
 
 PHASES = ("detect", "plan", "seen", "directed", "communicator", "state", "first_step")
@@ -107,8 +106,7 @@ def plan_stamps(planner: str, published: float, report_times: dict[str, float]) 
     """The publishing planner's record: the first failure report it planned on (none for a
     planned change or a cordon) and when it sent the plan."""
     first = min(report_times, key=report_times.get) if report_times else None
-    return {"planner": planner, "published": published,
-            "detected": report_times[first] if first else None, "detected_by": first}
+    return {"planner": planner, "published": published, "detected": report_times[first] if first else None, "detected_by": first}
 
 
 def node_stamps(seen: float, directed: float | None, entered: list, first_steps: list) -> dict:

@@ -83,8 +83,10 @@ class LiveStrategy(DDPStrategy):
         job.enter_before_loop()  # a spare parks here; promoted, it receives the state at once
         if self._state.received is not None:
             trainer._checkpoint_connector._loaded_checkpoint = self._state.received
-            log(f"tm_launch.lightning: resuming Lightning at step {self._state.received['global_step']} "
-                f"(epoch {self._state.received['epoch']}) from the state received")
+            log(
+                f"tm_launch.lightning: resuming Lightning at step {self._state.received['global_step']} "
+                f"(epoch {self._state.received['epoch']}) from the state received"
+            )
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         """A joining rank resumes from the live state, not from the checkpoint the script names."""
@@ -107,7 +109,8 @@ class LiveStrategy(DDPStrategy):
                 raise RuntimeError(
                     "tm_launch.lightning.LiveStrategy cannot resume an IterableDataset mid-epoch on a joining rank: use "
                     "a map-style dataset or a loader with state_dict()/load_state_dict() (torchdata's "
-                    "StatefulDataLoader), or Lightning's DDPStrategy (restart mode)")
+                    "StatefulDataLoader), or Lightning's DDPStrategy (restart mode)"
+                )
             return dataloader
         return resumable(dataloader, self.lightning_module.trainer)
 
@@ -220,8 +223,10 @@ class _Skipping:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         if self.loader.num_workers > 0:
-            log(f"tm_launch.lightning: resuming the train loader at batch {batches} of epoch {epoch}: random numbers drawn "
-                "inside its worker processes start afresh here (as after any checkpoint resume)")
+            log(
+                f"tm_launch.lightning: resuming the train loader at batch {batches} of epoch {epoch}: random numbers drawn "
+                "inside its worker processes start afresh here (as after any checkpoint resume)"
+            )
         it = iter(self.base)
         for _ in range(batches):
             next(it)

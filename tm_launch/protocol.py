@@ -81,12 +81,22 @@ class WorkerEnv:
     group_rank: int = 0
 
     VARIABLES = {  # field -> variable (the TM_* ones are tm-launch's)
-        "agent_store": "TM_AGENT_STORE", "wake": "TM_AGENT_WAKE", "no_live": "TM_NO_LIVE", "node_id": "TM_NODE_ID",
-        "local_addr": "TM_LOCAL_ADDR", "generation": "TM_GENERATION", "sandbox": "TM_SANDBOX",
-        "sandbox_steps": "TM_SANDBOX_STEPS", "collective_timeout": "TM_COLLECTIVE_TIMEOUT",
-        "setup_timeout": "TM_SETUP_TIMEOUT", "straggler_window": "TM_STRAGGLER_WINDOW",
-        "local_rank": "LOCAL_RANK", "rank": "RANK", "world_size": "WORLD_SIZE",
-        "local_world_size": "LOCAL_WORLD_SIZE", "group_rank": "GROUP_RANK",
+        "agent_store": "TM_AGENT_STORE",
+        "wake": "TM_AGENT_WAKE",
+        "no_live": "TM_NO_LIVE",
+        "node_id": "TM_NODE_ID",
+        "local_addr": "TM_LOCAL_ADDR",
+        "generation": "TM_GENERATION",
+        "sandbox": "TM_SANDBOX",
+        "sandbox_steps": "TM_SANDBOX_STEPS",
+        "collective_timeout": "TM_COLLECTIVE_TIMEOUT",
+        "setup_timeout": "TM_SETUP_TIMEOUT",
+        "straggler_window": "TM_STRAGGLER_WINDOW",
+        "local_rank": "LOCAL_RANK",
+        "rank": "RANK",
+        "world_size": "WORLD_SIZE",
+        "local_world_size": "LOCAL_WORLD_SIZE",
+        "group_rank": "GROUP_RANK",
     }
     OWN = tuple(v for v in VARIABLES.values() if v.startswith("TM_"))
 

@@ -4,15 +4,14 @@
 implementations share; ``v2`` and ``v3`` hold the implementations. ``connect`` imports only the
 one it is asked for, so importing this package loads no etcd client library.
 """
+
 from __future__ import annotations
 
 import importlib
 
-from .api import (KV, AccessDenied, Change, Entry, EtcdOptions, KVError, Lease, LeaseExpired, Listing,
-                  WatchNews)
+from .api import KV, AccessDenied, Change, Entry, EtcdOptions, KVError, Lease, LeaseExpired, Listing, WatchNews
 
-__all__ = ["KV", "AccessDenied", "Change", "Entry", "EtcdOptions", "KVError", "Lease", "LeaseExpired",
-           "Listing", "WatchNews", "connect"]
+__all__ = ["KV", "AccessDenied", "Change", "Entry", "EtcdOptions", "KVError", "Lease", "LeaseExpired", "Listing", "WatchNews", "connect"]
 
 # The implementations' public names, imported on first use (with their client libraries).
 _LAZY = {"EtcdV2": "v2", "EtcdV3": "v3", "TXN_OPS": "v3"}

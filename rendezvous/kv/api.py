@@ -16,6 +16,7 @@ In v2, keys form a directory tree, so one key cannot also be the parent of anoth
 This module imports no etcd client library (python-etcd, etcd3gw, requests, urllib3): those
 load with the implementation ``rendezvous.kv.connect`` picks (``v2.py``, ``v3.py``).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,21 +41,21 @@ class LeaseExpired(KVError):
 
 @dataclass(frozen=True)
 class Entry:
-    key: str        # relative to the KV's prefix
+    key: str  # relative to the KV's prefix
     value: str
-    revision: int   # mod revision (v3 mod_revision, v2 modifiedIndex)
+    revision: int  # mod revision (v3 mod_revision, v2 modifiedIndex)
 
 
 @dataclass(frozen=True)
 class EtcdOptions:
-    endpoints: tuple[str, ...]          # "host:port" or "http(s)://host:port"; later ones are failovers
-    prefix: str = ""                    # every key is stored under this prefix
+    endpoints: tuple[str, ...]  # "host:port" or "http(s)://host:port"; later ones are failovers
+    prefix: str = ""  # every key is stored under this prefix
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None
     user: str | None = None
-    password: str | None = field(default=None, repr=False)   # a secret: never in a repr or a log
-    timeout: float = 5.0                # per-request timeout, seconds
+    password: str | None = field(default=None, repr=False)  # a secret: never in a repr or a log
+    timeout: float = 5.0  # per-request timeout, seconds
 
 
 class Change(NamedTuple):
@@ -174,7 +175,7 @@ class KV(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "KV":
+    def __enter__(self) -> KV:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -214,17 +215,19 @@ def _reason(exc: BaseException) -> str:
         nxt = [getattr(e, "reason", None), getattr(e, "cause", None), e.__cause__, e.__context__]
         e = next((x for x in nxt if isinstance(x, BaseException)), None)
     blob = " ".join(text).lower()
-    for needle, words in (("refused", "connection refused"),
-                          ("certificate", "TLS certificate rejected: check cacert/cert/key"),
-                          ("ssl", "TLS handshake failed: check https and cacert/cert/key"),
-                          ("timed out", "no answer within the timeout"),
-                          ("timeout", "no answer within the timeout"),
-                          ("name or service not known", "unknown host name"),
-                          ("failed to resolve", "unknown host name"),
-                          ("no route", "no route to host"),
-                          ("unreachable", "network unreachable"),
-                          ("reset by peer", "connection reset"),
-                          ("remote end closed", "connection closed by the server")):
+    for needle, words in (
+        ("refused", "connection refused"),
+        ("certificate", "TLS certificate rejected: check cacert/cert/key"),
+        ("ssl", "TLS handshake failed: check https and cacert/cert/key"),
+        ("timed out", "no answer within the timeout"),
+        ("timeout", "no answer within the timeout"),
+        ("name or service not known", "unknown host name"),
+        ("failed to resolve", "unknown host name"),
+        ("no route", "no route to host"),
+        ("unreachable", "network unreachable"),
+        ("reset by peer", "connection reset"),
+        ("remote end closed", "connection closed by the server"),
+    ):
         if needle in blob:
             return words
     return " ".join(str(exc).split())[:160]
@@ -233,9 +236,11 @@ def _reason(exc: BaseException) -> str:
 def _unreachable(errors: list[tuple[str, str]]) -> KVError:
     what = "; ".join(f"{url} ({why})" for url, why in errors)
     whys = " ".join(why for _, why in errors)
-    if "TLS" in whys:   # etcd is there; the certificates do not match
-        fix = ("check --rdzv-conf cacert= (the CA that signed etcd's certificate) and cert=/key= "
-               "(a client certificate signed by a CA etcd trusts)")
+    if "TLS" in whys:  # etcd is there; the certificates do not match
+        fix = (
+            "check --rdzv-conf cacert= (the CA that signed etcd's certificate) and cert=/key= "
+            "(a client certificate signed by a CA etcd trusts)"
+        )
     elif "closed by the server" in whys and all(url.startswith("http:") for url, _ in errors):
         fix = f"{_FIX} (if etcd serves https, use https:// and --rdzv-conf cacert=)"
     else:
@@ -275,7 +280,7 @@ class _Keys:
         return self.root + rel
 
     def rel(self, full: str) -> str:
-        return full[len(self.root):]
+        return full[len(self.root) :]
 
 
 def _whole_seconds(ttl: float) -> int:

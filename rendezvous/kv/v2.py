@@ -1,6 +1,7 @@
 """The KV over etcd's v2 API via python-etcd (etcd >= 3.6 removed v2; older ones serve it
 with --enable-v2). v2 has no leases and no multi-key transactions: see ``_V2Lease`` and
 ``EtcdV2``."""
+
 from __future__ import annotations
 
 import threading
@@ -10,8 +11,23 @@ from urllib.parse import quote
 import etcd
 import urllib3
 
-from .api import (KV, AccessDenied, Entry, EtcdOptions, KVError, Lease, LeaseExpired, Listing, _endpoints,
-                  _Keys, _one_line, _reason, _unreachable, _url, _whole_seconds)
+from .api import (
+    KV,
+    AccessDenied,
+    Entry,
+    EtcdOptions,
+    KVError,
+    Lease,
+    LeaseExpired,
+    Listing,
+    _endpoints,
+    _Keys,
+    _one_line,
+    _reason,
+    _unreachable,
+    _url,
+    _whole_seconds,
+)
 
 
 class _V2Lease(Lease):
@@ -22,10 +38,10 @@ class _V2Lease(Lease):
     revisions its refreshes produced per key (``chain``) and ``replace`` accepts any of them.
     """
 
-    def __init__(self, kv: "EtcdV2", ttl: int):
+    def __init__(self, kv: EtcdV2, ttl: int):
         self._kv, self.ttl = kv, float(ttl)
         self._seconds = ttl
-        self._chains: dict[str, list[int]] = {}   # full key -> [written rev, refreshed revs...]
+        self._chains: dict[str, list[int]] = {}  # full key -> [written rev, refreshed revs...]
         self._dead = False
         self._expires = time.monotonic() + ttl
 
@@ -42,13 +58,12 @@ class _V2Lease(Lease):
             return False
         for full, chain in keys.items():
             try:
-                r = self._kv._call("write", full, None, ttl=self._seconds, refresh=True,
-                                   prevExist=True, prevIndex=chain[-1])
+                r = self._kv._call("write", full, None, ttl=self._seconds, refresh=True, prevExist=True, prevIndex=chain[-1])
             except etcd.EtcdKeyNotFound:
                 self._expire()
                 return False
             except etcd.EtcdCompareFailed:
-                self._kv._detach(full)   # someone else rewrote it: no longer ours to keep alive
+                self._kv._detach(full)  # someone else rewrote it: no longer ours to keep alive
                 continue
             with self._kv._lock:
                 if self._chains.get(full) is not None and self._chains[full][-1] == chain[-1]:
@@ -76,8 +91,7 @@ class _V2Lease(Lease):
 
 
 def _no_v2(url: str) -> KVError:
-    return KVError(f"etcd at {url} does not serve the v2 API: start it with --enable-v2 "
-                   "(etcd >= 3.6 removed v2) or use the v3 API")
+    return KVError(f"etcd at {url} does not serve the v2 API: start it with --enable-v2 (etcd >= 3.6 removed v2) or use the v3 API")
 
 
 def _no_transactions(also: dict[str, str] | None) -> None:
@@ -96,17 +110,24 @@ class EtcdV2(KV):
         cert = (options.cert, options.key) if options.cert and options.key else options.cert
         self._clients = []
         for scheme, host, port in _endpoints(options):
-            c = etcd.Client(host=host, port=port, protocol=scheme, cert=cert, ca_cert=options.cacert,
-                            username=options.user, password=options.password,
-                            read_timeout=options.timeout, allow_reconnect=False)
+            c = etcd.Client(
+                host=host,
+                port=port,
+                protocol=scheme,
+                cert=cert,
+                ca_cert=options.cacert,
+                username=options.user,
+                password=options.password,
+                read_timeout=options.timeout,
+                allow_reconnect=False,
+            )
             # One attempt per request: urllib3's default 3 retries would multiply the timeout.
-            c.http.connection_pool_kw["retries"] = urllib3.util.Retry(
-                total=None, connect=0, read=0, status=0, other=0, redirect=3)
+            c.http.connection_pool_kw["retries"] = urllib3.util.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=3)
             c.http.clear()
             self._clients.append((_url(scheme, host, port), c))
         self._cur = 0
         self._lock = threading.Lock()
-        self._leased: dict[str, _V2Lease] = {}   # full key -> the lease keeping it alive
+        self._leased: dict[str, _V2Lease] = {}  # full key -> the lease keeping it alive
 
     # -- transport
 
@@ -132,18 +153,23 @@ class EtcdV2(KV):
                 if "timeout" in why:
                     self._cur = (idx + 1) % n
                     if not idempotent and "read" in str(e.cause).lower():
-                        raise KVError(f"etcd at {url} did not answer within {self.options.timeout} s, so "
-                                      f"the outcome is unknown: check etcd's health or raise the timeout") from e
+                        raise KVError(
+                            f"etcd at {url} did not answer within {self.options.timeout} s, so "
+                            f"the outcome is unknown: check etcd's health or raise the timeout"
+                        ) from e
                 errors.append((url, why))
                 continue
             except etcd.EtcdInsufficientPermissions as e:
-                raise AccessDenied(f"etcd at {url} denied access to {full_key!r} ({_one_line(e)}): "
-                              "check the etcd user/password and its role's permissions") from e
+                raise AccessDenied(
+                    f"etcd at {url} denied access to {full_key!r} ({_one_line(e)}): check the etcd user/password and its role's permissions"
+                ) from e
             except (etcd.EtcdNotDir, etcd.EtcdNotFile, etcd.EtcdDirNotEmpty) as e:
-                if method != "write":   # reads/deletes: a file where a dir would be = key absent
+                if method != "write":  # reads/deletes: a file where a dir would be = key absent
                     raise
-                raise KVError(f"etcd v2 key {full_key!r} clashes with an existing key or directory "
-                              f"({_one_line(e)}): in v2 a key cannot also be a prefix of other keys") from e
+                raise KVError(
+                    f"etcd v2 key {full_key!r} clashes with an existing key or directory "
+                    f"({_one_line(e)}): in v2 a key cannot also be a prefix of other keys"
+                ) from e
             except (etcd.EtcdKeyError, etcd.EtcdCompareFailed, etcd.EtcdEventIndexCleared):
                 self._cur = idx
                 raise
@@ -209,8 +235,7 @@ class EtcdV2(KV):
         r, index = self._listing(fp)
         if r is None:
             return Listing([], index)
-        out = [Entry(self._keys.rel(n.key), n.value or "", n.modifiedIndex)
-               for n in r.leaves if not n.dir and n.key.startswith(fp)]
+        out = [Entry(self._keys.rel(n.key), n.value or "", n.modifiedIndex) for n in r.leaves if not n.dir and n.key.startswith(fp)]
         return Listing(sorted(out, key=lambda e: e.key), index)
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
@@ -290,7 +315,7 @@ class EtcdV2(KV):
             return self._call("read", self._keys.root.rstrip("/") or "/", timeout=timeout).etcd_index
         except etcd.EtcdKeyNotFound as e:
             payload = e.payload or {}
-            if "index" not in payload:   # a 404 page, not etcd's JSON: the v2 API is off
+            if "index" not in payload:  # a 404 page, not etcd's JSON: the v2 API is off
                 raise _no_v2(self._clients[self._cur][0]) from e
             return int(payload["index"])
 
@@ -307,12 +332,11 @@ class EtcdV2(KV):
             if remaining <= 0:
                 return False
             try:
-                ev = self._call("read", watch_dir, wait=True, waitIndex=index, recursive=True,
-                                timeout=remaining)
+                ev = self._call("read", watch_dir, wait=True, waitIndex=index, recursive=True, timeout=remaining)
             except etcd.EtcdWatchTimedOut:
                 return False
             except etcd.EtcdEventIndexCleared:
-                return True      # more than 1000 events behind: unknown, so say "changed"
+                return True  # more than 1000 events behind: unknown, so say "changed"
             key = ev.key or ""
             if key.startswith(fp) or (ev.dir and fp.startswith(key.rstrip("/") + "/")):
                 return True

@@ -1,19 +1,35 @@
 """The KV over etcd's v3 API, through its HTTP/JSON gateway with etcd3gw's client (see ``EtcdV3``)."""
+
 from __future__ import annotations
 
 import base64
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import requests
 import urllib3
 from etcd3gw.client import Etcd3Client
 
-from .api import (KV, AccessDenied, Change, Entry, EtcdOptions, KVError, Lease, LeaseExpired, Listing,
-                  WatchNews, _endpoints, _Keys, _one_line, _reason, _unreachable, _whole_seconds)
+from .api import (
+    KV,
+    AccessDenied,
+    Change,
+    Entry,
+    EtcdOptions,
+    KVError,
+    Lease,
+    LeaseExpired,
+    Listing,
+    WatchNews,
+    _endpoints,
+    _Keys,
+    _one_line,
+    _reason,
+    _unreachable,
+    _whole_seconds,
+)
 
 TXN_OPS = 64  # reads per transaction in get_many (etcd's --max-txn-ops defaults to 128)
 
@@ -38,7 +54,7 @@ def _range_end(prefix: bytes) -> bytes:
 
 
 class _V3Lease(Lease):
-    def __init__(self, kv: "EtcdV3", lease_id: int, ttl: float):
+    def __init__(self, kv: EtcdV3, lease_id: int, ttl: float):
         self._kv, self.id, self.ttl = kv, lease_id, ttl
 
     def refresh(self) -> bool:
@@ -73,9 +89,16 @@ class EtcdV3(KV):
         self.options = options
         self._keys = _Keys(options.prefix)
         self._clients = [
-            Etcd3Client(host=host, port=port, protocol=scheme, ca_cert=options.cacert,
-                        cert_cert=options.cert, cert_key=options.key, timeout=options.timeout,
-                        api_path="/v3/")
+            Etcd3Client(
+                host=host,
+                port=port,
+                protocol=scheme,
+                ca_cert=options.cacert,
+                cert_cert=options.cert,
+                cert_key=options.key,
+                timeout=options.timeout,
+                api_path="/v3/",
+            )
             for scheme, host, port in _endpoints(options)
         ]
         # Per request, because requests lets $REQUESTS_CA_BUNDLE override session.verify.
@@ -83,7 +106,7 @@ class EtcdV3(KV):
         self._cur = 0
         self._auth = bool(options.user)
         self.received = 0
-        self._received_lock = threading.Lock()   # the lease keeper thread shares this client
+        self._received_lock = threading.Lock()  # the lease keeper thread shares this client
 
     # -- transport
 
@@ -94,22 +117,24 @@ class EtcdV3(KV):
     def _authenticate(self, client: Etcd3Client, timeout: float) -> None:
         """Log in once per endpoint; the token goes into that session's Authorization header."""
         url = client.base_url
-        resp = client.session.post(client.get_url("auth/authenticate"), timeout=timeout, **self._verify,
-                                   json={"name": self.options.user, "password": self.options.password or ""})
+        resp = client.session.post(
+            client.get_url("auth/authenticate"),
+            timeout=timeout,
+            **self._verify,
+            json={"name": self.options.user, "password": self.options.password or ""},
+        )
         if resp.status_code == 200:
             client.session.headers["Authorization"] = resp.json()["token"]
             return
         msg = _gateway_message(resp)
         if "not enabled" in msg:
-            self._auth = False   # credentials given but not needed: carry on without them
+            self._auth = False  # credentials given but not needed: carry on without them
             return
         if "authentication failed" in msg:
-            raise KVError(f"etcd at {url} rejected user {self.options.user!r} ({msg}): "
-                          "check the etcd user name and password")
+            raise KVError(f"etcd at {url} rejected user {self.options.user!r} ({msg}): check the etcd user name and password")
         raise KVError(f"etcd at {url} refused to log in user {self.options.user!r}: {msg}")
 
-    def _call(self, path: str, payload: dict, *, idempotent: bool = True,
-              timeout: float | None = None, _relogin: bool = True) -> dict:
+    def _call(self, path: str, payload: dict, *, idempotent: bool = True, timeout: float | None = None, _relogin: bool = True) -> dict:
         """POST to the first endpoint that answers; KVError (one line) if none does.
 
         A connection that never opened is retried on the next endpoint. A request that was sent
@@ -126,13 +151,14 @@ class EtcdV3(KV):
             try:
                 if self._auth and "Authorization" not in client.session.headers:
                     self._authenticate(client, timeout)
-                resp = client.session.post(client.get_url(path), json=payload, timeout=timeout,
-                                           **self._verify)
+                resp = client.session.post(client.get_url(path), json=payload, timeout=timeout, **self._verify)
             except requests.exceptions.ReadTimeout as e:
-                self._cur = (idx + 1) % n      # a hung member: start elsewhere next time
+                self._cur = (idx + 1) % n  # a hung member: start elsewhere next time
                 if not idempotent:
-                    raise KVError(f"etcd at {url} did not answer {path} within {timeout} s, so its "
-                                  f"outcome is unknown: check etcd's health or raise the timeout") from e
+                    raise KVError(
+                        f"etcd at {url} did not answer {path} within {timeout} s, so its "
+                        f"outcome is unknown: check etcd's health or raise the timeout"
+                    ) from e
                 errors.append((url, f"no answer within {timeout} s"))
                 continue
             except requests.exceptions.RequestException as e:
@@ -155,11 +181,11 @@ class EtcdV3(KV):
         if "user name is empty" in msg or status == 401:
             return KVError(f"etcd at {url} requires authentication ({msg}): give an etcd user and password")
         if "permission denied" in msg:
-            return AccessDenied(f"etcd at {url} denied user {self.options.user!r} access ({msg}): "
-                           f"grant it read/write on {self._keys.root!r}")
+            return AccessDenied(
+                f"etcd at {url} denied user {self.options.user!r} access ({msg}): grant it read/write on {self._keys.root!r}"
+            )
         if status == 404 and not msg.startswith("etcdserver"):
-            return KVError(f"etcd at {url} has no v3 gateway at /v3/{path} (HTTP 404): "
-                           "use etcd >= 3.4, or the v2 API")
+            return KVError(f"etcd at {url} has no v3 gateway at /v3/{path} (HTTP 404): use etcd >= 3.4, or the v2 API")
         return KVError(f"etcd at {url} rejected {path} (HTTP {status}: {msg})")
 
     # -- helpers
@@ -197,8 +223,8 @@ class EtcdV3(KV):
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Entry]:
         keys, out = list(keys), {}
-        for at in range(0, len(keys), TXN_OPS):   # etcd allows 128 operations per transaction
-            ranges = [{"request_range": {"key": _b64(self._keys.full(k))}} for k in keys[at:at + TXN_OPS]]
+        for at in range(0, len(keys), TXN_OPS):  # etcd allows 128 operations per transaction
+            ranges = [{"request_range": {"key": _b64(self._keys.full(k))}} for k in keys[at : at + TXN_OPS]]
             for res in self._call("kv/txn", {"success": ranges}).get("responses", []):
                 for kv in res.get("response_range", {}).get("kvs", []):
                     entry = self._entry(kv)
@@ -218,17 +244,21 @@ class EtcdV3(KV):
         lease_id = self._lease_id(lease)
         if lease_id is not None:
             put["lease"] = lease_id
-        txn = {"compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
-               "success": [{"request_put": put}, *self._puts(also)]}
+        txn = {
+            "compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
+            "success": [{"request_put": put}, *self._puts(also)],
+        }
         return bool(self._call("kv/txn", txn, idempotent=False).get("succeeded", False))
 
     def replace(self, key: str, value: str, revision: int, also: dict[str, str] | None = None) -> bool:
         k = _b64(self._keys.full(key))
-        puts = self._puts(also)   # bad keys fail here, whatever the revision
-        if revision <= 0:      # mod_revision 0 means "absent", which can't be replaced
+        puts = self._puts(also)  # bad keys fail here, whatever the revision
+        if revision <= 0:  # mod_revision 0 means "absent", which can't be replaced
             return False
-        txn = {"compare": [{"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": revision}],
-               "success": [{"request_put": {"key": k, "value": _b64(value), "ignore_lease": True}}, *puts]}
+        txn = {
+            "compare": [{"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": revision}],
+            "success": [{"request_put": {"key": k, "value": _b64(value), "ignore_lease": True}}, *puts],
+        }
         return bool(self._call("kv/txn", txn, idempotent=False).get("succeeded", False))
 
     def _puts(self, also: dict[str, str] | None) -> list[dict]:
@@ -264,7 +294,7 @@ class EtcdV3(KV):
             seen = self._watch_once(create, remaining, deadline)
             if seen is not None:
                 return seen
-            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))   # stream dropped: re-watch
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))  # stream dropped: re-watch
 
     def watch_stream(self, prefix: str, idle_timeout: float = 300.0) -> Iterator[WatchNews]:
         """One v3 watch stream, created *from now* (no start revision) and kept open.
@@ -285,8 +315,9 @@ class EtcdV3(KV):
             try:
                 if self._auth and "Authorization" not in client.session.headers:
                     self._authenticate(client, connect_t)
-                resp = client.session.post(client.get_url("watch"), json={"create_request": create},
-                                           stream=True, timeout=(connect_t, idle_timeout), **self._verify)
+                resp = client.session.post(
+                    client.get_url("watch"), json={"create_request": create}, stream=True, timeout=(connect_t, idle_timeout), **self._verify
+                )
             except requests.exceptions.ReadTimeout:
                 return
             except requests.exceptions.RequestException as e:
@@ -311,8 +342,9 @@ class EtcdV3(KV):
             try:
                 if self._auth and "Authorization" not in client.session.headers:
                     self._authenticate(client, connect_t)
-                resp = client.session.post(client.get_url("watch"), json={"create_request": create},
-                                           stream=True, timeout=(connect_t, remaining), **self._verify)
+                resp = client.session.post(
+                    client.get_url("watch"), json={"create_request": create}, stream=True, timeout=(connect_t, remaining), **self._verify
+                )
             except requests.exceptions.ReadTimeout:
                 return False
             except requests.exceptions.RequestException as e:
@@ -369,11 +401,11 @@ def _first_event(resp: requests.Response, deadline: float, count: Callable[[int]
     try:
         for res in _watch_results(resp, count):
             if res.get("events") or res.get("compact_revision"):
-                return True    # a change, or history we asked for is gone: re-read either way
+                return True  # a change, or history we asked for is gone: re-read either way
             if res.get("canceled"):
                 raise _canceled(res)
     except requests.exceptions.ChunkedEncodingError:
-        return None    # the member died mid-stream (SIGKILL, restart): re-watch, maybe elsewhere
+        return None  # the member died mid-stream (SIGKILL, restart): re-watch, maybe elsewhere
     except requests.exceptions.ConnectionError as e:
         timed_out = isinstance(e.args[0] if e.args else None, urllib3.exceptions.ReadTimeoutError)
         if timed_out or time.monotonic() >= deadline:
@@ -394,9 +426,13 @@ def _stream_events(resp: requests.Response, count: Callable[[int], None], rel: C
                 yield WatchNews("created", int(res.get("header", {}).get("revision", 0)))
             elif res.get("events"):
                 changes = tuple(
-                    Change(rel(_unb64(ev["kv"]["key"])), None if ev.get("type") == "DELETE" else _unb64(ev["kv"].get("value")),
-                           int(ev["kv"].get("mod_revision", 0)))
-                    for ev in res["events"])
+                    Change(
+                        rel(_unb64(ev["kv"]["key"])),
+                        None if ev.get("type") == "DELETE" else _unb64(ev["kv"].get("value")),
+                        int(ev["kv"].get("mod_revision", 0)),
+                    )
+                    for ev in res["events"]
+                )
                 yield WatchNews("event", max(c.revision for c in changes), changes)
     except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ConnectionError):
         return

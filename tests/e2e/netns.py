@@ -4,6 +4,7 @@ Addresses are link-local 169.254.213.0/24 (the bridge is .1), so nothing ever le
 machine. Names are unique per lab and everything is removed on exit, even when the test fails:
 processes still inside a namespace are SIGKILLed first. Needs root (CAP_NET_ADMIN).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,7 @@ class NetLab:
         self.host_addr = f"{SUBNET}.1"
         self.nodes: dict[str, tuple[str, str, str]] = {}  # node -> (namespace, inner veth, address)
 
-    def __enter__(self) -> "NetLab":
+    def __enter__(self) -> NetLab:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.host_addr}/24", "dev", self.bridge)

@@ -4,6 +4,7 @@ a non-zero exit, and never a hang.
 Every tm-launch process imports torch (2-5 s here), so the pure usage errors are launched all
 at once by one module fixture and each test checks its own case.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,16 @@ def _env() -> dict:
 
 
 def launch(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(CLI + args, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        CLI + args,
+        cwd=ROOT,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
@@ -62,6 +71,7 @@ def assert_one_error(rc: int, stderr: str, *fragments: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # usage errors and an unreachable etcd, launched in parallel
 
+
 @pytest.fixture(scope="module")
 def blackhole():
     """A TCP port that accepts connections and never answers (a hung etcd)."""
@@ -73,30 +83,59 @@ def blackhole():
 
 
 USAGE = {
-    "bad YAML key": (["--config", "{tmp}/bad.yaml", "tests/scripts/train.py"], 2,
-                     ["unknown key 'nproc_per_nod'", "did you mean 'nproc_per_node'"]),
+    "bad YAML key": (
+        ["--config", "{tmp}/bad.yaml", "tests/scripts/train.py"],
+        2,
+        ["unknown key 'nproc_per_nod'", "did you mean 'nproc_per_node'"],
+    ),
     "--nnodes 3:2": (["--nnodes", "3:2", "tests/scripts/train.py"], 2, ["--nnodes 3:2", "MIN (3) is larger than MAX (2)"]),
     "missing script": (["--nproc-per-node", "1", "no/such/train.py"], 2, ["training script 'no/such/train.py' not found"]),
-    "bad --rdzv-conf": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "timeout=soon",
-                         "tests/scripts/train.py"], 2, ["timeout=soon"]),
-    "bad last_call_timeout": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
-                               "last_call_timeout=soon", "tests/scripts/train.py"], 2, ["last_call_timeout=soon"]),
-    "bad --nproc-per-node": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "abc",
-                              "tests/scripts/train.py"], 2, ["nproc_per_node", "abc"]),
-    "password on the command line": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf",
-                                      "user=u,password=hunter2", "tests/scripts/train.py"], 2, ["password_file=", "TM_ETCD_PASSWORD"]),
+    "bad --rdzv-conf": (
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "timeout=soon", "tests/scripts/train.py"],
+        2,
+        ["timeout=soon"],
+    ),
+    "bad last_call_timeout": (
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "last_call_timeout=soon", "tests/scripts/train.py"],
+        2,
+        ["last_call_timeout=soon"],
+    ),
+    "bad --nproc-per-node": (
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "abc", "tests/scripts/train.py"],
+        2,
+        ["nproc_per_node", "abc"],
+    ),
+    "password on the command line": (
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "user=u,password=hunter2", "tests/scripts/train.py"],
+        2,
+        ["password_file=", "TM_ETCD_PASSWORD"],
+    ),
     "YAML: TLS key without cert": (["--config", "{tmp}/tls.yaml", "tests/scripts/train.py"], 2, ["key= needs cert= too"]),
-    "--node-id with a slash": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--node-id", "a/b",
-                                "tests/scripts/train.py"], 2, ["--node-id 'a/b'"]),
-    "--standalone --nnodes 2": (["--standalone", "--nnodes", "2", "tests/scripts/train.py"], 2,
-                                ["--standalone --nnodes 2", "no other node can ever join",
-                                 "--rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379"]),
-    "--standalone --nnodes 2:4": (["--standalone", "--nnodes", "2:4", "tests/scripts/train.py"], 2,
-                                  ["--standalone --nnodes 2:4", "no other node can ever join", "--nnodes 2:4"]),
-    "etcd: nobody listens": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody",
-                              "tests/scripts/train.py"], 1, ["127.0.0.1:1", "connection refused"]),
-    "etcd: never answers": (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung",
-                             "tests/scripts/train.py"], 1, ["127.0.0.1:{blackhole}", "no answer"]),
+    "--node-id with a slash": (
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--node-id", "a/b", "tests/scripts/train.py"],
+        2,
+        ["--node-id 'a/b'"],
+    ),
+    "--standalone --nnodes 2": (
+        ["--standalone", "--nnodes", "2", "tests/scripts/train.py"],
+        2,
+        ["--standalone --nnodes 2", "no other node can ever join", "--rdzv-backend etcd-v3 --rdzv-endpoint HOST:2379"],
+    ),
+    "--standalone --nnodes 2:4": (
+        ["--standalone", "--nnodes", "2:4", "tests/scripts/train.py"],
+        2,
+        ["--standalone --nnodes 2:4", "no other node can ever join", "--nnodes 2:4"],
+    ),
+    "etcd: nobody listens": (
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nobody", "tests/scripts/train.py"],
+        1,
+        ["127.0.0.1:1", "connection refused"],
+    ),
+    "etcd: never answers": (
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:{blackhole}", "--rdzv-id", "hung", "tests/scripts/train.py"],
+        1,
+        ["127.0.0.1:{blackhole}", "no answer"],
+    ),
 }
 
 
@@ -104,7 +143,9 @@ USAGE = {
 def usage_results(tmp_path_factory, blackhole):
     tmp = tmp_path_factory.mktemp("bad-input")
     (tmp / "bad.yaml").write_text("nproc_per_nod: 2\n")
-    (tmp / "tls.yaml").write_text("rdzv_backend: etcd-v3\nrdzv_endpoint: 127.0.0.1:1\nrdzv_conf: {cacert: /etc/hostname, key: /etc/hostname}\n")
+    (tmp / "tls.yaml").write_text(
+        "rdzv_backend: etcd-v3\nrdzv_endpoint: 127.0.0.1:1\nrdzv_conf: {cacert: /etc/hostname, key: /etc/hostname}\n"
+    )
     started = {}
     for name, (args, _, _) in USAGE.items():
         args = [a.format(tmp=tmp, blackhole=blackhole) for a in args]
@@ -139,8 +180,10 @@ CTL_USAGE = {
     "node id with a slash": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "r", "drain", "a/b"], ["node id 'a/b'"]),
     "run id inside another run": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "job/state", "status"], ["without '/'"]),
     "run id escaping the prefix": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "../x", "status"], ["'../x'"]),
-    "password on the command line": (["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "r", "--rdzv-conf",
-                                      "user=u,password=hunter2", "cordon", "a"], ["password_file="]),
+    "password on the command line": (
+        ["--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "r", "--rdzv-conf", "user=u,password=hunter2", "cordon", "a"],
+        ["password_file="],
+    ),
     "no run id": (["--rdzv-endpoint", "127.0.0.1:1", "status"], ["--rdzv-id"]),
 }
 
@@ -148,8 +191,10 @@ CTL_USAGE = {
 def test_standalone_with_a_range_from_one_runs_alone(tmp_path):
     """``--standalone --nnodes 1:2`` is torchrun's spirit too: MIN nodes can form, so the job runs
     on this node alone (after --last-call) instead of being refused."""
-    rc, _, err = finish(launch(["--standalone", "--nnodes", "1:2", "--nproc-per-node", "1", "tests/scripts/env_dump.py",
-                                "--out", str(tmp_path)]), timeout=120)
+    rc, _, err = finish(
+        launch(["--standalone", "--nnodes", "1:2", "--nproc-per-node", "1", "tests/scripts/env_dump.py", "--out", str(tmp_path)]),
+        timeout=120,
+    )
     assert rc == 0 and "job finished successfully (generation 0)" in err, err
     assert (tmp_path / "rank0.json").exists()
 
@@ -171,6 +216,7 @@ def test_ctl_usage_errors(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # against the real etcd
 
+
 def _run_id() -> str:
     return f"bad-{uuid.uuid4().hex[:8]}"
 
@@ -185,8 +231,14 @@ def test_finished_run_id_is_refused(etcd_endpoint):
     rc, _, err = finish(launch(job + ["tests/scripts/train.py", "--steps", "2"]), timeout=120)
     assert rc == 0, err
     assert "job finished successfully (generation 0)" in err  # the generation that ran, not the end marker
-    status = subprocess.run(CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"], cwd=ROOT,
-                            env=_env(), capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
     assert f"run {run_id}: generation 0, succeeded" in status.stdout, status.stdout
     [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change"))]
@@ -206,8 +258,14 @@ def test_failed_run_status_says_what_happened(etcd_endpoint, tmp_path):
     job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0"]
     rc, _, err = finish(launch(job + ["tests/scripts/env_dump.py", "--out", str(tmp_path), "--fail-rank", "0"]), timeout=120)
     assert rc == 1 and "generation 0: job failed: max restarts (0) exhausted" in err, err
-    status = subprocess.run(CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"], cwd=ROOT,
-                            env=_env(), capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        CLI + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id, "status"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
     assert f"run {run_id}: generation 0, failed" in status.stdout and " 0 restart(s)" in status.stdout, status.stdout
     [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change"))]
@@ -284,9 +342,16 @@ def test_a_generation_nobody_can_enter_fails_the_job_instead_of_waiting(etcd_end
     script = tmp_path / "loop.py"
     script.write_text("import tm_launch\njob = tm_launch.init()\nfor step in job.steps(5):\n    pass\n")
     args = _etcd_args(etcd_endpoint, _run_id()) + ["--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0"]
-    proc = subprocess.Popen(CLI + args + [str(script)], cwd=ROOT, env={**_env(), "GLOO_SOCKET_IFNAME": "nosuchif0"},
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        CLI + args + [str(script)],
+        cwd=ROOT,
+        env={**_env(), "GLOO_SOCKET_IFNAME": "nosuchif0"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     rc, _, err = finish(proc, timeout=120)
     assert rc != 0, err
     assert "job failed: max restarts (0) exhausted" in err, err
@@ -294,7 +359,7 @@ def test_a_generation_nobody_can_enter_fails_the_job_instead_of_waiting(etcd_end
     assert "finished successfully" not in err, err
 
 
-ENDING = r'''
+ENDING = r"""
 import sys
 from tm_launch import cli
 how = sys.argv[1]
@@ -311,11 +376,12 @@ def main():
 cli.main = main
 cli.entry()
 print("never", flush=True)
-'''
+"""
 
 
-@pytest.mark.parametrize("how, code, last", [("return", 0, "said on stderr"), ("message", 1, "tm-launch: error: a message"),
-                                             ("code", 3, "said on stderr")])
+@pytest.mark.parametrize(
+    "how, code, last", [("return", 0, "said on stderr"), ("message", 1, "tm-launch: error: a message"), ("code", 3, "said on stderr")]
+)
 def test_the_command_ends_as_sys_exit_would(how, code, last):
     """``tm-launch`` ends its process without the interpreter's teardown (``cli.entry``): what
     ``main()`` printed still arrives through a pipe, a ``SystemExit`` gives its code or its

@@ -41,8 +41,7 @@ def test_summary_counts_per_kind():
 
 @pytest.mark.slow
 def test_chaos_soak_ends_bitwise_equal(etcd_endpoint, tmp_path):
-    report = chaos.soak(etcd_endpoint, str(tmp_path), seed=int(os.environ.get("TM_CHAOS_SEED", "1")), faults=20,
-                        steps=800, step_sleep=0.05)
+    report = chaos.soak(etcd_endpoint, str(tmp_path), seed=int(os.environ.get("TM_CHAOS_SEED", "1")), faults=20, steps=800, step_sleep=0.05)
     print(chaos.markdown(report["table"]))
     failed = [r for r in report["results"] if not r["recovered"]]
     assert not failed, failed

@@ -2,14 +2,15 @@
 of its members for longer than the lease TTL. Training never stops for it, no node is replaced,
 and the result is bitwise the fault-free one. Real etcd members (SIGKILL), real agents, real gloo.
 """
+
 import os
 import time
 import uuid
 
 import pytest
+from test_live import assert_bitwise, reference, run_job  # noqa: F401 - reference is a fixture
 
 from rendezvous.etcd_server import EtcdCluster
-from test_live import assert_bitwise, reference, run_job  # noqa: F401 - reference is a fixture
 
 STEPS = 1200  # long enough (>= 36 s at 0.03 s a step) to train through all three outages
 TTL = 3.0
@@ -25,8 +26,9 @@ def cluster_job(tmp_path, request):
 
     def make(**options):
         run_id = f"t-{uuid.uuid4().hex[:10]}"
-        job = LocalJob(endpoint=",".join(cluster.endpoints), run_id=run_id, workdir=str(tmp_path / run_id),
-                       backend=request.param, **options)
+        job = LocalJob(
+            endpoint=",".join(cluster.endpoints), run_id=run_id, workdir=str(tmp_path / run_id), backend=request.param, **options
+        )
         jobs.append(job)
         return job
 
@@ -77,14 +79,22 @@ def test_etcd_member_and_full_outage_training_goes_on(cluster_job, reference):
         phases["all"] = (t, t_up)
         return {}
 
-    job, codes, params, _ = run_job(cluster_job, ["a", "b", "c"], script=["--steps", str(STEPS), "--step-sleep", "0.03"],
-                                    launcher=["--lease-ttl", str(TTL)], fault=fault)
+    job, codes, params, _ = run_job(
+        cluster_job,
+        ["a", "b", "c"],
+        script=["--steps", str(STEPS), "--step-sleep", "0.03"],
+        launcher=["--lease-ttl", str(TTL)],
+        fault=fault,
+    )
     assert codes == {"a": 0, "b": 0, "c": 0}, job.logs_tail()
     assert_bitwise(params, reference(2, 2, STEPS))
     # no failover storm: one generation from start to finish, nobody replaced
     assert {g for _, _, _, g, _ in job.step_records()} == {0}, "training moved to a new generation"
-    storm = [e for e in job.events() if e["kind"] in ("node_lost", "fenced", "worker_failed", "left")
-             or (e["kind"] == "plan" and e.get("generation", 0) > 0)]
+    storm = [
+        e
+        for e in job.events()
+        if e["kind"] in ("node_lost", "fenced", "worker_failed", "left") or (e["kind"] == "plan" and e.get("generation", 0) > 0)
+    ]
     assert not storm, storm
     # v3 renews every lease when a leader takes over, so nobody even loses it; v2 TTLs run on
     # wall-clock time and expire during the outage: those nodes rejoin (same id, same ranks)

@@ -5,6 +5,7 @@ both: the same logged losses (and for examples/train.py the same weights, bitwis
 
 The instrumented scripts the other tests run (fault injection, step logs) are tests/scripts/.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def run(launcher: list[str], example: str, args: list[str], cwd, timeout: float 
     """``launcher example args`` in ``cwd``; its whole output (exit 0 asserted)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     cwd.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([*launcher, os.path.join(EXAMPLES, example), *args], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [*launcher, os.path.join(EXAMPLES, example), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, f"{launcher[2]} {example}: exit {out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-6000:]}"
     return out.stdout + out.stderr
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
-
 from test_live import assert_bitwise
 from test_restart_mode import assert_restarted_once_never_live
+
 from tm_launch.local.localjob import REPO
 
 pytest.importorskip("lightning")
@@ -24,8 +24,14 @@ PAUSE, KILL = 18, 21
 
 
 def torchrun(script: str, args: list[str], timeout: float = 300) -> None:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args],
-                         capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
 
 
@@ -69,8 +75,19 @@ def run_with_spare(local_job, script: str, args: list[str], before_release=None)
     trigger = os.path.join(job.workdir, "trigger")
     out = os.path.join(job.workdir, "out")
     args = [os.path.join(job.workdir, "ckpt") if a == "CKPT" else a for a in args]
-    job.script_args = [*args, "--out-dir", out, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger,
-                       "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.script_args = [
+        *args,
+        "--out-dir",
+        out,
+        "--step-log",
+        job.step_log,
+        "--pause-step",
+        str(PAUSE),
+        "--pause-file",
+        trigger,
+        "--kill-marker",
+        os.path.join(job.workdir, "killed"),
+    ]
     job.start_all(["a", "b"])
     job.wait_for(lambda s: s["generation"] is not None, 180, "generation 0")
     job.start("c")
@@ -82,12 +99,15 @@ def run_with_spare(local_job, script: str, args: list[str], before_release=None)
     return job, codes, {r: torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1)}
 
 
-@pytest.mark.parametrize("phase", [
-    "backward",
-    pytest.param("forward", marks=pytest.mark.slow),
-    pytest.param("optimizer", marks=pytest.mark.slow),
-    pytest.param("logged", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "backward",
+        pytest.param("forward", marks=pytest.mark.slow),
+        pytest.param("optimizer", marks=pytest.mark.slow),
+        pytest.param("logged", marks=pytest.mark.slow),
+    ],
+)
 def test_lightning_live_strategy_spare_takes_over_bitwise(local_job, lightning_reference, phase):
     """Trainer(strategy=LiveStrategy()): rank 1 dies at one point of a step (inside DDP's gradient
     all-reduce, before it, after the commit, after the post-step loss all-reduce). The spare,
@@ -109,8 +129,21 @@ def test_lightning_script_calling_init_without_the_live_strategy_restarts_bitwis
     torchrun(LIGHTNING, ["--strategy", "ddp", "--init", "--out-dir", str(ref), "--ckpt-dir", str(tmp_path / "ref-ckpt")])
     job = local_job(nnodes="2", nproc=1, script=LIGHTNING, launcher_args=["--max-restarts", "2"])
     out = os.path.join(job.workdir, "out")
-    job.script_args = ["--strategy", "ddp", "--init", "--out-dir", out, "--ckpt-dir", os.path.join(job.workdir, "ckpt"),
-                       "--kill-rank", "1", "--kill-step", "20", "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.script_args = [
+        "--strategy",
+        "ddp",
+        "--init",
+        "--out-dir",
+        out,
+        "--ckpt-dir",
+        os.path.join(job.workdir, "ckpt"),
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "20",
+        "--kill-marker",
+        os.path.join(job.workdir, "killed"),
+    ]
     job.start_all(["a", "b", "c"])
     assert_restarted_once_never_live(job, job.wait(timeout=300))
     for rank in (0, 1):
@@ -151,11 +184,22 @@ def test_hf_trainer_restarts_from_its_checkpoint_bitwise_and_reports_its_steps(l
     torchrun(HF, ["--output-dir", str(tmp_path / "ref-ckpt"), "--out-dir", str(ref)])
     job = local_job(nnodes="2", nproc=1, script=HF, launcher_args=["--max-restarts", "2"])
     out = os.path.join(job.workdir, "out")
-    job.script_args = ["--output-dir", os.path.join(job.workdir, "ckpt"), "--out-dir", out,
-                       "--kill-rank", "1", "--kill-step", "15", "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.script_args = [
+        "--output-dir",
+        os.path.join(job.workdir, "ckpt"),
+        "--out-dir",
+        out,
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "15",
+        "--kill-marker",
+        os.path.join(job.workdir, "killed"),
+    ]
     job.start_all(["a", "b", "c"])
-    job.wait_for(lambda s: any(any((w.get("step") or 0) >= 5 for w in (n["progress"] or {}).values()) for n in s["nodes"]),
-                 180, "a reported step")
+    job.wait_for(
+        lambda s: any(any((w.get("step") or 0) >= 5 for w in (n["progress"] or {}).values()) for n in s["nodes"]), 180, "a reported step"
+    )
     assert_restarted_once_never_live(job, job.wait(timeout=300))
     for rank in (0, 1):
         assert_bitwise(torch.load(os.path.join(out, f"rank{rank}.pt")), torch.load(ref / f"rank{rank}.pt"))
@@ -175,8 +219,9 @@ def test_hf_live_trainer_spare_takes_over_bitwise(local_job, hf_reference, victi
     step 9, mid-epoch), the survivor keeps its process and runs step 9 once more; every rank ends
     bitwise equal to a plain Trainer under torchrun, and no process runs a step twice."""
     pytest.importorskip("transformers")
-    job, codes, params = run_with_spare(local_job, HF, ["--live", "--output-dir", "CKPT", "--kill-rank", str(victim_rank),
-                                                        "--kill-step", str(KILL)])
+    job, codes, params = run_with_spare(
+        local_job, HF, ["--live", "--output-dir", "CKPT", "--kill-rank", str(victim_rank), "--kill-step", str(KILL)]
+    )
     assert_spare_took_over_live(job, codes, params, hf_reference)
 
 

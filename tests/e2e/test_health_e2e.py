@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-
 from test_live import PAUSE, SCRIPT, assert_bitwise, reference  # noqa: F401  (fixture)
 
 
@@ -50,7 +49,14 @@ def test_fatal_xid_fails_over_to_the_spare(local_job, reference, tmp_path, mode)
 def test_straggler_is_migrated_to_the_spare(local_job, reference):
     # Node b's worker needs ~50% more compute per step (0.16 s -> 0.24 s here).
     launcher = ["--health-straggler-window", "5", "--health-straggler-need", "3", "--health-straggler-of", "5"]
-    job, trigger, out = _start(local_job, ["a", "b", "d"], "c", 1, launcher=launcher, script=["--steps", "120", "--step-sleep", "0.1", "--slow-node", "b", "--slow-factor", "0.8"])
+    job, trigger, out = _start(
+        local_job,
+        ["a", "b", "d"],
+        "c",
+        1,
+        launcher=launcher,
+        script=["--steps", "120", "--step-sleep", "0.1", "--slow-node", "b", "--slow-factor", "0.8"],
+    )
     job.wait_parked("c")
     open(trigger, "w").close()
     codes = job.wait(timeout=240)

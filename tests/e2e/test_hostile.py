@@ -13,6 +13,7 @@ overflow the JSON parser's stack, ~1 MiB values, keys of unexpected shapes. What
   names the key and how to fix it; restoring the plan lets the job finish;
 * ``tm-launch ctl status`` / ``events`` keep working and say what they skipped.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,8 @@ from rendezvous.planner import Limits, next_plan
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 MIB = "x" * (1 << 20)
-DEEP = "[" * 100_000 + "]" * 100_000          # json.loads -> RecursionError, not ValueError
-HUGE_INT = "9" * 5000                          # beyond Python's int-from-string limit
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads -> RecursionError, not ValueError
+HUGE_INT = "9" * 5000  # beyond Python's int-from-string limit
 
 
 def node_json(node: str, **changes) -> str:
@@ -104,8 +105,10 @@ def members(etcd_endpoint):
 def test_every_hostile_value_is_skipped_and_named_once(members, caplog):
     m, run = members
     kv = m.kv
-    leases = [m.register(NodeInfo(id=n, host="h", addr="127.0.0.1", store_port=1000 + i, nproc=1, pid=1, joined=float(i)), ttl=30)
-              for i, n in enumerate(("a", "b", "s"))]
+    leases = [
+        m.register(NodeInfo(id=n, host="h", addr="127.0.0.1", store_port=1000 + i, nproc=1, pid=1, joined=float(i)), ttl=30)
+        for i, n in enumerate(("a", "b", "s"))
+    ]
     p0 = Plan(generation=0, nodes=("a", "b"), nproc=1, store={"node": "a", "addr": "127.0.0.1", "port": 1000})
     assert m.publish(p0, None)
     m.set_live()
@@ -116,7 +119,7 @@ def test_every_hostile_value_is_skipped_and_named_once(members, caplog):
     with caplog.at_level(logging.WARNING, logger="rendezvous.membership"):
         t0 = time.monotonic()
         snap = m.snapshot()
-        m.snapshot()   # a second read names nothing again
+        m.snapshot()  # a second read names nothing again
         events, alarms, progress, history = m.events(), m.alarms(), m.all_progress(), m.history()
         elapsed = time.monotonic() - t0
     view = snap.view
@@ -142,20 +145,29 @@ def test_every_hostile_value_is_skipped_and_named_once(members, caplog):
         lease.revoke()
 
 
-@pytest.mark.parametrize("value", [
-    "garbage {", "[]", "null", HUGE_INT, DEEP, MIB,
-    '{"generation": NaN, "nodes": ["a"], "nproc": 1}',
-    '{"generation": 1e999, "nodes": ["a"], "nproc": 1}',
-    '{"generation": 0, "nodes": "ab", "nproc": 1}',
-    '{"generation": 0, "nodes": [1], "nproc": 1}',
-    '{"generation": 0, "nodes": ["a"], "nproc": -1}',
-    '{"generation": -1, "nodes": ["a"], "nproc": 1}',
-    '{"generation": 0, "nodes": ["a"], "nproc": 1, "store": "here"}',
-    '{"generation": 0, "nodes": ["a"], "nproc": 1, "replaced": {"b": 3}}',
-    '{"generation": 0, "nodes": ["a"], "nproc": 1, "state": "exploded"}',
-    '{"generation": 0, "nodes": ["a"], "nproc": 1, "live": "yes"}',
-    '{"generation": 0, "nodes": ["a"], "nproc": 1, "' + "k" * 5000 + '": 1}',
-], ids=lambda v: v[:40])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "garbage {",
+        "[]",
+        "null",
+        HUGE_INT,
+        DEEP,
+        MIB,
+        '{"generation": NaN, "nodes": ["a"], "nproc": 1}',
+        '{"generation": 1e999, "nodes": ["a"], "nproc": 1}',
+        '{"generation": 0, "nodes": "ab", "nproc": 1}',
+        '{"generation": 0, "nodes": [1], "nproc": 1}',
+        '{"generation": 0, "nodes": ["a"], "nproc": -1}',
+        '{"generation": -1, "nodes": ["a"], "nproc": 1}',
+        '{"generation": 0, "nodes": ["a"], "nproc": 1, "store": "here"}',
+        '{"generation": 0, "nodes": ["a"], "nproc": 1, "replaced": {"b": 3}}',
+        '{"generation": 0, "nodes": ["a"], "nproc": 1, "state": "exploded"}',
+        '{"generation": 0, "nodes": ["a"], "nproc": 1, "live": "yes"}',
+        '{"generation": 0, "nodes": ["a"], "nproc": 1, "' + "k" * 5000 + '": 1}',
+    ],
+    ids=lambda v: v[:40],
+)
 def test_unreadable_plan_is_one_clear_error(members, value):
     m, run = members
     m.kv.put("state/plan", value)
@@ -208,15 +220,25 @@ def _wait_logs(job, text: str, timeout: float) -> None:
     raise AssertionError(f"not every agent said {text!r}\n{job.logs_tail()}")
 
 
-@pytest.mark.slow   # ~25 s alone, a minute on a loaded machine
+@pytest.mark.slow  # ~25 s alone, a minute on a loaded machine
 def test_hostile_contents_in_a_running_job(local_job, etcd_endpoint):
     """One live job (2 nodes x 1 worker, --max-restarts 0 so that any phantom failure fails it),
     held at step 5 while the whole table is written under its keys; then its plan is made
     unreadable and restored; then it must finish every step once, in generation 0."""
     job = local_job(nnodes="2", nproc=1, launcher_args=["--max-restarts", "0"])
     trigger = os.path.join(job.workdir, "trigger")
-    job.script_args = ["--steps", str(STEPS), "--step-sleep", "0.02", "--step-log", job.step_log,
-                       "--pause-step", str(PAUSE), "--pause-file", trigger]
+    job.script_args = [
+        "--steps",
+        str(STEPS),
+        "--step-sleep",
+        "0.02",
+        "--step-log",
+        job.step_log,
+        "--pause-step",
+        str(PAUSE),
+        "--pause-file",
+        trigger,
+    ]
     kv = connect("v3", EtcdOptions(endpoints=(etcd_endpoint,), prefix=run_prefix(job.run_id)))
     try:
         job.start_all(["a", "b"])
@@ -229,15 +251,17 @@ def test_hostile_contents_in_a_running_job(local_job, etcd_endpoint):
 
         def forge():
             while not stop.is_set():
-                for bad in ('{"generation": 0, "workers": {"0": {"rank": "zero", "windows": {"w": "x"}}}}',
-                            '{"generation": 0, "workers": {"0": {"rank": 1, "windows": [1]}}}',
-                            '{"generation": 0, "workers": [0]}'):
+                for bad in (
+                    '{"generation": 0, "workers": {"0": {"rank": "zero", "windows": {"w": "x"}}}}',
+                    '{"generation": 0, "workers": {"0": {"rank": 1, "windows": [1]}}}',
+                    '{"generation": 0, "workers": [0]}',
+                ):
                     kv.put("log/progress/b", bad)
                     time.sleep(0.05)
 
         forger = threading.Thread(target=forge, daemon=True)
         forger.start()
-        time.sleep(3.0)   # a few loop iterations and progress rounds over all of it
+        time.sleep(3.0)  # a few loop iterations and progress rounds over all of it
         stop.set()
         forger.join()
         assert all(n.proc.poll() is None for n in job.nodes.values()), job.logs_tail()
@@ -255,18 +279,18 @@ def test_hostile_contents_in_a_running_job(local_job, etcd_endpoint):
             out = job.ctl(*args)
             assert out.returncode == 0 and "Traceback" not in out.stderr, (args, out.stderr[-2000:])
             assert "log/events/e1" in out.stderr or args == ("status",)
-        assert "??:??:??" in job.ctl("events").stdout   # the event with time "yesterday", shown anyway
+        assert "??:??:??" in job.ctl("events").stdout  # the event with time "yesterday", shown anyway
 
         # An unreadable plan: every agent stops changing the job and says so, once.
         plan = kv.get("state/plan").value
         kv.put("state/plan", "garbage {")
         _wait_logs(job, "state/plan) is unreadable", 10)
         time.sleep(1.5)
-        assert kv.get("state/plan").value == "garbage {"   # nobody published over it
+        assert kv.get("state/plan").value == "garbage {"  # nobody published over it
         for name, node in job.nodes.items():
             assert node.log().count("state/plan) is unreadable") == 1, node.log()[-2000:]
             assert node.proc.poll() is None
-        out = job.ctl("status", "--json")   # the operator still sees the nodes, and why
+        out = job.ctl("status", "--json")  # the operator still sees the nodes, and why
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
         assert json.loads(out.stdout)["state"] == "plan unreadable"
         assert {n["id"] for n in json.loads(out.stdout)["nodes"]} == {"a", "b"}
@@ -306,8 +330,8 @@ def test_ctl_views_survive_hostile_contents(members, etcd_endpoint, capsys):
         out = capsys.readouterr().out
         assert out.strip(), args
         if "--json" in args:
-            for chunk in ([out] if args[0] == "status" else out.splitlines()):
-                json.loads(chunk)   # still machine-readable
+            for chunk in [out] if args[0] == "status" else out.splitlines():
+                json.loads(chunk)  # still machine-readable
         else:
             assert all(line.isprintable() for line in out.splitlines()), (args, out)
             assert "\x1b" not in out and "\r" not in out and "\x07" not in out
@@ -319,8 +343,9 @@ def test_agent_joining_a_run_with_an_unreadable_plan_says_one_line(members, etcd
 
     m, run = members
     m.kv.put("state/plan", DEEP)
-    proc = launch(["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run,
-                   "--nnodes", "1", "tests/scripts/train.py"])
+    proc = launch(
+        ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run, "--nnodes", "1", "tests/scripts/train.py"]
+    )
     rc, _, err = finish(proc, timeout=90)
     line = assert_one_error(rc, err, f"{run_prefix(run)}state/plan", "is unreadable", "--rdzv-id")
     assert rc == 1 and "joined run" not in err and len(line) < 400

@@ -61,8 +61,14 @@ def fault_free_reference(tmp_path_factory, etcd_server):
         key = (nodes, nproc, steps, extra)
         if key not in cache:
             workdir = str(tmp_path_factory.mktemp(f"ref{nodes}x{nproc}x{steps}"))
-            job = LocalJob(endpoint=etcd_server.endpoint, run_id=f"ref-{nodes}x{nproc}-{time.time_ns()}", workdir=workdir,
-                           nnodes=str(nodes), nproc=nproc, script_args=["--steps", str(steps), "--out", os.path.join(workdir, "p.pt"), *extra])
+            job = LocalJob(
+                endpoint=etcd_server.endpoint,
+                run_id=f"ref-{nodes}x{nproc}-{time.time_ns()}",
+                workdir=workdir,
+                nnodes=str(nodes),
+                nproc=nproc,
+                script_args=["--steps", str(steps), "--out", os.path.join(workdir, "p.pt"), *extra],
+            )
             job.start_all([f"r{i}" for i in range(nodes)])
             codes = job.wait(timeout=240)
             assert set(codes.values()) == {0}, job.logs_tail()
@@ -78,19 +84,34 @@ def assert_bitwise(params, ref):
     assert not diff, f"parameters differ from the fault-free run: {diff}"
 
 
-@pytest.mark.parametrize("phase", [
-    pytest.param("forward", marks=pytest.mark.slow),
-    pytest.param("allreduce", marks=pytest.mark.slow),
-    "vote",
-    pytest.param("optimizer", marks=pytest.mark.slow),
-    pytest.param("logging", marks=pytest.mark.slow),  # the fast tier's framework tests kill after a commit
-    pytest.param("logged", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        pytest.param("forward", marks=pytest.mark.slow),
+        pytest.param("allreduce", marks=pytest.mark.slow),
+        "vote",
+        pytest.param("optimizer", marks=pytest.mark.slow),
+        pytest.param("logging", marks=pytest.mark.slow),  # the fast tier's framework tests kill after a commit
+        pytest.param("logged", marks=pytest.mark.slow),
+    ],
+)
 def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     """The worker of rank 2 SIGKILLs itself at one point of a step (the loss is all-reduced after
     the optimizer step, as loops log it), once the spare is parked: whatever the point, every
     rank's update of that step is applied exactly once or not at all, job-wide."""
-    script = ["--log-loss", "--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", phase, "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    script = [
+        "--log-loss",
+        "--kill-rank",
+        "2",
+        "--kill-step",
+        str(PAUSE + 5),
+        "--kill-phase",
+        phase,
+        "--kill-trigger",
+        "TRIGGER",
+        "--kill-marker",
+        "MARKER",
+    ]
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
     victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")  # whoever held rank 2
     survivor = ({"a", "b"} - {victim}).pop()
@@ -112,8 +133,20 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     node's agent: it keeps serving them after it left until the joiners are in
     (``PlanExecutor._keep_store_for_joiners``; an agent that exited at once took them along and
     the job restarted from its checkpoint)."""
-    script = ["--random", "--log-loss", "--kill-rank", "0", "--kill-step", str(PAUSE + 5), "--kill-phase", "vote",
-              "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    script = [
+        "--random",
+        "--log-loss",
+        "--kill-rank",
+        "0",
+        "--kill-step",
+        str(PAUSE + 5),
+        "--kill-phase",
+        "vote",
+        "--kill-trigger",
+        "TRIGGER",
+        "--kill-marker",
+        "MARKER",
+    ]
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
     victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
     survivor = ({"a", "b"} - {victim}).pop()
@@ -130,16 +163,31 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     assert len(plans) == 1 and plans[0]["live"], [p["cause"] for p in plans]
 
 
-@pytest.mark.parametrize("phase", [
-    pytest.param("forward", marks=pytest.mark.slow),  # the fast tier's framework tests (dropout) cover per-rank RNG
-    pytest.param("logging", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        pytest.param("forward", marks=pytest.mark.slow),  # the fast tier's framework tests (dropout) cover per-rank RNG
+        pytest.param("logging", marks=pytest.mark.slow),
+    ],
+)
 def test_per_rank_rng_and_data_position_survive_bitwise(local_job, reference, phase):
     """Dropout masks and batches come from per-rank random state (registered per_rank): the
     survivors re-run the interrupted step with the state it started with, and the joiner gets
     the dead rank's own state from its mirror (written with each commit vote)."""
-    script = ["--random", "--log-loss", "--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", phase,
-              "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    script = [
+        "--random",
+        "--log-loss",
+        "--kill-rank",
+        "2",
+        "--kill-step",
+        str(PAUSE + 5),
+        "--kill-phase",
+        phase,
+        "--kill-trigger",
+        "TRIGGER",
+        "--kill-marker",
+        "MARKER",
+    ]
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
     assert codes["c"] == 0 and sorted(codes.values()) == [0, 0, 1], job.logs_tail()
     assert not [e for e in job.events() if e["kind"] == "state_lost"], job.logs_tail()
@@ -154,6 +202,7 @@ def _kill_at_step(step, action, victim="b"):
         t = time.time()
         action(job)
         return {"fault_time": t, "victim_ranks": set(ranks[victim]), "kept_ranks": set(ranks["a"])}
+
     return fault
 
 
@@ -224,7 +273,9 @@ def test_node_loss_found_while_the_survivors_compute(local_job, reference):
         found.update(lose_node_while_stopped(job, "b", stopped="a"))
 
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], fault=fault)
-    assert found.get("node") == "a" and found.get("lost") == "b", f"a's agent must find b lost while its workers are stopped: {found}\n{job.logs_tail()}"
+    assert found.get("node") == "a" and found.get("lost") == "b", (
+        f"a's agent must find b lost while its workers are stopped: {found}\n{job.logs_tail()}"
+    )
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
     assert_bitwise(params, reference(2, 2))
 
@@ -324,6 +375,7 @@ def test_drain_at_the_last_step_finishes_without_the_joiner(local_job, reference
     """A drain agreed at the last step switches 'after' it: the keepers finish in the old
     communicator, and the promoted spare (that never got in) is released at once instead of
     waiting out the setup timeout."""
+
     def drain(job, release):
         out = job.ctl("drain", "b")
         assert out.returncode == 0, out.stderr
@@ -341,7 +393,9 @@ def test_drain_at_the_last_step_finishes_without_the_joiner(local_job, reference
 @pytest.mark.slow  # the fast tier's hang test is test_restart_mode's (the same watchdog)
 def test_hung_worker_is_killed_and_replaced(local_job, reference):
     job, codes, params, info = run_job(
-        local_job, ["a", "b", "c"], launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
+        local_job,
+        ["a", "b", "c"],
+        launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
         fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b", signal.SIGSTOP)),
     )
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
@@ -358,12 +412,17 @@ def test_status_json_lists_nodes_roles_ranks(local_job):
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
     job.start("c")
     job.wait_parked("c")
+
     def settled(status):
         roles = {n["id"]: (n["role"], n["ranks"]) for n in status["nodes"]}
         actives = sorted(ranks for role, ranks in (roles["a"], roles["b"])) if {"a", "b"} <= set(roles) else None
         return (
-            roles.get("a", ("",))[0] == roles.get("b", ("",))[0] == "active" and actives == [[0], [1]]
-            and roles.get("c") == ("spare", []) and status["spares_left"] == 1 and status["live"] and status["world_size"] == 2
+            roles.get("a", ("",))[0] == roles.get("b", ("",))[0] == "active"
+            and actives == [[0], [1]]
+            and roles.get("c") == ("spare", [])
+            and status["spares_left"] == 1
+            and status["live"]
+            and status["world_size"] == 2
         )
 
     job.wait_for(settled, 30, "ctl status --json: a and b active with ranks 0 and 1, c a spare, live mode")
@@ -376,7 +435,9 @@ def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference
     subgroup (and the world group) while a keeps its subgroup's communicator object."""
     sublog = "SUBLOG"
     job, codes, params, info = run_job(
-        local_job, ["a", "b", "c"], script=["--subgroups", "2", "--subgroup-log", sublog],
+        local_job,
+        ["a", "b", "c"],
+        script=["--subgroups", "2", "--subgroup-log", sublog],
         fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b")),
     )
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()

@@ -9,11 +9,9 @@ the fault-free run on the same GPU. Skipped without CUDA (the CPU suite covers t
 """
 
 import pytest
-import torch
-
 import test_live_layouts as layouts
+import torch
 from test_live import PAUSE, assert_bitwise, fault_free_reference, run_job
-
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the README's GPUs section says where this ran)")
 
@@ -25,14 +23,29 @@ def reference(tmp_path_factory, etcd_server):
     return fault_free_reference(tmp_path_factory, etcd_server)
 
 
-@pytest.mark.parametrize("kill_rank, phase", [
-    (1, "optimizer"),  # the spare takes the ranks it warmed up as
-    (0, "vote"),  # the spare runs the script again on the GPU for rank 0
-    (1, "logged"),  # after the commit, inside the loss logging
-])
+@pytest.mark.parametrize(
+    "kill_rank, phase",
+    [
+        (1, "optimizer"),  # the spare takes the ranks it warmed up as
+        (0, "vote"),  # the spare runs the script again on the GPU for rank 0
+        (1, "logged"),  # after the commit, inside the loss logging
+    ],
+)
 def test_cuda_state_survives_a_worker_sigkill_bitwise(local_job, reference, kill_rank, phase):
-    script = [*CUDA, "--log-loss", "--kill-rank", str(kill_rank), "--kill-step", str(PAUSE + 5), "--kill-phase", phase,
-              "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    script = [
+        *CUDA,
+        "--log-loss",
+        "--kill-rank",
+        str(kill_rank),
+        "--kill-step",
+        str(PAUSE + 5),
+        "--kill-phase",
+        phase,
+        "--kill-trigger",
+        "TRIGGER",
+        "--kill-marker",
+        "MARKER",
+    ]
     job, codes, params, _ = run_job(local_job, ["a", "b", "c"], nproc=1, script=script)
     victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
     survivor = ({"a", "b"} - {victim}).pop()
@@ -55,13 +68,16 @@ def layout_reference(tmp_path_factory):
     return layouts.torchrun_reference(tmp_path_factory)
 
 
-@pytest.mark.parametrize("layout, rank, phase", [
-    # The spare runs the script again for another TP shard. Its sandbox's backward ran on
-    # autograd's GPU thread, whose DTensor caches must be dropped too (c10d_glue.forget_layouts).
-    ("ddp-tp", 1, "backward"),
-    ("hsdp", 2, "forward"),  # FSDP2 shards on the GPU, replicated across the other half
-    ("pp", 1, "vote"),  # the spare takes another stage; activations cross stages through the host
-])
+@pytest.mark.parametrize(
+    "layout, rank, phase",
+    [
+        # The spare runs the script again for another TP shard. Its sandbox's backward ran on
+        # autograd's GPU thread, whose DTensor caches must be dropped too (c10d_glue.forget_layouts).
+        ("ddp-tp", 1, "backward"),
+        ("hsdp", 2, "forward"),  # FSDP2 shards on the GPU, replicated across the other half
+        ("pp", 1, "vote"),  # the spare takes another stage; activations cross stages through the host
+    ],
+)
 def test_cuda_joiner_receives_its_own_shard_bitwise(local_job, layout, rank, phase, layout_reference):
     job, codes, got = layouts.run(local_job, layout, kill=(rank, phase), extra=HYBRID_CUDA)
     layouts.assert_live(job, codes, rank)

@@ -49,7 +49,16 @@ def torchrun_reference(tmp_path_factory):
     def get(layout: str, extra: tuple = ()) -> dict:
         if (layout, extra) not in cache:
             workdir = str(tmp_path_factory.mktemp(f"ref-{layout}"))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", HYBRID, *script(layout, workdir, *extra)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "4",
+                HYBRID,
+                *script(layout, workdir, *extra),
+            ]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
             assert out.returncode == 0, out.stderr[-3000:]
@@ -70,8 +79,18 @@ def run(local_job, layout: str, nproc: int = 1, kill: tuple | None = None, fault
     trigger = os.path.join(job.workdir, "trigger")
     extra = [*extra, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger]
     if kill:
-        extra += ["--kill-rank", str(kill[0]), "--kill-step", str(KILL), "--kill-phase", kill[1],
-                  "--kill-trigger", trigger, "--kill-marker", os.path.join(job.workdir, "killed")]
+        extra += [
+            "--kill-rank",
+            str(kill[0]),
+            "--kill-step",
+            str(KILL),
+            "--kill-phase",
+            kill[1],
+            "--kill-trigger",
+            trigger,
+            "--kill-marker",
+            os.path.join(job.workdir, "killed"),
+        ]
     job.script_args = script(layout, job.workdir, *extra)
     job.start_all([f"n{i}" for i in range(nodes)])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
@@ -109,16 +128,20 @@ def received(job) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # layouts with replicas: a joiner receives its own shard from the rank holding the same one
 
-@pytest.mark.parametrize("layout, rank, phase", [
-    ("ddp-tp", 1, "backward"),
-    pytest.param("ddp-tp", 3, "vote", marks=pytest.mark.slow),
-    pytest.param("hsdp", 0, "optimizer", marks=pytest.mark.slow),
-    pytest.param("hsdp", 1, "logged", marks=pytest.mark.slow),
-    pytest.param("hsdp", 2, "forward", marks=pytest.mark.slow),
-    pytest.param("hsdp", 3, "backward", marks=pytest.mark.slow),
-    pytest.param("pp", 2, "logging", marks=pytest.mark.slow),
-    pytest.param("pp", 1, "vote", marks=pytest.mark.slow),
-])
+
+@pytest.mark.parametrize(
+    "layout, rank, phase",
+    [
+        ("ddp-tp", 1, "backward"),
+        pytest.param("ddp-tp", 3, "vote", marks=pytest.mark.slow),
+        pytest.param("hsdp", 0, "optimizer", marks=pytest.mark.slow),
+        pytest.param("hsdp", 1, "logged", marks=pytest.mark.slow),
+        pytest.param("hsdp", 2, "forward", marks=pytest.mark.slow),
+        pytest.param("hsdp", 3, "backward", marks=pytest.mark.slow),
+        pytest.param("pp", 2, "logging", marks=pytest.mark.slow),
+        pytest.param("pp", 1, "vote", marks=pytest.mark.slow),
+    ],
+)
 def test_joiner_receives_its_own_shard_from_a_replica(local_job, reference, layout, rank, phase):
     """The worker holding ``rank`` is SIGKILLed at ``phase`` of a step (the loss is all-reduced
     after the optimizer step); the spare warmed up as rank 3 takes ``rank`` (running the script
@@ -149,6 +172,7 @@ def test_several_joiners_receive_in_parallel_from_different_replicas(local_job, 
 def test_drain_hands_a_shard_to_the_spare(local_job, reference):
     """``ctl drain`` of the node holding rank 1 of an HSDP job: a planned switch, the spare takes
     rank 1 and receives it from rank 3, no step is lost."""
+
     def drain(job):
         node = next(n["id"] for n in job.status()["nodes"] if n["ranks"] == [1])
         assert job.ctl("drain", node).returncode == 0
@@ -165,13 +189,17 @@ def test_drain_hands_a_shard_to_the_spare(local_job, reference):
 # ------------------------------------------------------------------------------------------------
 # no replica: a lost shard exists nowhere, the job restarts from its checkpoint, loudly
 
-@pytest.mark.parametrize("layout, rank, phase", [
-    ("fsdp-tp", 0, "backward"),
-    pytest.param("fsdp-tp", 1, "forward", marks=pytest.mark.slow),
-    pytest.param("fsdp-tp", 2, "optimizer", marks=pytest.mark.slow),
-    pytest.param("fsdp-tp", 3, "logging", marks=pytest.mark.slow),
-    pytest.param("fsdp", 2, "vote", marks=pytest.mark.slow),
-])
+
+@pytest.mark.parametrize(
+    "layout, rank, phase",
+    [
+        ("fsdp-tp", 0, "backward"),
+        pytest.param("fsdp-tp", 1, "forward", marks=pytest.mark.slow),
+        pytest.param("fsdp-tp", 2, "optimizer", marks=pytest.mark.slow),
+        pytest.param("fsdp-tp", 3, "logging", marks=pytest.mark.slow),
+        pytest.param("fsdp", 2, "vote", marks=pytest.mark.slow),
+    ],
+)
 def test_no_replica_falls_back_to_the_checkpoint_and_says_what_was_lost(local_job, reference, layout, rank, phase):
     job, codes, got = run(local_job, layout, kill=(rank, phase))
     assert_bitwise(got, reference(layout))  # = the fault-free run, which resumes from the same checkpoint

@@ -39,8 +39,26 @@ def test_failover_timeline_and_metrics(local_job, tmp_path):
     and `ctl timeline` draws a PNG whose data holds the failover generation with its cause."""
     job = local_job(nnodes="2", nproc=1, launcher_args=["--max-restarts", "3"])
     trigger, marker = os.path.join(job.workdir, "trigger"), os.path.join(job.workdir, "killed")
-    job.script_args = ["--steps", "220", "--step-sleep", "0.03", "--step-log", job.step_log, "--pause-step", "10", "--pause-file", trigger,
-                       "--kill-rank", "1", "--kill-step", "40", "--kill-trigger", trigger, "--kill-marker", marker]
+    job.script_args = [
+        "--steps",
+        "220",
+        "--step-sleep",
+        "0.03",
+        "--step-log",
+        job.step_log,
+        "--pause-step",
+        "10",
+        "--pause-file",
+        trigger,
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "40",
+        "--kill-trigger",
+        trigger,
+        "--kill-marker",
+        marker,
+    ]
     ports = dict(zip("abc", free_ports(3)))
     for n in "ab":
         job.start(n, extra_env={"PET_METRICS_PORT": str(ports[n])})
@@ -60,7 +78,11 @@ def test_failover_timeline_and_metrics(local_job, tmp_path):
             after = scrape(ports["c"])
         except OSError:
             after = None
-        if after and after.get(("tm_launch_generation", frozenset())) == 1 and any(k[0] == "tm_launch_last_downtime_seconds" for k in after):
+        if (
+            after
+            and after.get(("tm_launch_generation", frozenset())) == 1
+            and any(k[0] == "tm_launch_last_downtime_seconds" for k in after)
+        ):
             break
         time.sleep(0.3)
     else:
@@ -108,8 +130,11 @@ def test_join_wait_says_what_it_waits_for(local_job):
     line = next(l for l in job.nodes["a"].log().splitlines() if "waiting for 2 node(s) to join" in l)
     assert f"run '{job.run_id}': 1 joined (a);" in line and " s of 600 s" in line, line
     job.start("b")
-    job.wait_for(lambda s: s["generation"] == 0 and {n["id"] for n in s["nodes"] if n["role"] == "active"} == {"a", "b"}, 120,
-                 "generation 0 with a and b")  # the job formed: no need to train (the fixture stops it)
+    job.wait_for(
+        lambda s: s["generation"] == 0 and {n["id"] for n in s["nodes"] if n["role"] == "active"} == {"a", "b"},
+        120,
+        "generation 0 with a and b",
+    )  # the job formed: no need to train (the fixture stops it)
     waits = [e for e in job.events() if e["kind"] == "waiting"]
     assert waits and waits[0]["waiting_for"] == "nodes" and waits[0]["elapsed_s"] >= 4, waits
 
@@ -121,21 +146,39 @@ def test_metrics_port_in_use_is_one_clear_line(etcd_endpoint, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cmd = launcher() + ["--nnodes", "1", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_endpoint,
-                            "--rdzv-id", f"busy-{time.time_ns()}", "--metrics-port", str(port), TRAIN, "--steps", "1"]
+        cmd = launcher() + [
+            "--nnodes",
+            "1",
+            "--rdzv-backend",
+            "etcd-v3",
+            "--rdzv-endpoint",
+            etcd_endpoint,
+            "--rdzv-id",
+            f"busy-{time.time_ns()}",
+            "--metrics-port",
+            str(port),
+            TRAIN,
+            "--steps",
+            "1",
+        ]
         env = {**os.environ, "PYTHONPATH": REPO}
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     assert out.returncode != 0
     lines = [l for l in out.stderr.splitlines() if l.strip()]
     addr = _local_addr(None, [etcd_endpoint])  # the FQDN by default, as torchrun's MASTER_ADDR
-    assert lines == [f"tm-launch: error: --metrics-port {port}: {addr}:{port} is already in use; pick a free port "
-                     "(every agent on one machine needs its own, e.g. PET_METRICS_PORT per agent)"], out.stderr
+    assert lines == [
+        f"tm-launch: error: --metrics-port {port}: {addr}:{port} is already in use; pick a free port "
+        "(every agent on one machine needs its own, e.g. PET_METRICS_PORT per agent)"
+    ], out.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["timeline"], "timeline: give --out FILE.png (a picture), --json (the data), or both"),
-    (["timeline", "--json"], "has no plans and no step samples in etcd yet; check --rdzv-id and --rdzv-endpoint"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["timeline"], "timeline: give --out FILE.png (a picture), --json (the data), or both"),
+        (["timeline", "--json"], "has no plans and no step samples in etcd yet; check --rdzv-id and --rdzv-endpoint"),
+    ],
+)
 def test_ctl_timeline_mistakes_are_one_line(etcd_endpoint, args, message):
     cmd = launcher() + ["ctl", "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", f"nothing-{time.time_ns()}", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
@@ -152,4 +195,7 @@ def test_operator_commands_are_events(etcd_endpoint):
         assert out.returncode == 0, out.stderr
     out = subprocess.run(base + ["events", "--json"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     events = [json.loads(l) for l in out.stdout.splitlines()]
-    assert [(e["node"], e["kind"], e["target"]) for e in events] == [("operator", "cordoned", "node-x"), ("operator", "uncordoned", "node-x")]
+    assert [(e["node"], e["kind"], e["target"]) for e in events] == [
+        ("operator", "cordoned", "node-x"),
+        ("operator", "uncordoned", "node-x"),
+    ]

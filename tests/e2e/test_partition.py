@@ -1,15 +1,16 @@
 """Network partition: every node in its own network namespace; one is cut off from etcd and its
 peers. The rest replace it (bitwise result), the cut-off node fences itself (its workers are
 gone), and after the link heals it comes back as failed (cordoned), never as a second owner."""
+
 import os
 import time
 import uuid
 
 import pytest
-
 from netns import NetLab, unusable_reason
-from rendezvous.etcd_server import EtcdServer
 from test_live import PAUSE, SCRIPT, assert_bitwise, reference  # noqa: F401 - reference is a fixture
+
+from rendezvous.etcd_server import EtcdServer
 
 TTL = 3.0
 COLLECTIVE = 5.0
@@ -52,12 +53,31 @@ def test_cut_off_node_is_replaced_fenced_and_comes_back_failed(lab, tmp_path, re
     addrs = {n: lab.add(n) for n in ("a", "b", "c")}
     with EtcdServer(host=lab.host_addr) as etcd:
         run_id = f"t-{uuid.uuid4().hex[:10]}"
-        job = LocalJob(endpoint=etcd.endpoint, run_id=run_id, workdir=str(tmp_path / run_id), nnodes="2", nproc=2,
-                       launcher_args=["--max-restarts", "3", "--lease-ttl", str(TTL), "--collective-timeout", str(COLLECTIVE)])
+        job = LocalJob(
+            endpoint=etcd.endpoint,
+            run_id=run_id,
+            workdir=str(tmp_path / run_id),
+            nnodes="2",
+            nproc=2,
+            launcher_args=["--max-restarts", "3", "--lease-ttl", str(TTL), "--collective-timeout", str(COLLECTIVE)],
+        )
         trigger = os.path.join(job.workdir, "trigger")
         out = os.path.join(job.workdir, "params.pt")
-        job.script_args = [*SCRIPT, "--steps", str(STEPS), "--step-sleep", "0.03", "--out", out, "--step-log", job.step_log,
-                           "--pause-step", str(PAUSE), "--pause-file", trigger]
+        job.script_args = [
+            *SCRIPT,
+            "--steps",
+            str(STEPS),
+            "--step-sleep",
+            "0.03",
+            "--out",
+            out,
+            "--step-log",
+            job.step_log,
+            "--pause-step",
+            str(PAUSE),
+            "--pause-file",
+            trigger,
+        ]
         start = lambda n: job.start(n, wrap=lab.wrap(n), extra_args=["--local-addr", addrs[n]])  # noqa: E731
         try:
             first, second = ("b", "a") if cut_holds_rank_0 else ("a", "b")
@@ -127,6 +147,7 @@ def test_cut_off_node_is_replaced_fenced_and_comes_back_failed(lab, tmp_path, re
             codes = job.wait(timeout=240)
             assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
             import torch
+
             assert_bitwise(torch.load(out), reference(2, 2, STEPS))
             # times from the agents' own event logs (ctl status polling is too coarse to time with)
             events = job.events()

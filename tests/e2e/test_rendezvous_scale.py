@@ -2,6 +2,7 @@
 holds: real stand-in agents (one process, threads) against the session's etcd, three events,
 counted etcd operations and bytes. Counts, not times: times on a shared 2-core machine say
 little, counts say what each node does per event."""
+
 from __future__ import annotations
 
 import os

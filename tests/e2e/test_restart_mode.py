@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-
 from test_live import assert_bitwise, reference  # noqa: F401  (fixture)
 
 STEPS = 60
@@ -27,8 +26,21 @@ def _job(local_job, launcher=(), script=()):
     job = local_job(nnodes="2", nproc=1, launcher_args=["--no-live", *launcher])
     ckpt = os.path.join(job.workdir, "ckpt")
     out = os.path.join(job.workdir, "params.pt")
-    job.script_args = ["--steps", str(STEPS), "--step-sleep", "0.02", "--ckpt-dir", ckpt, "--ckpt-every", "10",
-                       "--out", out, "--step-log", job.step_log, *script]
+    job.script_args = [
+        "--steps",
+        str(STEPS),
+        "--step-sleep",
+        "0.02",
+        "--ckpt-dir",
+        ckpt,
+        "--ckpt-every",
+        "10",
+        "--out",
+        out,
+        "--step-log",
+        job.step_log,
+        *script,
+    ]
     return job, out
 
 
@@ -63,8 +75,11 @@ def test_no_spare_and_crashing_worker_fails_clearly_when_restarts_run_out(local_
     a second attempt (attempt_1, TORCHELASTIC_RESTART_COUNT 1); a restarted its workers for b's
     failure and stays at attempt_0, each agent in its own <run id>_<random> log directory."""
     logs = tmp_path / "logs"
-    job, out = _job(local_job, launcher=["--max-restarts", "1", "--log-dir", str(logs), "--redirects", "3"],
-                    script=["--crash-node", "b", "--crash-step", "2"])
+    job, out = _job(
+        local_job,
+        launcher=["--max-restarts", "1", "--log-dir", str(logs), "--redirects", "3"],
+        script=["--crash-node", "b", "--crash-step", "2"],
+    )
     job.start_all(["a", "b"])
     codes = job.wait(timeout=240)
     assert codes == {"a": 1, "b": 1}, job.logs_tail()
@@ -89,14 +104,45 @@ def test_a_loop_without_job_steps_is_never_repaired_live(local_job, tmp_path):
 
     script = os.path.join(REPO, "tests", "scripts", "plain_loop.py")
     ref = tmp_path / "ref.pt"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
-                          "--steps", "30", "--out", str(ref), "--step-sleep", "0"],
-                         capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            script,
+            "--steps",
+            "30",
+            "--out",
+            str(ref),
+            "--step-sleep",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     job = local_job(nnodes="2", nproc=1, script=script, launcher_args=["--max-restarts", "2"])
     params = os.path.join(job.workdir, "params.pt")
-    job.script_args = ["--steps", "30", "--out", params, "--ckpt-dir", os.path.join(job.workdir, "ckpt"),
-                       "--kill-rank", "1", "--kill-step", "15", "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.script_args = [
+        "--steps",
+        "30",
+        "--out",
+        params,
+        "--ckpt-dir",
+        os.path.join(job.workdir, "ckpt"),
+        "--kill-rank",
+        "1",
+        "--kill-step",
+        "15",
+        "--kill-marker",
+        os.path.join(job.workdir, "killed"),
+    ]
     job.start_all(["a", "b", "c"])
     assert_restarted_once_never_live(job, job.wait(timeout=240))
     assert_bitwise(torch.load(params), torch.load(ref))
@@ -134,8 +180,12 @@ def test_a_hung_restart_mode_worker_is_killed_and_every_worker_restarts(local_jo
     PlainJob. (The run is long: the test ends it once the restart is drawn.)"""
     from tm_launch.local.localjob import REPO
 
-    job = local_job(nnodes="2", nproc=1, script=os.path.join(REPO, "tests", "scripts", "plain_loop.py"),
-                    launcher_args=["--max-restarts", "1", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0", *launcher])
+    job = local_job(
+        nnodes="2",
+        nproc=1,
+        script=os.path.join(REPO, "tests", "scripts", "plain_loop.py"),
+        launcher_args=["--max-restarts", "1", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0", *launcher],
+    )
     job.script_args = ["--steps", "100000", "--step-sleep", "0.02", "--ckpt-dir", os.path.join(job.workdir, "ckpt")]
     job.start_all(["a", "b"])
     _wait_steps_in_status(job, 12)

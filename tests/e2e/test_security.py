@@ -15,6 +15,7 @@ with auth enabled: a root user, and a user ``trainer`` whose role may read and w
 
 etcd's auth is v3-only (the v2 API has its own, deprecated auth), so the auth tests use etcd-v3.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,18 +25,18 @@ import sys
 import uuid
 
 import pytest
+from test_bad_input import assert_one_error, finish
 
 from rendezvous.etcd_server import EtcdServer, find_etcd_binary
 from rendezvous.kv import EtcdOptions, KVError, connect
-from test_bad_input import assert_one_error, finish
 from tests.unit.rendezvous.test_kv import _make_certs
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 CLI = [sys.executable, "-m", "tm_launch.cli"]
 ENV_DUMP = "tests/scripts/env_dump.py"
-PASSWORD = f"pw-{uuid.uuid4().hex}"          # unique: grep for it anywhere it must not be
+PASSWORD = f"pw-{uuid.uuid4().hex}"  # unique: grep for it anywhere it must not be
 ROOT_PASSWORD = f"root-{uuid.uuid4().hex}"
-RUN = f"sec-{uuid.uuid4().hex[:8]}"           # the run the trainer's role may touch
+RUN = f"sec-{uuid.uuid4().hex[:8]}"  # the run the trainer's role may touch
 
 
 def _env(**extra) -> dict:
@@ -45,8 +46,16 @@ def _env(**extra) -> dict:
 
 
 def launch(args: list[str], **env) -> subprocess.Popen:
-    return subprocess.Popen(CLI + args, cwd=ROOT, env=_env(**env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        CLI + args,
+        cwd=ROOT,
+        env=_env(**env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def job_args(endpoint: str, run: str, conf: str | None, *rest: str) -> list[str]:
@@ -60,6 +69,7 @@ def ctl_args(endpoint: str, run: str, conf: str | None, *rest: str) -> list[str]
 
 # ------------------------------------------------------------------------------------------------
 # TLS
+
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
@@ -79,11 +89,18 @@ def tls_server(certs):
 def test_tls_job_from_the_command_line_and_from_yaml(tls_server, certs, tmp_path):
     c, _ = certs
     conf = f"cacert={c['ca.crt']},cert={c['client.crt']},key={c['client.key']}"
-    (tmp_path / "job.yaml").write_text(json.dumps({
-        "nnodes": "1", "nproc_per_node": 1, "rdzv_backend": "etcd-v3",
-        "rdzv_endpoint": f"127.0.0.1:{tls_server.port}",   # no scheme: https because cacert is given
-        "rdzv_id": "tls-yaml", "rdzv_conf": {"cacert": c["ca.crt"], "cert": c["client.crt"], "key": c["client.key"]},
-    }))
+    (tmp_path / "job.yaml").write_text(
+        json.dumps(
+            {
+                "nnodes": "1",
+                "nproc_per_node": 1,
+                "rdzv_backend": "etcd-v3",
+                "rdzv_endpoint": f"127.0.0.1:{tls_server.port}",  # no scheme: https because cacert is given
+                "rdzv_id": "tls-yaml",
+                "rdzv_conf": {"cacert": c["ca.crt"], "cert": c["client.crt"], "key": c["client.key"]},
+            }
+        )
+    )
     cli = launch(job_args(tls_server.endpoint, "tls-cli", conf, ENV_DUMP, "--out", str(tmp_path / "cli")))
     yml = launch(["--config", str(tmp_path / "job.yaml"), ENV_DUMP, "--out", str(tmp_path / "yaml")])
     for proc, out in ((cli, "cli"), (yml, "yaml")):
@@ -129,6 +146,7 @@ def test_tls_refusals_are_one_line(tls_server, certs):
 # ------------------------------------------------------------------------------------------------
 # etcd users and roles
 
+
 def _etcdctl(endpoint: str, *args: str, user: str | None = None) -> str:
     cmd = [find_etcd_binary() + "ctl", f"--endpoints={endpoint}", *([f"--user={user}"] if user else []), *args]
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=20).stdout
@@ -157,8 +175,7 @@ def _no_password(where: str, text: str) -> None:
 
 
 def test_credentials_run_their_job_and_ctl_and_never_leak(auth_server, local_job, tmp_path):
-    job = local_job(nnodes="1", nproc=1, run_id=RUN, launcher_args=["--rdzv-conf", "user=trainer"],
-                    env={"TM_ETCD_PASSWORD": PASSWORD})
+    job = local_job(nnodes="1", nproc=1, run_id=RUN, launcher_args=["--rdzv-conf", "user=trainer"], env={"TM_ETCD_PASSWORD": PASSWORD})
     job.endpoint = auth_server.endpoint
     trigger = os.path.join(job.workdir, "go")
     job.script_args = ["--steps", "6", "--step-log", job.step_log, "--pause-step", "3", "--pause-file", trigger]
@@ -199,12 +216,13 @@ def test_credentials_run_their_job_and_ctl_and_never_leak(auth_server, local_job
     open(trigger, "w").close()
     assert job.wait(timeout=120) == {"a": 0}, job.logs_tail()
     assert "job finished successfully" in job.nodes["a"].log()
-    assert "node nobody" not in job.nodes["a"].log()   # the drain/cordon of a stranger changed nothing
+    assert "node nobody" not in job.nodes["a"].log()  # the drain/cordon of a stranger changed nothing
     _no_password("the agent's output", job.nodes["a"].log())
     with open(os.path.join(job.workdir, "a.events.jsonl")) as f:
         _no_password("the event log", f.read())
-    with connect("v3", EtcdOptions(endpoints=(auth_server.endpoint,), prefix=f"/tm-launch/{RUN}/", user="root",
-                                   password=ROOT_PASSWORD)) as kv:
+    with connect(
+        "v3", EtcdOptions(endpoints=(auth_server.endpoint,), prefix=f"/tm-launch/{RUN}/", user="root", password=ROOT_PASSWORD)
+    ) as kv:
         values = kv.get_prefix("")
     assert any(e.key.startswith("log/events/") for e in values)
     for e in values:
@@ -217,15 +235,23 @@ def test_auth_refusals_are_one_line_and_never_echo_the_password(auth_server, tmp
     other = f"other-{uuid.uuid4().hex[:6]}"
     cases = {
         # name: (process, fragments of its one error line)
-        "another run id": (launch(job_args(e, other, "user=trainer", ENV_DUMP, "--out", "/x"), TM_ETCD_PASSWORD=PASSWORD),
-                           [f"permission denied for run {other}:", "trainer", f"/tm-launch/{other}/"]),
-        "another run id, ctl": (launch(ctl_args(e, other, f"user=trainer,{pw_file}", "drain", "a")),
-                                [f"permission denied for run {other}:", f"/tm-launch/{other}/"]),
-        "wrong password": (launch(job_args(e, RUN, "user=trainer", ENV_DUMP, "--out", "/x"), TM_ETCD_PASSWORD="wrong-" + PASSWORD[:8]),
-                           ["rejected user 'trainer'", "password"]),
+        "another run id": (
+            launch(job_args(e, other, "user=trainer", ENV_DUMP, "--out", "/x"), TM_ETCD_PASSWORD=PASSWORD),
+            [f"permission denied for run {other}:", "trainer", f"/tm-launch/{other}/"],
+        ),
+        "another run id, ctl": (
+            launch(ctl_args(e, other, f"user=trainer,{pw_file}", "drain", "a")),
+            [f"permission denied for run {other}:", f"/tm-launch/{other}/"],
+        ),
+        "wrong password": (
+            launch(job_args(e, RUN, "user=trainer", ENV_DUMP, "--out", "/x"), TM_ETCD_PASSWORD="wrong-" + PASSWORD[:8]),
+            ["rejected user 'trainer'", "password"],
+        ),
         "no credentials": (launch(job_args(e, RUN, None, ENV_DUMP, "--out", "/x")), ["requires authentication", "user and password"]),
-        "password on the command line": (launch(job_args(e, RUN, f"user=trainer,password={PASSWORD}", ENV_DUMP)),
-                                         ["password_file=", "TM_ETCD_PASSWORD"]),
+        "password on the command line": (
+            launch(job_args(e, RUN, f"user=trainer,password={PASSWORD}", ENV_DUMP)),
+            ["password_file=", "TM_ETCD_PASSWORD"],
+        ),
     }
     for name, (proc, fragments) in cases.items():
         rc, out, err = finish(proc, timeout=90)

@@ -1,5 +1,6 @@
 """The etcd-v3 torchrun backend (rendezvous/torch_handler.py) under real torchrun agents (the
 handler's rounds in-process: tests/unit/rendezvous/test_torch_handler_rounds.py)."""
+
 import os
 import subprocess
 import sys
@@ -14,9 +15,24 @@ BIN = os.path.dirname(sys.executable)
 
 
 def _torchrun(endpoint, run, *args):
-    return [os.path.join(BIN, "torchrun"), "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", run,
-            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-conf", "lease_ttl=2", "--monitor-interval", "0.5",
-            *args]
+    return [
+        os.path.join(BIN, "torchrun"),
+        "--rdzv-backend",
+        "etcd-v3",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-conf",
+        "lease_ttl=2",
+        "--monitor-interval",
+        "0.5",
+        *args,
+    ]
 
 
 def test_two_torchrun_agents_train(etcd_endpoint, tmp_path):
@@ -26,8 +42,7 @@ def test_two_torchrun_agents_train(etcd_endpoint, tmp_path):
     cmd = _torchrun(etcd_endpoint, run, os.path.join(ROOT, "tests", "scripts", "train.py"), "--steps", "5", "--out", str(out))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOGLEVEL": "INFO"}
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
-    procs = [subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-             for log in logs]
+    procs = [subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT) for log in logs]
     deadline = time.monotonic() + 120
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -57,15 +72,32 @@ def test_spare_agent_replaces_killed_node(etcd_endpoint, tmp_path):
 
     run = f"spare-{uuid.uuid4().hex[:8]}"
     steps = tmp_path / "steps.log"
-    cmd = _torchrun(etcd_endpoint, run, "--max-restarts", "3", os.path.join(ROOT, "tests", "scripts", "train.py"),
-                    "--steps", "30", "--step-sleep", "0.2", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5",
-                    "--step-log", str(steps), "--out", str(tmp_path / "params.pt"))
+    cmd = _torchrun(
+        etcd_endpoint,
+        run,
+        "--max-restarts",
+        "3",
+        os.path.join(ROOT, "tests", "scripts", "train.py"),
+        "--steps",
+        "30",
+        "--step-sleep",
+        "0.2",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        "5",
+        "--step-log",
+        str(steps),
+        "--out",
+        str(tmp_path / "params.pt"),
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOGLEVEL": "INFO"}
     logs = [tmp_path / f"agent{i}.log" for i in range(3)]
 
     def start(i):
-        return subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=str(tmp_path), env=env, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def wait_for(cond, seconds, what):
         deadline = time.monotonic() + seconds

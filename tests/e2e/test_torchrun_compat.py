@@ -6,6 +6,7 @@ user sees too: the failure report, the worker's traceback, the --log-dir/--redir
 Each launcher start costs ~5-10 s here (torch imports on 2 cores): the fast suite starts each
 launcher once per behaviour (script mode); other modes, training and multi-node are ``slow``.
 """
+
 import json
 import os
 import re
@@ -25,9 +26,22 @@ from tests.scripts.env_dump import TORCHRUN_ENV  # noqa: E402
 # TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init),
 # TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory),
 # TORCH_NCCL_ASYNC_ERROR_HANDLING (on purpose: 2 in live mode, torchrun's 1 with --no-live; see NCCL_MODE).
-SAME = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-        "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
-        "MASTER_ADDR", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+SAME = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "OMP_NUM_THREADS",
+    "MASTER_ADDR",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+)
 # TORCH_NCCL_ASYNC_ERROR_HANDLING, a difference on purpose (README): torchrun gives 1 (tear the process
 # down on an NCCL error); tm-launch's live mode gives 2 (clean up only: a survivor must live on).
 NCCL_MODE = {"torchrun": "1", "tm-launch": "2"}
@@ -36,13 +50,11 @@ SCRIPT_ARGS = ["--foo", "bar", "--tag", "${local_rank}"]  # torchrun substitutes
 
 def launch(launcher: str, args: list[str], timeout: float = 180, rc: int = 0, env: dict | None = None) -> str:
     """Run `<launcher> --standalone --nproc-per-node 2 ARGS` from the repo root; its output."""
-    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))},
-           **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS" and not k.startswith(("PET_", "TORCHELASTIC_"))}, **(env or {})}
     env["PYTHONPATH"] = ROOT  # tm_launch for tests/scripts/train.py under plain torchrun
     cmd = [os.path.join(BIN, launcher), "--standalone", "--nproc-per-node", "2", *args]
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{launcher} did not finish in {timeout} s: {' '.join(cmd)}\n{(e.output or '')[-4000:]}")
     assert done.returncode == rc, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-4000:]}"
@@ -68,11 +80,15 @@ def assert_same_worker_view(ours: dict, theirs: dict, ours_out, theirs_out) -> N
     for rank in range(2):
         a, b = ours[rank], theirs[rank]
         assert set(b["env"]) == set(TORCHRUN_ENV), f"torchrun itself lacks {set(TORCHRUN_ENV) - set(b['env'])}"
-        assert set(a["env"]) == set(b["env"]), f"rank {rank}: tm-launch env keys differ: " \
+        assert set(a["env"]) == set(b["env"]), (
+            f"rank {rank}: tm-launch env keys differ: "
             f"missing {sorted(set(b['env']) - set(a['env']))}, extra {sorted(set(a['env']) - set(b['env']))}"
+        )
         assert {k: a["env"][k] for k in SAME} == {k: b["env"][k] for k in SAME}, f"rank {rank}"
-        assert (a["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], b["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == \
-            (NCCL_MODE["tm-launch"], NCCL_MODE["torchrun"])
+        assert (a["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], b["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == (
+            NCCL_MODE["tm-launch"],
+            NCCL_MODE["torchrun"],
+        )
         for record in (a, b):
             pattern = error_file_pattern(rank).format(run_id=re.escape(record["env"]["TORCHELASTIC_RUN_ID"]))
             assert re.fullmatch(pattern, record["env"]["TORCHELASTIC_ERROR_FILE"]), record["env"]["TORCHELASTIC_ERROR_FILE"]
@@ -105,8 +121,11 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
     blocks, layouts, names, consoles = {}, {}, {}, {}
     for launcher in ("torchrun", "tm-launch"):
         out, logs = tmp_path / launcher, tmp_path / f"{launcher}-logs"
-        output = launch(launcher, ["--max-restarts", "1", "--log-dir", str(logs), "tests/scripts/env_dump.py",
-                                   "--out", str(out), "--fail-rank", "1"], rc=1)
+        output = launch(
+            launcher,
+            ["--max-restarts", "1", "--log-dir", str(logs), "tests/scripts/env_dump.py", "--out", str(out), "--fail-rank", "1"],
+            rc=1,
+        )
         for attempt in (0, 1):
             for rank in (0, 1):
                 path = out / f"attempt{attempt}" / f"rank{rank}.json"
@@ -118,16 +137,17 @@ def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
                 assert re.fullmatch(pattern, env["TORCHELASTIC_ERROR_FILE"]), (launcher, env["TORCHELASTIC_ERROR_FILE"])
                 assert env["TORCHELASTIC_ERROR_FILE"].startswith(str(logs) + "/"), (launcher, env["TORCHELASTIC_ERROR_FILE"])
         [run_dir] = os.listdir(logs)  # one <run id>_<random> directory per agent
-        layouts[launcher] = sorted(os.path.relpath(os.path.join(d, f), logs / run_dir)
-                                   for d, _, files in os.walk(logs / run_dir) for f in files)
+        layouts[launcher] = sorted(
+            os.path.relpath(os.path.join(d, f), logs / run_dir) for d, _, files in os.walk(logs / run_dir) for f in files
+        )
         start = output.rindex("Root Cause (first observed failure):")
-        blocks[launcher] = output[start:output.index("=" * 20, start)]
+        blocks[launcher] = output[start : output.index("=" * 20, start)]
         names[launcher] = re.findall(r"^(\S+) FAILED$", output, re.M)
         first = output.index("Traceback (most recent call last):")  # the worker's, printed by Python
-        consoles[launcher] = output[first:output.index("ValueError: env_dump", first)]
+        consoles[launcher] = output[first : output.index("ValueError: env_dump", first)]
     assert names["tm-launch"][-1] == names["torchrun"][-1] == "tests/scripts/env_dump.py", names
     assert consoles["tm-launch"] == consoles["torchrun"], consoles
-    tracebacks = {launcher: block[block.index("traceback :"):] for launcher, block in blocks.items()}
+    tracebacks = {launcher: block[block.index("traceback :") :] for launcher, block in blocks.items()}
     assert tracebacks["tm-launch"] == tracebacks["torchrun"], tracebacks
     assert layouts["tm-launch"] == layouts["torchrun"] == ["attempt_0/1/error.json", "attempt_1/1/error.json"], layouts
     for launcher, block in blocks.items():
@@ -146,8 +166,11 @@ def test_root_cause_without_record_is_read_from_stderr_log(tmp_path):
     script.write_text("import os\ndef fail():\n    raise KeyError('no @record here')\nif os.environ['RANK'] == '1':\n    fail()\n")
     output = launch("tm-launch", ["--redirects", "2", "--log-dir", str(tmp_path / "logs"), str(script)], rc=1)
     assert "To enable traceback see" in output  # torchrun's block, as torch formats it
-    assert re.search(rf"worker 1 \(pid \d+\) exited with code 1: KeyError: 'no @record here' \(at {re.escape(str(script))}:3\); "
-                     "reporting the failure", output), output
+    assert re.search(
+        rf"worker 1 \(pid \d+\) exited with code 1: KeyError: 'no @record here' \(at {re.escape(str(script))}:3\); "
+        "reporting the failure",
+        output,
+    ), output
 
 
 def test_log_dir_devnull_means_no_log_files(tmp_path):
@@ -156,8 +179,9 @@ def test_log_dir_devnull_means_no_log_files(tmp_path):
     script = tmp_path / "hello.py"
     # Each line in one write: both workers share the console, and a line printed in pieces
     # could interleave with the other worker's (seen once: "err-of 1out-of").
-    script.write_text("import os\nos.write(1, f\"out-of {os.environ['RANK']}\\n\".encode())\n"
-                      "os.write(2, f\"err-of {os.environ['RANK']}\\n\".encode())\n")
+    script.write_text(
+        "import os\nos.write(1, f\"out-of {os.environ['RANK']}\\n\".encode())\nos.write(2, f\"err-of {os.environ['RANK']}\\n\".encode())\n"
+    )
     output = launch("tm-launch", ["--log-dir", os.devnull, "--redirects", "1", "--tee", "2", str(script)])
     lines = output.splitlines()
     assert {"out-of 0", "out-of 1", "err-of 0", "err-of 1"} <= set(lines), output
@@ -194,8 +218,9 @@ def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
         assert "out-of" not in output and "err-of" not in output, (launcher, output)
         [logs] = [d for d in os.listdir(tmp) if d.startswith("torchelastic_")]
         [run_dir] = os.listdir(tmp / logs)
-        layouts[launcher] = sorted(os.path.relpath(os.path.join(d, f), tmp / logs / run_dir)
-                                   for d, _, files in os.walk(tmp / logs / run_dir) for f in files)
+        layouts[launcher] = sorted(
+            os.path.relpath(os.path.join(d, f), tmp / logs / run_dir) for d, _, files in os.walk(tmp / logs / run_dir) for f in files
+        )
         for rank in (0, 1):
             assert (tmp / logs / run_dir / "attempt_0" / str(rank) / "stdout.log").read_text() == f"out-of {rank}\n"
             assert f"err-of {rank}\n" in (tmp / logs / run_dir / "attempt_0" / str(rank) / "stderr.log").read_text()
@@ -204,10 +229,13 @@ def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [
-    pytest.param(["-m", "tests.scripts.env_dump"], id="module"),
-    pytest.param(["--no-python", sys.executable, "tests/scripts/env_dump.py"], id="no-python"),
-])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(["-m", "tests.scripts.env_dump"], id="module"),
+        pytest.param(["--no-python", sys.executable, "tests/scripts/env_dump.py"], id="no-python"),
+    ],
+)
 def test_modes_match_torchrun(tmp_path, mode):
     theirs = dump("torchrun", mode, tmp_path / "torchrun")
     ours = dump("tm-launch", mode, tmp_path / "tm-launch")
@@ -230,12 +258,12 @@ def test_train_parameters_bitwise_equal(tmp_path):
         assert torch.equal(theirs[name], ours[name]), f"{name} differs"
 
 
-BOOM = '''import sys
+BOOM = """import sys
 print(__file__, sys.argv, __name__, file=sys.stderr)
 def fail():
     raise ValueError("boom")
 fail()
-'''
+"""
 
 
 @pytest.mark.parametrize("mode", [["pkg/boom.py", "--x", "1"], ["-m", "pkg.boom", "--x", "1"]], ids=["script", "module"])
@@ -248,15 +276,16 @@ def test_worker_wrapper_is_invisible(tmp_path, mode):
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "boom.py").write_text(BOOM)
     env = {**os.environ, "PYTHONPATH": ROOT}
-    runs = {how: subprocess.run([sys.executable, "-u", *prefix, *mode], cwd=tmp_path, env=env, capture_output=True,
-                                text=True, timeout=60)
-            for how, prefix in (("python", []), ("wrapper", ["-m", "tm_launch.worker"]))}
+    runs = {
+        how: subprocess.run([sys.executable, "-u", *prefix, *mode], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        for how, prefix in (("python", []), ("wrapper", ["-m", "tm_launch.worker"]))
+    }
     assert runs["python"].returncode == runs["wrapper"].returncode == 1
-    assert "Traceback" in runs["python"].stderr and 'line 4, in fail' in runs["python"].stderr
+    assert "Traceback" in runs["python"].stderr and "line 4, in fail" in runs["python"].stderr
     assert runs["wrapper"].stderr == runs["python"].stderr
 
 
-RERUN = '''import gc, sys, types, weakref
+RERUN = """import gc, sys, types, weakref
 from tm_launch.worker.runtime import RankChanged
 probe = sys.modules.setdefault("rerun_probe", types.ModuleType("rerun_probe"))  # outlives the runs
 if hasattr(probe, "refs"):  # the second run, for the new ranks: the first run's objects are gone
@@ -275,7 +304,7 @@ def main():
     probe.refs = {"global": weakref.ref(model), "local": weakref.ref(local)}
     raise RankChanged("promoted to rank 0")
 main()
-'''
+"""
 
 
 @pytest.mark.parametrize("mode", [["pkg/rerun.py"], pytest.param(["-m", "pkg.rerun"], marks=pytest.mark.slow)], ids=["script", "module"])
@@ -287,7 +316,13 @@ def test_a_script_run_again_frees_the_first_run(tmp_path, mode):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "rerun.py").write_text(RERUN)
-    out = subprocess.run([sys.executable, "-m", "tm_launch.worker", *mode], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT},
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "tm_launch.worker", *mode],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "first run's objects alive: []" in out.stdout, out.stdout

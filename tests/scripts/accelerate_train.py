@@ -26,8 +26,9 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-import tm_launch  # noqa: E402
 from faults import kill_once  # noqa: E402  (tests/scripts/faults.py, beside this script)
+
+import tm_launch  # noqa: E402
 
 
 def main() -> None:

@@ -25,11 +25,25 @@ from torch.distributed.elastic.multiprocessing.errors import record
 # Every variable torchrun's agent defines for a worker (torch/distributed/elastic/agent/server/
 # local_elastic_agent.py and torch/distributed/run.py).
 TORCHRUN_ENV = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE",
-    "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "OMP_NUM_THREADS",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 )
 
 
@@ -43,8 +57,7 @@ def main() -> None:
     if args.fail_rank is not None:
         fail(args.out, args.fail_rank, env)
     # Anything else launcher-ish, for information (compared by the tests only where stated).
-    other = {k: v for k, v in os.environ.items()
-             if k not in env and (k.startswith(("TORCHELASTIC_", "PET_", "TORCH_NCCL_", "TM_")))}
+    other = {k: v for k, v in os.environ.items() if k not in env and (k.startswith(("TORCHELASTIC_", "PET_", "TORCH_NCCL_", "TM_")))}
     dist.init_process_group("gloo")  # env:// with the launcher's MASTER_ADDR/PORT, RANK, WORLD_SIZE
     rank, world = dist.get_rank(), dist.get_world_size()
     value = torch.tensor([float(rank + 1)], dtype=torch.float64)
@@ -52,8 +65,14 @@ def main() -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, os.environ.get("LOCAL_RANK"))
     result = {
-        "env": env, "other_env": other, "argv": sys.argv, "rank": rank, "world_size": world,
-        "allreduce": value.item(), "local_ranks": gathered, "pid": os.getpid(),
+        "env": env,
+        "other_env": other,
+        "argv": sys.argv,
+        "rank": rank,
+        "world_size": world,
+        "allreduce": value.item(),
+        "local_ranks": gathered,
+        "pid": os.getpid(),
     }
     write(os.path.join(args.out, f"rank{os.environ.get('RANK', rank)}.json"), result)
     dist.barrier()

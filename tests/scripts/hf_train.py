@@ -23,8 +23,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-import tm_launch  # noqa: E402
 from faults import kill_once  # noqa: E402  (tests/scripts/faults.py, beside this script)
+
+import tm_launch  # noqa: E402
 from tm_launch.huggingface import LiveTrainer, ReportSteps  # noqa: E402
 
 
@@ -97,12 +98,23 @@ def main() -> None:
     torch.manual_seed(0)
     model = Regression()
     training = TrainingArguments(
-        output_dir=args.output_dir, num_train_epochs=args.epochs, per_device_train_batch_size=8, learning_rate=0.05,
-        optim="sgd", lr_scheduler_type="linear", save_steps=10, logging_steps=10, report_to=[], use_cpu=True,
-        seed=0, data_seed=0, disable_tqdm=True,
+        output_dir=args.output_dir,
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=8,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="linear",
+        save_steps=10,
+        logging_steps=10,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
     )
-    trainer = (LiveTrainer if args.live else Trainer)(model=model, args=training, train_dataset=Data(256),
-                                                      callbacks=[ReportSteps(), KillOnce(args)])
+    trainer = (LiveTrainer if args.live else Trainer)(
+        model=model, args=training, train_dataset=Data(256), callbacks=[ReportSteps(), KillOnce(args)]
+    )
     last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
     trainer.train(resume_from_checkpoint=last)
     if args.out_dir:

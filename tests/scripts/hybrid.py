@@ -37,8 +37,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-import tm_launch  # noqa: E402
 from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+
+import tm_launch  # noqa: E402
 
 LAYOUTS = ("fsdp-tp", "ddp-tp", "hsdp", "pp", "fsdp")
 
@@ -76,8 +77,12 @@ def parse():
     p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint with torch.distributed.checkpoint and resume from it")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: the mesh, model, batches and optimizer state on cuda:LOCAL_RANK (modulo the visible devices)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: the mesh, model, batches and optimizer state on cuda:LOCAL_RANK (modulo the visible devices)",
+    )
     p.add_argument("--backend", default=None, help="tm_launch.init(backend=...): gloo runs several ranks on one GPU (ddp-tp, hsdp, fsdp*)")
     Faults.add_arguments(p)
     return p.parse_args()
@@ -136,7 +141,9 @@ def local_state(model, opt) -> dict:
         return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
     out = {f"param/{k}": plain(v) for k, v in model.named_parameters()}
-    for i, (p, s) in enumerate(zip((p for g in opt.param_groups for p in g["params"]), (opt.state[p] for g in opt.param_groups for p in g["params"]))):
+    for i, (p, s) in enumerate(
+        zip((p for g in opt.param_groups for p in g["params"]), (opt.state[p] for g in opt.param_groups for p in g["params"]))
+    ):
         for k, v in s.items():
             if isinstance(v, torch.Tensor):
                 out[f"opt/{i}/{k}"] = plain(v)

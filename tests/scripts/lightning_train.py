@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 from faults import kill_once  # noqa: E402  (tests/scripts/faults.py, beside this script)
+
 from tm_launch.lightning import LiveStrategy  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer", "logged")
@@ -114,9 +115,15 @@ def main() -> None:
         model.net[0].register_full_backward_pre_hook(lambda m, grad: model._fault("backward"))  # mid gradient all-reduce
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     trainer = pl.Trainer(
-        strategy=LiveStrategy() if args.strategy == "live" else "ddp", accelerator="cpu",
-        devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // local, max_epochs=args.epochs, logger=False,
-        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
+        strategy=LiveStrategy() if args.strategy == "live" else "ddp",
+        accelerator="cpu",
+        devices=local,
+        num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // local,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0)] if args.ckpt_dir else None,
     )
     last = os.path.join(args.ckpt_dir, "last.ckpt") if args.ckpt_dir else None

@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-import tm_launch  # noqa: E402
 from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+
+import tm_launch  # noqa: E402
 
 
 def parse():
@@ -49,7 +50,9 @@ def parse():
     p.add_argument("--ckpt-dir", default=None, help="restart mode: checkpoint here and resume from it")
     p.add_argument("--ckpt-every", type=int, default=10)
     Faults.add_arguments(p)  # --kill-*, --pause-step, --pause-file
-    p.add_argument("--crash-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) SIGKILL themselves at --crash-step, every time")
+    p.add_argument(
+        "--crash-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) SIGKILL themselves at --crash-step, every time"
+    )
     p.add_argument("--crash-step", type=int, default=5)
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step, as training loops log it")
     p.add_argument("--subgroups", type=int, default=0, help="also allreduce in subgroups of this many consecutive ranks (TP-style)")
@@ -57,13 +60,23 @@ def parse():
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
     p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (see the module docstring)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: the model, batches and optimizer state on cuda:LOCAL_RANK (modulo the visible devices)")
-    p.add_argument("--backend", default=None,
-                   help="tm_launch.init(backend=...): torch's spellings; gloo carries CUDA tensors through host memory "
-                        "(two ranks on one GPU: NCCL refuses that)")
-    p.add_argument("--random", action="store_true",
-                   help="dropout and a per-rank random data stream, registered as per-rank state (RNG and data position)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: the model, batches and optimizer state on cuda:LOCAL_RANK (modulo the visible devices)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="tm_launch.init(backend=...): torch's spellings; gloo carries CUDA tensors through host memory "
+        "(two ranks on one GPU: NCCL refuses that)",
+    )
+    p.add_argument(
+        "--random",
+        action="store_true",
+        help="dropout and a per-rank random data stream, registered as per-rank state (RNG and data position)",
+    )
     return p.parse_args()
 
 
@@ -130,8 +143,11 @@ def main():
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(32, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, args.width),
-        torch.nn.Tanh(), torch.nn.Linear(args.width, 8),
+        torch.nn.Linear(32, args.width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(args.width, args.width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(args.width, 8),
     )
     data = None
     if args.random:
@@ -223,7 +239,10 @@ def main():
                 f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
     if job.rank == 0 and args.out:
         torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, args.out)
-        print(f"[train] finished {min(args.steps, chaos_end(args)) if args.chaos_dir else args.steps} steps; parameters saved to {args.out}", flush=True)
+        print(
+            f"[train] finished {min(args.steps, chaos_end(args)) if args.chaos_dir else args.steps} steps; parameters saved to {args.out}",
+            flush=True,
+        )
     dist.barrier(group=job.group) if dist.is_initialized() else None
 
 

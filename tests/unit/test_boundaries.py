@@ -23,8 +23,9 @@ ETCD_CLIENTS = ("etcd", "etcd3gw", "requests", "urllib3")
 def loaded_after(*modules: str) -> set[str]:
     """The modules a fresh interpreter holds after importing ``modules``."""
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('\\n'.join(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return set(out.stdout.split())
 

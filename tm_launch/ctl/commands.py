@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("timeline", help="picture of step times over the run with every generation change, its cause and downtime")
     t.add_argument("--out", metavar="FILE.png", help="write the picture here (PNG; .svg/.pdf by suffix)")
     t.add_argument("--json", action="store_true", help="print the data the picture shows as JSON")
-    for name, text in (("drain", "move NODE's ranks to a spare (planned, two-phase)"), ("cordon", "mark NODE failed: it is replaced and never chosen again"), ("uncordon", "return a cordoned or drained NODE to the spare pool")):
+    for name, text in (
+        ("drain", "move NODE's ranks to a spare (planned, two-phase)"),
+        ("cordon", "mark NODE failed: it is replaced and never chosen again"),
+        ("uncordon", "return a cordoned or drained NODE to the spare pool"),
+    ):
         c = sub.add_parser(name, help=text)
         c.add_argument("node")
     return p
@@ -45,10 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _connect(args):
     from rendezvous.kv import connect
     from rendezvous.membership import Membership
-
-    from rendezvous.rdzv_conf import etcd_options
-
-    from rendezvous.rdzv_conf import RUN_ID, UsageError
+    from rendezvous.rdzv_conf import RUN_ID, UsageError, etcd_options
 
     conf = {}
     if args.config:
@@ -76,7 +77,7 @@ def status(members, run_id: str) -> dict:
     from rendezvous.plan import FAILED, SUCCEEDED
     from rendezvous.planner import spares
 
-    snap = members.snapshot(strict=False)   # an operator still sees the nodes when the plan is junk
+    snap = members.snapshot(strict=False)  # an operator still sees the nodes when the plan is junk
     if snap.plan_error:
         logging.getLogger("tm_launch.ctl").warning("%s", snap.plan_error)
     view, plan = snap.view, snap.view.plan
@@ -98,11 +99,16 @@ def status(members, run_id: str) -> dict:
             role = "spare"
         else:
             role = "gone"
-        nodes.append({
-            "id": node, "role": role, "ranks": plan.ranks(node) if plan else [],
-            "alive": node in view.alive, "reason": view.failed.get(node) or view.drains.get(node),
-            "progress": progress.get(node, {}).get("workers", {}),
-        })
+        nodes.append(
+            {
+                "id": node,
+                "role": role,
+                "ranks": plan.ranks(node) if plan else [],
+                "alive": node in view.alive,
+                "reason": view.failed.get(node) or view.drains.get(node),
+                "progress": progress.get(node, {}).get("workers", {}),
+            }
+        )
     return {
         "run_id": run_id,
         "generation": plan.last_run if plan else None,  # a finished plan is the marker after the last one
@@ -126,18 +132,25 @@ def _clean(value, limit: int = 300) -> str:
 
 
 def _print_status(s: dict) -> None:
-    print(f"run {s['run_id']}: generation {s['generation']}, {s['state']}, world size {s['world_size']}, "
-          f"{'live' if s['live'] else 'restart'} mode, {s['restarts']} restart(s), {s['spares_left']} spare(s) left")
+    print(
+        f"run {s['run_id']}: generation {s['generation']}, {s['state']}, world size {s['world_size']}, "
+        f"{'live' if s['live'] else 'restart'} mode, {s['restarts']} restart(s), {s['spares_left']} spare(s) left"
+    )
     if s["cause"]:
         print(f"last change: {_clean(s['cause'])}")
     print(f"{'NODE':<24} {'ROLE':<9} {'RANKS':<16} STEP")
     for n in s["nodes"]:
-        steps = sorted({_clean(w.get('step'), 20) for w in n["progress"].values()}) or ["-"]
+        steps = sorted({_clean(w.get("step"), 20) for w in n["progress"].values()}) or ["-"]
         ranks = ",".join(map(str, n["ranks"])) or "-"
         extra = f"  ({_clean(n['reason'])})" if n["reason"] else ""
         print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {'/'.join(steps)}{extra}")
     for a in s["alarms"]:
-        print(_clean(f"alarm {a.get('severity')}: node {a.get('node')} gpu {a.get('gpu')} {a.get('signal')}={a.get('value')}: {a.get('message')}", 600))
+        print(
+            _clean(
+                f"alarm {a.get('severity')}: node {a.get('node')} gpu {a.get('gpu')} {a.get('signal')}={a.get('value')}: {a.get('message')}",
+                600,
+            )
+        )
 
 
 def _format_event(e: dict) -> str:
@@ -161,7 +174,10 @@ def _timeline(members, run_id: str, args) -> None:
     if args.out:
         timeline.render(data, args.out)
         changes = [g for g in data["generations"] if g["generation"] > 0]
-        print(f"wrote {args.out}: {len(changes)} generation change(s), {len(data['series'])} rank(s)", file=sys.stderr if args.json else sys.stdout)
+        print(
+            f"wrote {args.out}: {len(changes)} generation change(s), {len(data['series'])} rank(s)",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
 
@@ -171,7 +187,6 @@ def main(argv: list[str]) -> int:
     # Keys skipped as unreadable are reported once each on stderr (stdout stays parseable).
     logging.basicConfig(level=logging.WARNING, format="tm-launch ctl: warning: %(message)s")
     from rendezvous.kv import AccessDenied, KVError
-
     from rendezvous.rdzv_conf import UsageError
 
     try:

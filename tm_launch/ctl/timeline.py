@@ -25,8 +25,14 @@ import json
 from ..joblog import SAMPLE_FIELDS, breakdown, cause_kind
 
 
-def build(run_id: str, history: list[dict], reports: dict[int, dict], events: list[dict], steps: dict[str, list],
-          stamps: dict[int, dict] | None = None) -> dict:
+def build(
+    run_id: str,
+    history: list[dict],
+    reports: dict[int, dict],
+    events: list[dict],
+    steps: dict[str, list],
+    stamps: dict[int, dict] | None = None,
+) -> dict:
     """Everything the picture shows, as plain JSON (also what ``ctl timeline --json`` prints).
 
     ``history``: plans as dicts; ``reports``: generation -> {node: report}; ``events``: the job's
@@ -38,7 +44,9 @@ def build(run_id: str, history: list[dict], reports: dict[int, dict], events: li
     (``tm_launch.joblog``, its ``origin`` made relative like the other times), None without."""
     stamps = stamps or {}
     plans = sorted(history, key=lambda p: p.get("generation", 0))
-    rows = sorted((r + [node] for node, rs in steps.items() for r in rs if isinstance(r, list) and len(r) == len(SAMPLE_FIELDS)), key=lambda r: r[0])
+    rows = sorted(
+        (r + [node] for node, rs in steps.items() for r in rs if isinstance(r, list) and len(r) == len(SAMPLE_FIELDS)), key=lambda r: r[0]
+    )
     start = plans[0].get("created", 0.0) if plans else (rows[0][0] if rows else 0.0)
     entered: dict[int, float] = {}
     for e in events:
@@ -63,20 +71,36 @@ def build(run_id: str, history: list[dict], reports: dict[int, dict], events: li
         parts = breakdown(stamps[g].get("plan"), stamps[g].get("nodes", {})) if change and g in stamps else None
         if parts is not None:
             parts["origin"] = round(parts["origin"] - start, 3)
-        generations.append({
-            "generation": g, "time": created - start, "fault_time": fault - start,
-            "resumed_time": None if back is None else back - start,
-            "downtime_s": round(back - fault, 3) if change and back is not None else None,
-            "cause": p.get("cause", ""), "kind": cause_kind(p, before), "state": p.get("state", "running"),
-            "live": bool(p.get("live")), "planned": bool(p.get("planned")),
-            "replaced": p.get("replaced", {}), "nodes": list(p.get("nodes", ())), "breakdown": parts,
-        })
+        generations.append(
+            {
+                "generation": g,
+                "time": created - start,
+                "fault_time": fault - start,
+                "resumed_time": None if back is None else back - start,
+                "downtime_s": round(back - fault, 3) if change and back is not None else None,
+                "cause": p.get("cause", ""),
+                "kind": cause_kind(p, before),
+                "state": p.get("state", "running"),
+                "live": bool(p.get("live")),
+                "planned": bool(p.get("planned")),
+                "replaced": p.get("replaced", {}),
+                "nodes": list(p.get("nodes", ())),
+                "breakdown": parts,
+            }
+        )
     series: dict[str, list] = {}
     for t, gen, rank, step, step_time, state, node in rows:
         if state not in ("running", "recovering", "finished", "left") or step is None:
             continue
-        series.setdefault(str(rank), []).append({"time": round(t - start, 3), "generation": gen, "step": step, "step_time": step_time, "node": node, "state": state})
-    return {"run_id": run_id, "start": start, "generations": generations, "series": dict(sorted(series.items(), key=lambda kv: int(kv[0]) if kv[0].lstrip("-").isdigit() else 0))}
+        series.setdefault(str(rank), []).append(
+            {"time": round(t - start, 3), "generation": gen, "step": step, "step_time": step_time, "node": node, "state": state}
+        )
+    return {
+        "run_id": run_id,
+        "start": start,
+        "generations": generations,
+        "series": dict(sorted(series.items(), key=lambda kv: int(kv[0]) if kv[0].lstrip("-").isdigit() else 0)),
+    }
 
 
 def read(members, run_id: str) -> dict:
@@ -132,8 +156,17 @@ def _short(text: str, limit: int = 110) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-KIND_COLOURS = {"signal": "#d62728", "lost": "#9467bd", "exit": "#ff7f0e", "alarm": "#8c564b", "drain": "#1f77b4",
-                "scale_up": "#2ca02c", "failed": "#000000", "finished": "#2ca02c", "failure": "#d62728"}
+KIND_COLOURS = {
+    "signal": "#d62728",
+    "lost": "#9467bd",
+    "exit": "#ff7f0e",
+    "alarm": "#8c564b",
+    "drain": "#1f77b4",
+    "scale_up": "#2ca02c",
+    "failed": "#000000",
+    "finished": "#2ca02c",
+    "failure": "#d62728",
+}
 
 
 def render(data: dict, out: str) -> None:
@@ -168,8 +201,14 @@ def render(data: dict, out: str) -> None:
             label = f"rank {rank}" if j == 0 else None
             ax_step.plot([s["time"] for s in run], [s["step"] for s in run], color=colour, lw=1.4, label=label)
             timed = [s for s in run if s["step_time"] is not None]
-            ax_time.plot([s["time"] for s in timed], [s["step_time"] * 1000 for s in timed], color=colour, lw=1.4,
-                         marker="." if len(samples) < 60 else None, label=label)
+            ax_time.plot(
+                [s["time"] for s in timed],
+                [s["step_time"] * 1000 for s in timed],
+                color=colour,
+                lw=1.4,
+                marker="." if len(samples) < 60 else None,
+                label=label,
+            )
     for g, row in zip(changes, rows):
         colour = KIND_COLOURS.get(g["kind"], "#7f7f7f")
         x0 = g["fault_time"]
@@ -182,9 +221,19 @@ def render(data: dict, out: str) -> None:
         tag = "end" if finished else f"g{g['generation']}"
         if g["downtime_s"] is not None:
             tag += f" {g['downtime_s']:.1f}s"
-        ax_step.annotate(tag, xy=(x0, 1.0), xycoords=("data", "axes fraction"), xytext=(2, 2 + 13 * row),
-                         textcoords="offset points", fontsize=8.5, color=colour, fontweight="bold", va="bottom", ha="left",
-                         annotation_clip=False)
+        ax_step.annotate(
+            tag,
+            xy=(x0, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, 2 + 13 * row),
+            textcoords="offset points",
+            fontsize=8.5,
+            color=colour,
+            fontweight="bold",
+            va="bottom",
+            ha="left",
+            annotation_clip=False,
+        )
     ax_step.set_ylabel("steps completed")
     ax_time.set_ylabel("step time (ms, median of last 20)")
     ax_time.set_xlabel("wall time since the job started (s)")
@@ -202,13 +251,17 @@ def render(data: dict, out: str) -> None:
     downs = [g["downtime_s"] for g in changes if g["downtime_s"] is not None]
     faults = [g for g in changes if g["kind"] != "finished"]
     ending = data["generations"][-1]["state"] if data["generations"] else "running"
-    summary = f"{ending if ending != 'running' else 'still running'}; {len(faults)} generation change(s)" + (f", downtime total {sum(downs):.1f}s, worst {max(downs):.1f}s" if downs else "")
+    summary = f"{ending if ending != 'running' else 'still running'}; {len(faults)} generation change(s)" + (
+        f", downtime total {sum(downs):.1f}s, worst {max(downs):.1f}s" if downs else ""
+    )
     fig.suptitle(f"tm-launch run {data['run_id']}: step times and generation changes\n{summary}", fontsize=12, y=1 - 0.1 / height, va="top")
     y = bottom - axis_in / height
     line_h = note_in / height
     for g in changes:
         colour = KIND_COLOURS.get(g["kind"], "#7f7f7f")
-        down = f"{g['downtime_s']:.2f}s down" if g["downtime_s"] is not None else "no downtime" if g["kind"] == "finished" else "downtime n/a"
+        down = (
+            f"{g['downtime_s']:.2f}s down" if g["downtime_s"] is not None else "no downtime" if g["kind"] == "finished" else "downtime n/a"
+        )
         moves = ", ".join(f"{new} replaces {old}" for new, old in g["replaced"].items())
         mode = "" if g["kind"] == "finished" else ", live" if g["live"] else ", restart"
         head = f"g{g['generation']:<3} at {g['fault_time']:7.1f}s  [{g['kind']}{mode}{'; ' + moves if moves else ''}]  {down}:  "

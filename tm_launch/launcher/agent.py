@@ -35,15 +35,15 @@ from rendezvous.membership import Membership
 from rendezvous.plan import SUCCEEDED, NodeInfo, Plan
 from rendezvous.planner import View, follows_only, next_plan, spares
 
+from ..waits import Every
 from .config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
-from .plan_executor import PlanExecutor
 from .observers import AlarmWatch, DowntimeStamps, DrainWaitNote, EntryReport, MetricsFeed, ProgressPublisher, StragglerWatch
 from .peer_link import PeerLink, probe_targets, successor
+from .plan_executor import PlanExecutor
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
-from ..waits import Every
 from .wakeup import StateWatch, Wakeup
 
 JOINED_NAMED = 16  # the waiting line names this many nodes, then counts
@@ -64,13 +64,11 @@ class Agent:
         self.wakeup = Wakeup()
         self.state_watch = StateWatch(self.wakeup)
         self.supervisor = WorkerSupervisor(cfg, say, self.wakeup)
-        self.session = EtcdSession(members, cfg.node_id, cfg.lease_ttl, cfg.collective_timeout, say,
-                                   self.supervisor.local_progress)
+        self.session = EtcdSession(members, cfg.node_id, cfg.lease_ttl, cfg.collective_timeout, say, self.supervisor.local_progress)
         self.failures = FailureWatch(cfg, self.session, self.supervisor, say)
         self.executor = PlanExecutor(cfg, self.session, self.supervisor, self.failures, self.metrics, say)
         self.alarms = AlarmWatch(cfg, self.session, self.supervisor, say, wake=lambda: self.wakeup.set("alarm"))
-        self.progress = ProgressPublisher(cfg.node_id, self.session, self.supervisor, self.metrics,
-                                          StragglerWatch(cfg, self.session, say))
+        self.progress = ProgressPublisher(cfg.node_id, self.session, self.supervisor, self.metrics, StragglerWatch(cfg, self.session, say))
         self.entry = EntryReport(cfg.node_id, self.supervisor, self.metrics, say)
         self.stamps = DowntimeStamps(cfg.node_id, self.session, self.supervisor)
         self.drain_wait = DrainWaitNote(cfg.node_id, say)
@@ -87,15 +85,27 @@ class Agent:
         members = self.session.members
         current = members.plan()  # not a whole snapshot: N joiners would read N records each
         if current and current.finished:
-            raise SystemExit(f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id")
+            raise SystemExit(
+                f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id"
+            )
         self.started, self.join_wait = time.time(), Every()
         self.metrics.serve(self.cfg.addr, self.cfg.metrics_port, self.say)
-        self.session.register(NodeInfo(
-            id=self.cfg.node_id, host=socket.gethostname(), addr=self.cfg.addr, store_port=self.supervisor.store.port,
-            nproc=self.cfg.nproc, pid=os.getpid(), joined=time.time(),
-        ))
+        self.session.register(
+            NodeInfo(
+                id=self.cfg.node_id,
+                host=socket.gethostname(),
+                addr=self.cfg.addr,
+                store_port=self.supervisor.store.port,
+                nproc=self.cfg.nproc,
+                pid=os.getpid(),
+                joined=time.time(),
+            )
+        )
         self.alarms.start()
-        self.say(f"joined run '{self.cfg.run_id}' ({self.cfg.nproc} worker(s) per node, nnodes {self.cfg.limits.min_nodes}:{self.cfg.limits.max_nodes})", kind="joined")
+        self.say(
+            f"joined run '{self.cfg.run_id}' ({self.cfg.nproc} worker(s) per node, nnodes {self.cfg.limits.min_nodes}:{self.cfg.limits.max_nodes})",
+            kind="joined",
+        )
         try:
             return self._loop()
         except Fenced as e:
@@ -178,7 +188,8 @@ class Agent:
             decision = None  # right after an etcd outage: let every node re-register first
         sent_at = time.time()
         if decision is not None and self.session.members.publish(
-                decision, snap.plan_entry, view.alive, len(spares(dataclasses.replace(view, plan=decision)))):
+            decision, snap.plan_entry, view.alive, len(spares(dataclasses.replace(view, plan=decision)))
+        ):
             self._announce(decision)
             self.stamps.plan_published(decision, sent_at, view)
             self.state_changed = True  # look at the new state at once
@@ -213,8 +224,7 @@ class Agent:
         me = self.cfg.node_id
         node = successor(plan.nodes, me) if plan is not None and not plan.finished else None
         info = view.alive.get(node) if node is not None else None
-        self.peer_link.watch((node, info.addr, info.store_port) if info is not None else None,
-                             plan.generation if plan is not None else -1)
+        self.peer_link.watch((node, info.addr, info.store_port) if info is not None else None, plan.generation if plan is not None else -1)
 
     def _with_last_call(self, view: View) -> View:
         """The planner's view with the join window applied: with MIN nodes alive the first plan
@@ -240,12 +250,17 @@ class Agent:
         joined = None if snap.partial else sorted(snap.view.alive)
         count = self.session.members.joined() if joined is None else len(joined)
         if not timed_out:
-            named = joined[:JOINED_NAMED] if joined is not None else None   # a line (and event) per node: O(1) each
+            named = joined[:JOINED_NAMED] if joined is not None else None  # a line (and event) per node: O(1) each
             names = "" if named is None else f" ({', '.join(named) or 'none'}{', ...' if count > len(named) else ''})"
             self.say(
                 f"waiting for {self.cfg.limits.min_nodes} node(s) to join run '{self.cfg.run_id}': {count} joined"
-                f"{names}; {waited:.0f} s of {self.cfg.join_timeout:.0f} s", kind="waiting",
-                waiting_for="nodes", joined=named, joined_count=count, elapsed_s=round(waited, 1), limit_s=self.cfg.join_timeout,
+                f"{names}; {waited:.0f} s of {self.cfg.join_timeout:.0f} s",
+                kind="waiting",
+                waiting_for="nodes",
+                joined=named,
+                joined_count=count,
+                elapsed_s=round(waited, 1),
+                limit_s=self.cfg.join_timeout,
             )
             return
         raise SystemExit(
@@ -260,6 +275,12 @@ class Agent:
         mode = "live (survivors keep their processes)" if plan.live else "restart (all workers start afresh)"
         self.say(
             f"published generation {plan.generation}: {plan.cause}; {moves}; {mode}",
-            kind="plan", generation=plan.generation, cause=plan.cause, replaced=plan.replaced,
-            removed=list(plan.removed), live=plan.live, planned=plan.planned, nodes=list(plan.nodes),
+            kind="plan",
+            generation=plan.generation,
+            cause=plan.cause,
+            replaced=plan.replaced,
+            removed=list(plan.removed),
+            live=plan.live,
+            planned=plan.planned,
+            nodes=list(plan.nodes),
         )

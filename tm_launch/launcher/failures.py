@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rendezvous.plan import Plan
 from rendezvous.planner import View, finished_without
@@ -19,9 +19,9 @@ from rendezvous.planner import View, finished_without
 from ..protocol import WorkerState
 from .config import AgentConfig
 from .peer_link import probe_targets
+from .processes import describe_exit
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
-from .processes import describe_exit
 
 
 class FailureWatch:
@@ -53,7 +53,10 @@ class FailureWatch:
             # Training finished in that process; a crash on the way out (interpreter teardown)
             # must not turn a finished job into a failover that nobody can take part in.
             local_rank, code = failed
-            self.say(f"generation {plan.generation}: worker {local_rank} finished its steps, then {describe_exit(code)} while exiting; counting it as done", kind="warning")
+            self.say(
+                f"generation {plan.generation}: worker {local_rank} finished its steps, then {describe_exit(code)} while exiting; counting it as done",
+                kind="warning",
+            )
             sup.workers.forget(local_rank)
             failed = sup.workers.failed()
         if failed and self.reported_gen != plan.generation:
@@ -64,8 +67,13 @@ class FailureWatch:
                 sup.workers.stop(grace=0)
                 self.reported_gen = plan.generation
                 why = f"{lost.why or 'training state lost'}; every worker restarts from the script's checkpoint"
-                self.say(f"generation {plan.generation}: {why}", kind="state_lost", generation=plan.generation,
-                         lost_step=lost.step, lost_ranks=lost.ranks)
+                self.say(
+                    f"generation {plan.generation}: {why}",
+                    kind="state_lost",
+                    generation=plan.generation,
+                    lost_step=lost.step,
+                    lost_ranks=lost.ranks,
+                )
                 self.session.report_failure(plan.generation, me, why, kind="state")
                 return
             why = f"worker {local_rank} (pid {sup.workers.pids()[local_rank]}) {describe_exit(code)}"
@@ -76,7 +84,13 @@ class FailureWatch:
             if active:
                 self.reported_gen = plan.generation
                 self.report_dead_peers(plan, view)  # a dead peer, not this node, may be the cause
-                self.say(f"generation {plan.generation}: {why}; reporting the failure", kind="worker_failed", generation=plan.generation, local_rank=local_rank, exit_code=code)
+                self.say(
+                    f"generation {plan.generation}: {why}; reporting the failure",
+                    kind="worker_failed",
+                    generation=plan.generation,
+                    local_rank=local_rank,
+                    exit_code=code,
+                )
                 self.session.report_failure(plan.generation, me, why, kind="signal" if code < 0 else "exit")
             else:
                 self.say(f"spare: sandbox {why}; it will be started again", kind="spare_failed")
@@ -89,8 +103,12 @@ class FailureWatch:
             self.done_gen = plan.generation
             sup.workers.stop(grace=0)
             self.session.members.mark_done(plan.generation, me)
-            self.say(f"generation {plan.generation}: the nodes that kept their workers finished training before this "
-                     "node's workers got in; nothing left for them to do", kind="warning", generation=plan.generation)
+            self.say(
+                f"generation {plan.generation}: the nodes that kept their workers finished training before this "
+                "node's workers got in; nothing left for them to do",
+                kind="warning",
+                generation=plan.generation,
+            )
         if active:
             sup.watch_hangs(plan)
 

@@ -17,13 +17,22 @@ pause of this agent, say), else fence. A newer plan without this node -> it was 
 
 from __future__ import annotations
 
-KEEP = "keep"            # carry on (the lease is fine, or nobody can have replaced us)
-FENCE = "fence"          # stop this node's workers now: another node owns (or soon owns) its ranks
+KEEP = "keep"  # carry on (the lease is fine, or nobody can have replaced us)
+FENCE = "fence"  # stop this node's workers now: another node owns (or soon owns) its ranks
 REREGISTER = "reregister"  # the lease is gone but nobody took over: register again, same node id
 
 
-def lease_decision(*, lease_gone: bool, unreachable_for: float | None, ttl: float, active: bool,
-                   replaced: bool, recovering: bool, stalled_for: float | None, stall_limit: float) -> str:
+def lease_decision(
+    *,
+    lease_gone: bool,
+    unreachable_for: float | None,
+    ttl: float,
+    active: bool,
+    replaced: bool,
+    recovering: bool,
+    stalled_for: float | None,
+    stall_limit: float,
+) -> str:
     """What the agent does about its membership; one of KEEP, FENCE, REREGISTER.
 
     lease_gone      etcd answered that this node's lease expired or was revoked

@@ -32,15 +32,26 @@ class AgentMetrics:
         self.node = node
         self.generation = Gauge("tm_launch_generation", "Generation this node's agent follows.", registry=r)
         self.downtime = Histogram(
-            "tm_launch_downtime_seconds", "Fault (or plan) to this node's workers running in the new generation, per generation change.",
-            ["cause"], buckets=DOWNTIME_BUCKETS, registry=r,
+            "tm_launch_downtime_seconds",
+            "Fault (or plan) to this node's workers running in the new generation, per generation change.",
+            ["cause"],
+            buckets=DOWNTIME_BUCKETS,
+            registry=r,
         )
-        self.last_downtime = Gauge("tm_launch_last_downtime_seconds", "Downtime of the last generation change this node took part in.", ["cause"], registry=r)
+        self.last_downtime = Gauge(
+            "tm_launch_last_downtime_seconds", "Downtime of the last generation change this node took part in.", ["cause"], registry=r
+        )
         self.alarms = Counter("tm_launch_alarms", "Health alarms raised on or about this node.", ["signal", "severity"], registry=r)
-        self.steps_per_second = Gauge("tm_launch_steps_per_second", "Training steps per second of this node's running workers (mean over its workers).", registry=r)
+        self.steps_per_second = Gauge(
+            "tm_launch_steps_per_second", "Training steps per second of this node's running workers (mean over its workers).", registry=r
+        )
         self.step = Gauge("tm_launch_step", "Highest step completed by this node's workers.", registry=r)
-        self.spares = Gauge("tm_launch_spares_available", "Spare nodes alive and ready to take over ranks, as this agent last read them.", registry=r)
-        self.failures = Counter("tm_launch_worker_failures", "Failures this agent saw and reported (worker exits, lost peers, hangs).", ["kind"], registry=r)
+        self.spares = Gauge(
+            "tm_launch_spares_available", "Spare nodes alive and ready to take over ranks, as this agent last read them.", registry=r
+        )
+        self.failures = Counter(
+            "tm_launch_worker_failures", "Failures this agent saw and reported (worker exits, lost peers, hangs).", ["kind"], registry=r
+        )
         self.changes = Counter("tm_launch_generation_changes", "Generation changes this agent followed, by cause.", ["cause"], registry=r)
         self.role = Gauge("tm_launch_role", "This node's role: 1 for the current one, 0 for the others.", ["role"], registry=r)
         self.server = None

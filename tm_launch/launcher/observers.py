@@ -17,7 +17,7 @@ import dataclasses
 import os
 import queue
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from health.alarms import DEGRADED, FATAL, Alarm
 from rendezvous.kv import KVError
@@ -25,11 +25,11 @@ from rendezvous.membership import Membership
 from rendezvous.plan import Plan
 from rendezvous.planner import View, spares
 
-from .config import AgentConfig
 from ..joblog import append_samples, cause_kind, node_stamps, plan_stamps
+from ..waits import Every
+from .config import AgentConfig
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
-from ..waits import Every
 
 
 class MetricsFeed:
@@ -73,7 +73,15 @@ class MetricsFeed:
             return
         me = self.node_id
         plan = plan or view.plan
-        role = "failed" if me in view.failed else "draining" if me in view.drains and me in plan.nodes else "active" if me in plan.nodes else "spare"
+        role = (
+            "failed"
+            if me in view.failed
+            else "draining"
+            if me in view.drains and me in plan.nodes
+            else "active"
+            if me in plan.nodes
+            else "spare"
+        )
         self.metrics.on_state(plan.generation, role, spare_count)
 
     def on_generation(self, plan: Plan) -> None:
@@ -101,8 +109,14 @@ class MetricsFeed:
 
 
 class AlarmWatch:
-    def __init__(self, cfg: AgentConfig, session: EtcdSession, supervisor: WorkerSupervisor, say: Callable[..., None],
-                 wake: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        session: EtcdSession,
+        supervisor: WorkerSupervisor,
+        say: Callable[..., None],
+        wake: Callable[[], None] = lambda: None,
+    ):
         self.cfg = cfg
         self.session = session
         self.supervisor = supervisor
@@ -205,8 +219,7 @@ class StragglerWatch:
 
 
 class ProgressPublisher:
-    def __init__(self, node_id: str, session: EtcdSession, supervisor: WorkerSupervisor, metrics: MetricsFeed,
-                 stragglers: StragglerWatch):
+    def __init__(self, node_id: str, session: EtcdSession, supervisor: WorkerSupervisor, metrics: MetricsFeed, stragglers: StragglerWatch):
         self.node_id = node_id
         self.session = session
         self.supervisor = supervisor
@@ -224,9 +237,13 @@ class ProgressPublisher:
         statuses = self.supervisor.statuses() if self.supervisor.workers else {}
         role = "active" if self.node_id in plan.nodes else "spare"
         record = {
-            "node": self.node_id, "role": role, "generation": plan.generation,
-            "workers": {str(lr): {"step": s.step, "state": s.state.value, "rank": s.rank, "step_time": s.step_time, "windows": s.windows}
-                        for lr, s in statuses.items()},
+            "node": self.node_id,
+            "role": role,
+            "generation": plan.generation,
+            "workers": {
+                str(lr): {"step": s.step, "state": s.state.value, "rank": s.rank, "step_time": s.step_time, "windows": s.windows}
+                for lr, s in statuses.items()
+            },
             "time": now,
         }
         self.metrics.on_statuses(statuses)
@@ -234,12 +251,13 @@ class ProgressPublisher:
         # stays flat for seconds (a pause, a hang, a wait for the next generation) must draw flat.
         rows = [
             [round(now, 2), s.generation, s.rank, s.step, None if s.step_time is None else round(s.step_time, 5), s.state.value]
-            for s in statuses.values() if s.state.trained and s.step is not None
+            for s in statuses.values()
+            if s.state.trained and s.step is not None
         ]
         members = self.session.members
         try:
             members.progress(self.node_id, record, self.session.lease)
-            unchanged = bool(rows) and [r[1:] for r in self.step_series[-len(rows):]] == [r[1:] for r in rows]
+            unchanged = bool(rows) and [r[1:] for r in self.step_series[-len(rows) :]] == [r[1:] for r in rows]
             if rows and not (unchanged and all(r[5] in ("finished", "left") for r in rows)):  # after the end: no more writes
                 self.step_series = append_samples(self.step_series, rows)
                 members.steps(self.node_id, self.step_series)
@@ -274,7 +292,12 @@ class EntryReport:
         self.say(
             f"generation {plan.generation}: workers entered {since:.3f}s after the plan "
             f"(communicators {comm * 1000:.0f} ms, state {'received' if received else 'sent/kept'} in {state * 1000:.0f} ms)",
-            kind="entered", generation=plan.generation, communicator_s=comm, state_s=state, received=received, after_plan_s=since,
+            kind="entered",
+            generation=plan.generation,
+            communicator_s=comm,
+            state_s=state,
+            received=received,
+            after_plan_s=since,
             store_connects=connects,
         )
 
@@ -345,6 +368,11 @@ class DrainWaitNote:
         if self.waiting is None:
             self.waiting = Every()
         if self.waiting.due():
-            self.say(f"generation {plan.generation}: drain of {', '.join(waiting)} waits for a spare node, none is available "
-                     f"({self.waiting.elapsed:.0f} s so far; start a spare or `tm-launch ctl uncordon` one)",
-                     kind="waiting", waiting_for="spare", draining=waiting, elapsed_s=round(self.waiting.elapsed, 1))
+            self.say(
+                f"generation {plan.generation}: drain of {', '.join(waiting)} waits for a spare node, none is available "
+                f"({self.waiting.elapsed:.0f} s so far; start a spare or `tm-launch ctl uncordon` one)",
+                kind="waiting",
+                waiting_for="spare",
+                draining=waiting,
+                elapsed_s=round(self.waiting.elapsed, 1),
+            )

@@ -32,10 +32,7 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.yaml_implicit_resolvers = {
-    first: [
-        (tag, re.compile(r"(?!.*:)" + rx.pattern, rx.flags) if tag.endswith((":int", ":float")) else rx)
-        for tag, rx in resolvers
-    ]
+    first: [(tag, re.compile(r"(?!.*:)" + rx.pattern, rx.flags) if tag.endswith((":int", ":float")) else rx) for tag, rx in resolvers]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 
@@ -61,26 +58,71 @@ def build_parser() -> argparse.ArgumentParser:
                 "data dir, stopped on exit) and uses its etcd-v3 rendezvous; --rdzv-id is generated if not given."
             )
     own = parser.add_argument_group("tm-launch")
-    own.add_argument("--config", metavar="FILE.yaml", help="YAML file setting any option below or above by its name (e.g. nproc_per_node: 2, spares: 1).")
-    own.add_argument("--spares", type=int, default=0, help="Spare nodes the job wants to keep warm; a warning is printed when it has fewer. Nodes that join beyond --nnodes MAX are spares.")
-    own.add_argument("--lease-ttl", type=float, default=5.0, help="Seconds before a node that stopped refreshing its etcd lease counts as lost (default 5).")
-    own.add_argument("--node-id", default=None, help="Name of this node in the job (default: HOSTNAME-PID). `tm-launch ctl drain NODE` uses it.")
-    own.add_argument("--join-timeout", type=float, default=600.0, help="Seconds to wait for the first generation to form before giving up (default 600).")
-    own.add_argument("--last-call", type=float, default=1.0, help="With --nnodes MIN:MAX, seconds to wait for more nodes once MIN are present (default 1).")
-    own.add_argument("--collective-timeout", type=float, default=120.0, help="Live mode: seconds a collective may block before a rank gives up on its peers (default 120).")
-    own.add_argument("--sandbox-steps", type=int, default=2, help="Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2; "
-                     "one promoted to other ranks runs the script again with one step and DDP's bucket rebuild).")
-    own.add_argument("--no-live", action="store_true", help="Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().")
+    own.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML file setting any option below or above by its name (e.g. nproc_per_node: 2, spares: 1)."
+    )
+    own.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="Spare nodes the job wants to keep warm; a warning is printed when it has fewer. Nodes that join beyond --nnodes MAX are spares.",
+    )
+    own.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        help="Seconds before a node that stopped refreshing its etcd lease counts as lost (default 5).",
+    )
+    own.add_argument(
+        "--node-id", default=None, help="Name of this node in the job (default: HOSTNAME-PID). `tm-launch ctl drain NODE` uses it."
+    )
+    own.add_argument(
+        "--join-timeout", type=float, default=600.0, help="Seconds to wait for the first generation to form before giving up (default 600)."
+    )
+    own.add_argument(
+        "--last-call",
+        type=float,
+        default=1.0,
+        help="With --nnodes MIN:MAX, seconds to wait for more nodes once MIN are present (default 1).",
+    )
+    own.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=120.0,
+        help="Live mode: seconds a collective may block before a rank gives up on its peers (default 120).",
+    )
+    own.add_argument(
+        "--sandbox-steps",
+        type=int,
+        default=2,
+        help="Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2; "
+        "one promoted to other ranks runs the script again with one step and DDP's bucket rebuild).",
+    )
+    own.add_argument(
+        "--no-live",
+        action="store_true",
+        help="Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().",
+    )
     own.add_argument("--event-log", metavar="FILE", default=None, help="Append this agent's events as JSON lines to FILE.")
     from torch.distributed.argparse_util import env
 
-    own.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", action=env, type=int, default=None, metavar="PORT",
-                     help="Serve this agent's Prometheus metrics on --local-addr:PORT (0: any free port; default off). "
-                          "Agents sharing a machine need one port each: set PET_METRICS_PORT per agent.")
+    own.add_argument(
+        "--metrics-port",
+        "--metrics_port",
+        dest="metrics_port",
+        action=env,
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="Serve this agent's Prometheus metrics on --local-addr:PORT (0: any free port; default off). "
+        "Agents sharing a machine need one port each: set PET_METRICS_PORT per agent.",
+    )
     health = parser.add_argument_group("health monitor (YAML section `health:`)")
     for f in dataclasses.fields(HealthConfig):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        health.add_argument(_health_flag(f.name), dest=f"health__{f.name}", default=None, metavar=kind.upper(), help=f.metadata.get("help", ""))
+        health.add_argument(
+            _health_flag(f.name), dest=f"health__{f.name}", default=None, metavar=kind.upper(), help=f.metadata.get("help", "")
+        )
     return parser
 
 
@@ -158,7 +200,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         by_dest = {a.dest: a for a in parser._actions}
         parser.set_defaults(**{k: v for k, v in options.items() if not _env_set(by_dest[k])})
     args = parser.parse_args(argv)
-    health_cli = {k[len("health__"):]: v for k, v in vars(args).items() if k.startswith("health__") and v is not None}
+    health_cli = {k[len("health__") :]: v for k, v in vars(args).items() if k.startswith("health__") and v is not None}
     for k in list(vars(args)):
         if k.startswith("health__"):
             delattr(args, k)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 def successor(nodes, me: str) -> str | None:

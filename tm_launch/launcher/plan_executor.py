@@ -10,24 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rendezvous.kv import KVError
 from rendezvous.plan import FAILED, SUCCEEDED, Plan
 from rendezvous.planner import View, spares
 
+from ..waits import Every
 from . import store_server
 from .config import AgentConfig
 from .failures import FailureWatch
 from .observers import MetricsFeed
 from .session import EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
-from ..waits import Every
 
 
 class PlanExecutor:
-    def __init__(self, cfg: AgentConfig, session: EtcdSession, supervisor: WorkerSupervisor, failures: FailureWatch,
-                 metrics: MetricsFeed, say: Callable[..., None]):
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        session: EtcdSession,
+        supervisor: WorkerSupervisor,
+        failures: FailureWatch,
+        metrics: MetricsFeed,
+        say: Callable[..., None],
+    ):
         self.cfg = cfg
         self.session = session
         self.supervisor = supervisor
@@ -65,10 +72,21 @@ class PlanExecutor:
             sup.stop("restarting this node's workers as joiners")
             self._start_workers(plan, sandbox=True)
         if me in plan.joiners and previous is not None and me not in (previous.nodes if previous else ()):
-            self.say(f"generation {plan.generation}: promoted from spare to group rank {plan.group_rank(me)} (ranks {plan.ranks(me)})", kind="promoted", generation=plan.generation)
+            self.say(
+                f"generation {plan.generation}: promoted from spare to group rank {plan.group_rank(me)} (ranks {plan.ranks(me)})",
+                kind="promoted",
+                generation=plan.generation,
+            )
         sup.direct(plan)
         self._warn_spares(view, plan)
-        if plan.live and self.cfg.live_enabled and me not in plan.joiners and not sup.workers and previous is not None and me in previous.nodes:
+        if (
+            plan.live
+            and self.cfg.live_enabled
+            and me not in plan.joiners
+            and not sup.workers
+            and previous is not None
+            and me in previous.nodes
+        ):
             self.failures.report_workers_gone(plan, previous)
         return None
 
@@ -94,9 +112,13 @@ class PlanExecutor:
             while any(code is None for code in sup.workers.poll().values()) and time.time() < deadline:
                 if ticker.due():
                     running = [lr for lr, code in sup.workers.poll().items() if code is None]
-                    self.say(f"generation {plan.generation}: drained; waiting for local worker(s) {running} to hand over their state "
-                             f"and exit ({ticker.elapsed:.0f} s of {deadline - time.time() + ticker.elapsed:.0f} s)",
-                             kind="waiting", waiting_for="leavers", elapsed_s=round(ticker.elapsed, 1))
+                    self.say(
+                        f"generation {plan.generation}: drained; waiting for local worker(s) {running} to hand over their state "
+                        f"and exit ({ticker.elapsed:.0f} s of {deadline - time.time() + ticker.elapsed:.0f} s)",
+                        kind="waiting",
+                        waiting_for="leavers",
+                        elapsed_s=round(ticker.elapsed, 1),
+                    )
                 time.sleep(0.05)
         sup.stop("this node left the job")
         successor = next((new for new, old in plan.replaced.items() if old == me), None)
@@ -104,7 +126,9 @@ class PlanExecutor:
         if plan.planned:
             self.say(f"generation {plan.generation}: drained, {how}; exiting", kind="left", generation=plan.generation)
         else:
-            self.say(f"generation {plan.generation}: {how} after a failure ({plan.cause}); exiting", kind="left", generation=plan.generation)
+            self.say(
+                f"generation {plan.generation}: {how} after a failure ({plan.cause}); exiting", kind="left", generation=plan.generation
+            )
         if hosted_store and plan.live:
             self._keep_store_for_joiners(plan)
         return 0 if plan.planned else 1
@@ -122,12 +146,19 @@ class PlanExecutor:
         self.session.close()
         members = self.session.members
         deadline = time.time() + max(60.0, self.cfg.collective_timeout)
-        self.say(f"generation {plan.generation}: serving this node's store until the new generation completes a step "
-                 "(the ranks taking over fetch their per-rank state there)")
+        self.say(
+            f"generation {plan.generation}: serving this node's store until the new generation completes a step "
+            "(the ranks taking over fetch their per-rank state there)"
+        )
         while time.time() < deadline:
             try:
                 current = members.plan()
-                if current is None or current.finished or not current.live or set(current.nodes) <= members.stamped_nodes(current.generation):
+                if (
+                    current is None
+                    or current.finished
+                    or not current.live
+                    or set(current.nodes) <= members.stamped_nodes(current.generation)
+                ):
                     return
             except KVError:
                 pass  # etcd away for a moment: the deadline still ends the wait
@@ -169,7 +200,14 @@ class PlanExecutor:
             if self.session.lost_lease.is_set():
                 raise Fenced("lease expired")
             if ticker.due():
-                self.say(f"generation {plan.generation}: waiting for {plan.store.get('node')} to publish the workers' env:// store "
-                         f"({ticker.elapsed:.0f} s of {limit:.0f} s)", kind="waiting", waiting_for="store", elapsed_s=round(ticker.elapsed, 1))
+                self.say(
+                    f"generation {plan.generation}: waiting for {plan.store.get('node')} to publish the workers' env:// store "
+                    f"({ticker.elapsed:.0f} s of {limit:.0f} s)",
+                    kind="waiting",
+                    waiting_for="store",
+                    elapsed_s=round(ticker.elapsed, 1),
+                )
             time.sleep(0.02)
-        raise SystemExit(f"tm-launch: error: generation {plan.generation}'s store host {plan.store.get('node')} never published its store; is that node alive?")
+        raise SystemExit(
+            f"tm-launch: error: generation {plan.generation}'s store host {plan.store.get('node')} never published its store; is that node alive?"
+        )

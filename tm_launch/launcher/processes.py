@@ -29,8 +29,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .wakeup import watch_exit
 
@@ -62,8 +62,15 @@ def describe_exit(code: int) -> str:
 
 
 class Worker:
-    def __init__(self, local_rank: int, cmd: list[str], env: dict[str, str], out: OutputSpec, attempt_dir: str | None,
-                 on_exit: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        local_rank: int,
+        cmd: list[str],
+        env: dict[str, str],
+        out: OutputSpec,
+        attempt_dir: str | None,
+        on_exit: Callable[[], None] | None = None,
+    ):
         self.local_rank = local_rank
         self.started = time.time()
         self._threads: list[threading.Thread] = []
@@ -238,7 +245,8 @@ class WorkerSet:
                 path = self.error_file(lr)
                 readable = _error_file_ok(path)
                 failures[ranks[lr] if lr < len(ranks) else lr] = ProcessFailure(
-                    local_rank=lr, pid=self.workers[lr].pid, exitcode=code, error_file=path if readable else os.devnull)
+                    local_rank=lr, pid=self.workers[lr].pid, exitcode=code, error_file=path if readable else os.devnull
+                )
         if not failures:
             return "", ""
         args = list(self.cmd[1:])

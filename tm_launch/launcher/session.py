@@ -11,14 +11,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rendezvous.kv import KVError, Lease
 from rendezvous.membership import Membership, UnreadablePlan
 from rendezvous.plan import NodeInfo, Plan
 
-from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
 from ..waits import Every
+from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
 
 
 class Fenced(Exception):
@@ -26,8 +26,15 @@ class Fenced(Exception):
 
 
 class EtcdSession:
-    def __init__(self, members: Membership, node_id: str, lease_ttl: float, stall_limit: float,
-                 say: Callable[..., None], local_progress: Callable[[], tuple[bool, float | None]]):
+    def __init__(
+        self,
+        members: Membership,
+        node_id: str,
+        lease_ttl: float,
+        stall_limit: float,
+        say: Callable[..., None],
+        local_progress: Callable[[], tuple[bool, float | None]],
+    ):
         self.members = members
         self.node_id = node_id
         self.ttl = lease_ttl
@@ -42,7 +49,7 @@ class EtcdSession:
         self.etcd_ok, self.etcd_down_at, self.etcd_back_at = True, 0.0, None
         self._etcd_lock = threading.Lock()
         self.lease_ok_at = time.time()  # the last lease refresh that got through
-        self.lease_failing = False      # the last lease refresh did not get through
+        self.lease_failing = False  # the last lease refresh did not get through
         self.etcd_wait, self.etcd_seen = None, 0.0  # progress lines while etcd is unreachable
         self.unreadable_plan = ""  # said once while state/plan stays unreadable
         self.planner_marked: tuple | None = None  # (lease, planners) of the marker written (Membership.mark_planner)
@@ -122,8 +129,12 @@ class EtcdSession:
                 self.etcd_wait = Every()
             self.etcd_seen = time.time()
             if self.etcd_wait.due():
-                self.say(f"etcd still unreachable after {self.etcd_wait.elapsed:.0f} s: {error}; retrying", kind="etcd_unreachable",
-                         publish=False, elapsed_s=round(self.etcd_wait.elapsed, 1))
+                self.say(
+                    f"etcd still unreachable after {self.etcd_wait.elapsed:.0f} s: {error}; retrying",
+                    kind="etcd_unreachable",
+                    publish=False,
+                    elapsed_s=round(self.etcd_wait.elapsed, 1),
+                )
         until = time.time() + min(1.0, self.ttl / 3)
         while time.time() < until:
             self.apply_fencing_rule(plan)
@@ -144,19 +155,32 @@ class EtcdSession:
         if not lost and not self.lease_failing:
             return
         latest = snap.view.plan if snap is not None else None
-        replaced = bool(lost and plan is not None and latest is not None and me in plan.nodes
-                        and latest.generation > plan.generation and me not in latest.nodes)
+        replaced = bool(
+            lost
+            and plan is not None
+            and latest is not None
+            and me in plan.nodes
+            and latest.generation > plan.generation
+            and me not in latest.nodes
+        )
         recovering, stalled = self.local_progress()
         decision = lease_decision(
-            lease_gone=lost, unreachable_for=(time.time() - self.lease_ok_at) if self.lease_failing else None,
-            ttl=self.ttl, active=plan is not None and me in plan.nodes and not plan.finished,
-            replaced=replaced, recovering=recovering, stalled_for=stalled, stall_limit=self.stall_limit,
+            lease_gone=lost,
+            unreachable_for=(time.time() - self.lease_ok_at) if self.lease_failing else None,
+            ttl=self.ttl,
+            active=plan is not None and me in plan.nodes and not plan.finished,
+            replaced=replaced,
+            recovering=recovering,
+            stalled_for=stalled,
+            stall_limit=self.stall_limit,
         )
         if decision == FENCE:
             if lost:
                 raise Fenced(f"lease expired and generation {latest.generation} no longer has this node")
-            raise Fenced(f"etcd unreachable for {time.time() - self.lease_ok_at:.1f}s (lease TTL {self.ttl:g}s) "
-                         f"while this node's workers {'are recovering from a failed collective' if recovering else 'made no progress'}")
+            raise Fenced(
+                f"etcd unreachable for {time.time() - self.lease_ok_at:.1f}s (lease TTL {self.ttl:g}s) "
+                f"while this node's workers {'are recovering from a failed collective' if recovering else 'made no progress'}"
+            )
         if decision == REREGISTER and lost:
             try:
                 self.lease = self.members.register(self.info, self.ttl)
@@ -165,7 +189,10 @@ class EtcdSession:
             self.lease_ok_at, self.lease_failing = time.time(), False
             self.lost_lease.clear()
             threading.Thread(target=self._keep_lease, daemon=True).start()
-            self.say("lease had expired (etcd unreachable or this agent stalled) but nobody took this node's ranks: registered again", kind="rejoined")
+            self.say(
+                "lease had expired (etcd unreachable or this agent stalled) but nobody took this node's ranks: registered again",
+                kind="rejoined",
+            )
 
     def record_fenced(self, why: str) -> None:
         """After fencing: once etcd answers, cordon this node (state/failed, so it is never
@@ -180,15 +207,23 @@ class EtcdSession:
                 break
             except KVError:
                 if time.time() > deadline:
-                    print(f"tm-launch: error: node {me} fenced ({why}) and etcd still unreachable; its lease has expired, "
-                          "so the job counts it as lost", file=sys.stderr, flush=True)
+                    print(
+                        f"tm-launch: error: node {me} fenced ({why}) and etcd still unreachable; its lease has expired, "
+                        "so the job counts it as lost",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return
                 time.sleep(min(1.0, self.ttl / 3))
         self.note_etcd(True)
         successor = next((new for new, old in (latest.replaced if latest else {}).items() if old == me), None)
         taken = f"{successor} took its ranks in generation {latest.generation}" if successor else "its ranks are no longer its own"
-        print(f"tm-launch: error: node {me} was fenced ({why}); {taken}; it is cordoned as failed: "
-              f"fix the node, then `tm-launch ctl uncordon {me}` to offer it as a spare again", file=sys.stderr, flush=True)
+        print(
+            f"tm-launch: error: node {me} was fenced ({why}); {taken}; it is cordoned as failed: "
+            f"fix the node, then `tm-launch ctl uncordon {me}` to offer it as a spare again",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # -- what the planner must see ------------------------------------------------------------
     def mark_planner(self, planners: tuple[str, ...]) -> None:

@@ -14,12 +14,24 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from rendezvous.plan import Plan
 
-from ..protocol import (LATEST, Directive, EnteredRecord, FirstStepRecord, StateLostRecord, StoreAddress, WorkerEnv, WorkerKeys,
-                        WorkerState, WorkerStatus, directive_key, nccl_error_handling)
+from ..protocol import (
+    LATEST,
+    Directive,
+    EnteredRecord,
+    FirstStepRecord,
+    StateLostRecord,
+    StoreAddress,
+    WorkerEnv,
+    WorkerKeys,
+    WorkerState,
+    WorkerStatus,
+    directive_key,
+    nccl_error_handling,
+)
 from . import store_server
 from .config import AgentConfig
 from .processes import OutputSpec, WorkerSet
@@ -34,8 +46,9 @@ class WorkerSupervisor:
         wakeup = wakeup or Wakeup()  # nobody waits on it: parts tested without a loop
         self.wake_socket = WakeSocket(wakeup)  # workers poke it right after a report the agent acts on
         self.scratch = tempfile.mkdtemp(prefix="tm-launch-")  # error files when there is no --log-dir
-        self.workers = WorkerSet(cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id, self.scratch,
-                                 on_exit=lambda: wakeup.set("worker exit"))
+        self.workers = WorkerSet(
+            cfg.cmd, cfg.output or OutputSpec(role=cfg.role), cfg.run_id, self.scratch, on_exit=lambda: wakeup.set("worker exit")
+        )
         self.live_seen = False  # a local worker said it uses the live API (tm_launch.init)
         self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
         self._statuses_cache: dict | None = None
@@ -157,7 +170,10 @@ class WorkerSupervisor:
             if silent > limit and self.workers.poll().get(lr) is None:
                 self.say(
                     f"generation {plan.generation}: worker {lr} (pid {self.workers.pids()[lr]}) silent for {silent:.1f}s "
-                    f"(hang limit {limit:.1f}s): killing it", kind="hang", generation=plan.generation, local_rank=lr,
+                    f"(hang limit {limit:.1f}s): killing it",
+                    kind="hang",
+                    generation=plan.generation,
+                    local_rank=lr,
                 )
                 self.workers.kill(lr)
 
@@ -175,11 +191,18 @@ class WorkerSupervisor:
         me = self.cfg.node_id
         self.directed_at.setdefault(plan.generation, time.time())  # before the write: workers act on it at once
         directive = Directive(
-            generation=plan.generation, active=me in plan.nodes, ranks=tuple(plan.ranks(me)), group_rank=plan.group_rank(me),
-            world_size=plan.world_size, store=StoreAddress.from_plan(plan.store),
+            generation=plan.generation,
+            active=me in plan.nodes,
+            ranks=tuple(plan.ranks(me)),
+            group_rank=plan.group_rank(me),
+            world_size=plan.world_size,
+            store=StoreAddress.from_plan(plan.store),
             standby=StoreAddress.from_plan(plan.store.get("standby")),
             joiner_ranks=tuple(r for n in plan.joiners for r in plan.ranks(n)),
-            all_fresh=set(plan.joiners) >= set(plan.nodes), planned=plan.planned, live=plan.live, stop=plan.finished,
+            all_fresh=set(plan.joiners) >= set(plan.nodes),
+            planned=plan.planned,
+            live=plan.live,
+            stop=plan.finished,
         )
         self.store.set(directive_key(plan.generation), directive.to_json())
         current = self.store.add(LATEST, 0)
@@ -213,32 +236,43 @@ class WorkerSupervisor:
         ranks = plan.ranks(me) or list(range(cfg.nproc))
         group_rank = plan.group_rank(me)
         env = dict(os.environ)
-        env.update({
-            "LOCAL_RANK": str(local_rank),
-            "RANK": str(ranks[local_rank]),
-            "GROUP_RANK": str(group_rank if group_rank is not None else -1),
-            "ROLE_RANK": str(ranks[local_rank]),
-            "ROLE_NAME": cfg.role,
-            "LOCAL_WORLD_SIZE": str(cfg.nproc),
-            "WORLD_SIZE": str(plan.world_size),
-            "GROUP_WORLD_SIZE": str(len(plan.nodes)),
-            "ROLE_WORLD_SIZE": str(plan.world_size),
-            "MASTER_ADDR": str(plan.store.get("addr", "")),
-            "MASTER_PORT": str(plan.store.get("port", "")),
-            "TORCHELASTIC_RESTART_COUNT": str(self.workers.restarts),  # this agent's, as torchrun
-            "TORCHELASTIC_MAX_RESTARTS": str(cfg.limits.max_restarts),
-            "TORCHELASTIC_RUN_ID": cfg.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(cfg.live_enabled, os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")),
-            "TORCHELASTIC_ERROR_FILE": self.workers.error_file(local_rank),
-        })
+        env.update(
+            {
+                "LOCAL_RANK": str(local_rank),
+                "RANK": str(ranks[local_rank]),
+                "GROUP_RANK": str(group_rank if group_rank is not None else -1),
+                "ROLE_RANK": str(ranks[local_rank]),
+                "ROLE_NAME": cfg.role,
+                "LOCAL_WORLD_SIZE": str(cfg.nproc),
+                "WORLD_SIZE": str(plan.world_size),
+                "GROUP_WORLD_SIZE": str(len(plan.nodes)),
+                "ROLE_WORLD_SIZE": str(plan.world_size),
+                "MASTER_ADDR": str(plan.store.get("addr", "")),
+                "MASTER_PORT": str(plan.store.get("port", "")),
+                "TORCHELASTIC_RESTART_COUNT": str(self.workers.restarts),  # this agent's, as torchrun
+                "TORCHELASTIC_MAX_RESTARTS": str(cfg.limits.max_restarts),
+                "TORCHELASTIC_RUN_ID": cfg.run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(cfg.live_enabled, os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")),
+                "TORCHELASTIC_ERROR_FILE": self.workers.error_file(local_rank),
+            }
+        )
         # Every worker reports to this agent; under --no-live TM_NO_LIVE keeps it in restart
         # mode (tm_launch.init() gives a PlainJob, which never goes live).
         env.pop("TM_NO_LIVE", None)
-        env.update(WorkerEnv(
-            agent_store=f"{cfg.addr}:{self.store.port}", wake=self.wake_socket.address, no_live=not cfg.live_enabled,
-            node_id=me, local_addr=cfg.addr, generation=plan.generation, sandbox=sandbox, sandbox_steps=cfg.sandbox_steps,
-            collective_timeout=cfg.collective_timeout, setup_timeout=cfg.join_timeout,
-            straggler_window=cfg.health.straggler_window if cfg.health else 20,
-        ).tm_variables())
+        env.update(
+            WorkerEnv(
+                agent_store=f"{cfg.addr}:{self.store.port}",
+                wake=self.wake_socket.address,
+                no_live=not cfg.live_enabled,
+                node_id=me,
+                local_addr=cfg.addr,
+                generation=plan.generation,
+                sandbox=sandbox,
+                sandbox_steps=cfg.sandbox_steps,
+                collective_timeout=cfg.collective_timeout,
+                setup_timeout=cfg.join_timeout,
+                straggler_window=cfg.health.straggler_window if cfg.health else 20,
+            ).tm_variables()
+        )
         return env

@@ -23,10 +23,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 from rendezvous.kv import WatchNews
+
 
 class Wakeup:
     """One event the agent waits on, with the names of what set it since the last wait."""
@@ -123,8 +123,7 @@ class StateWatch:
             self._wanted = (scope, revision)
             if scope not in self._streams:
                 self._streams.add(scope)
-                threading.Thread(target=self._follow, args=(scope, open_stream), daemon=True,
-                                 name=f"tm-etcd-watch-{scope}").start()
+                threading.Thread(target=self._follow, args=(scope, open_stream), daemon=True, name=f"tm-etcd-watch-{scope}").start()
                 return
             created, newest = self._known.get(scope, (0, 0))
             news = created > revision or newest > revision

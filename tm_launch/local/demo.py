@@ -40,11 +40,27 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="tm-launch-demo-")
     say("starting a private etcd on loopback")
     with EtcdServer(data_dir=os.path.join(workdir, "etcd")) as etcd:
-        job = LocalJob(endpoint=etcd.endpoint, run_id="demo", workdir=workdir, nnodes="2", nproc=1,
-                       launcher_args=["--max-restarts", "3", "--spares", "1"])
+        job = LocalJob(
+            endpoint=etcd.endpoint,
+            run_id="demo",
+            workdir=workdir,
+            nnodes="2",
+            nproc=1,
+            launcher_args=["--max-restarts", "3", "--spares", "1"],
+        )
         trigger = os.path.join(workdir, "go")
-        job.script_args = ["--steps", str(args.steps), "--step-sleep", "0.05", "--step-log", job.step_log,
-                           "--pause-step", "10", "--pause-file", trigger]
+        job.script_args = [
+            "--steps",
+            str(args.steps),
+            "--step-sleep",
+            "0.05",
+            "--step-log",
+            job.step_log,
+            "--pause-step",
+            "10",
+            "--pause-file",
+            trigger,
+        ]
         try:
             return _run(job, etcd, trigger, args, workdir)
         finally:
@@ -96,8 +112,10 @@ def breakdown_table(parts: dict, step_log_s: float | None) -> list[str]:
     """The downtime phase by phase, one column per node: each column adds up to its total."""
     nodes = sorted(parts["nodes"])
     who = {p["phase"]: p["node"] for p in parts["phases"]}
-    notes = {"detect": f"{who['detect']} reported the failure" if who["detect"] else "",
-             "plan": f"{who['plan']} published the plan" if who["plan"] else ""}
+    notes = {
+        "detect": f"{who['detect']} reported the failure" if who["detect"] else "",
+        "plan": f"{who['plan']} published the plan" if who["plan"] else "",
+    }
 
     def cell(seconds):
         return f"{'-' if seconds is None else f'{seconds:.3f}s':>9}"
@@ -135,19 +153,25 @@ def _report(job: LocalJob, codes: dict, fault_time: float, first: dict, second: 
         if e["kind"] == "entered" and e.get("generation") == 1:
             print(f"  {e['node']:<15}: {e['message']}")
     if d["downtime_s"] is not None:
-        print(f"  downtime       : {d['downtime_s']:.3f}s  (last step every rank finished before the fault, "
-              f"{d['last_step_before']}, to step {d['first_step_after']} finished by every rank after it)")
+        print(
+            f"  downtime       : {d['downtime_s']:.3f}s  (last step every rank finished before the fault, "
+            f"{d['last_step_before']}, to step {d['first_step_after']} finished by every rank after it)"
+        )
     if parts is not None:
         print("\n".join(breakdown_table(parts, d["downtime_s"])))
     print(f"  steps redone   : {d['steps_redone']}  (the interrupted step ran once more; nothing older)")
     for node in sorted(set(first) & set(second)):  # in both plans: a survivor
         before, after = processes(records, first[node], fault_time)
         kept = bool(before) and after == before
-        print(f"  survivor {node:<6}: {'kept its process' if kept else 'process changed'} for rank(s) {first[node]} "
-              f"(pid {before} before the fault, {after} after, from the step log)")
+        print(
+            f"  survivor {node:<6}: {'kept its process' if kept else 'process changed'} for rank(s) {first[node]} "
+            f"(pid {before} before the fault, {after} after, from the step log)"
+        )
     if cold is not None:
-        print(f"  a restart      : >= {cold:.1f}s here just to start cold workers (process start -> first step, measured"
-              " in this run),\n                   plus rendezvous and checkpoint reload (torchrun: see the README's Benchmarks)")
+        print(
+            f"  a restart      : >= {cold:.1f}s here just to start cold workers (process start -> first step, measured"
+            " in this run),\n                   plus rendezvous and checkpoint reload (torchrun: see the README's Benchmarks)"
+        )
     return 0 if ok else 1
 
 

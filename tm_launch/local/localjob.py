@@ -60,13 +60,37 @@ class LocalJob:
         """``wrap``: a command prefix (e.g. ``ip netns exec NS``, which execs: the pid stays the
         agent's); ``extra_args``: launcher options for this node only (e.g. --local-addr)."""
         os.makedirs(self.workdir, exist_ok=True)
-        cmd = [*wrap] + launcher() + [*extra_args,
-            "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc),
-            "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
-            "--node-id", name, "--event-log", os.path.join(self.workdir, f"{name}.events.jsonl"),
-            *self.launcher_args, self.script, *self.script_args,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **self.env, **(extra_env or {})}
+        cmd = (
+            [*wrap]
+            + launcher()
+            + [
+                *extra_args,
+                "--nnodes",
+                self.nnodes,
+                "--nproc-per-node",
+                str(self.nproc),
+                "--rdzv-backend",
+                self.backend,
+                "--rdzv-endpoint",
+                self.endpoint,
+                "--rdzv-id",
+                self.run_id,
+                "--node-id",
+                name,
+                "--event-log",
+                os.path.join(self.workdir, f"{name}.events.jsonl"),
+                *self.launcher_args,
+                self.script,
+                *self.script_args,
+            ]
+        )
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **self.env,
+            **(extra_env or {}),
+        }
         log_path = os.path.join(self.workdir, f"{name}.log")
         proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
         node = Node(name, proc, log_path)
@@ -108,11 +132,18 @@ class LocalJob:
 
     def wait_parked(self, node: str, timeout: float = 120) -> None:
         """Wait until a spare's sandboxed workers have warmed up and parked."""
+
         def parked(s):
             for n in s["nodes"]:
-                if n["id"] == node and n["role"] == "spare" and n["progress"] and all(w.get("state") == "parked" for w in n["progress"].values()):
+                if (
+                    n["id"] == node
+                    and n["role"] == "spare"
+                    and n["progress"]
+                    and all(w.get("state") == "parked" for w in n["progress"].values())
+                ):
                     return True
             return False
+
         self.wait_for(parked, timeout, f"spare {node} to park")
 
     def wait_step(self, step: int, timeout: float = 120) -> None:
@@ -149,7 +180,7 @@ class LocalJob:
                 node.proc.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 self.stop()
-                raise TimeoutError(f"job did not finish in {timeout}s\n{self.logs_tail()}")
+                raise TimeoutError(f"job did not finish in {timeout}s\n{self.logs_tail()}") from None
         return {name: n.proc.returncode for name, n in self.nodes.items()}
 
     def stop(self) -> None:

@@ -22,8 +22,18 @@ import time
 
 import torch.distributed as dist
 
-from ..protocol import (CLOSE, LATEST, Directive, EnteredRecord, FirstStepRecord, StateLostRecord, WorkerEnv, WorkerKeys,
-                        WorkerStatus, directive_key)
+from ..protocol import (
+    CLOSE,
+    LATEST,
+    Directive,
+    EnteredRecord,
+    FirstStepRecord,
+    StateLostRecord,
+    WorkerEnv,
+    WorkerKeys,
+    WorkerStatus,
+    directive_key,
+)
 from ..waits import Every
 
 

@@ -60,8 +60,9 @@ def route_new_group(factory) -> None:
     """``dist.new_group(ranks, ...)`` returns ``factory(ranks)`` (a LiveGroup), or torch's
     non-member marker for ranks outside the group, as torch does."""
 
-    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
-                  group_desc=None, device_id=None):
+    def new_group(
+        ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False, group_desc=None, device_id=None
+    ):
         group = factory(None if ranks is None else sorted(int(r) for r in ranks))
         return group if group.rank() >= 0 else c10d.GroupMember.NON_GROUP_MEMBER
 
@@ -144,7 +145,8 @@ def refuse_rooted_objects_without_peers() -> None:
                     raise NoPeersYet(
                         f"tm-launch: {name} from rank {root if src is None else src} ran before job.steps() on a spare "
                         f"or joining rank, which has no peers yet (its state comes from a live replica): guard it "
-                        f"with `if not job.in_sandbox:` (e.g. loading a checkpoint)")
+                        f"with `if not job.in_sandbox:` (e.g. loading a checkpoint)"
+                    )
             return fn(*args, **kwargs)
 
         return guarded

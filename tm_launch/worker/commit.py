@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -50,11 +50,13 @@ def _write_abort(store: dist.Store, step: int) -> None:
     answers nor refuses, and torch's store client has no timeout for a compare-and-set: the
     directive watcher, or a rank whose step failed, would hang on it for good, and with them
     the move to the next generation."""
+
     def write():
         try:
             store.compare_set(f"{step}/d", "", ABORT.decode())
         except (RuntimeError, dist.DistError):
             pass
+
     threading.Thread(target=write, name="tm-vote-abort", daemon=True).start()
 
 
@@ -73,8 +75,15 @@ class StepCommit:
         self.last_commit_where: tuple | None = None  # the store of the last committed step (per-rank mirrors)
         self.on_slow_vote: Callable[[bool], None] = lambda waiting: None  # True: still waiting after _SLOW_VOTE; False: decided
 
-    def use(self, store: dist.Store | None, rank: int, world: int, generation: int, where: tuple | None = None,
-            abort_store: dist.Store | None = None) -> None:
+    def use(
+        self,
+        store: dist.Store | None,
+        rank: int,
+        world: int,
+        generation: int,
+        where: tuple | None = None,
+        abort_store: dist.Store | None = None,
+    ) -> None:
         """Generation ``generation``'s store (None: the sandbox, where every step commits
         locally); ``where``: (generation, address, port) of that store, for joiners;
         ``abort_store``: the same store on a connection of its own, for the watcher thread's
@@ -98,15 +107,17 @@ class StepCommit:
                 return
         _write_abort(store, step)
 
-    def decide(self, ok: bool, newer_generation, mirror: tuple[int, bytes] | None = None,
-               peer_gone: Callable[[], bool] | None = None) -> bool:
+    def decide(
+        self, ok: bool, newer_generation, mirror: tuple[int, bytes] | None = None, peer_gone: Callable[[], bool] | None = None
+    ) -> bool:
         """Vote once per step; later calls return the same decision. ``mirror``: this rank's
         per-rank state after the step, (tag, record), written before the vote counts;
         ``peer_gone``: whether an unplanned newer generation is known (the vote may then walk
         away from a store that does not answer; default ``newer_generation``)."""
         if self.decision is None:
-            self.decision = True if self.store is None else self._vote_or_walk_away(ok, newer_generation, mirror,
-                                                                                   peer_gone or newer_generation)
+            self.decision = (
+                True if self.store is None else self._vote_or_walk_away(ok, newer_generation, mirror, peer_gone or newer_generation)
+            )
             if self.decision and self.store is not None:
                 self.last_commit_where = self.where
                 if self.step % self.world == self.rank and self.step >= 2:
@@ -128,6 +139,7 @@ class StepCommit:
                 box["decision"] = self._vote(ok, newer_generation, mirror)
             except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
                 box["error"] = e
+
         voter = threading.Thread(target=run, name="tm-vote", daemon=True)
         voter.start()
         newer_since = None

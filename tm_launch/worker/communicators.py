@@ -56,8 +56,10 @@ def devices_for(backend: str | None, local_rank: int, cuda_count: int) -> tuple[
     elif ":" in spelled:
         pairs = [item.split(":") for item in spelled.split(",")]
         if any(len(p) != 2 or LIVE_PAIRS.get(p[0]) != p[1] for p in pairs):
-            raise ValueError(f"tm-launch live mode runs {','.join(f'{d}:{b}' for d, b in LIVE_PAIRS.items())}; "
-                             f"backend={backend!r} is not one of those pairings")
+            raise ValueError(
+                f"tm-launch live mode runs {','.join(f'{d}:{b}' for d, b in LIVE_PAIRS.items())}; "
+                f"backend={backend!r} is not one of those pairings"
+            )
         wants_cuda = any(dev == "cuda" for dev, _ in pairs)
     elif spelled in ("gloo", "nccl"):
         wants_cuda = spelled == "nccl"
@@ -120,8 +122,7 @@ def gloo_devices(hostname: str | None) -> list:
     return [ProcessGroupGloo.create_default_device()]
 
 
-def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeout_s: float,
-          hostname: str | None):
+def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeout_s: float, hostname: str | None):
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
@@ -143,8 +144,7 @@ def _nccl_options(timeout_s: float, name: str):
     return opts
 
 
-def _nccl(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float,
-          setup_timeout_s: float, name: str):
+def _nccl(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float, setup_timeout_s: float, name: str):
     from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
     # Read once per process by torch, at the first non-blocking wait: bound it by the set-up
@@ -178,8 +178,9 @@ def _assemble(store: dist.Store, rank: int, size: int, gloo, nccl, device, name:
     return pg
 
 
-def build(store: dist.Store, rank: int, size: int, *, devices, timeout_s: float,
-          setup_timeout_s: float, hostname: str | None = None) -> dist.ProcessGroup:
+def build(
+    store: dist.Store, rank: int, size: int, *, devices, timeout_s: float, setup_timeout_s: float, hostname: str | None = None
+) -> dist.ProcessGroup:
     """A communicator for ``size`` ranks bootstrapped through ``store`` (a fresh PrefixStore of
     this generation): gloo always, NCCL too when ``devices`` names a CUDA device and CUDA is
     usable. Blocks until gloo has connected every pair (at most ``setup_timeout_s``)."""
@@ -268,8 +269,9 @@ def wait_released(timeout_s: float = 30.0) -> bool:
     return not any(t.is_alive() for t in pending)
 
 
-def shrink(pg: dist.ProcessGroup, exclude: list[int], store: dist.Store, *, timeout_s: float,
-           setup_timeout_s: float, hostname: str | None = None) -> dist.ProcessGroup:
+def shrink(
+    pg: dist.ProcessGroup, exclude: list[int], store: dist.Store, *, timeout_s: float, setup_timeout_s: float, hostname: str | None = None
+) -> dist.ProcessGroup:
     """``pg`` without the ranks ``exclude`` (group ranks), for a group that only loses members;
     survivors keep their order, so rank r becomes r minus the excluded ranks below it. Only
     survivors call it. ``store`` is a fresh prefix for this generation.

@@ -20,8 +20,7 @@ def gpu_memory(device=None) -> dict:
     """Bytes on ``device``: the allocator's live tensors and its reserved pool, and what the
     whole GPU has in use (every process, contexts and NCCL buffers included)."""
     free, total = torch.cuda.mem_get_info(device)
-    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
-            "device_used": total - free}
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device), "device_used": total - free}
 
 
 def leave_no_trace(device=None) -> dict | None:

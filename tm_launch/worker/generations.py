@@ -111,16 +111,16 @@ class Generations:
         name = "world" if ranks is None else "sub-" + "-".join(map(str, ranks))
         store = dist.PrefixStore(f"tm/g{gen}/{name}/", self.store(d.store))
         rank, size = (global_rank, d.world_size) if ranks is None else (ranks.index(global_rank), len(ranks))
-        return communicators.build(store, rank, size, devices=self.devices, timeout_s=self._timeout,
-                                   setup_timeout_s=self._setup_timeout, hostname=self._addr)
+        return communicators.build(
+            store, rank, size, devices=self.devices, timeout_s=self._timeout, setup_timeout_s=self._setup_timeout, hostname=self._addr
+        )
 
     def abort_changed(self, d: Directive) -> list:
         """Directive watcher, unplanned generation ``d``: abort the NCCL communicators of every
         group whose membership ``d`` changes (``LiveGroup.abort_soon``: off this thread, only
         communicators of older generations; gloo ones are left as before). The groups aborted."""
         rank, old_rank = d.rank_of(self.local_rank), self.state.rank
-        return [g for g in self.state.groups
-                if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d.generation)]
+        return [g for g in self.state.groups if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d.generation)]
 
     def _build_in_background(self, ranks, global_rank: int, gen: int, d: Directive) -> tuple:
         """``build`` in a daemon thread: (thread, box); the box gets ``pg`` or ``error``."""
@@ -131,6 +131,7 @@ class Generations:
                 box["pg"] = self.build(ranks, global_rank, gen, d)
             except BaseException as e:  # noqa: BLE001 -- handed to the thread that waits for it
                 box["error"] = e
+
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
         return thread, box
@@ -263,17 +264,30 @@ class Generations:
         state.world.swap(inner, rank, world, gen)
         c10d_glue.register(state.world, range(world))
         self._rebuild_subgroups(d, rank, old_rank)
-        state.commit.use(commit_store(self.store(d.store), gen), rank, world, gen,
-                         where=(gen, d.store.addr, d.store.port),
-                         abort_store=commit_store(self.store(d.store), gen))
+        state.commit.use(
+            commit_store(self.store(d.store), gen),
+            rank,
+            world,
+            gen,
+            where=(gen, d.store.addr, d.store.port),
+            abort_store=commit_store(self.store(d.store), gen),
+        )
         t_comm = time.perf_counter()
         received = self._agree_and_transfer(inner, rank, world) if agree else False
         state.in_sandbox = False
         t_done = time.perf_counter()
-        self.agent.report_entered(gen, EnteredRecord(
-            communicator=t_comm - t0, state=t_done - t_comm, received=received, step=state.step,
-            began=began, last_step_at=state.step_done_at,  # wall clock: tm_launch.joblog
-            store_connects=self.clients.opened_on_demand - connects_before))
+        self.agent.report_entered(
+            gen,
+            EnteredRecord(
+                communicator=t_comm - t0,
+                state=t_done - t_comm,
+                received=received,
+                step=state.step,
+                began=began,
+                last_step_at=state.step_done_at,  # wall clock: tm_launch.joblog
+                store_connects=self.clients.opened_on_demand - connects_before,
+            ),
+        )
         self.status.report(force=True)
         # The next change's connections, opened now that nothing waits for them: to this store,
         # and to the one that takes over if this store's node is lost.
@@ -301,8 +315,14 @@ class Generations:
         states = {name: obj.state_dict() for name, obj in state.objects.items()}
         modules = {name for name, obj in state.objects.items() if isinstance(obj, torch.nn.Module)}
         structure, values = fingerprints(states, modules)
-        mine = Holding(rank, -1 if state.step is None else state.step, replica_set(states, state.declared, rank, world), structure, values,
-                       mirrors=state.commit.last_commit_where)
+        mine = Holding(
+            rank,
+            -1 if state.step is None else state.step,
+            replica_set(states, state.declared, rank, world),
+            structure,
+            values,
+            mirrors=state.commit.last_commit_where,
+        )
         del states
         holdings = allgather_objects(pg, world, mine)
         plan = plan_transfer(holdings)
@@ -311,11 +331,17 @@ class Generations:
             raise StateLost(
                 f"ranks {a} and {b} should hold the same state (the registered objects are declared replicated across "
                 f"them) but it differs at step {plan.step}: declare which ranks replicate it, e.g. "
-                f"job.register(model=m, replicas=dp_group)", plan.step, [a, b])
+                f"job.register(model=m, replicas=dp_group)",
+                plan.step,
+                [a, b],
+            )
         if plan.missing:
             raise StateLost(
                 f"no live rank holds the state of rank(s) {plan.missing} at step {plan.step} (every replica is gone, or the "
-                f"layout has none, e.g. FSDP without replicas)", plan.step, plan.missing)
+                f"layout has none, e.g. FSDP without replicas)",
+                plan.step,
+                plan.missing,
+            )
         if plan.step < 0:
             raise StateLost("no live rank holds any training state (every process of this generation is new)", -1, list(range(world)))
         what = "+".join(sorted(state.objects)) or "nothing registered"
@@ -323,7 +349,9 @@ class Generations:
             if src == rank:
                 t0 = time.perf_counter()
                 sent = send_state(pg, dst, state.objects, state.step)
-                log(f"sent the training state of step {state.step} ({what}, {human_size(sent)}) to rank {dst} in {(time.perf_counter() - t0) * 1000:.0f} ms")
+                log(
+                    f"sent the training state of step {state.step} ({what}, {human_size(sent)}) to rank {dst} in {(time.perf_counter() - t0) * 1000:.0f} ms"
+                )
         if rank in plan.sources:
             src = plan.sources[rank]
             t0 = time.perf_counter()
@@ -331,7 +359,9 @@ class Generations:
             # transfer cut short never makes it a source of half-written state.
             state.step = None
             step, got = recv_state(pg, src, state.objects)
-            log(f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms")
+            log(
+                f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms"
+            )
             lost = state.per_rank.fetch(holdings[src].mirrors, rank, step)
             if lost:
                 raise StateLost(f"{lost}: its RNG or data position exists nowhere else", step, [rank])

@@ -179,8 +179,15 @@ class LocalBackend:
 class LiveGroup(dist.ProcessGroup):
     """A process group whose membership is fixed in global ranks and whose communicator is not."""
 
-    def __init__(self, ranks: tuple[int, ...] | None, rank: int, size: int, poison: StepPoison, name: str = "tm-world",
-                 backend: tuple[str, str] = ("gloo", "cpu:gloo")):
+    def __init__(
+        self,
+        ranks: tuple[int, ...] | None,
+        rank: int,
+        size: int,
+        poison: StepPoison,
+        name: str = "tm-world",
+        backend: tuple[str, str] = ("gloo", "cpu:gloo"),
+    ):
         super().__init__(max(rank, 0), size)
         self.member_ranks = ranks  # None: the world group
         self._rank, self._size = rank, size
@@ -357,10 +364,25 @@ def _local_name(name: str) -> str:
 
 
 COLLECTIVES = (
-    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-    "reduce_scatter_tensor_coalesced", "alltoall_base", "alltoall", "barrier", "reduce", "gather", "scatter",
-    "send", "recv", *ALIASES,
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced",
+    "alltoall_base",
+    "alltoall",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    *ALIASES,
 )
 
 
@@ -383,7 +405,7 @@ class _SettledWork(dist.Work):
     """A work whose failure poisons the step instead of raising (for backends whose works have
     no future, e.g. gloo's reduce-scatter)."""
 
-    def __init__(self, work: dist.Work, group: "LiveGroup", result, generation: int):
+    def __init__(self, work: dist.Work, group: LiveGroup, result, generation: int):
         super().__init__()
         self._work, self._group, self._result, self._generation = work, group, result, generation
         self._waited = False
@@ -414,7 +436,7 @@ class _SettledWork(dist.Work):
         return fut
 
 
-def _guarded(work: dist.Work, group: "LiveGroup", result, generation: int) -> dist.Work:
+def _guarded(work: dist.Work, group: LiveGroup, result, generation: int) -> dist.Work:
     """A work that completes even when the real one fails; the failure poisons the step."""
 
     def settle(fut):

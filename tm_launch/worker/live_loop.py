@@ -27,8 +27,10 @@ def live_job():
     from . import runtime  # the worker runtime, imported only where a worker goes live
 
     if runtime._LIVE is None and dist.is_initialized():
-        raise RuntimeError("tm-launch: the process group was started before tm_launch.init(); call tm_launch.init() "
-                           "first in the script (before TrainingArguments or Accelerator, which start one of their own)")
+        raise RuntimeError(
+            "tm-launch: the process group was started before tm_launch.init(); call tm_launch.init() "
+            "first in the script (before TrainingArguments or Accelerator, which start one of their own)"
+        )
     job = runtime.init()
     return job if isinstance(job, runtime.LiveJob) else None
 
@@ -58,8 +60,10 @@ class LiveLoop:
         while True:
             step = next(self._steps)
             if step != framework_step:
-                raise RuntimeError(f"tm-launch: the job is at step {step} but the framework at {framework_step}: one "
-                                   "optimizer step per batch (no gradient accumulation) is required for live mode")
+                raise RuntimeError(
+                    f"tm-launch: the job is at step {step} but the framework at {framework_step}: one "
+                    "optimizer step per batch (no gradient accumulation) is required for live mode"
+                )
             if self._generation is not None and self._generation != self.job.generation and on_new_generation:
                 on_new_generation()
             self._generation = self.job.generation
@@ -86,10 +90,17 @@ def new_ddp_like(old: DistributedDataParallel) -> DistributedDataParallel:
     same step. ``old``'s autograd hooks are removed (it must not reduce again)."""
     old._remove_autograd_hooks()
     return DistributedDataParallel(
-        old.module, device_ids=old.device_ids, output_device=old.output_device, dim=old.dim,
-        process_group=old.process_group, bucket_cap_mb=old.bucket_bytes_cap / 2**20,
-        find_unused_parameters=old.find_unused_parameters, gradient_as_bucket_view=old.gradient_as_bucket_view,
-        static_graph=old.static_graph, forward_sync_buffers=old.forward_sync_buffers, init_sync=False,
+        old.module,
+        device_ids=old.device_ids,
+        output_device=old.output_device,
+        dim=old.dim,
+        process_group=old.process_group,
+        bucket_cap_mb=old.bucket_bytes_cap / 2**20,
+        find_unused_parameters=old.find_unused_parameters,
+        gradient_as_bucket_view=old.gradient_as_bucket_view,
+        static_graph=old.static_graph,
+        forward_sync_buffers=old.forward_sync_buffers,
+        init_sync=False,
     )
 
 
@@ -99,8 +110,6 @@ def gain_methods(obj, methods: dict) -> None:
     ``__class__`` change to a class whose bases differ in layout from the object's own."""
     cls = type(obj)
     obj.__class__ = type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__, "__slots__": ()})
-
-
 
 
 def keep_rng_across_iterators(loader):

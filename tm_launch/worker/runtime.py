@@ -78,7 +78,7 @@ def die_with_parent() -> None:
         pass
 
 
-_LIVE: "LiveJob | None" = None  # one per process: a script run again after a rank change gets it back
+_LIVE: LiveJob | None = None  # one per process: a script run again after a rank change gets it back
 
 
 def freeze_what_exists() -> None:
@@ -92,6 +92,7 @@ def freeze_what_exists() -> None:
     collection and its scan cost ~30 ms each. The import costs ~0.7 s here, at the worker's
     start; a script that builds a DDP (or compiles) pays it anyway."""
     import torch._dynamo  # noqa: F401
+
     gc.collect()
     gc.freeze()
 
@@ -241,6 +242,7 @@ class LiveJob:
         # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
         # layouts, and the module's first import costs ~0.5-0.9 s on a loaded 2-core machine.
         import torch.distributed.tensor  # noqa: F401
+
         if env.sandbox:
             freeze_what_exists()
         c10d_glue.refuse_rooted_objects_without_peers()
@@ -335,8 +337,14 @@ class LiveJob:
         ``dist.new_group`` and ``init_device_mesh`` come here too in live mode."""
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(sorted(int(r) for r in ranks))
         me = self.rank
-        sub = LiveGroup(ranks, ranks.index(me) if me in ranks else -1, len(ranks), self.state.poison, name=c10d_glue.unique_name(ranks),
-                        backend=self._c10d_names)
+        sub = LiveGroup(
+            ranks,
+            ranks.index(me) if me in ranks else -1,
+            len(ranks),
+            self.state.poison,
+            name=c10d_glue.unique_name(ranks),
+            backend=self._c10d_names,
+        )
         if me in ranks:
             if isinstance(self.group.inner, LocalBackend):
                 sub.swap(LocalBackend(sub.rank(), len(ranks)), sub.rank(), len(ranks), -1)
@@ -522,8 +530,10 @@ class LiveJob:
             return
         left = cuda_warmup.leave_no_trace()  # None: CUDA never used here
         if left is not None:
-            log(f"warm-up done: CUDA pools released, {human_size(left['allocated'])} allocated "
-                f"({human_size(left['reserved'])} reserved) for the model and optimizer")
+            log(
+                f"warm-up done: CUDA pools released, {human_size(left['allocated'])} allocated "
+                f"({human_size(left['reserved'])} reserved) for the model and optimizer"
+            )
 
     def _effect_allowed(self) -> bool:
         """The current step's job-wide decision (voted on first use); outside a step, True."""
@@ -538,8 +548,7 @@ class LiveJob:
                 torch.cuda.synchronize()  # a step commits only once its GPU work is complete
             ok = not state.poison.active
             mirror = state.per_rank.vote_mirror(state.commit.step) if ok else None
-            if not state.commit.decide(ok, lambda: self.agent.latest() > self.generation, mirror,
-                                       peer_gone=self._unplanned_newer) and ok:
+            if not state.commit.decide(ok, lambda: self.agent.latest() > self.generation, mirror, peer_gone=self._unplanned_newer) and ok:
                 state.poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
         return bool(state.commit.decision)
 
@@ -556,7 +565,8 @@ class LiveJob:
         if not any(optimizer is obj for obj in self.state.carried()):
             raise RuntimeError(
                 f"tm-launch: an optimizer ({type(optimizer).__name__}) stepped in job.steps() but is not registered: a rank "
-                "that joins would not receive its state. Register it: job.register(optimizer=opt)")
+                "that joins would not receive its state. Register it: job.register(optimizer=opt)"
+            )
         if not self._effect_allowed():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -582,8 +592,11 @@ class LiveJob:
         if state.poison.active:
             error = first_line(state.poison.error)
             self.status.recovering(f"a collective failed ({error})")
-            what = ("committed; a collective after its commit failed" if state.commit.decision
-                    else "interrupted, nothing applied; it runs again")
+            what = (
+                "committed; a collective after its commit failed"
+                if state.commit.decision
+                else "interrupted, nothing applied; it runs again"
+            )
             log(f"step {state.commit.step} {what} ({error}); waiting for the next generation")
             state.clear_step_effects()
             for g in state.groups:
@@ -697,7 +710,8 @@ def _guard(obj, method: str, allowed, on_skip) -> None:
 def _reset_scaler(scaler) -> None:
     """A skipped ``GradScaler.update()`` must still forget the step's per-optimizer records, or
     the step's re-run fails with 'step() has already been called since the last update()'."""
-    from torch.amp.grad_scaler import _refresh_per_optimizer_state
     from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)

@@ -61,7 +61,9 @@ class StepStats:
 
     def report(self, step: int | None) -> dict:
         return {
-            "step_time": self.median(), "step_times": self.step_times[-20:], "steps_run": len(self.step_times),
+            "step_time": self.median(),
+            "step_times": self.step_times[-20:],
+            "steps_run": len(self.step_times),
             "compute": self.compute[-20:],
             # completed straggler windows only: {window index: summed compute seconds}
             "windows": {str(w): c for w, c in self.windows.items() if step is not None and (w + 1) * self.window <= step},
@@ -105,11 +107,20 @@ class LiveStatus:
             return
         self._written_at = now
         rank, generation, step = self._where()
-        self.agent.report_status(WorkerStatus(
-            state=self.state, step=step, generation=generation, rank=rank, time=now, pid=os.getpid(),
-            waiting_for_peers=self.waiting_for_peers, why=self.why if self.state == WorkerState.RECOVERING else "",
-            **self.stats.report(step),
-        ), wake=force)
+        self.agent.report_status(
+            WorkerStatus(
+                state=self.state,
+                step=step,
+                generation=generation,
+                rank=rank,
+                time=now,
+                pid=os.getpid(),
+                waiting_for_peers=self.waiting_for_peers,
+                why=self.why if self.state == WorkerState.RECOVERING else "",
+                **self.stats.report(step),
+            ),
+            wake=force,
+        )
 
 
 class StepReporter:
@@ -125,7 +136,7 @@ class StepReporter:
         self.agent_gone = False
 
     @classmethod
-    def from_env(cls, env: WorkerEnv) -> "StepReporter":
+    def from_env(cls, env: WorkerEnv) -> StepReporter:
         from .agent_client import AgentClient
 
         return cls(AgentClient(env), env.rank, env.generation, env.straggler_window)
@@ -160,9 +171,18 @@ class StepReporter:
         self.state, self.written_at = state, now
         step = self.last[0] if self.last else None
         try:
-            self.agent.report_status(WorkerStatus(
-                state=state, step=step, generation=self.generation, rank=self.rank, time=now, pid=os.getpid(),
-                mode="restart", **self.stats.report(step)))
+            self.agent.report_status(
+                WorkerStatus(
+                    state=state,
+                    step=step,
+                    generation=self.generation,
+                    rank=self.rank,
+                    time=now,
+                    pid=os.getpid(),
+                    mode="restart",
+                    **self.stats.report(step),
+                )
+            )
         except Exception:  # the agent is gone: reporting must never break the training loop
             self.agent_gone = True
 

@@ -41,8 +41,9 @@ _BACKGROUND_CONNECT = datetime.timedelta(seconds=30)
 RESOLVER_PROOF = datetime.timedelta(seconds=15)
 
 
-def open_client(addr: str, port: int, timeout: datetime.timedelta, connect_timeout: datetime.timedelta = RESOLVER_PROOF,
-                probe: bool = True) -> dist.TCPStore:
+def open_client(
+    addr: str, port: int, timeout: datetime.timedelta, connect_timeout: datetime.timedelta = RESOLVER_PROOF, probe: bool = True
+) -> dist.TCPStore:
     """A TCPStore client of ``addr:port`` whose waits default to ``timeout``. With ``probe``, a
     store whose node is gone is known at once (a plain connect, refused: ``OSError``), where
     torch's client would retry the refusal for all of ``connect_timeout``."""

@@ -86,8 +86,7 @@ def flatten(obj, tensors: list, nccl_device: torch.device | None = None):
             layout = (obj.device_mesh.mesh_dim_names, tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
             obj = obj.to_local()
         tensors.append(obj.detach().contiguous())
-        return (TENSOR, len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""), layout,
-                wire_for(obj.device, nccl_device))
+        return (TENSOR, len(tensors) - 1, tuple(obj.shape), str(obj.dtype).replace("torch.", ""), layout, wire_for(obj.device, nccl_device))
     if isinstance(obj, dict):
         return {k: flatten(v, tensors, nccl_device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -176,9 +175,14 @@ def fits(placeholder: tuple, mine) -> bool:
         mine = mine.to_local()
     elif layout is not None:
         return False
-    return (type(mine) in (torch.Tensor, torch.nn.Parameter) and mine.layout == torch.strided
-            and mine.device.type in ("cpu", "cuda") and tuple(mine.shape) == tuple(shape)
-            and str(mine.dtype).replace("torch.", "") == dtype and mine.is_contiguous())
+    return (
+        type(mine) in (torch.Tensor, torch.nn.Parameter)
+        and mine.layout == torch.strided
+        and mine.device.type in ("cpu", "cuda")
+        and tuple(mine.shape) == tuple(shape)
+        and str(mine.dtype).replace("torch.", "") == dtype
+        and mine.is_contiguous()
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -261,8 +265,9 @@ def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
     own = {name: obj.state_dict() for name, obj in objects.items()}
     meshes, device = _own_layout(own)
     in_place = {name for name, obj in objects.items() if loads_in_place(obj)}
-    targets = receive_targets({k: v for k, v in header["skeleton"].items() if k in in_place},
-                              {k: v for k, v in own.items() if k in in_place})
+    targets = receive_targets(
+        {k: v for k, v in header["skeleton"].items() if k in in_place}, {k: v for k, v in own.items() if k in in_place}
+    )
     nccl = communicators.nccl_device(pg)
     tensors = [None] * header["count"]
     ordered = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
@@ -289,8 +294,12 @@ def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
                 if layout is not None:
                     names, placements, global_shape, global_stride = layout
                     if names not in meshes:
-                        raise RuntimeError(f"rank {src} sent a DTensor on a mesh with dims {names}, which this rank's registered state does not use")
-                    t = DTensor.from_local(t, meshes[names], placements, run_check=False, shape=torch.Size(global_shape), stride=global_stride)
+                        raise RuntimeError(
+                            f"rank {src} sent a DTensor on a mesh with dims {names}, which this rank's registered state does not use"
+                        )
+                    t = DTensor.from_local(
+                        t, meshes[names], placements, run_check=False, shape=torch.Size(global_shape), stride=global_stride
+                    )
         progress(torch.Size(shape).numel() * getattr(torch, dtype).itemsize)
         tensors[index] = t
     for name, skeleton in header["skeleton"].items():
@@ -330,7 +339,7 @@ def plan_transfer(holdings: list[Holding]) -> TransferPlan:
     holders = [h for h in holdings if h.step == best]
     plan = TransferPlan(step=best)
     for i, a in enumerate(holders):
-        for b in holders[i + 1:]:
+        for b in holders[i + 1 :]:
             if b.rank in a.replicas and a.rank in b.replicas and (a.values, a.structure) != (b.values, b.structure):
                 plan.conflicts.append((a.rank, b.rank))
     load = {h.rank: 0 for h in holders}

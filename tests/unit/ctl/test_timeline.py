@@ -11,21 +11,27 @@ import pytest
 from tm_launch.ctl.timeline import build, by_generation, label_rows
 
 
-@pytest.mark.parametrize("xs, gap, rows", [
-    ([], 1.0, []),
-    ([0, 5, 10], 1.0, [0, 0, 0]),
-    ([0, 0.5, 0.7, 5], 1.0, [0, 1, 2, 0]),
-    ([0, 0.5, 1.2, 1.3], 1.0, [0, 1, 0, 2]),
-])
+@pytest.mark.parametrize(
+    "xs, gap, rows",
+    [
+        ([], 1.0, []),
+        ([0, 5, 10], 1.0, [0, 0, 0]),
+        ([0, 0.5, 0.7, 5], 1.0, [0, 1, 2, 0]),
+        ([0, 0.5, 1.2, 1.3], 1.0, [0, 1, 0, 2]),
+    ],
+)
 def test_label_rows_never_put_close_labels_on_one_row(xs, gap, rows):
     assert label_rows(xs, gap) == rows
 
 
-@pytest.mark.parametrize("gens, runs", [
-    ([], []),
-    ([0, 0, 0], [[0, 0, 0]]),
-    ([0, 0, 1, 1, 2], [[0, 0], [1, 1], [2]]),  # no line drawn across a generation change
-])
+@pytest.mark.parametrize(
+    "gens, runs",
+    [
+        ([], []),
+        ([0, 0, 0], [[0, 0, 0]]),
+        ([0, 0, 1, 1, 2], [[0, 0], [1, 1], [2]]),  # no line drawn across a generation change
+    ],
+)
 def test_by_generation_cuts_a_ranks_samples_at_each_generation_change(gens, runs):
     samples = [{"generation": g, "step": i} for i, g in enumerate(gens)]
     assert [[s["generation"] for s in run] for run in by_generation(samples)] == runs
@@ -36,14 +42,24 @@ def test_build_downtime_from_fault_to_entry():
     t0 = 1000.0
     history = [
         {"generation": 0, "created": t0, "cause": "initial rendezvous", "state": "running", "nodes": ["a", "b"]},
-        {"generation": 1, "created": t0 + 10.5, "cause": "b: worker 0 killed by SIGKILL", "state": "running", "live": True,
-         "replaced": {"c": "b"}, "nodes": ["a", "c"]},
+        {
+            "generation": 1,
+            "created": t0 + 10.5,
+            "cause": "b: worker 0 killed by SIGKILL",
+            "state": "running",
+            "live": True,
+            "replaced": {"c": "b"},
+            "nodes": ["a", "c"],
+        },
         {"generation": 2, "created": t0 + 20.0, "cause": "a: drain (operator)", "state": "running", "live": True, "planned": True},
         {"generation": 3, "created": t0 + 30.0, "cause": "all workers finished", "state": "succeeded"},
     ]
     reports = {0: {"b": {"kind": "signal", "time": t0 + 10.0}, "a": {"kind": "exit", "time": t0 + 10.2}}}
-    events = [{"kind": "entered", "generation": 1, "after_plan_s": 0.5}, {"kind": "entered", "generation": 1, "after_plan_s": 1.5},
-              {"kind": "entered", "generation": 2, "after_plan_s": 0.25}]
+    events = [
+        {"kind": "entered", "generation": 1, "after_plan_s": 0.5},
+        {"kind": "entered", "generation": 1, "after_plan_s": 1.5},
+        {"kind": "entered", "generation": 2, "after_plan_s": 0.25},
+    ]
     steps = {"a": [[t0 + 1, 0, 0, 10, 0.1, "running"], [t0 + 2, 0, 0, 20, 0.1, "parked"], [t0 + 13, 1, 0, 30, 0.1, "running"]]}
     data = build("r", history, reports, events, steps)
     by_gen = {g["generation"]: g for g in data["generations"]}
@@ -58,11 +74,15 @@ def test_build_restart_mode_downtime_from_the_step_series():
     """Restart mode has no ``entered`` events: the workers run again at the first sample of the
     new generation that ran a step (the step count starts again from the checkpoint)."""
     t0 = 1000.0
-    history = [{"generation": 0, "created": t0, "state": "running"},
-               {"generation": 1, "created": t0 + 10.1, "cause": "b: worker 0 killed by SIGKILL", "state": "running"}]
+    history = [
+        {"generation": 0, "created": t0, "state": "running"},
+        {"generation": 1, "created": t0 + 10.1, "cause": "b: worker 0 killed by SIGKILL", "state": "running"},
+    ]
     reports = {0: {"b": {"kind": "signal", "time": t0 + 10.0}}}
-    steps = {"a": [[t0 + 9, 0, 0, 42, 0.02, "running"], [t0 + 16, 1, 0, 41, None, "running"], [t0 + 17, 1, 0, 80, 0.02, "running"]],
-             "b": [[t0 + 9, 0, 1, 43, 0.02, "running"], [t0 + 16.5, 1, 1, 41, None, "running"]]}
+    steps = {
+        "a": [[t0 + 9, 0, 0, 42, 0.02, "running"], [t0 + 16, 1, 0, 41, None, "running"], [t0 + 17, 1, 0, 80, 0.02, "running"]],
+        "b": [[t0 + 9, 0, 1, 43, 0.02, "running"], [t0 + 16.5, 1, 1, 41, None, "running"]],
+    }
     data = build("r", history, reports, [], steps)
     change = data["generations"][1]
     assert (change["live"], change["kind"], change["downtime_s"]) == (False, "signal", 6.0)

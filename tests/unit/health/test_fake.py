@@ -1,4 +1,5 @@
 """The scripted fake NVML: pynvml's real classes and structures, a timeline, validation."""
+
 import ctypes
 import threading
 import time
@@ -30,11 +31,13 @@ def test_structures_and_handles_are_pynvml_ones():
     assert isinstance(h, pynvml.c_nvmlDevice_t)
     assert f.nvmlDeviceGetHandleByUUID(f.nvmlDeviceGetUUID(h)) is h
     assert f.nvmlDeviceGetIndex(h) == 1 and f.nvmlDeviceGetCount() == 2
-    values = f.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,
-                                            pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, 9999])
+    values = f.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, 9999])
     assert isinstance(values[0], pynvml.c_nvmlFieldValue_t)
-    assert (values[0].nvmlReturn, values[0].valueType, values[0].value.ullVal) == \
-        (pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 0)
+    assert (values[0].nvmlReturn, values[0].valueType, values[0].value.ullVal) == (
+        pynvml.NVML_SUCCESS,
+        pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+        0,
+    )
     assert values[1].valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
     assert values[2].nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
     es = f.nvmlEventSetCreate()
@@ -64,10 +67,17 @@ def test_uninitialized_and_constants_and_unimplemented():
 
 def test_spec_example_timeline():
     clock = Clock()
-    f = fake({"gpus": 1, "events": [
-        {"at": 5.0, "gpu": 0, "xid": 79},
-        {"at": 6.0, "gpu": 0, "field": "NVML_FI_DEV_ECC_DBE_VOL_TOTAL", "value": 1},
-        {"at": 7.0, "gpu": 0, "raise": "NVMLError_GpuIsLost"}]}, clock)
+    f = fake(
+        {
+            "gpus": 1,
+            "events": [
+                {"at": 5.0, "gpu": 0, "xid": 79},
+                {"at": 6.0, "gpu": 0, "field": "NVML_FI_DEV_ECC_DBE_VOL_TOTAL", "value": 1},
+                {"at": 7.0, "gpu": 0, "raise": "NVMLError_GpuIsLost"},
+            ],
+        },
+        clock,
+    )
     f.nvmlInit()
     h = f.nvmlDeviceGetHandleByIndex(0)
     dbe = [pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL]
@@ -76,33 +86,39 @@ def test_spec_example_timeline():
     clock.t = 6.0
     assert f.nvmlDeviceGetFieldValues(h, dbe)[0].value.ullVal == 1
     clock.t = 7.0
-    for _ in range(3):   # persistent: a lost GPU stays lost
+    for _ in range(3):  # persistent: a lost GPU stays lost
         with pytest.raises(pynvml.NVMLError_GpuIsLost) as e:
             f.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
         assert isinstance(e.value, pynvml.NVMLError) and e.value.value == pynvml.NVML_ERROR_GPU_IS_LOST
-    f.nvmlDeviceGetCount()   # device-less calls are not affected by a per-GPU rule
+    f.nvmlDeviceGetCount()  # device-less calls are not affected by a per-GPU rule
 
 
 def test_raise_forms_call_count_and_clear():
     clock = Clock()
-    f = fake({"gpus": 2, "events": [
-        {"at": 1, "gpu": 0, "raise": "NVML_ERROR_UNKNOWN", "call": "nvmlDeviceGetRemappedRows",
-         "count": 2},
-        {"at": 1, "gpu": 1, "raise": 3},
-        {"at": 2, "gpu": 1, "raise": None},
-        {"at": 3, "raise": "NVMLError_DriverNotLoaded"}]}, clock)
+    f = fake(
+        {
+            "gpus": 2,
+            "events": [
+                {"at": 1, "gpu": 0, "raise": "NVML_ERROR_UNKNOWN", "call": "nvmlDeviceGetRemappedRows", "count": 2},
+                {"at": 1, "gpu": 1, "raise": 3},
+                {"at": 2, "gpu": 1, "raise": None},
+                {"at": 3, "raise": "NVMLError_DriverNotLoaded"},
+            ],
+        },
+        clock,
+    )
     f.nvmlInit()
     h0, h1 = f.nvmlDeviceGetHandleByIndex(0), f.nvmlDeviceGetHandleByIndex(1)
     clock.t = 1
-    f.nvmlDeviceGetPcieReplayCounter(h0)                 # other calls fine
+    f.nvmlDeviceGetPcieReplayCounter(h0)  # other calls fine
     for _ in range(2):
         with pytest.raises(pynvml.NVMLError_Unknown):
             f.nvmlDeviceGetRemappedRows(h0)
-    assert f.nvmlDeviceGetRemappedRows(h0) == (0, 0, 0, 0)   # count used up
+    assert f.nvmlDeviceGetRemappedRows(h0) == (0, 0, 0, 0)  # count used up
     with pytest.raises(pynvml.NVMLError_NotSupported):
         f.nvmlDeviceGetPcieReplayCounter(h1)
     clock.t = 2
-    assert f.nvmlDeviceGetPcieReplayCounter(h1) == 0       # cleared
+    assert f.nvmlDeviceGetPcieReplayCounter(h1) == 0  # cleared
     clock.t = 3
     with pytest.raises(pynvml.NVMLError_DriverNotLoaded):  # no gpu: every call
         f.nvmlDeviceGetCount()
@@ -110,9 +126,16 @@ def test_raise_forms_call_count_and_clear():
 
 def test_hang_blocks_once_and_release():
     clock = Clock()
-    f = fake({"gpus": 1, "events": [
-        {"at": 0, "gpu": 0, "hang": 0.2, "call": "nvmlDeviceGetCurrPcieLinkWidth"},
-        {"at": 0, "gpu": 0, "hang": 30, "call": "nvmlDeviceGetMaxPcieLinkWidth"}]}, clock)
+    f = fake(
+        {
+            "gpus": 1,
+            "events": [
+                {"at": 0, "gpu": 0, "hang": 0.2, "call": "nvmlDeviceGetCurrPcieLinkWidth"},
+                {"at": 0, "gpu": 0, "hang": 30, "call": "nvmlDeviceGetMaxPcieLinkWidth"},
+            ],
+        },
+        clock,
+    )
     f.nvmlInit()
     h = f.nvmlDeviceGetHandleByIndex(0)
     t0 = time.monotonic()
@@ -120,7 +143,7 @@ def test_hang_blocks_once_and_release():
     assert 0.18 < time.monotonic() - t0 < 1.0
     t0 = time.monotonic()
     f.nvmlDeviceGetCurrPcieLinkWidth(h)
-    assert time.monotonic() - t0 < 0.1                      # count 1 by default
+    assert time.monotonic() - t0 < 0.1  # count 1 by default
     threading.Timer(0.1, f.release).start()
     t0 = time.monotonic()
     f.nvmlDeviceGetMaxPcieLinkWidth(h)
@@ -129,15 +152,33 @@ def test_hang_blocks_once_and_release():
 
 def test_state_keys():
     clock = Clock()
-    f = fake({"gpus": [{"nvlinks": 4, "uuid": "GPU-abc"}, {}],
-              "init": {"temperature": 50},
-              "events": [{"at": 1, "gpu": "all", "temperature": 91, "clocks": ["HwSlowdown", "SwPowerCap"],
-                          "recovery_action": "drain_p2p", "ecc_dbe": 2, "remap_pending": True,
-                          "remap_failure": 1, "remap_corr": 3, "remap_unc": 4, "pcie_replay": 7,
-                          "pcie_width": 8, "pcie_max_width": 16, "temp_slowdown": 80,
-                          "temp_shutdown": None},
-                         {"at": 1, "gpu": 0, "nvlink_down": [1, 3],
-                          "nvlink_errors": {"replay": 5, "crc_flit": 1}}]}, clock)
+    f = fake(
+        {
+            "gpus": [{"nvlinks": 4, "uuid": "GPU-abc"}, {}],
+            "init": {"temperature": 50},
+            "events": [
+                {
+                    "at": 1,
+                    "gpu": "all",
+                    "temperature": 91,
+                    "clocks": ["HwSlowdown", "SwPowerCap"],
+                    "recovery_action": "drain_p2p",
+                    "ecc_dbe": 2,
+                    "remap_pending": True,
+                    "remap_failure": 1,
+                    "remap_corr": 3,
+                    "remap_unc": 4,
+                    "pcie_replay": 7,
+                    "pcie_width": 8,
+                    "pcie_max_width": 16,
+                    "temp_slowdown": 80,
+                    "temp_shutdown": None,
+                },
+                {"at": 1, "gpu": 0, "nvlink_down": [1, 3], "nvlink_errors": {"replay": 5, "crc_flit": 1}},
+            ],
+        },
+        clock,
+    )
     f.nvmlInit()
     h0, h1 = f.nvmlDeviceGetHandleByIndex(0), f.nvmlDeviceGetHandleByIndex(1)
     assert f.nvmlDeviceGetUUID(h0) == "GPU-abc"
@@ -150,12 +191,11 @@ def test_state_keys():
     clock.t = 1
     for h in (h0, h1):
         assert f.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU) == 91
-        assert f.nvmlDeviceGetCurrentClocksEventReasons(h) == \
-            pynvml.nvmlClocksEventReasonHwSlowdown | pynvml.nvmlClocksEventReasonSwPowerCap
-        vals = f.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
-                                              pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL])
-        assert (vals[0].value.uiVal, vals[1].value.ullVal) == \
-            (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P, 2)
+        assert (
+            f.nvmlDeviceGetCurrentClocksEventReasons(h) == pynvml.nvmlClocksEventReasonHwSlowdown | pynvml.nvmlClocksEventReasonSwPowerCap
+        )
+        vals = f.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL])
+        assert (vals[0].value.uiVal, vals[1].value.ullVal) == (pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P, 2)
         assert f.nvmlDeviceGetRemappedRows(h) == (3, 4, 1, 1)
         assert f.nvmlDeviceGetPcieReplayCounter(h) == 7
         assert (f.nvmlDeviceGetCurrPcieLinkWidth(h), f.nvmlDeviceGetMaxPcieLinkWidth(h)) == (8, 16)
@@ -163,39 +203,43 @@ def test_state_keys():
         with pytest.raises(pynvml.NVMLError_NotSupported):
             f.nvmlDeviceGetTemperatureThreshold(h, pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)
     assert [f.nvmlDeviceGetNvLinkState(h0, i) for i in range(4)] == [1, 0, 1, 0]
-    vals = f.nvmlDeviceGetFieldValues(h0, [pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL,
-                                           pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL])
+    vals = f.nvmlDeviceGetFieldValues(
+        h0, [pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL, pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL]
+    )
     assert [v.value.ullVal for v in vals] == [5, 1]
     vals = f.nvmlDeviceGetFieldValues(h1, [pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL])
-    assert vals[0].nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED   # no NVLink on GPU 1
+    assert vals[0].nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED  # no NVLink on GPU 1
 
 
-@pytest.mark.parametrize("spec, message", [
-    ([], "expected a mapping with gpus and events"),
-    ({"gpu": 1}, r"unknown top-level key\(s\) \['gpu'\]"),
-    ({"gpus": "two"}, "gpus: expected a count or a list of mappings"),
-    ({"init": {"temp": 3}}, "init: unknown key 'temp'"),
-    ({"events": [{"at": 1, "gpu": 0, "xid": 79, "foo": 1}]}, r"events\[0\]: unknown key\(s\) \['foo'\]"),
-    ({"events": [{"at": -1, "xid": 79}]}, r"events\[0\]: at: expected seconds >= 0"),
-    ({"events": [{"at": 1}]}, r"events\[0\]: nothing to do"),
-    ({"events": [{"gpu": 3, "xid": 79}]}, r"events\[0\]: gpu: expected 0..0 or 'all', got 3"),
-    ({"events": [{"xid": "79"}]}, "xid: expected an integer"),
-    ({"events": [{"field": "NVML_FI_NOPE", "value": 1}]}, "unknown field 'NVML_FI_NOPE'"),
-    ({"events": [{"field": 4}]}, "field needs a value"),
-    ({"events": [{"value": 4}]}, "value without field"),
-    ({"events": [{"raise": "GpuIsLost"}]}, "unknown pynvml error 'GpuIsLost'"),
-    ({"events": [{"raise": 4242}]}, "unknown NVML error code 4242"),
-    ({"events": [{"hang": 0}]}, "hang: expected seconds > 0"),
-    ({"events": [{"hang": 1, "call": "nvmlDeviceGetPowerUsage"}]}, "is not a function the fake"),
-    ({"events": [{"xid": 1, "call": "nvmlInit"}]}, "call/count only go with raise or hang"),
-    ({"events": [{"raise": "NVMLError_Unknown", "count": 0}]}, "count: expected an integer >= 1"),
-    ({"events": [{"clocks": ["HwSlow"]}]}, "unknown clock event reason 'HwSlow'"),
-    ({"events": [{"recovery_action": "REBOOT"}]}, "unknown recovery action 'REBOOT'"),
-    ({"events": [{"nvlink_down": 0}]}, "GPU 0 has no link 0"),
-    ({"gpus": [{"nvlinks": 2}], "events": [{"nvlink_down": 2}]}, "GPU 0 has no link 2"),
-    ({"events": [{"nvlink_errors": {"bogus": 1}}]}, "expected a mapping of crc_flit"),
-    ({"events": [{"temperature": "hot"}]}, "temperature: expected an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ([], "expected a mapping with gpus and events"),
+        ({"gpu": 1}, r"unknown top-level key\(s\) \['gpu'\]"),
+        ({"gpus": "two"}, "gpus: expected a count or a list of mappings"),
+        ({"init": {"temp": 3}}, "init: unknown key 'temp'"),
+        ({"events": [{"at": 1, "gpu": 0, "xid": 79, "foo": 1}]}, r"events\[0\]: unknown key\(s\) \['foo'\]"),
+        ({"events": [{"at": -1, "xid": 79}]}, r"events\[0\]: at: expected seconds >= 0"),
+        ({"events": [{"at": 1}]}, r"events\[0\]: nothing to do"),
+        ({"events": [{"gpu": 3, "xid": 79}]}, r"events\[0\]: gpu: expected 0..0 or 'all', got 3"),
+        ({"events": [{"xid": "79"}]}, "xid: expected an integer"),
+        ({"events": [{"field": "NVML_FI_NOPE", "value": 1}]}, "unknown field 'NVML_FI_NOPE'"),
+        ({"events": [{"field": 4}]}, "field needs a value"),
+        ({"events": [{"value": 4}]}, "value without field"),
+        ({"events": [{"raise": "GpuIsLost"}]}, "unknown pynvml error 'GpuIsLost'"),
+        ({"events": [{"raise": 4242}]}, "unknown NVML error code 4242"),
+        ({"events": [{"hang": 0}]}, "hang: expected seconds > 0"),
+        ({"events": [{"hang": 1, "call": "nvmlDeviceGetPowerUsage"}]}, "is not a function the fake"),
+        ({"events": [{"xid": 1, "call": "nvmlInit"}]}, "call/count only go with raise or hang"),
+        ({"events": [{"raise": "NVMLError_Unknown", "count": 0}]}, "count: expected an integer >= 1"),
+        ({"events": [{"clocks": ["HwSlow"]}]}, "unknown clock event reason 'HwSlow'"),
+        ({"events": [{"recovery_action": "REBOOT"}]}, "unknown recovery action 'REBOOT'"),
+        ({"events": [{"nvlink_down": 0}]}, "GPU 0 has no link 0"),
+        ({"gpus": [{"nvlinks": 2}], "events": [{"nvlink_down": 2}]}, "GPU 0 has no link 2"),
+        ({"events": [{"nvlink_errors": {"bogus": 1}}]}, "expected a mapping of crc_flit"),
+        ({"events": [{"temperature": "hot"}]}, "temperature: expected an integer >= 0"),
+    ],
+)
 def test_validation(spec, message):
     with pytest.raises(ValueError, match=message):
         FakeNvml(spec, source="t.yaml")
@@ -234,8 +278,7 @@ def test_event_wait_wakes_on_a_timed_xid_in_real_time():
     f = FakeNvml({"gpus": 1, "events": [{"at": 0.15, "gpu": 0, "xid": 48}]})
     f.nvmlInit()
     es = f.nvmlEventSetCreate()
-    f.nvmlDeviceRegisterEvents(f.nvmlDeviceGetHandleByIndex(0),
-                               pynvml.nvmlEventTypeXidCriticalError, es)
+    f.nvmlDeviceRegisterEvents(f.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlEventTypeXidCriticalError, es)
     t0 = time.monotonic()
     data = f.nvmlEventSetWait_v2(es, 5000)
     assert data.eventData == 48 and 0.1 < time.monotonic() - t0 < 1.0

@@ -1,4 +1,5 @@
 """Alarm JSON and the anti-flap filter."""
+
 import json
 
 import pytest
@@ -48,31 +49,33 @@ def run(filter_, seq):
 CFG = HealthConfig(alarm_hold=600, repeat_count=3, repeat_window=300)
 
 
-@pytest.mark.parametrize("seq, expected", [
-    # the same degraded condition, polled every 5 s: one alarm
-    ([(DEGRADED, 0), (DEGRADED, 5), (DEGRADED, 10)], [(DEGRADED, 0)]),
-    # a condition that flaps (hot, cool, hot, cool, hot): one alarm, no clear
-    ([(DEGRADED, 0), (DEGRADED, 20), (DEGRADED, 40)], [(DEGRADED, 0)]),
-    # escalation passes, de-escalation never does
-    ([(DEGRADED, 0), (FATAL, 5), (DEGRADED, 10), (FATAL, 15)], [(DEGRADED, 0), (FATAL, 5)]),
-    ([(FATAL, 0), (DEGRADED, 5)], [(FATAL, 0)]),
-    # after the hold, a condition still present is raised again (a reminder, not a flap)
-    ([(DEGRADED, 0), (DEGRADED, 599), (DEGRADED, 600)], [(DEGRADED, 0), (DEGRADED, 600)]),
-    # info events are escalated when they keep happening
-    ([(INFO, 0, "nvlink_errors", 1), (INFO, 5, "nvlink_errors", 2),
-      (INFO, 10, "nvlink_errors", 3), (INFO, 15, "nvlink_errors", 4)],
-     [(INFO, 0), (INFO, 5), (DEGRADED, 10)]),
-    # ... but not when spread over more than repeat_window
-    ([(INFO, 0, "xid", 13), (INFO, 200, "xid", 31), (INFO, 400, "xid", 43)],
-     [(INFO, 0), (INFO, 200), (INFO, 400)]),
-    # identical info events are logged once, but still count towards escalation
-    ([(INFO, 0, "nvml_error", "x"), (INFO, 1, "nvml_error", "x"), (INFO, 2, "nvml_error", "x")],
-     [(INFO, 0), (DEGRADED, 2)]),
-    # an info alarm never masks a later degraded one of the same signal
-    ([(INFO, 0, "xid", 13), (DEGRADED, 1, "xid", 63)], [(INFO, 0), (DEGRADED, 1)]),
-    # info after degraded of the same signal: suppressed
-    ([(DEGRADED, 0, "xid", 63), (INFO, 1, "xid", 13)], [(DEGRADED, 0)]),
-])
+@pytest.mark.parametrize(
+    "seq, expected",
+    [
+        # the same degraded condition, polled every 5 s: one alarm
+        ([(DEGRADED, 0), (DEGRADED, 5), (DEGRADED, 10)], [(DEGRADED, 0)]),
+        # a condition that flaps (hot, cool, hot, cool, hot): one alarm, no clear
+        ([(DEGRADED, 0), (DEGRADED, 20), (DEGRADED, 40)], [(DEGRADED, 0)]),
+        # escalation passes, de-escalation never does
+        ([(DEGRADED, 0), (FATAL, 5), (DEGRADED, 10), (FATAL, 15)], [(DEGRADED, 0), (FATAL, 5)]),
+        ([(FATAL, 0), (DEGRADED, 5)], [(FATAL, 0)]),
+        # after the hold, a condition still present is raised again (a reminder, not a flap)
+        ([(DEGRADED, 0), (DEGRADED, 599), (DEGRADED, 600)], [(DEGRADED, 0), (DEGRADED, 600)]),
+        # info events are escalated when they keep happening
+        (
+            [(INFO, 0, "nvlink_errors", 1), (INFO, 5, "nvlink_errors", 2), (INFO, 10, "nvlink_errors", 3), (INFO, 15, "nvlink_errors", 4)],
+            [(INFO, 0), (INFO, 5), (DEGRADED, 10)],
+        ),
+        # ... but not when spread over more than repeat_window
+        ([(INFO, 0, "xid", 13), (INFO, 200, "xid", 31), (INFO, 400, "xid", 43)], [(INFO, 0), (INFO, 200), (INFO, 400)]),
+        # identical info events are logged once, but still count towards escalation
+        ([(INFO, 0, "nvml_error", "x"), (INFO, 1, "nvml_error", "x"), (INFO, 2, "nvml_error", "x")], [(INFO, 0), (DEGRADED, 2)]),
+        # an info alarm never masks a later degraded one of the same signal
+        ([(INFO, 0, "xid", 13), (DEGRADED, 1, "xid", 63)], [(INFO, 0), (DEGRADED, 1)]),
+        # info after degraded of the same signal: suppressed
+        ([(DEGRADED, 0, "xid", 63), (INFO, 1, "xid", 13)], [(DEGRADED, 0)]),
+    ],
+)
 def test_filter_table(seq, expected):
     assert run(AlarmFilter(CFG), seq) == expected
 

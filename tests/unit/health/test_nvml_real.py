@@ -16,6 +16,7 @@ def _driver():
     """(pynvml, GPU count), or None when no NVML driver answers here."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 -- ImportError, NVMLError_LibraryNotFound, DriverNotLoaded...
         return None

@@ -6,8 +6,7 @@ from health.xid import classify_xid, xid_name
 
 CFG = HealthConfig()
 # the fatal column of the checks table in ARCHITECTURE.md
-TABLE_FATAL = [46, 48, 62, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, 143,
-               *range(144, 151), 155, 156, 158]
+TABLE_FATAL = [46, 48, 62, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, 143, *range(144, 151), 155, 156, 158]
 
 
 def test_default_lists_match_the_table_and_are_disjoint():
@@ -50,15 +49,18 @@ def test_unknown_is_info(xid):
     assert classify_xid(xid, CFG, recent_count=50) == INFO
 
 
-@pytest.mark.parametrize("override, xid, count, expected", [
-    ({"ignored_xids": [79]}, 79, 1, None),                       # ignored beats fatal
-    ({"fatal_xids": [13]}, 13, 1, FATAL),                        # fatal beats repeat
-    ({"degraded_xids": [154]}, 154, 1, DEGRADED),
-    ({"repeat_count": 2}, 13, 2, DEGRADED),
-    ({"repeat_count": 5}, 13, 4, INFO),
-    ({"repeat_xids": []}, 13, 9, INFO),
-    ({"ignored_xids": []}, 45, 1, INFO),
-])
+@pytest.mark.parametrize(
+    "override, xid, count, expected",
+    [
+        ({"ignored_xids": [79]}, 79, 1, None),  # ignored beats fatal
+        ({"fatal_xids": [13]}, 13, 1, FATAL),  # fatal beats repeat
+        ({"degraded_xids": [154]}, 154, 1, DEGRADED),
+        ({"repeat_count": 2}, 13, 2, DEGRADED),
+        ({"repeat_count": 5}, 13, 4, INFO),
+        ({"repeat_xids": []}, 13, 9, INFO),
+        ({"ignored_xids": []}, 45, 1, INFO),
+    ],
+)
 def test_config_overrides(override, xid, count, expected):
     assert classify_xid(xid, HealthConfig.from_dict(override), count) == expected
 

@@ -2,10 +2,10 @@
 agent TCPStore, real sockets. The whole loop is covered by the multi-process tests
 (test_live, test_ops, test_health_e2e, test_restart_mode, ...); these pin each part's own state.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import sys
@@ -19,12 +19,12 @@ from rendezvous.kv import EtcdOptions, KVError, connect
 from rendezvous.membership import Membership
 from rendezvous.plan import NodeInfo, Plan
 from rendezvous.planner import Limits, View
-from tm_launch.protocol import LATEST, Directive, EnteredRecord, FirstStepRecord, WorkerKeys, WorkerState, WorkerStatus, directive_key
 from tm_launch.launcher.config import AgentConfig
 from tm_launch.launcher.failures import FailureWatch
 from tm_launch.launcher.observers import DowntimeStamps, DrainWaitNote, MetricsFeed
 from tm_launch.launcher.session import EtcdSession, Fenced
 from tm_launch.launcher.supervisor import WorkerSupervisor
+from tm_launch.protocol import LATEST, Directive, EnteredRecord, FirstStepRecord, WorkerKeys, WorkerState, WorkerStatus, directive_key
 from tm_launch.waits import Every
 
 
@@ -46,8 +46,7 @@ def members(etcd_endpoint):
 
 
 def node(node_id: str, port: int = 29500) -> NodeInfo:
-    return NodeInfo(id=node_id, host="localhost", addr="127.0.0.1", store_port=port, nproc=1, pid=os.getpid(),
-                    joined=time.time())
+    return NodeInfo(id=node_id, host="localhost", addr="127.0.0.1", store_port=port, nproc=1, pid=os.getpid(), joined=time.time())
 
 
 def session_for(members, say, progress=(False, None), ttl=2.0) -> EtcdSession:
@@ -56,6 +55,7 @@ def session_for(members, say, progress=(False, None), ttl=2.0) -> EtcdSession:
 
 # ------------------------------------------------------------------------------------------------
 # EtcdSession: reachability, the fencing rule, reports
+
 
 def test_session_says_once_when_etcd_goes_and_once_when_it_is_back(members):
     said = Said()
@@ -127,6 +127,7 @@ def test_session_reports_make_the_loop_read_again(members):
 # ------------------------------------------------------------------------------------------------
 # WorkerSupervisor: the agent store protocol (no worker processes needed)
 
+
 @pytest.fixture
 def supervisor(tmp_path):
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -137,8 +138,7 @@ def supervisor(tmp_path):
 
 
 def test_supervisor_directs_a_generation_through_the_store_and_each_workers_queue(supervisor):
-    plan = Plan(generation=3, nodes=("n1", "n2"), nproc=2, store={"node": "n1", "addr": "127.0.0.1", "port": 1},
-                joiners=("n2",), live=True)
+    plan = Plan(generation=3, nodes=("n1", "n2"), nproc=2, store={"node": "n1", "addr": "127.0.0.1", "port": 1}, joiners=("n2",), live=True)
     supervisor.direct(plan)
     directive = Directive.from_json(supervisor.store.get(directive_key(3)))
     assert directive.ranks == (2, 3) and directive.joiner_ranks == (2, 3) and directive.active
@@ -213,8 +213,9 @@ def test_hang_watchdog_watches_restart_mode_workers_once_they_reported_a_step(tm
     try:
         plan = Plan(generation=0, nodes=("n2",), nproc=2)
         sup.start(plan, sandbox=False, master=None)
-        sup.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=5, mode="restart", step_times=[0.1],
-                                                         steps_run=4).to_json())
+        sup.store.set(
+            WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=5, mode="restart", step_times=[0.1], steps_run=4).to_json()
+        )
         sup.store.set(WorkerKeys(1).status, WorkerStatus(state=WorkerState.STARTED, step=None).to_json())
         for lr in (0, 1):
             sup.store.set(WorkerKeys(lr).beat, f"{time.time() - 5:.3f}")
@@ -242,12 +243,15 @@ def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(
     supervisor.direct(plan)
     stamps.plan_published(plan, seen - 0.01, View(plan=None, alive={}, report_times={"n3": seen - 0.2, "n1": seen - 0.1}))
     for lr, last in ((0, seen - 1.0), (1, None)):
-        supervisor.store.set(WorkerKeys(lr).entered(2), EnteredRecord(began=seen + 0.1, communicator=0.1 * (lr + 1), state=0.05,
-                                                                      last_step_at=last, received=False).to_json())
+        supervisor.store.set(
+            WorkerKeys(lr).entered(2),
+            EnteredRecord(began=seen + 0.1, communicator=0.1 * (lr + 1), state=0.05, last_step_at=last, received=False).to_json(),
+        )
     supervisor.store.set(WorkerKeys(0).first_step(2), FirstStepRecord(time=seen + 0.5, step=7).to_json())
     stamps.write()
-    assert members.all_downtime_stamps() == {2: {"plan": {"planner": "n2", "published": seen - 0.01, "detected": seen - 0.2, "detected_by": "n3"},
-                                                 "nodes": {}}}  # worker 1 has yet to complete a step
+    assert members.all_downtime_stamps() == {
+        2: {"plan": {"planner": "n2", "published": seen - 0.01, "detected": seen - 0.2, "detected_by": "n3"}, "nodes": {}}
+    }  # worker 1 has yet to complete a step
     supervisor.store.set(WorkerKeys(1).first_step(2), FirstStepRecord(time=seen + 0.6, step=7).to_json())
     stamps.write()
     revision = members.kv.current_revision()
@@ -263,6 +267,7 @@ def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(
 
 # ------------------------------------------------------------------------------------------------
 # FailureWatch: dead peers are reported at once
+
 
 def test_a_peer_whose_agent_refuses_connections_is_reported_lost(members, supervisor, refusing_port):
     closed_port = refusing_port
@@ -300,6 +305,7 @@ def test_a_refusal_at_an_address_the_peer_no_longer_has_is_not_a_loss(members, s
 
 # ------------------------------------------------------------------------------------------------
 # observers
+
 
 def test_drain_wait_is_said_by_group_rank_0_only_while_no_spare_exists():
     said = Said()
@@ -353,8 +359,11 @@ def test_root_cause_from_stderr_is_this_workers_own_uncaught_exception(tmp_path)
     block, line = ws.failure_report([0])
     assert "exitcode  : 3" in block and line == "", line
     ws.stop()
-    _run_to_exit(ws, "import os, signal, traceback\ntry:\n    1/0\nexcept ZeroDivisionError:\n    traceback.print_exc()\n"
-                     "os.kill(os.getpid(), signal.SIGKILL)")
+    _run_to_exit(
+        ws,
+        "import os, signal, traceback\ntry:\n    1/0\nexcept ZeroDivisionError:\n    traceback.print_exc()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)",
+    )
     block, line = ws.failure_report([0])
     assert "SIGKILL" in block and line == "", line
     ws.stop()

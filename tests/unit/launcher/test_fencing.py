@@ -1,4 +1,5 @@
 """The fencing rule as a table: an etcd outage must not stop training; a cut-off node must."""
+
 import pytest
 
 from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, settling_after_outage
@@ -25,8 +26,16 @@ CASES = [
 
 @pytest.mark.parametrize("name,gone,unreach,active,replaced,recovering,stalled,want", CASES, ids=[c[0] for c in CASES])
 def test_lease_decision(name, gone, unreach, active, replaced, recovering, stalled, want):
-    got = lease_decision(lease_gone=gone, unreachable_for=unreach, ttl=TTL, active=active, replaced=replaced,
-                         recovering=recovering, stalled_for=stalled, stall_limit=LIMIT)
+    got = lease_decision(
+        lease_gone=gone,
+        unreachable_for=unreach,
+        ttl=TTL,
+        active=active,
+        replaced=replaced,
+        recovering=recovering,
+        stalled_for=stalled,
+        stall_limit=LIMIT,
+    )
     assert got == want
 
 

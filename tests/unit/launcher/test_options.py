@@ -4,6 +4,7 @@ torchrun's options keep their meaning, the YAML file may set any option by its d
 precedence is command line > PET_* variable > YAML > default, and every mistake is a UsageError
 whose text is one line saying what to fix.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,38 +53,79 @@ def one_line_error(excinfo) -> str:
 # torchrun's options keep their meaning
 
 TORCHRUN = [
-    pytest.param(["SCRIPT"], {"nnodes": "1:1", "nproc_per_node": "1", "rdzv_backend": "static", "max_restarts": 0,
-                              "module": False, "no_python": False, "standalone": False, "spares": 0, "lease_ttl": 5.0,
-                              "no_live": False, "config": None},
-                 id="defaults are torchrun's"),
+    pytest.param(
+        ["SCRIPT"],
+        {
+            "nnodes": "1:1",
+            "nproc_per_node": "1",
+            "rdzv_backend": "static",
+            "max_restarts": 0,
+            "module": False,
+            "no_python": False,
+            "standalone": False,
+            "spares": 0,
+            "lease_ttl": 5.0,
+            "no_live": False,
+            "config": None,
+        },
+        id="defaults are torchrun's",
+    ),
     pytest.param(["--nnodes", "1:2", "SCRIPT"], {"nnodes": "1:2"}, id="--nnodes MIN:MAX"),
     pytest.param(["--nnodes=3", "SCRIPT"], {"nnodes": "3"}, id="--nnodes=N"),
     pytest.param(["--nproc-per-node", "4", "SCRIPT"], {"nproc_per_node": "4"}, id="--nproc-per-node"),
     pytest.param(["--nproc_per_node", "2", "SCRIPT"], {"nproc_per_node": "2"}, id="--nproc_per_node (underscore spelling)"),
-    pytest.param(["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "etcd-0:2379,etcd-1:2379", "--rdzv-id", "job-7",
-                  "--rdzv-conf", "timeout=3,cacert=/ca.pem", "SCRIPT"],
-                 {"rdzv_backend": "etcd-v3", "rdzv_endpoint": "etcd-0:2379,etcd-1:2379", "rdzv_id": "job-7",
-                  "rdzv_conf": "timeout=3,cacert=/ca.pem"},
-                 id="--rdzv-backend/-endpoint/-id/-conf"),
-    pytest.param(["--rdzv_backend=c10d", "--rdzv_endpoint=h:29400", "SCRIPT"],
-                 {"rdzv_backend": "c10d", "rdzv_endpoint": "h:29400"}, id="torchrun's own backend passes through"),
+    pytest.param(
+        [
+            "--rdzv-backend",
+            "etcd-v3",
+            "--rdzv-endpoint",
+            "etcd-0:2379,etcd-1:2379",
+            "--rdzv-id",
+            "job-7",
+            "--rdzv-conf",
+            "timeout=3,cacert=/ca.pem",
+            "SCRIPT",
+        ],
+        {
+            "rdzv_backend": "etcd-v3",
+            "rdzv_endpoint": "etcd-0:2379,etcd-1:2379",
+            "rdzv_id": "job-7",
+            "rdzv_conf": "timeout=3,cacert=/ca.pem",
+        },
+        id="--rdzv-backend/-endpoint/-id/-conf",
+    ),
+    pytest.param(
+        ["--rdzv_backend=c10d", "--rdzv_endpoint=h:29400", "SCRIPT"],
+        {"rdzv_backend": "c10d", "rdzv_endpoint": "h:29400"},
+        id="torchrun's own backend passes through",
+    ),
     pytest.param(["--max-restarts", "3", "SCRIPT"], {"max_restarts": 3}, id="--max-restarts is an int"),
-    pytest.param(["-m", "some.package.module", "--lr", "0.1"],
-                 {"module": True, "training_script": "some.package.module", "training_script_args": ["--lr", "0.1"]},
-                 id="-m MODULE (need not be a file)"),
-    pytest.param(["--no-python", "true", "a", "b"],
-                 {"no_python": True, "training_script": "true", "training_script_args": ["a", "b"]},
-                 id="--no-python PROGRAM from PATH"),
+    pytest.param(
+        ["-m", "some.package.module", "--lr", "0.1"],
+        {"module": True, "training_script": "some.package.module", "training_script_args": ["--lr", "0.1"]},
+        id="-m MODULE (need not be a file)",
+    ),
+    pytest.param(
+        ["--no-python", "true", "a", "b"],
+        {"no_python": True, "training_script": "true", "training_script_args": ["a", "b"]},
+        id="--no-python PROGRAM from PATH",
+    ),
     pytest.param(["--standalone", "SCRIPT"], {"standalone": True}, id="--standalone"),
-    pytest.param(["SCRIPT", "--steps", "3", "--nproc-per-node", "9"],
-                 {"nproc_per_node": "1", "training_script_args": ["--steps", "3", "--nproc-per-node", "9"]},
-                 id="options after the script belong to the script"),
-    pytest.param(["SCRIPT", "--config", "model.yaml"],
-                 {"config": None, "training_script_args": ["--config", "model.yaml"]},
-                 id="the script's own --config is not tm-launch's"),
-    pytest.param(["--spares", "2", "--lease-ttl", "1.5", "--node-id", "gpu-07", "--no-live", "SCRIPT"],
-                 {"spares": 2, "lease_ttl": 1.5, "node_id": "gpu-07", "no_live": True},
-                 id="tm-launch's own options"),
+    pytest.param(
+        ["SCRIPT", "--steps", "3", "--nproc-per-node", "9"],
+        {"nproc_per_node": "1", "training_script_args": ["--steps", "3", "--nproc-per-node", "9"]},
+        id="options after the script belong to the script",
+    ),
+    pytest.param(
+        ["SCRIPT", "--config", "model.yaml"],
+        {"config": None, "training_script_args": ["--config", "model.yaml"]},
+        id="the script's own --config is not tm-launch's",
+    ),
+    pytest.param(
+        ["--spares", "2", "--lease-ttl", "1.5", "--node-id", "gpu-07", "--no-live", "SCRIPT"],
+        {"spares": 2, "lease_ttl": 1.5, "node_id": "gpu-07", "no_live": True},
+        id="tm-launch's own options",
+    ),
 ]
 
 
@@ -95,13 +137,17 @@ def test_command_line(parse, argv, want):
         assert args.training_script == SCRIPT
 
 
-@pytest.mark.parametrize("env, want", [
-    pytest.param({"PET_NPROC_PER_NODE": "3"}, {"nproc_per_node": "3"}, id="PET_NPROC_PER_NODE"),
-    pytest.param({"PET_MAX_RESTARTS": "2"}, {"max_restarts": 2}, id="PET_MAX_RESTARTS (typed)"),
-    pytest.param({"PET_RDZV_BACKEND": "etcd-v3", "PET_RDZV_ID": "job9"}, {"rdzv_backend": "etcd-v3", "rdzv_id": "job9"},
-                 id="PET_RDZV_*"),
-    pytest.param({"PET_STANDALONE": "1"}, {"standalone": True}, id="PET_STANDALONE flag"),
-])
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        pytest.param({"PET_NPROC_PER_NODE": "3"}, {"nproc_per_node": "3"}, id="PET_NPROC_PER_NODE"),
+        pytest.param({"PET_MAX_RESTARTS": "2"}, {"max_restarts": 2}, id="PET_MAX_RESTARTS (typed)"),
+        pytest.param(
+            {"PET_RDZV_BACKEND": "etcd-v3", "PET_RDZV_ID": "job9"}, {"rdzv_backend": "etcd-v3", "rdzv_id": "job9"}, id="PET_RDZV_*"
+        ),
+        pytest.param({"PET_STANDALONE": "1"}, {"standalone": True}, id="PET_STANDALONE flag"),
+    ],
+)
 def test_pet_environment(parse, env, want):
     args = parse(["SCRIPT"], env=env)
     assert {k: getattr(args, k) for k in want} == want
@@ -116,18 +162,25 @@ YAML = [
     pytest.param("nnodes: 1:2\n", {"nnodes": "1:2"}, id="nnodes 1:2 unquoted stays '1:2' (not YAML 1.1 base 60)"),
     pytest.param("nnodes: '2:4'\n", {"nnodes": "2:4"}, id="nnodes quoted"),
     pytest.param("nnodes: 3\n", {"nnodes": "3"}, id="nnodes as a number"),
-    pytest.param("rdzv_backend: etcd-v3\nrdzv_endpoint: etcd:2379\nrdzv_id: job-1\n",
-                 {"rdzv_backend": "etcd-v3", "rdzv_endpoint": "etcd:2379", "rdzv_id": "job-1"}, id="rdzv_*"),
-    pytest.param("rdzv_conf:\n  timeout: 3\n  cacert: /etc/ca.pem\n", {"rdzv_conf": "timeout=3,cacert=/etc/ca.pem"},
-                 id="rdzv_conf as a mapping"),
-    pytest.param("max_restarts: 4\nspares: 1\nlease_ttl: 2.5\nsandbox_steps: 3\n",
-                 {"max_restarts": 4, "spares": 1, "lease_ttl": 2.5, "sandbox_steps": 3}, id="typed options"),
-    pytest.param("max_restarts: 2.0\nlease_ttl: 3\n", {"max_restarts": 2, "lease_ttl": 3.0},
-                 id="whole float for an int, int for a float"),
+    pytest.param(
+        "rdzv_backend: etcd-v3\nrdzv_endpoint: etcd:2379\nrdzv_id: job-1\n",
+        {"rdzv_backend": "etcd-v3", "rdzv_endpoint": "etcd:2379", "rdzv_id": "job-1"},
+        id="rdzv_*",
+    ),
+    pytest.param(
+        "rdzv_conf:\n  timeout: 3\n  cacert: /etc/ca.pem\n", {"rdzv_conf": "timeout=3,cacert=/etc/ca.pem"}, id="rdzv_conf as a mapping"
+    ),
+    pytest.param(
+        "max_restarts: 4\nspares: 1\nlease_ttl: 2.5\nsandbox_steps: 3\n",
+        {"max_restarts": 4, "spares": 1, "lease_ttl": 2.5, "sandbox_steps": 3},
+        id="typed options",
+    ),
+    pytest.param("max_restarts: 2.0\nlease_ttl: 3\n", {"max_restarts": 2, "lease_ttl": 3.0}, id="whole float for an int, int for a float"),
     pytest.param("max_restarts: '5'\n", {"max_restarts": 5}, id="quoted number for an int"),
     pytest.param("no_live: true\nstandalone: true\n", {"no_live": True, "standalone": True}, id="flags"),
-    pytest.param("node_id: gpu-node-3\nevent_log: /tmp/ev.jsonl\n", {"node_id": "gpu-node-3", "event_log": "/tmp/ev.jsonl"},
-                 id="free text options"),
+    pytest.param(
+        "node_id: gpu-node-3\nevent_log: /tmp/ev.jsonl\n", {"node_id": "gpu-node-3", "event_log": "/tmp/ev.jsonl"}, id="free text options"
+    ),
     pytest.param("", {"nproc_per_node": "1"}, id="empty file = defaults"),
     pytest.param("# only a comment\n", {"max_restarts": 0}, id="comment-only file = defaults"),
 ]
@@ -169,13 +222,25 @@ def test_yaml_does_not_override_unrelated_options(parse):
 
 HEALTH = [
     pytest.param(None, [], {}, id="no health config -> defaults"),
-    pytest.param("health:\n  hang_timeout: 30\n  fatal_xids: [79, 48]\n  nvml: false\n", [],
-                 {"hang_timeout": 30.0, "fatal_xids": [79, 48], "nvml": False}, id="YAML health section"),
+    pytest.param(
+        "health:\n  hang_timeout: 30\n  fatal_xids: [79, 48]\n  nvml: false\n",
+        [],
+        {"hang_timeout": 30.0, "fatal_xids": [79, 48], "nvml": False},
+        id="YAML health section",
+    ),
     pytest.param(None, ["--health-hang-timeout", "3"], {"hang_timeout": 3.0}, id="--health-hang-timeout 3"),
-    pytest.param(None, ["--health-fatal-xids", "79,48", "--health-nvml", "false", "--health-straggler-window", "10"],
-                 {"fatal_xids": [79, 48], "nvml": False, "straggler_window": 10}, id="list, bool and int flags"),
-    pytest.param("health:\n  hang_timeout: 30\n  poll_interval: 7\n", ["--health-hang-timeout", "3"],
-                 {"hang_timeout": 3.0, "poll_interval": 7.0}, id="flag beats YAML, other YAML health values kept"),
+    pytest.param(
+        None,
+        ["--health-fatal-xids", "79,48", "--health-nvml", "false", "--health-straggler-window", "10"],
+        {"fatal_xids": [79, 48], "nvml": False, "straggler_window": 10},
+        id="list, bool and int flags",
+    ),
+    pytest.param(
+        "health:\n  hang_timeout: 30\n  poll_interval: 7\n",
+        ["--health-hang-timeout", "3"],
+        {"hang_timeout": 3.0, "poll_interval": 7.0},
+        id="flag beats YAML, other YAML health values kept",
+    ),
 ]
 
 
@@ -192,8 +257,9 @@ def test_health(parse, yaml, flags, want):
 # mistakes: one line, UsageError, says what to fix
 
 YAML_ERRORS = [
-    pytest.param("nproc_per_nod: 2\n", ["unknown key 'nproc_per_nod'", "did you mean 'nproc_per_node'"],
-                 id="unknown key with a suggestion"),
+    pytest.param(
+        "nproc_per_nod: 2\n", ["unknown key 'nproc_per_nod'", "did you mean 'nproc_per_node'"], id="unknown key with a suggestion"
+    ),
     pytest.param("sparez: 1\n", ["unknown key 'sparez'", "did you mean 'spares'"], id="unknown tm-launch key"),
     pytest.param("helth:\n  nvml: false\n", ["unknown key 'helth'", "did you mean 'health'"], id="misspelt health"),
     pytest.param("completely_unrelated: 1\n", ["unknown key 'completely_unrelated'"], id="unknown key, no suggestion"),
@@ -207,12 +273,12 @@ YAML_ERRORS = [
     pytest.param("rdzv_backend: [etcd, c10d]\n", ["'rdzv_backend' must be a single value, not list"], id="list for a value"),
     pytest.param("- nproc_per_node\n- 2\n", ["top level must be a mapping"], id="non-mapping YAML (list)"),
     pytest.param("just some text\n", ["top level must be a mapping"], id="non-mapping YAML (scalar)"),
-    pytest.param("spares: 1\nnproc_per_node: [2\nmax_restarts: 1\n", ["not valid YAML at line 3"],
-                 id="invalid YAML with its line number"),
+    pytest.param("spares: 1\nnproc_per_node: [2\nmax_restarts: 1\n", ["not valid YAML at line 3"], id="invalid YAML with its line number"),
     pytest.param("spares: 1\n  bad indent: 2\n", ["not valid YAML at line 2"], id="bad indentation"),
     pytest.param("health: 5\n", ["'health' must be a mapping"], id="health not a mapping"),
-    pytest.param("health:\n  hang_timout: 3\n", ["health.hang_timout: unknown key", "did you mean 'hang_timeout'"],
-                 id="unknown health key"),
+    pytest.param(
+        "health:\n  hang_timout: 3\n", ["health.hang_timout: unknown key", "did you mean 'hang_timeout'"], id="unknown health key"
+    ),
     pytest.param("health:\n  hang_timeout: soon\n", ["health.hang_timeout: expected a number"], id="health wrong type"),
     pytest.param("health:\n  poll_interval: 0\n", ["health.poll_interval: must be > 0"], id="health out of range"),
     pytest.param("nnodes: 3:2\n", ["MIN (3) is larger than MAX (2)"], id="nnodes 3:2 from YAML"),
@@ -235,13 +301,14 @@ CLI_ERRORS = [
     pytest.param(["--nnodes", "two", "SCRIPT"], ["expected N or MIN:MAX"], id="--nnodes two"),
     pytest.param(["--nnodes", "1:2:3", "SCRIPT"], ["expected N or MIN:MAX"], id="--nnodes 1:2:3"),
     pytest.param(["no/such/train.py"], ["training script 'no/such/train.py' not found"], id="missing script"),
-    pytest.param(["--no-python", "no-such-program-xyz"], ["--no-python: program 'no-such-program-xyz' not found"],
-                 id="--no-python missing program"),
-    pytest.param(["--rdzv-backend", "etcd-v3", "--rdzv-id", "my job/1", "SCRIPT"], ["--rdzv-id 'my job/1'"],
-                 id="bad run id (space, slash)"),
+    pytest.param(
+        ["--no-python", "no-such-program-xyz"], ["--no-python: program 'no-such-program-xyz' not found"], id="--no-python missing program"
+    ),
+    pytest.param(
+        ["--rdzv-backend", "etcd-v3", "--rdzv-id", "my job/1", "SCRIPT"], ["--rdzv-id 'my job/1'"], id="bad run id (space, slash)"
+    ),
     pytest.param(["--rdzv-backend", "etcd", "--rdzv-id", "x" * 129, "SCRIPT"], ["at most 128"], id="run id too long"),
-    pytest.param(["--standalone", "--rdzv-id", "../other", "SCRIPT"], ["--rdzv-id '../other'"],
-                 id="run id escaping the prefix"),
+    pytest.param(["--standalone", "--rdzv-id", "../other", "SCRIPT"], ["--rdzv-id '../other'"], id="run id escaping the prefix"),
     pytest.param(["--rdzv-backend", "etcd-v3", "--node-id", "a/b", "SCRIPT"], ["--node-id 'a/b'"], id="node id with a slash"),
     pytest.param(["--rdzv-backend", "etcd-v3", "--node-id", "_x", "SCRIPT"], ["--node-id '_x'"], id="node id etcd v2 would hide"),
     pytest.param(["--spares", "-1", "SCRIPT"], ["--spares -1: must be 0 or more"], id="negative spares"),
@@ -250,8 +317,7 @@ CLI_ERRORS = [
     pytest.param(["--max-restarts", "-1", "SCRIPT"], ["--max-restarts -1: must be 0 or more"], id="negative restarts"),
     pytest.param(["--health-hang-timeout", "-1", "SCRIPT"], ["health.hang_timeout: must be >= 0"], id="health flag range"),
     pytest.param(["--health-nvml", "maybe", "SCRIPT"], ["health.nvml: expected true or false"], id="health flag type"),
-    pytest.param(["--config", "/no/such/tm.yaml", "SCRIPT"], ["--config /no/such/tm.yaml: no such file"],
-                 id="missing config file"),
+    pytest.param(["--config", "/no/such/tm.yaml", "SCRIPT"], ["--config /no/such/tm.yaml: no such file"], id="missing config file"),
 ]
 
 
@@ -278,6 +344,7 @@ def test_yaml_error_names_the_file(parse, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # --rdzv-conf -> EtcdOptions (rendezvous.rdzv_conf.etcd_options)
 
+
 def test_rdzv_conf_to_etcd_options(tmp_path):
     from rendezvous.rdzv_conf import etcd_options
 
@@ -296,19 +363,24 @@ def test_rdzv_conf_to_etcd_options(tmp_path):
     assert etcd_options(None, "j", "").endpoints == ("localhost:2379",)
 
 
-@pytest.mark.parametrize("conf, fragment", [
-    pytest.param("timeot=3", "--rdzv-conf: unknown key 'timeot'", id="unknown key"),
-    pytest.param("timeout", "must have a value", id="key without value"),
-    pytest.param("read_timeout=0", "read_timeout=0: must be a positive number", id="read timeout zero"),
-    pytest.param("=3", "--rdzv-conf =3", id="value without key"),
-    pytest.param("timeout=soon", "timeout=soon: must be a positive number", id="timeout not a number"),
-    pytest.param("timeout=0", "timeout=0: must be a positive number", id="timeout zero"),
-    pytest.param("password_file=/no/such/pw", "cannot read /no/such/pw", id="unreadable password file"),
-    pytest.param("user=u,password=hunter2", "use password_file=FILE or the TM_ETCD_PASSWORD", id="password on the command line"),
-    pytest.param({"user": "u", "password": "hunter2"}, "use password_file=FILE or the TM_ETCD_PASSWORD", id="password in YAML rdzv_conf"),
-    pytest.param("key=/etc/hostname", "key= needs cert= too", id="key without cert"),
-    pytest.param("cacert=/no/such/ca.pem", "cacert=/no/such/ca.pem: no such file", id="missing CA file"),
-])
+@pytest.mark.parametrize(
+    "conf, fragment",
+    [
+        pytest.param("timeot=3", "--rdzv-conf: unknown key 'timeot'", id="unknown key"),
+        pytest.param("timeout", "must have a value", id="key without value"),
+        pytest.param("read_timeout=0", "read_timeout=0: must be a positive number", id="read timeout zero"),
+        pytest.param("=3", "--rdzv-conf =3", id="value without key"),
+        pytest.param("timeout=soon", "timeout=soon: must be a positive number", id="timeout not a number"),
+        pytest.param("timeout=0", "timeout=0: must be a positive number", id="timeout zero"),
+        pytest.param("password_file=/no/such/pw", "cannot read /no/such/pw", id="unreadable password file"),
+        pytest.param("user=u,password=hunter2", "use password_file=FILE or the TM_ETCD_PASSWORD", id="password on the command line"),
+        pytest.param(
+            {"user": "u", "password": "hunter2"}, "use password_file=FILE or the TM_ETCD_PASSWORD", id="password in YAML rdzv_conf"
+        ),
+        pytest.param("key=/etc/hostname", "key= needs cert= too", id="key without cert"),
+        pytest.param("cacert=/no/such/ca.pem", "cacert=/no/such/ca.pem: no such file", id="missing CA file"),
+    ],
+)
 def test_rdzv_conf_errors(conf, fragment):
     from rendezvous.rdzv_conf import etcd_options
 

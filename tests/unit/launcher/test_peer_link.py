@@ -11,13 +11,16 @@ import pytest
 from tm_launch.launcher.peer_link import PeerLink, probe_targets, successor
 
 
-@pytest.mark.parametrize("nodes, me, want", [
-    pytest.param(["a", "b", "c"], "a", "b", id="the next node"),
-    pytest.param(["a", "b", "c"], "c", "a", id="the last wraps round to the first"),
-    pytest.param(["a", "b"], "b", "a", id="two nodes watch each other"),
-    pytest.param(["a"], "a", None, id="alone: nobody"),
-    pytest.param(["a", "b"], "s", None, id="not active (a spare): nobody"),
-])
+@pytest.mark.parametrize(
+    "nodes, me, want",
+    [
+        pytest.param(["a", "b", "c"], "a", "b", id="the next node"),
+        pytest.param(["a", "b", "c"], "c", "a", id="the last wraps round to the first"),
+        pytest.param(["a", "b"], "b", "a", id="two nodes watch each other"),
+        pytest.param(["a"], "a", None, id="alone: nobody"),
+        pytest.param(["a", "b"], "s", None, id="not active (a spare): nobody"),
+    ],
+)
 def test_successor(nodes, me, want):
     assert successor(nodes, me) == want
 
@@ -28,14 +31,17 @@ def test_every_active_node_is_watched_by_exactly_one_peer():
     assert sorted(watchers) == sorted(nodes)
 
 
-@pytest.mark.parametrize("nodes, me, want", [
-    pytest.param("abcdefgh", "a", list("bce"), id="distances 1, 2, 4 in a ring of 8"),
-    pytest.param("abcdefgh", "g", list("hac"), id="wrapping round"),
-    pytest.param("abc", "b", list("ca"), id="three nodes: both others"),
-    pytest.param("ab", "b", ["a"], id="two nodes: the other"),
-    pytest.param("a", "a", [], id="alone: nobody"),
-    pytest.param("ab", "s", [], id="not active (a spare): nobody"),
-])
+@pytest.mark.parametrize(
+    "nodes, me, want",
+    [
+        pytest.param("abcdefgh", "a", list("bce"), id="distances 1, 2, 4 in a ring of 8"),
+        pytest.param("abcdefgh", "g", list("hac"), id="wrapping round"),
+        pytest.param("abc", "b", list("ca"), id="three nodes: both others"),
+        pytest.param("ab", "b", ["a"], id="two nodes: the other"),
+        pytest.param("a", "a", [], id="alone: nobody"),
+        pytest.param("ab", "s", [], id="not active (a spare): nobody"),
+    ],
+)
 def test_probe_targets(nodes, me, want):
     assert probe_targets(list(nodes), me) == want
 

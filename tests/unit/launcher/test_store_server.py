@@ -18,8 +18,9 @@ def test_a_generations_worth_of_clients_connect_at_once():
 
     def connect():
         try:
-            client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=15))
+            client = dist.TCPStore(
+                "127.0.0.1", server.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=15)
+            )
             client.add("connected", 1)
             clients.append(client)
         except Exception as e:  # noqa: BLE001 -- collected for the assertion

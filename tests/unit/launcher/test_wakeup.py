@@ -8,7 +8,7 @@ import threading
 import time
 
 from rendezvous.kv import WatchNews
-from tm_launch.launcher.wakeup import StateWatch, Wakeup, WakeSocket, watch_exit
+from tm_launch.launcher.wakeup import StateWatch, WakeSocket, Wakeup, watch_exit
 from tm_launch.worker.agent_client import poke
 
 

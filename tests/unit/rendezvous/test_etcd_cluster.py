@@ -1,5 +1,6 @@
 """A 3-member etcd cluster under member faults: the KV layer fails over for leases, watches and
 compare-and-swap when a follower, then the leader, is SIGKILLed; a full outage keeps leases."""
+
 import threading
 import time
 
@@ -27,6 +28,7 @@ def _wait_in_thread(kv, prefix, rev, timeout):
             out["result"] = kv.wait(prefix, rev, timeout)
         except Exception as e:  # noqa: BLE001 - the test reports whatever escaped
             out["result"] = e
+
     t = threading.Thread(target=run)
     t.start()
     return t, out
@@ -45,7 +47,7 @@ def test_member_kills_fail_over_leases_watches_and_cas(cluster, api):
             time.sleep(0.3)
             cluster.kill(victim)
             time.sleep(0.3)
-            other.put("state/x", str(victim))       # a change the watch must see
+            other.put("state/x", str(victim))  # a change the watch must see
             t.join()
             assert out["result"] is True, out
             assert lease.refresh() is True

@@ -1,4 +1,5 @@
 """The embedded etcd: comes up on loopback, serves v2 and v3, cleans up, dies with its parent."""
+
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ def _alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:          # a zombie is as good as gone
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is as good as gone
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
@@ -41,7 +42,7 @@ def test_start_serves_both_apis_and_stop_cleans_up():
         server.stop()
     assert not _alive(pid)
     assert not os.path.exists(tmp)
-    server.stop()                                   # idempotent
+    server.stop()  # idempotent
 
 
 def test_context_manager_and_given_dirs(tmp_path):
@@ -81,7 +82,7 @@ def test_server_dies_with_its_parent(tmp_path):
         pid, tmp = parent.stdout.readline().split()
         pid = int(pid)
         assert _alive(pid)
-        assert os.getpgid(pid) == pid               # its own process group
+        assert os.getpgid(pid) == pid  # its own process group
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
@@ -89,4 +90,4 @@ def test_server_dies_with_its_parent(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
-    shutil.rmtree(tmp, ignore_errors=True)       # the dead launcher could not clean up
+    shutil.rmtree(tmp, ignore_errors=True)  # the dead launcher could not clean up

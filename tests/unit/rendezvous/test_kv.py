@@ -1,4 +1,5 @@
 """The KV layer against a real etcd, through both the v2 (python-etcd) and v3 (etcd3gw) APIs."""
+
 import socket
 import subprocess
 import sys
@@ -34,6 +35,7 @@ def _one_line(exc):
 
 # ---------------------------------------------------------------- basic operations
 
+
 def test_put_get_unicode(kv_factory):
     kv = kv_factory("basic")
     assert kv.get("nodes/a") is None
@@ -42,7 +44,7 @@ def test_put_get_unicode(kv_factory):
     assert e.key == "nodes/a" and e.value == '{"host": "héllo ☃ 🚀"}' and e.revision == rev
     rev2 = kv.put("nodes/a", "")
     assert rev2 > rev and kv.get("nodes/a").value == ""
-    assert kv.get("/nodes/a") == kv.get("nodes/a")       # a leading slash means the same key
+    assert kv.get("/nodes/a") == kv.get("nodes/a")  # a leading slash means the same key
     kv.put("spa ce/ü%20", "x")
     assert kv.get("spa ce/ü%20").value == "x"
     assert kv.current_revision() >= rev2
@@ -60,7 +62,7 @@ def test_replace_is_compare_and_swap(kv_factory):
     kv.put("plan", "p1")
     seen = kv.get("plan")
     assert kv.replace("plan", "p2", seen.revision) is True
-    assert kv.replace("plan", "p3", seen.revision) is False    # stale revision
+    assert kv.replace("plan", "p3", seen.revision) is False  # stale revision
     assert kv.get("plan").value == "p2"
     assert kv.replace("absent", "x", seen.revision) is False
     assert kv.replace("absent", "x", 0) is False
@@ -83,11 +85,11 @@ def test_create_and_replace_write_other_keys_in_the_same_transaction(kv_factory)
     assert not kv.create("plan", "p0", also={"feed/delta": "d0"})
     assert kv.replace("plan", "p2", first.revision, also={"feed/delta": "d2"})
     assert kv.get("feed/delta").value == "d2" and kv.get("feed/delta").revision == kv.get("plan").revision
-    assert not kv.replace("plan", "p3", first.revision, also={"feed/delta": "d3"})   # stale: nothing written
+    assert not kv.replace("plan", "p3", first.revision, also={"feed/delta": "d3"})  # stale: nothing written
     assert (kv.get("plan").value, kv.get("feed/delta").value) == ("p2", "d2")
     with pytest.raises(ValueError):
         kv.replace("plan", "p4", kv.get("plan").revision, also={"bad//key": "x"})
-    assert kv.received > 0   # every answer's bytes are counted
+    assert kv.received > 0  # every answer's bytes are counted
 
 
 def test_get_prefix_says_the_revision_it_read_at(kv_factory):
@@ -115,15 +117,15 @@ def test_delete_and_prefixes(kv_factory):
     assert {k: e.value for k, e in many.items()} == {"nodes/a": "nodes/a", "other": "other"}
     kv.put("k3", "3")
     kv.put("k150", "150")
-    assert kv.get_many([]) == {} and set(kv.get_many(f"k{i}" for i in range(200))) == {"k3", "k150"}   # two transactions
+    assert kv.get_many([]) == {} and set(kv.get_many(f"k{i}" for i in range(200))) == {"k3", "k150"}  # two transactions
     kv.delete("k3")
     kv.delete("k150")
     kv.delete("nodes/b")
-    kv.delete("nodes/b")            # deleting an absent key is fine
+    kv.delete("nodes/b")  # deleting an absent key is fine
     assert kv.get("nodes/b") is None
     kv.delete_prefix("nodes/")
     assert [e.key for e in kv.get_prefix("")] == ["nodesX", "other"]
-    kv.delete_prefix("node")        # a partial name, not a directory
+    kv.delete_prefix("node")  # a partial name, not a directory
     assert [e.key for e in kv.get_prefix("")] == ["other"]
 
 
@@ -145,6 +147,7 @@ def test_prefix_isolation_and_bad_keys(kv_factory):
 
 
 # ---------------------------------------------------------------- leases
+
 
 def test_lease_expiry_and_refresh(kv_factory):
     kv = kv_factory("lease")
@@ -173,7 +176,7 @@ def test_lease_revoke(kv_factory):
     assert kv.get("a") is None and kv.get("b") is None
     assert kv.get("permanent").value == "1"
     assert lease.refresh() is False
-    lease.revoke()                   # twice is harmless
+    lease.revoke()  # twice is harmless
 
 
 def test_replace_keeps_lease_and_refresh_keeps_revision_usable(kv_factory):
@@ -187,24 +190,26 @@ def test_replace_keeps_lease_and_refresh_keeps_revision_usable(kv_factory):
     rev = kv.get("me").revision
     assert lease.refresh() is True
     assert kv.replace("me", "v3", rev) is True
-    other = kv_factory("leasecas")   # a second client sees the same keys, any CAS loop still works
+    other = kv_factory("leasecas")  # a second client sees the same keys, any CAS loop still works
     assert other.replace("me", "v4", other.get("me").revision) is True
     kv.put("detached", "leased", lease=lease)
     kv.put("detached", "permanent")  # a put without a lease makes the key permanent
     time.sleep(lease.ttl + 1.5)
-    assert kv.get("me") is None      # still leased after all those updates
+    assert kv.get("me") is None  # still leased after all those updates
     assert kv.get("detached").value == "permanent"
 
 
 # ---------------------------------------------------------------- wait
+
 
 @pytest.mark.parametrize("change", ["put", "delete", "create"])
 def test_wait_wakes_promptly(kv_factory, change):
     kv = kv_factory("wait")
     kv.put("nodes/a", "1")
     rev = kv.current_revision()
-    action = {"put": lambda: kv.put("nodes/a", "2"), "delete": lambda: kv.delete("nodes/a"),
-              "create": lambda: kv.create("nodes/new", "1")}[change]
+    action = {"put": lambda: kv.put("nodes/a", "2"), "delete": lambda: kv.delete("nodes/a"), "create": lambda: kv.create("nodes/new", "1")}[
+        change
+    ]
     t, done = _after(0.3, action)
     assert kv.wait("nodes/", rev, timeout=5) is True
     woke = time.monotonic()
@@ -253,6 +258,7 @@ def test_wait_sees_delete_prefix(kv_factory):
 
 
 # ---------------------------------------------------------------- failure handling
+
 
 @pytest.mark.parametrize("api", ["v2", "v3"])
 def test_unreachable_fails_fast_with_one_line(api, refusing_port):
@@ -313,16 +319,18 @@ def test_bad_arguments():
 @pytest.mark.parametrize("module", ["rendezvous.kv.api", "rendezvous.kv"])
 def test_the_interface_imports_no_etcd_client_library(module):
     """Only v2.py/v3.py import the clients; connect loads the one it needs."""
-    code = (f"import sys, {module} as m; print(m.__file__); "
-            "print(' '.join(n for n in ('etcd', 'etcd3gw', 'requests', 'urllib3') if n in sys.modules))")
+    code = (
+        f"import sys, {module} as m; print(m.__file__); "
+        "print(' '.join(n for n in ('etcd', 'etcd3gw', 'requests', 'urllib3') if n in sys.modules))"
+    )
     repo = Path(__file__).resolve().parents[3]
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, check=True, capture_output=True, text=True,
-                         timeout=60).stdout.splitlines()
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, check=True, capture_output=True, text=True, timeout=60).stdout.splitlines()
     assert Path(out[0]).resolve().is_relative_to(repo / "rendezvous" / "kv")
     assert out[1:] == [""], f"importing {module} loaded {out[1:]}"
 
 
 # ---------------------------------------------------------------- auth and TLS (dedicated servers)
+
 
 def _etcdctl(endpoint, *args, **extra):
     ctl = find_etcd_binary() + "ctl"
@@ -360,27 +368,42 @@ def _make_certs(d):
     def ssl(*args):
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d, timeout=30)
 
-    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-        "-keyout", "ca.key", "-out", "ca.crt")
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"),
-                      ("client", "extendedKeyUsage=clientAuth")):
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         (d / f"{name}.ext").write_text(ext + "\n")
-        ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr")
-        ssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt")
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        ssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.crt",
+        )
     return {n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
 
 
 @pytest.mark.parametrize("api", ["v2", "v3"])
 def test_tls_with_client_certificates(api, tmp_path):
     c = _make_certs(tmp_path)
-    args = ["--cert-file", c["server.crt"], "--key-file", c["server.key"],
-            "--trusted-ca-file", c["ca.crt"], "--client-cert-auth"]
+    args = ["--cert-file", c["server.crt"], "--key-file", c["server.key"], "--trusted-ca-file", c["ca.crt"], "--client-cert-auth"]
     with EtcdServer(extra_args=args) as server:
         assert server.endpoint.startswith("https://")
-        opts = EtcdOptions(endpoints=(server.endpoint,), prefix="/tls", cacert=c["ca.crt"],
-                           cert=c["client.crt"], key=c["client.key"], timeout=2.0)
+        opts = EtcdOptions(
+            endpoints=(server.endpoint,), prefix="/tls", cacert=c["ca.crt"], cert=c["client.crt"], key=c["client.key"], timeout=2.0
+        )
         with connect(api, opts) as kv:
             rev = kv.put("k", "secure")
             assert kv.get("k").value == "secure"
@@ -391,8 +414,7 @@ def test_tls_with_client_certificates(api, tmp_path):
         with pytest.raises(KVError) as err:
             connect(api, no_client_cert)
         _one_line(err.value)
-        no_ca = EtcdOptions(endpoints=(f"127.0.0.1:{server.port}",), cert=c["client.crt"],
-                            key=c["client.key"], timeout=2.0)
+        no_ca = EtcdOptions(endpoints=(f"127.0.0.1:{server.port}",), cert=c["client.crt"], key=c["client.key"], timeout=2.0)
         with pytest.raises(KVError) as err:
             connect(api, no_ca)
         assert "TLS" in _one_line(err.value)

@@ -4,6 +4,7 @@ Registration, snapshots, compare-and-swap publishing (exactly one plan per gener
 between competing processes), consistency after a publisher is SIGKILLed mid-publish, garbage
 values under the run's keys, and run-id isolation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 
 
 def info(node: str, joined: float = 0.0) -> NodeInfo:
-    return NodeInfo(id=node, host="localhost", addr="127.0.0.1", store_port=29500, nproc=1, pid=os.getpid(),
-                    joined=joined or time.time())
+    return NodeInfo(id=node, host="localhost", addr="127.0.0.1", store_port=29500, nproc=1, pid=os.getpid(), joined=joined or time.time())
 
 
 def history(kv) -> dict[int, str]:
@@ -45,6 +45,7 @@ def history(kv) -> dict[int, str]:
 
 # ------------------------------------------------------------------------------------------------
 # registration and snapshots
+
 
 def test_register_twice_with_the_same_node_id_fails(kv_factory):
     m = Membership(kv_factory("job"))
@@ -101,6 +102,7 @@ def test_snapshot_parses_roles(kv_factory):
 
 # ------------------------------------------------------------------------------------------------
 # exactly one plan per generation
+
 
 def test_competing_threads_exactly_one_plan_per_generation(kv_factory):
     writers = 4
@@ -163,7 +165,9 @@ print("end", flush=True)
 def start_publisher(kv, endpoint, api, name, attempts, start_at=0.0):
     return subprocess.Popen(
         [sys.executable, "-c", PUBLISHER, ROOT, api, endpoint, kv.options.prefix, name, str(attempts), str(start_at)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -192,6 +196,7 @@ def test_competing_processes_exactly_one_plan_per_generation(kv_factory, etcd_en
 
 # ------------------------------------------------------------------------------------------------
 # a publisher killed in the middle of publishing
+
 
 def check_consistent(kv, may_miss: set[int]) -> tuple[Plan, set[int]]:
     """state/plan parses; every history entry parses, none is ahead of state/plan, and the only
@@ -407,35 +412,35 @@ def keys_read(kv) -> list[str]:
 
 def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
     m, leases, held = following_job(kv_factory)
-    assert m.refresh(held, "d").view.plan == held.view.plan   # nothing new: the plan stands
+    assert m.refresh(held, "d").view.plan == held.view.plan  # nothing new: the plan stands
     gen1 = lose(m, "b")
     assert gen1.nodes == ("a", "s0", "c", "d") and gen1.joiners == ("s0",)
     kv = m.kv
     before, asked = getattr(kv, "received", 0), keys_read(kv)
     snap = m.refresh(held, "d")
     assert snap.view.plan == gen1 and snap.view.live
-    assert snap.view.alive["s0"] == info("s0", held.view.alive["s0"].joined)   # the joiner's record
+    assert snap.view.alive["s0"] == info("s0", held.view.alive["s0"].joined)  # the joiner's record
     assert snap.view.reports == {}
     if kv.transactions:
         assert snap.partial and snap.plan_entry is None and snap.planners == tuple("abc")
-        assert asked == []   # the feed comes from the copy its stream keeps; the record from the delta
-        assert "b" not in snap.view.alive   # removed: leaving the job
-        assert getattr(kv, "received") - before < 3000   # the whole state is ~3x that already at 6 nodes
+        assert asked == []  # the feed comes from the copy its stream keeps; the record from the delta
+        assert "b" not in snap.view.alive  # removed: leaving the job
+        assert kv.received - before < 3000  # the whole state is ~3x that already at 6 nodes
         with PlanWatch(m, "d") as watch:
             assert watch.woken(0.3) is False
             m.report_failure(1, "c", "not the followers' business")
-            assert watch.woken(0.3) is False   # followers sleep through joins, losses, reports,
+            assert watch.woken(0.3) is False  # followers sleep through joins, losses, reports,
             m.unmark_planner("b")
             m.mark_planner("c", leases["c"], ("a", "c", "s1"))
-            assert watch.woken(0.3) is False   # a planner's death and its successor's naming,
+            assert watch.woken(0.3) is False  # a planner's death and its successor's naming,
             m.mark_planner("c", leases["c"], ("a", "c", "d"))
-            assert watch.woken(5) is True      # ... but not through being named a planner
+            assert watch.woken(5) is True  # ... but not through being named a planner
             whole(m, m.refresh(snap, "d"), "d is named")
             m.unmark_planner("a")
             m.unmark_planner("c")
-            assert watch.woken(5) is True      # ... nor through no planner being left
+            assert watch.woken(5) is True  # ... nor through no planner being left
     else:
-        assert not snap.partial   # v2: no delta is ever written, every read is whole
+        assert not snap.partial  # v2: no delta is ever written, every read is whole
     for lease in leases.values():
         lease.revoke()
 
@@ -443,20 +448,20 @@ def test_a_follower_learns_a_new_plan_from_the_delta_alone(kv_factory):
 def test_a_record_the_delta_lacks_is_read_only_when_the_follower_connects_to_that_node(kv_factory):
     m, leases, held = following_job(kv_factory, spares=3)
     if not m.kv.transactions:
-        return   # v2 writes no delta (the test above)
+        return  # v2 writes no delta (the test above)
     asked = keys_read(m.kv)
-    gen1 = lose(m, "b", records=False)   # a planner that passed no records
+    gen1 = lose(m, "b", records=False)  # a planner that passed no records
     at1 = m.refresh(held, "d")
     assert at1.partial and at1.view.plan == gen1 and asked == [] and "s0" not in at1.view.alive
-    assert m.with_records(at1, ["a", "c"]) is at1 and asked == []   # records held: nothing read
-    at1 = m.with_records(at1, ["s0", "a"])   # d's agent connects to s0: its record, one key
+    assert m.with_records(at1, ["a", "c"]) is at1 and asked == []  # records held: nothing read
+    at1 = m.with_records(at1, ["s0", "a"])  # d's agent connects to s0: its record, one key
     assert asked == [("state/nodes/s0",)] and at1.view.alive["s0"] == held.view.alive["s0"]
     del asked[:]
     gen2 = lose(m, "c")
     at2 = m.refresh(at1, "d")
     assert at2.partial and at2.view.plan == gen2 and asked == []
     assert at2.view.alive["s1"] == held.view.alive["s1"] and "c" not in at2.view.alive
-    assert m.with_records(held, ["gone"]) is held and asked == []   # a whole view lacks only the dead
+    assert m.with_records(held, ["gone"]) is held and asked == []  # a whole view lacks only the dead
     for lease in leases.values():
         lease.revoke()
 
@@ -472,7 +477,7 @@ def test_a_node_that_joins_after_the_planners_takes_generation_0_from_its_delta(
     for node in early.planners:
         m.mark_planner(node, leases[node], early.planners)
     leases["c"] = m.register(info("c", t0 + 2), ttl=30)
-    assert not m.refresh(None, "c").partial   # two planners named so far: c may be the third
+    assert not m.refresh(None, "c").partial  # two planners named so far: c may be the third
     planners = m.snapshot().planners
     assert planners == tuple("abc")
     for node in planners:
@@ -483,7 +488,7 @@ def test_a_node_that_joins_after_the_planners_takes_generation_0_from_its_delta(
     kv = m.kv
     asked, spent = keys_read(kv), []
 
-    def as_e(read, *args):   # what etcd sends e's own reads (kv.received: v3 counts it)
+    def as_e(read, *args):  # what etcd sends e's own reads (kv.received: v3 counts it)
         before = getattr(kv, "received", 0)
         out = read(*args)
         spent.append(getattr(kv, "received", 0) - before)
@@ -491,23 +496,23 @@ def test_a_node_that_joins_after_the_planners_takes_generation_0_from_its_delta(
 
     joined = as_e(m.refresh, None, "e")
     if not kv.transactions:
-        assert not joined.partial   # v2: no feed, every read is whole
+        assert not joined.partial  # v2: no feed, every read is whole
         return
     assert joined.partial and joined.view.plan is None and joined.view.alive == {} and joined.planners == planners
-    assert not m.refresh(None, "a").partial   # a planner reads everything
-    assert m.refresh(joined, "e").view.plan is None   # nothing published yet: it waits
+    assert not m.refresh(None, "a").partial  # a planner reads everything
+    assert m.refresh(joined, "e").view.plan is None  # nothing published yet: it waits
     snap = m.snapshot()
     first = next_plan(snap.view, Limits(min_nodes=6, max_nodes=6, nproc=1, max_restarts=0))
-    assert first.nodes == tuple("abcdef") and m.publish(first, None, snap.view.alive, spares=1)   # g
+    assert first.nodes == tuple("abcdef") and m.publish(first, None, snap.view.alive, spares=1)  # g
     at0 = as_e(m.refresh, joined, "e")
     assert at0.partial and at0.view.plan == first and at0.view.alive == {}
-    assert at0.spares_alive == 1   # as the publisher counted them: e reads no record
-    assert asked == ["state/live"]   # the job may be live: read until seen
-    at0 = as_e(m.with_records, at0, ["f", "a"])   # e's successor f, and a at distance 2
+    assert at0.spares_alive == 1  # as the publisher counted them: e reads no record
+    assert asked == ["state/live"]  # the job may be live: read until seen
+    at0 = as_e(m.with_records, at0, ["f", "a"])  # e's successor f, and a at distance 2
     assert asked == ["state/live", ("state/nodes/f", "state/nodes/a")] and set(at0.view.alive) == {"a", "f"}
     whole_read = as_e(m.refresh, None, "e") and spent.pop()
-    assert sum(spent) < whole_read, (spent, whole_read)   # all of e's reads, less than one whole read
-    assert not m.refresh(None, "f").partial   # the plan is out: a node joining now reads it whole
+    assert sum(spent) < whole_read, (spent, whole_read)  # all of e's reads, less than one whole read
+    assert not m.refresh(None, "f").partial  # the plan is out: a node joining now reads it whole
     for lease in leases.values():
         lease.revoke()
 
@@ -526,12 +531,12 @@ class PlanWatch:
         self.stream = m.watch_plan(node)
         threading.Thread(target=lambda: [self.news.put(n) for n in self.stream], daemon=True).start()
 
-    def __enter__(self) -> "PlanWatch":
+    def __enter__(self) -> PlanWatch:
         assert self.news.get(timeout=10).kind == "created"
         return self
 
     def __exit__(self, *exc) -> None:
-        pass   # the stream's thread ends with the test's etcd
+        pass  # the stream's thread ends with the test's etcd
 
     def woken(self, timeout: float) -> bool:
         try:
@@ -553,7 +558,7 @@ def test_a_follower_reads_the_whole_state_whenever_the_delta_cannot_tell(kv_fact
         return
 
     no_plan = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=None))
-    assert m.refresh(no_plan, "d").view.plan == held.view.plan   # generation 0's delta applies to no plan
+    assert m.refresh(no_plan, "d").view.plan == held.view.plan  # generation 0's delta applies to no plan
     whole(m, m.refresh(held, "a"), "a planner reads everything")
     gen1 = lose(m, "b")
     whole(m, m.refresh(no_plan, "d"), "no plan held, and the delta is for 0 -> 1")
@@ -594,6 +599,7 @@ def test_a_follower_reads_the_whole_state_whenever_the_delta_cannot_tell(kv_fact
 
 # ------------------------------------------------------------------------------------------------
 # run-id isolation
+
 
 def test_run_id_isolation(kv_factory):
     """Runs 'job', 'job2' and 'jo' share a parent prefix; none sees or wakes up the others."""

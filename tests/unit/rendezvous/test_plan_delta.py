@@ -6,6 +6,7 @@ tables (test_planner.py beside this file: formation, loss, drain, scale-up, fini
 ``next_plan``, a long random run of events at 64 nodes, and the size of a delta, which must not
 grow with the job. Anything that does not fit the plan at hand is refused, never half-applied.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +14,10 @@ import json
 import random
 
 import pytest
+from test_planner import DRAIN, FORMATION, LOSS, SCALE, STEADY, plan  # noqa: E402  (beside this file, on sys.path)
 
 from rendezvous.plan import FAILED, SUCCEEDED, DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, plan_delta
 from rendezvous.planner import Limits, View, next_plan, spares
-
-from test_planner import DRAIN, FORMATION, LOSS, SCALE, STEADY, plan  # noqa: E402  (beside this file, on sys.path)
 
 
 def round_trip(previous: Plan | None, new: Plan) -> Plan:
@@ -26,8 +26,12 @@ def round_trip(previous: Plan | None, new: Plan) -> Plan:
 
 
 # Every case of the planner's tables in which it makes a plan: (the plan before, the plan made).
-PLANNED = [pytest.param(c.values[0].plan, new, id=c.id) for c in FORMATION + STEADY + LOSS + DRAIN + SCALE
-           for new in [next_plan(*c.values[:2])] if new is not None]
+PLANNED = [
+    pytest.param(c.values[0].plan, new, id=c.id)
+    for c in FORMATION + STEADY + LOSS + DRAIN + SCALE
+    for new in [next_plan(*c.values[:2])]
+    if new is not None
+]
 
 
 @pytest.mark.parametrize("previous, new", PLANNED)
@@ -36,25 +40,66 @@ def test_round_trip_over_the_planners_tables(previous, new):
 
 
 CASES = [
-    pytest.param(None, Plan(generation=0, nodes=tuple("abcd"), nproc=2, joiners=tuple("abcd"), cause="initial rendezvous"),
-                 dict(previous=None, nodes=((0, 0, tuple("abcd")),), every_node_joins=True), id="formation: every node is new"),
-    pytest.param(plan(3, "abcd", live=True), plan(3, "abcd", live=True).next(nodes=tuple("abXd"), joiners=("X",), replaced={"X": "c"}, removed=("c",)),
-                 dict(previous=3, nodes=((2, 3, ("X",)),), joiners=("X",), every_node_joins=False), id="loss: a spare takes group rank 2"),
-    pytest.param(plan(3, "abcd"), plan(3, "abcd").next(nodes=tuple("abd"), joiners=tuple("abd"), removed=("c",)),
-                 dict(nodes=((2, 3, ()),), joiners=(), every_node_joins=True), id="loss without spare: shrink, everyone restarts"),
-    pytest.param(plan(3, "abcd", live=True), plan(3, "abcd", live=True).next(nodes=tuple("Xbcd"), joiners=("X",), planned=True, removed=("a",)),
-                 dict(nodes=((0, 1, ("X",)),), joiners=("X",)), id="drain of group rank 0"),
-    pytest.param(plan(1, "ab"), plan(1, "ab").next(nodes=tuple("abcd"), joiners=tuple("abcd")),
-                 dict(nodes=((2, 2, ("c", "d")),), every_node_joins=True), id="scale-up: appended"),
-    pytest.param(plan(5, "abcd"), plan(5, "abcd").next(joiners=tuple("abcd"), restarts=1, live=False),
-                 dict(nodes=(), every_node_joins=True), id="restart in place: nodes unchanged"),
-    pytest.param(plan(5, "abcd"), plan(5, "abcd").next(state=SUCCEEDED, reason="training finished"),
-                 dict(nodes=(), joiners=(), every_node_joins=False), id="finish"),
-    pytest.param(plan(5, "abcd"), plan(5, "abcd").next(state=FAILED, removed=("a", "b"), reason="no spare left"),
-                 dict(nodes=(), joiners=()), id="failed"),
-    pytest.param(Plan(generation=5, nodes=(), nproc=2), Plan(generation=5, nodes=(), nproc=2).next(), dict(nodes=(), every_node_joins=False), id="no nodes at all"),
-    pytest.param(plan(7, "abcdefgh", live=True), plan(7, "abcdefgh", live=True).next(nodes=tuple("aXcdefYh"), joiners=("X", "Y")),
-                 dict(nodes=((1, 2, ("X",)), (6, 7, ("Y",)))), id="two losses far apart: two splices, nothing between them"),
+    pytest.param(
+        None,
+        Plan(generation=0, nodes=tuple("abcd"), nproc=2, joiners=tuple("abcd"), cause="initial rendezvous"),
+        dict(previous=None, nodes=((0, 0, tuple("abcd")),), every_node_joins=True),
+        id="formation: every node is new",
+    ),
+    pytest.param(
+        plan(3, "abcd", live=True),
+        plan(3, "abcd", live=True).next(nodes=tuple("abXd"), joiners=("X",), replaced={"X": "c"}, removed=("c",)),
+        dict(previous=3, nodes=((2, 3, ("X",)),), joiners=("X",), every_node_joins=False),
+        id="loss: a spare takes group rank 2",
+    ),
+    pytest.param(
+        plan(3, "abcd"),
+        plan(3, "abcd").next(nodes=tuple("abd"), joiners=tuple("abd"), removed=("c",)),
+        dict(nodes=((2, 3, ()),), joiners=(), every_node_joins=True),
+        id="loss without spare: shrink, everyone restarts",
+    ),
+    pytest.param(
+        plan(3, "abcd", live=True),
+        plan(3, "abcd", live=True).next(nodes=tuple("Xbcd"), joiners=("X",), planned=True, removed=("a",)),
+        dict(nodes=((0, 1, ("X",)),), joiners=("X",)),
+        id="drain of group rank 0",
+    ),
+    pytest.param(
+        plan(1, "ab"),
+        plan(1, "ab").next(nodes=tuple("abcd"), joiners=tuple("abcd")),
+        dict(nodes=((2, 2, ("c", "d")),), every_node_joins=True),
+        id="scale-up: appended",
+    ),
+    pytest.param(
+        plan(5, "abcd"),
+        plan(5, "abcd").next(joiners=tuple("abcd"), restarts=1, live=False),
+        dict(nodes=(), every_node_joins=True),
+        id="restart in place: nodes unchanged",
+    ),
+    pytest.param(
+        plan(5, "abcd"),
+        plan(5, "abcd").next(state=SUCCEEDED, reason="training finished"),
+        dict(nodes=(), joiners=(), every_node_joins=False),
+        id="finish",
+    ),
+    pytest.param(
+        plan(5, "abcd"),
+        plan(5, "abcd").next(state=FAILED, removed=("a", "b"), reason="no spare left"),
+        dict(nodes=(), joiners=()),
+        id="failed",
+    ),
+    pytest.param(
+        Plan(generation=5, nodes=(), nproc=2),
+        Plan(generation=5, nodes=(), nproc=2).next(),
+        dict(nodes=(), every_node_joins=False),
+        id="no nodes at all",
+    ),
+    pytest.param(
+        plan(7, "abcdefgh", live=True),
+        plan(7, "abcdefgh", live=True).next(nodes=tuple("aXcdefYh"), joiners=("X", "Y")),
+        dict(nodes=((1, 2, ("X",)), (6, 7, ("Y",)))),
+        id="two losses far apart: two splices, nothing between them",
+    ),
 ]
 
 
@@ -72,8 +117,12 @@ def test_random_run_of_events_at_64_nodes():
     is rebuilt exactly from the previous one and its delta."""
     rng = random.Random(1234)
     lim = Limits(min_nodes=48, max_nodes=60, nproc=1, max_restarts=10_000)
-    alive = {f"n{i:03d}": NodeInfo(id=f"n{i:03d}", host="h", addr=f"10.0.{i // 250}.{i % 250}", store_port=1000 + i,
-                                   nproc=1, pid=i, joined=float(i)) for i in range(64)}
+    alive = {
+        f"n{i:03d}": NodeInfo(
+            id=f"n{i:03d}", host="h", addr=f"10.0.{i // 250}.{i % 250}", store_port=1000 + i, nproc=1, pid=i, joined=float(i)
+        )
+        for i in range(64)
+    }
     joined = 64
     current = None
     rebuilt = 0
@@ -83,7 +132,7 @@ def test_random_run_of_events_at_64_nodes():
             roll = rng.random()
             active = list(current.nodes)
             if roll < 0.4:
-                alive.pop(rng.choice(active), None)       # a node lost
+                alive.pop(rng.choice(active), None)  # a node lost
             elif roll < 0.6:
                 view = dataclasses.replace(view, drains={rng.choice(active): "drain"})
             elif roll < 0.7:
@@ -91,10 +140,11 @@ def test_random_run_of_events_at_64_nodes():
                 view = dataclasses.replace(view, reports={node: "worker exited"}, report_kinds={node: "signal"})
             elif roll < 0.72:
                 view = dataclasses.replace(view, done=frozenset(active))
-            while len(spares(view)) < 3:                   # new spares keep arriving
+            while len(spares(view)) < 3:  # new spares keep arriving
                 node = f"n{joined:03d}"
-                alive[node] = NodeInfo(id=node, host="h", addr="10.1.0.1", store_port=2000 + joined % 60000, nproc=1,
-                                       pid=joined, joined=float(joined))
+                alive[node] = NodeInfo(
+                    id=node, host="h", addr="10.1.0.1", store_port=2000 + joined % 60000, nproc=1, pid=joined, joined=float(joined)
+                )
                 joined += 1
                 view = dataclasses.replace(view, alive=dict(alive))
         new = next_plan(dataclasses.replace(view, alive=dict(alive)), lim)
@@ -102,7 +152,7 @@ def test_random_run_of_events_at_64_nodes():
             continue
         assert round_trip(current, new) == new
         rebuilt += 1
-        current = None if new.finished else new   # a finished job: the next one starts from scratch
+        current = None if new.finished else new  # a finished job: the next one starts from scratch
     assert rebuilt > 100
 
 
@@ -111,8 +161,15 @@ def replacement(n: int) -> tuple[Plan, Plan]:
     ids = tuple(f"n{i:04d}" for i in range(n))
     lost = ids[n // 2]
     before = Plan(generation=9, nodes=ids, nproc=8, live=True, store={"node": ids[0], "addr": "10.0.0.1", "port": 29500}, created=1.5)
-    return before, before.next(nodes=ids[:n // 2] + ("s0001",) + ids[n // 2 + 1:], joiners=("s0001",), replaced={"s0001": lost},
-                               removed=(lost,), cause=f"{lost}: node lost (lease expired)", restarts=1, created=2.5)
+    return before, before.next(
+        nodes=ids[: n // 2] + ("s0001",) + ids[n // 2 + 1 :],
+        joiners=("s0001",),
+        replaced={"s0001": lost},
+        removed=(lost,),
+        cause=f"{lost}: node lost (lease expired)",
+        restarts=1,
+        created=2.5,
+    )
 
 
 @pytest.mark.parametrize("n", [256, 1024])
@@ -133,25 +190,48 @@ def node(n: str) -> NodeInfo:
 RECORDS = {n: node(n) for n in "abcdXY"}
 
 
-@pytest.mark.parametrize("previous, new, sent", [
-    pytest.param(None, Plan(generation=0, nodes=tuple("abcd"), nproc=2, joiners=tuple("abcd")), "",
-                 id="formation: every node is new and reads the whole state, so none is sent"),
-    pytest.param(plan(3, "abcd", live=True), plan(3, "abcd", live=True).next(nodes=tuple("abXd"), joiners=("X",), removed=("c",)),
-                 "X", id="loss: the spare that took over"),
-    pytest.param(plan(3, "abcd"), plan(3, "abcd").next(nodes=tuple("abcdXY"), joiners=tuple("abcdXY")), "XY",
-                 id="scale-up, every worker restarts: the appended nodes only"),
-    pytest.param(plan(3, "abcd"), plan(3, "abcd").next(nodes=tuple("abcd"), joiners=("b",)), "b",
-                 id="a joiner already in the plan: its workers start again"),
-    pytest.param(plan(3, "abcd"), plan(3, "abcd").next(joiners=tuple("abcd")), "", id="restart in place: records held"),
-    pytest.param(plan(3, "abcd", live=True), plan(3, "abcd", live=True).next(nodes=tuple("abZd"), joiners=("Z",)), "",
-                 id="a record the planner does not hold is left to the follower to read"),
-])
+@pytest.mark.parametrize(
+    "previous, new, sent",
+    [
+        pytest.param(
+            None,
+            Plan(generation=0, nodes=tuple("abcd"), nproc=2, joiners=tuple("abcd")),
+            "",
+            id="formation: every node is new and reads the whole state, so none is sent",
+        ),
+        pytest.param(
+            plan(3, "abcd", live=True),
+            plan(3, "abcd", live=True).next(nodes=tuple("abXd"), joiners=("X",), removed=("c",)),
+            "X",
+            id="loss: the spare that took over",
+        ),
+        pytest.param(
+            plan(3, "abcd"),
+            plan(3, "abcd").next(nodes=tuple("abcdXY"), joiners=tuple("abcdXY")),
+            "XY",
+            id="scale-up, every worker restarts: the appended nodes only",
+        ),
+        pytest.param(
+            plan(3, "abcd"),
+            plan(3, "abcd").next(nodes=tuple("abcd"), joiners=("b",)),
+            "b",
+            id="a joiner already in the plan: its workers start again",
+        ),
+        pytest.param(plan(3, "abcd"), plan(3, "abcd").next(joiners=tuple("abcd")), "", id="restart in place: records held"),
+        pytest.param(
+            plan(3, "abcd", live=True),
+            plan(3, "abcd", live=True).next(nodes=tuple("abZd"), joiners=("Z",)),
+            "",
+            id="a record the planner does not hold is left to the follower to read",
+        ),
+    ],
+)
 def test_the_delta_carries_the_records_a_follower_lacks(previous, new, sent):
     delta = plan_delta(previous, new, RECORDS)
     assert [r.id for r in delta.records] == list(sent)
     again = PlanDelta.from_json(delta.to_json())
     assert again == delta and all(isinstance(r, NodeInfo) for r in again.records)
-    assert plan_delta(previous, new).records == ()   # no records given: none sent
+    assert plan_delta(previous, new).records == ()  # no records given: none sent
     assert plan_delta(previous, new).spares is None and PlanDelta.from_json(plan_delta(previous, new, spares=2).to_json()).spares == 2
 
 
@@ -167,44 +247,70 @@ GEN3 = plan(3, "abcd", live=True)
 GEN4 = GEN3.next(nodes=tuple("abXd"), joiners=("X",), replaced={"X": "c"}, removed=("c",))
 
 
-@pytest.mark.parametrize("held, delta, why", [
-    pytest.param(GEN3.next(), plan_delta(GEN3, GEN4), "applies to generation 3, this node holds 4", id="a generation in between was missed"),
-    pytest.param(None, plan_delta(GEN3, GEN4), "holds None", id="no plan held"),
-    pytest.param(GEN3, plan_delta(None, GEN3), "applies to generation None", id="a formation delta over a held plan"),
-    pytest.param(dataclasses.replace(GEN3, nodes=tuple("abc")), plan_delta(GEN3, GEN4), "digest differs",
-                 id="same generation, other nodes: the rebuilt plan is not the published one"),
-    pytest.param(dataclasses.replace(GEN3, nodes=tuple("ab")), plan_delta(GEN3, GEN4), "does not fit 2 node(s)",
-                 id="splice beyond the node list"),
-    pytest.param(GEN3, dataclasses.replace(plan_delta(GEN3, GEN4), nodes=((3, 1, ()),)), "does not fit", id="splice backwards"),
-    pytest.param(GEN3, dataclasses.replace(plan_delta(GEN3, GEN4), fields={**plan_delta(GEN3, GEN4).fields, "nproc": "8"}),
-                 "unreadable", id="a field of the wrong type"),
-    pytest.param(GEN3, dataclasses.replace(plan_delta(GEN3, GEN4), fields={**plan_delta(GEN3, GEN4).fields, "nodes": []}),
-                 "unreadable", id="fields may not carry the node list"),
-])
+@pytest.mark.parametrize(
+    "held, delta, why",
+    [
+        pytest.param(
+            GEN3.next(), plan_delta(GEN3, GEN4), "applies to generation 3, this node holds 4", id="a generation in between was missed"
+        ),
+        pytest.param(None, plan_delta(GEN3, GEN4), "holds None", id="no plan held"),
+        pytest.param(GEN3, plan_delta(None, GEN3), "applies to generation None", id="a formation delta over a held plan"),
+        pytest.param(
+            dataclasses.replace(GEN3, nodes=tuple("abc")),
+            plan_delta(GEN3, GEN4),
+            "digest differs",
+            id="same generation, other nodes: the rebuilt plan is not the published one",
+        ),
+        pytest.param(
+            dataclasses.replace(GEN3, nodes=tuple("ab")), plan_delta(GEN3, GEN4), "does not fit 2 node(s)", id="splice beyond the node list"
+        ),
+        pytest.param(GEN3, dataclasses.replace(plan_delta(GEN3, GEN4), nodes=((3, 1, ()),)), "does not fit", id="splice backwards"),
+        pytest.param(
+            GEN3,
+            dataclasses.replace(plan_delta(GEN3, GEN4), fields={**plan_delta(GEN3, GEN4).fields, "nproc": "8"}),
+            "unreadable",
+            id="a field of the wrong type",
+        ),
+        pytest.param(
+            GEN3,
+            dataclasses.replace(plan_delta(GEN3, GEN4), fields={**plan_delta(GEN3, GEN4).fields, "nodes": []}),
+            "unreadable",
+            id="fields may not carry the node list",
+        ),
+    ],
+)
 def test_a_delta_that_does_not_fit_is_refused(held, delta, why):
     with pytest.raises(DeltaMismatch, match=why.replace("(", r"\(").replace(")", r"\)")):
         apply_delta(held, delta)
 
 
-@pytest.mark.parametrize("text", [
-    "garbage {", "[1]", "null", "1e999", "[" * 100_000 + "]" * 100_000,
-    json.dumps({"previous": 1}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "extra": 1}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "previous": True}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "nodes": [[0, 1]]}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "nodes": [[0, "1", ["x"]]]}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "joiners": [1]}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "fields": []}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "digest": 5}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": -1}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": "2"}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": True}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": {}}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": [1]}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": [{"id": "X"}]}),
-    json.dumps({**json.loads(plan_delta(GEN3, GEN4, RECORDS).to_json()),
-                "records": [{**json.loads(node("X").to_json()), "store_port": 0}]}),
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "garbage {",
+        "[1]",
+        "null",
+        "1e999",
+        "[" * 100_000 + "]" * 100_000,
+        json.dumps({"previous": 1}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "extra": 1}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "previous": True}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "nodes": [[0, 1]]}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "nodes": [[0, "1", ["x"]]]}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "joiners": [1]}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "fields": []}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "digest": 5}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": -1}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": "2"}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "spares": True}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": {}}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": [1]}),
+        json.dumps({**json.loads(plan_delta(GEN3, GEN4).to_json()), "records": [{"id": "X"}]}),
+        json.dumps(
+            {**json.loads(plan_delta(GEN3, GEN4, RECORDS).to_json()), "records": [{**json.loads(node("X").to_json()), "store_port": 0}]}
+        ),
+    ],
+)
 def test_unreadable_delta_is_a_value_error(text):
     """etcd content is input: whatever is under the delta's key fails as ValueError, nothing else."""
     with pytest.raises(ValueError):

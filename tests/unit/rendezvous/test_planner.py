@@ -4,6 +4,7 @@ Each case builds a View the way the membership adapter would (nodes join in the 
 listed, so join order is visible in the table), runs the planner, and checks the fields of the
 resulting plan that the case is about. No etcd, no processes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,15 @@ NPROC = 2
 
 
 def info(node: str, joined: float) -> NodeInfo:
-    return NodeInfo(id=node, host=f"host-{node}", addr=f"10.0.0.{int(joined) + 1}", store_port=29500 + int(joined),
-                    nproc=NPROC, pid=1000 + int(joined), joined=joined)
+    return NodeInfo(
+        id=node,
+        host=f"host-{node}",
+        addr=f"10.0.0.{int(joined) + 1}",
+        store_port=29500 + int(joined),
+        nproc=NPROC,
+        pid=1000 + int(joined),
+        joined=joined,
+    )
 
 
 def plan(gen: int, nodes: str, **fields) -> Plan:
@@ -28,8 +36,18 @@ def plan(gen: int, nodes: str, **fields) -> Plan:
     return Plan(generation=gen, nodes=tuple(nodes), nproc=NPROC, **fields)
 
 
-def view(p: Plan | None = None, alive: str = "", *, failed: str = "", reports: dict | None = None,
-         drains: str = "", done: str = "", live: bool = False, last_call: bool = False, kinds: dict | None = None) -> View:
+def view(
+    p: Plan | None = None,
+    alive: str = "",
+    *,
+    failed: str = "",
+    reports: dict | None = None,
+    drains: str = "",
+    done: str = "",
+    live: bool = False,
+    last_call: bool = False,
+    kinds: dict | None = None,
+) -> View:
     """Single-letter node ids; ``alive`` lists the nodes with a live lease in join order."""
     return View(
         plan=p,
@@ -84,22 +102,31 @@ def check(got: Plan | None, want: dict | None, v: View) -> None:
 # generation 0
 
 FORMATION = [
-    pytest.param(view(None, "cab"), limits("2"), dict(nodes=T("ca"), joiners=T("ca"), restarts=0, live=False),
-                 id="gen0: more than MAX joined -> first MAX in join order, the rest are spares"),
-    pytest.param(view(None, "ba"), limits("2"), dict(nodes=T("ba"), joiners=T("ba")),
-                 id="gen0: exactly MAX joined -> formed without waiting for the last call"),
-    pytest.param(view(None, "ab"), limits("1:3"), None,
-                 id="gen0: MIN..MAX joined, last call still open -> wait"),
-    pytest.param(view(None, "ab", last_call=True), limits("1:3"), dict(nodes=T("ab"), joiners=T("ab")),
-                 id="gen0: MIN..MAX joined, last call passed -> form with all of them"),
-    pytest.param(view(None, "ab", last_call=True), limits("3:4"), None,
-                 id="gen0: fewer than MIN even after the last call -> wait"),
-    pytest.param(view(None, "abc", failed="a"), limits("2"), dict(nodes=T("bc")),
-                 id="gen0: cordoned node never chosen even if it joined first"),
-    pytest.param(view(None, "ab", failed="a", last_call=True), limits("2"), None,
-                 id="gen0: cordoned node does not count towards MIN"),
-    pytest.param(view(None, "abc", drains="a"), limits("2"), dict(nodes=T("bc")),
-                 id="gen0: draining node never chosen"),
+    pytest.param(
+        view(None, "cab"),
+        limits("2"),
+        dict(nodes=T("ca"), joiners=T("ca"), restarts=0, live=False),
+        id="gen0: more than MAX joined -> first MAX in join order, the rest are spares",
+    ),
+    pytest.param(
+        view(None, "ba"),
+        limits("2"),
+        dict(nodes=T("ba"), joiners=T("ba")),
+        id="gen0: exactly MAX joined -> formed without waiting for the last call",
+    ),
+    pytest.param(view(None, "ab"), limits("1:3"), None, id="gen0: MIN..MAX joined, last call still open -> wait"),
+    pytest.param(
+        view(None, "ab", last_call=True),
+        limits("1:3"),
+        dict(nodes=T("ab"), joiners=T("ab")),
+        id="gen0: MIN..MAX joined, last call passed -> form with all of them",
+    ),
+    pytest.param(view(None, "ab", last_call=True), limits("3:4"), None, id="gen0: fewer than MIN even after the last call -> wait"),
+    pytest.param(
+        view(None, "abc", failed="a"), limits("2"), dict(nodes=T("bc")), id="gen0: cordoned node never chosen even if it joined first"
+    ),
+    pytest.param(view(None, "ab", failed="a", last_call=True), limits("2"), None, id="gen0: cordoned node does not count towards MIN"),
+    pytest.param(view(None, "abc", drains="a"), limits("2"), dict(nodes=T("bc")), id="gen0: draining node never chosen"),
     pytest.param(view(None, ""), limits("1"), None, id="gen0: nobody joined -> wait"),
 ]
 
@@ -117,19 +144,29 @@ def test_formation(v, lim, want):
 # steady state, success, finished plans
 
 STEADY = [
-    pytest.param(view(plan(4, "ab"), "abc"), limits("2"), None,
-                 id="nothing happened -> the plan stands"),
-    pytest.param(view(plan(4, "ab", restarts=2), "abc", done="ab"), limits("2"),
-                 dict(state=SUCCEEDED, restarts=2, reason_has="training finished"),
-                 id="all active nodes done -> SUCCEEDED (spares need not be done)"),
-    pytest.param(view(plan(4, "ab"), "abc", done="a"), limits("2"), None,
-                 id="only some active nodes done -> keep waiting"),
-    pytest.param(view(plan(4, "ab"), "b", done="ab"), limits("2"), dict(state=SUCCEEDED),
-                 id="all done, then a lease expired -> still SUCCEEDED, no restart"),
-    pytest.param(view(plan(4, "ab", state=SUCCEEDED), "b", reports={"b": "worker 0 exited"}), limits("2"), None,
-                 id="finished plan (succeeded) -> None even with losses"),
-    pytest.param(view(plan(4, "ab", state=FAILED, reason="x"), "abcd"), limits("1:4"), None,
-                 id="finished plan (failed) -> None even with spares"),
+    pytest.param(view(plan(4, "ab"), "abc"), limits("2"), None, id="nothing happened -> the plan stands"),
+    pytest.param(
+        view(plan(4, "ab", restarts=2), "abc", done="ab"),
+        limits("2"),
+        dict(state=SUCCEEDED, restarts=2, reason_has="training finished"),
+        id="all active nodes done -> SUCCEEDED (spares need not be done)",
+    ),
+    pytest.param(view(plan(4, "ab"), "abc", done="a"), limits("2"), None, id="only some active nodes done -> keep waiting"),
+    pytest.param(
+        view(plan(4, "ab"), "b", done="ab"),
+        limits("2"),
+        dict(state=SUCCEEDED),
+        id="all done, then a lease expired -> still SUCCEEDED, no restart",
+    ),
+    pytest.param(
+        view(plan(4, "ab", state=SUCCEEDED), "b", reports={"b": "worker 0 exited"}),
+        limits("2"),
+        None,
+        id="finished plan (succeeded) -> None even with losses",
+    ),
+    pytest.param(
+        view(plan(4, "ab", state=FAILED, reason="x"), "abcd"), limits("1:4"), None, id="finished plan (failed) -> None even with spares"
+    ),
 ]
 
 
@@ -143,102 +180,226 @@ def test_steady_and_finished(v, lim, want):
 
 LOSS = [
     # --- a spare takes the lost node's group rank
-    pytest.param(view(plan(3, "ab"), "bc"), limits("2"),
-                 dict(nodes=T("cb"), joiners=T("cb"), replaced={"c": "a"}, removed=T("a"), restarts=1, live=False,
-                      planned=False, cause_has="a: node lost (lease expired)"),
-                 id="lease expired + spare -> spare takes group rank 0 (restart mode: all workers fresh)"),
-    pytest.param(view(plan(3, "ab", live=True), "bc", live=True), limits("2"),
-                 dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a"), restarts=1, live=True),
-                 id="lease expired + spare, live job -> only the spare joins, survivors keep running"),
-    pytest.param(view(plan(3, "ab"), "abc", reports={"b": "worker 1 (pid 7) exited with code 1"}, live=True), limits("2"),
-                 dict(nodes=T("ac"), joiners=T("c"), replaced={"c": "b"}, removed=T("b"), restarts=1, live=True,
-                      cause_has="b: worker 1 (pid 7) exited with code 1"),
-                 id="reported failure + spare -> spare takes group rank 1, reporter leaves"),
-    pytest.param(view(plan(3, "ab"), "abc", failed="a", live=True), limits("2"),
-                 dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a"), restarts=1,
-                      cause_has="a: cordoned: xid 79"),
-                 id="cordoned active node (still alive) + spare -> replaced"),
-    pytest.param(view(plan(3, "ab"), "abdc", reports={"a": "hang"}, live=True), limits("2"),
-                 dict(nodes=T("db"), replaced={"d": "a"}),
-                 id="several spares -> the one that joined first is promoted"),
-    pytest.param(view(plan(3, "ab"), "bcd", failed="c", live=True), limits("2"),
-                 dict(nodes=T("db"), replaced={"d": "a"}),
-                 id="cordoned spare is skipped"),
-    pytest.param(view(plan(3, "ab"), "bcd", drains="c", live=True), limits("2"),
-                 dict(nodes=T("db"), replaced={"d": "a"}),
-                 id="draining spare is skipped"),
-    pytest.param(view(plan(3, "ab", removed=T("c")), "bc", live=True), limits("1:2"),
-                 dict(nodes=T("b"), joiners=T("b"), removed=T("a"), live=False),
-                 id="node removed in the current generation is not a spare yet"),
+    pytest.param(
+        view(plan(3, "ab"), "bc"),
+        limits("2"),
+        dict(
+            nodes=T("cb"),
+            joiners=T("cb"),
+            replaced={"c": "a"},
+            removed=T("a"),
+            restarts=1,
+            live=False,
+            planned=False,
+            cause_has="a: node lost (lease expired)",
+        ),
+        id="lease expired + spare -> spare takes group rank 0 (restart mode: all workers fresh)",
+    ),
+    pytest.param(
+        view(plan(3, "ab", live=True), "bc", live=True),
+        limits("2"),
+        dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a"), restarts=1, live=True),
+        id="lease expired + spare, live job -> only the spare joins, survivors keep running",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "abc", reports={"b": "worker 1 (pid 7) exited with code 1"}, live=True),
+        limits("2"),
+        dict(
+            nodes=T("ac"),
+            joiners=T("c"),
+            replaced={"c": "b"},
+            removed=T("b"),
+            restarts=1,
+            live=True,
+            cause_has="b: worker 1 (pid 7) exited with code 1",
+        ),
+        id="reported failure + spare -> spare takes group rank 1, reporter leaves",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "abc", failed="a", live=True),
+        limits("2"),
+        dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a"), restarts=1, cause_has="a: cordoned: xid 79"),
+        id="cordoned active node (still alive) + spare -> replaced",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "abdc", reports={"a": "hang"}, live=True),
+        limits("2"),
+        dict(nodes=T("db"), replaced={"d": "a"}),
+        id="several spares -> the one that joined first is promoted",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "bcd", failed="c", live=True),
+        limits("2"),
+        dict(nodes=T("db"), replaced={"d": "a"}),
+        id="cordoned spare is skipped",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "bcd", drains="c", live=True),
+        limits("2"),
+        dict(nodes=T("db"), replaced={"d": "a"}),
+        id="draining spare is skipped",
+    ),
+    pytest.param(
+        view(plan(3, "ab", removed=T("c")), "bc", live=True),
+        limits("1:2"),
+        dict(nodes=T("b"), joiners=T("b"), removed=T("a"), live=False),
+        id="node removed in the current generation is not a spare yet",
+    ),
     # --- restarts are counted job-wide
-    pytest.param(view(plan(7, "ab", restarts=2), "bc"), limits("2", max_restarts=3),
-                 dict(nodes=T("cb"), restarts=3), id="third restart of 3 allowed -> replaced"),
-    pytest.param(view(plan(7, "ab", restarts=3), "bc"), limits("2", max_restarts=3),
-                 dict(state=FAILED, restarts=4, removed=T("a"),
-                      reason_has="max restarts (3) exhausted; last failure: a: node lost (lease expired)"),
-                 id="max_restarts exhausted -> FAILED with the reason, even with a spare"),
-    pytest.param(view(plan(0, "ab"), "abc", reports={"a": "worker 0 exited with code 1"}), limits("2", max_restarts=0),
-                 dict(state=FAILED, restarts=1, reason_has="max restarts (0) exhausted; last failure: a: worker 0 exited"),
-                 id="--max-restarts 0 -> the first failure fails the job"),
+    pytest.param(
+        view(plan(7, "ab", restarts=2), "bc"),
+        limits("2", max_restarts=3),
+        dict(nodes=T("cb"), restarts=3),
+        id="third restart of 3 allowed -> replaced",
+    ),
+    pytest.param(
+        view(plan(7, "ab", restarts=3), "bc"),
+        limits("2", max_restarts=3),
+        dict(state=FAILED, restarts=4, removed=T("a"), reason_has="max restarts (3) exhausted; last failure: a: node lost (lease expired)"),
+        id="max_restarts exhausted -> FAILED with the reason, even with a spare",
+    ),
+    pytest.param(
+        view(plan(0, "ab"), "abc", reports={"a": "worker 0 exited with code 1"}),
+        limits("2", max_restarts=0),
+        dict(state=FAILED, restarts=1, reason_has="max restarts (0) exhausted; last failure: a: worker 0 exited"),
+        id="--max-restarts 0 -> the first failure fails the job",
+    ),
     # --- no spare
-    pytest.param(view(plan(3, "ab"), "ab", reports={"a": "worker 0 exited with code 1"}), limits("2"),
-                 dict(nodes=T("ab"), joiners=T("ab"), replaced={}, removed=(), restarts=1, live=False),
-                 id="no spare + node alive -> restart in place (restart mode: everyone restarts)"),
-    pytest.param(view(plan(3, "ab"), "ab", reports={"a": "worker 0 exited with code 1"}, live=True), limits("2"),
-                 dict(nodes=T("ab"), joiners=T("a"), replaced={}, removed=(), restarts=1, live=True),
-                 id="no spare + node alive, live job -> only that node's workers restart"),
-    pytest.param(view(plan(3, "abc"), "bc", live=True), limits("2:3"),
-                 dict(nodes=T("bc"), joiners=T("bc"), removed=T("a"), replaced={}, restarts=1, live=False),
-                 id="no spare + dead node, >= MIN left -> shrink, new world size restarts every worker"),
-    pytest.param(view(plan(3, "ab"), "b"), limits("2"),
-                 dict(state=FAILED, restarts=1, removed=T("a"),
-                      reason_has="no spare left: 1 node(s) remain, --nnodes needs at least 2"),
-                 id="no spare + dead node, below MIN -> FAILED 'no spare left'"),
-    pytest.param(view(plan(3, "ab"), "ab", failed="a"), limits("2"),
-                 dict(state=FAILED, reason_has="no spare left"),
-                 id="no spare + cordoned node -> never restarted in place; below MIN -> FAILED"),
-    pytest.param(view(plan(3, "ab"), "ab", failed="a"), limits("1:2"),
-                 dict(nodes=T("b"), joiners=T("b"), removed=T("a"), restarts=1),
-                 id="no spare + cordoned node, MIN allows -> shrink"),
-    pytest.param(view(plan(3, "ab"), "ab", reports={"a": "agent unreachable (connection refused): node lost"}, kinds={"a": "lost"}, live=True),
-                 limits("2"), dict(state=FAILED, restarts=1, reason_has="no spare left: 1 node(s) remain"),
-                 id="no spare + agent found dead, lease not yet expired -> not restarted in place; below MIN -> FAILED"),
-    pytest.param(view(plan(3, "ab"), "ab", reports={"a": "agent unreachable (connection refused): node lost"}, kinds={"a": "lost"}, live=True),
-                 limits("1:2"), dict(nodes=T("b"), joiners=T("b"), removed=T("a"), restarts=1, live=False),
-                 id="no spare + agent found dead, MIN allows -> shrink"),
+    pytest.param(
+        view(plan(3, "ab"), "ab", reports={"a": "worker 0 exited with code 1"}),
+        limits("2"),
+        dict(nodes=T("ab"), joiners=T("ab"), replaced={}, removed=(), restarts=1, live=False),
+        id="no spare + node alive -> restart in place (restart mode: everyone restarts)",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "ab", reports={"a": "worker 0 exited with code 1"}, live=True),
+        limits("2"),
+        dict(nodes=T("ab"), joiners=T("a"), replaced={}, removed=(), restarts=1, live=True),
+        id="no spare + node alive, live job -> only that node's workers restart",
+    ),
+    pytest.param(
+        view(plan(3, "abc"), "bc", live=True),
+        limits("2:3"),
+        dict(nodes=T("bc"), joiners=T("bc"), removed=T("a"), replaced={}, restarts=1, live=False),
+        id="no spare + dead node, >= MIN left -> shrink, new world size restarts every worker",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "b"),
+        limits("2"),
+        dict(state=FAILED, restarts=1, removed=T("a"), reason_has="no spare left: 1 node(s) remain, --nnodes needs at least 2"),
+        id="no spare + dead node, below MIN -> FAILED 'no spare left'",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "ab", failed="a"),
+        limits("2"),
+        dict(state=FAILED, reason_has="no spare left"),
+        id="no spare + cordoned node -> never restarted in place; below MIN -> FAILED",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "ab", failed="a"),
+        limits("1:2"),
+        dict(nodes=T("b"), joiners=T("b"), removed=T("a"), restarts=1),
+        id="no spare + cordoned node, MIN allows -> shrink",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "ab", reports={"a": "agent unreachable (connection refused): node lost"}, kinds={"a": "lost"}, live=True),
+        limits("2"),
+        dict(state=FAILED, restarts=1, reason_has="no spare left: 1 node(s) remain"),
+        id="no spare + agent found dead, lease not yet expired -> not restarted in place; below MIN -> FAILED",
+    ),
+    pytest.param(
+        view(plan(3, "ab"), "ab", reports={"a": "agent unreachable (connection refused): node lost"}, kinds={"a": "lost"}, live=True),
+        limits("1:2"),
+        dict(nodes=T("b"), joiners=T("b"), removed=T("a"), restarts=1, live=False),
+        id="no spare + agent found dead, MIN allows -> shrink",
+    ),
     # --- two losses in one generation, one spare
-    pytest.param(view(plan(3, "abc"), "cd"), limits("2:3"),
-                 dict(nodes=T("dc"), joiners=T("dc"), replaced={"d": "a"}, removed=T("ab"), restarts=1, live=False),
-                 id="two dead, one spare, MIN allows -> spare takes the first, second dropped, one restart"),
-    pytest.param(view(plan(3, "abc"), "cd", live=True), limits("3"),
-                 dict(state=FAILED, restarts=1, reason_has="no spare left: 2 node(s) remain"),
-                 id="two dead, one spare, MIN = 3 -> FAILED"),
-    pytest.param(view(plan(3, "abc"), "bcd", reports={"b": "worker 0 exited with code 1"}, live=True), limits("3"),
-                 dict(nodes=T("dbc"), joiners=T("db"), replaced={"d": "a"}, removed=T("a"), restarts=1, live=True),
-                 id="one dead + one reported, one spare -> spare replaces the dead, reporter restarts in place (live)"),
-    pytest.param(view(plan(3, "abc"), "bcd", reports={"b": "worker 0 exited with code 1"}), limits("3"),
-                 dict(nodes=T("dbc"), joiners=T("dbc"), restarts=1, live=False),
-                 id="one dead + one reported, one spare, restart mode -> everyone restarts"),
+    pytest.param(
+        view(plan(3, "abc"), "cd"),
+        limits("2:3"),
+        dict(nodes=T("dc"), joiners=T("dc"), replaced={"d": "a"}, removed=T("ab"), restarts=1, live=False),
+        id="two dead, one spare, MIN allows -> spare takes the first, second dropped, one restart",
+    ),
+    pytest.param(
+        view(plan(3, "abc"), "cd", live=True),
+        limits("3"),
+        dict(state=FAILED, restarts=1, reason_has="no spare left: 2 node(s) remain"),
+        id="two dead, one spare, MIN = 3 -> FAILED",
+    ),
+    pytest.param(
+        view(plan(3, "abc"), "bcd", reports={"b": "worker 0 exited with code 1"}, live=True),
+        limits("3"),
+        dict(nodes=T("dbc"), joiners=T("db"), replaced={"d": "a"}, removed=T("a"), restarts=1, live=True),
+        id="one dead + one reported, one spare -> spare replaces the dead, reporter restarts in place (live)",
+    ),
+    pytest.param(
+        view(plan(3, "abc"), "bcd", reports={"b": "worker 0 exited with code 1"}),
+        limits("3"),
+        dict(nodes=T("dbc"), joiners=T("dbc"), restarts=1, live=False),
+        id="one dead + one reported, one spare, restart mode -> everyone restarts",
+    ),
     # --- the live state of some rank exists nowhere any more (no replica survived)
-    pytest.param(view(plan(3, "ab", live=True, joiners=T("b")), "ab", reports={"a": "no live rank holds the state of rank(s) [3] at step 12",
-                                                                            "b": "no live rank holds the state of rank(s) [3] at step 12"},
-                      kinds={"a": "state", "b": "state"}, live=True), limits("2"),
-                 dict(nodes=T("ab"), joiners=T("ab"), replaced={}, removed=(), restarts=1, live=False,
-                      cause_has="no live rank holds the state of rank(s) [3] at step 12"),
-                 id="state lost, reported by every node -> nobody replaced, every worker restarts (checkpoint)"),
-    pytest.param(view(plan(3, "ab", live=True), "ab", reports={"b": "no live rank holds the state of rank(s) [2] at step 7"},
-                      kinds={"b": "state"}, live=True), limits("2"),
-                 dict(nodes=T("ab"), joiners=T("ab"), restarts=1, live=False),
-                 id="state lost, one report seen so far -> the same restart"),
-    pytest.param(view(plan(3, "abc", live=True), "bcd", reports={"b": "no live rank holds the state of rank(s) [0] at step 7"},
-                      kinds={"b": "state"}, live=True), limits("3"),
-                 dict(nodes=T("dbc"), joiners=T("dbc"), replaced={"d": "a"}, restarts=1, live=False,
-                      cause_has="a: node lost (lease expired); no live rank holds"),
-                 id="state lost and a node lost -> the spare replaces it, every worker restarts"),
+    pytest.param(
+        view(
+            plan(3, "ab", live=True, joiners=T("b")),
+            "ab",
+            reports={
+                "a": "no live rank holds the state of rank(s) [3] at step 12",
+                "b": "no live rank holds the state of rank(s) [3] at step 12",
+            },
+            kinds={"a": "state", "b": "state"},
+            live=True,
+        ),
+        limits("2"),
+        dict(
+            nodes=T("ab"),
+            joiners=T("ab"),
+            replaced={},
+            removed=(),
+            restarts=1,
+            live=False,
+            cause_has="no live rank holds the state of rank(s) [3] at step 12",
+        ),
+        id="state lost, reported by every node -> nobody replaced, every worker restarts (checkpoint)",
+    ),
+    pytest.param(
+        view(
+            plan(3, "ab", live=True),
+            "ab",
+            reports={"b": "no live rank holds the state of rank(s) [2] at step 7"},
+            kinds={"b": "state"},
+            live=True,
+        ),
+        limits("2"),
+        dict(nodes=T("ab"), joiners=T("ab"), restarts=1, live=False),
+        id="state lost, one report seen so far -> the same restart",
+    ),
+    pytest.param(
+        view(
+            plan(3, "abc", live=True),
+            "bcd",
+            reports={"b": "no live rank holds the state of rank(s) [0] at step 7"},
+            kinds={"b": "state"},
+            live=True,
+        ),
+        limits("3"),
+        dict(
+            nodes=T("dbc"),
+            joiners=T("dbc"),
+            replaced={"d": "a"},
+            restarts=1,
+            live=False,
+            cause_has="a: node lost (lease expired); no live rank holds",
+        ),
+        id="state lost and a node lost -> the spare replaces it, every worker restarts",
+    ),
     # --- loss beats drain
-    pytest.param(view(plan(3, "ab"), "bc", drains="b", live=True), limits("2"),
-                 dict(nodes=T("cb"), replaced={"c": "a"}, planned=False, restarts=1),
-                 id="loss and drain at once -> the spare replaces the lost node, the drain waits"),
+    pytest.param(
+        view(plan(3, "ab"), "bc", drains="b", live=True),
+        limits("2"),
+        dict(nodes=T("cb"), replaced={"c": "a"}, planned=False, restarts=1),
+        id="loss and drain at once -> the spare replaces the lost node, the drain waits",
+    ),
 ]
 
 
@@ -306,30 +467,52 @@ def test_store_in_restart_mode_is_on_a_live_node():
 # planned migration (drain)
 
 DRAIN = [
-    pytest.param(view(plan(2, "ab", restarts=1, live=True), "abc", drains="a", live=True), limits("2", max_restarts=1),
-                 dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a"), restarts=1, live=True,
-                      planned=True, cause_has="a: drain (operator: tm-launch ctl drain)"),
-                 id="drain + spare, live -> two-phase migration, no restart consumed (even at the limit)"),
-    pytest.param(view(plan(2, "ab"), "abc", drains="b"), limits("2"),
-                 dict(nodes=T("ac"), joiners=T("ac"), replaced={"c": "b"}, removed=T("b"), restarts=0, live=False,
-                      planned=True),
-                 id="drain + spare, restart mode -> all workers restart, still no restart consumed"),
-    pytest.param(view(plan(2, "ab"), "abcd", drains="ab", live=True), limits("2"),
-                 dict(nodes=T("cd"), joiners=T("cd"), replaced={"c": "a", "d": "b"}, removed=T("ab"), planned=True,
-                      live=False),
-                 id="two drains + two spares -> both move, group ranks kept; nobody stays to hand over state: restart"),
-    pytest.param(view(plan(2, "ab"), "abc", drains="ab", live=True), limits("2"),
-                 dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a")),
-                 id="two drains + one spare -> one moves now, the other waits"),
-    pytest.param(view(plan(2, "ab"), "ab", drains="a", live=True), limits("1:2"), None,
-                 id="drain without spare -> None (never shrinks the job)"),
-    pytest.param(view(plan(2, "ab"), "abc", drains="c", live=True), limits("2"), None,
-                 id="drain of a spare -> nothing to migrate"),
-    pytest.param(view(plan(2, "ab"), "abcd", drains="ac", live=True), limits("2"),
-                 dict(nodes=T("db"), replaced={"d": "a"}),
-                 id="a draining spare is never a migration target"),
-    pytest.param(view(plan(2, "ab"), "abc", drains="a", failed="c", live=True), limits("2"), None,
-                 id="only spare is cordoned -> drain waits"),
+    pytest.param(
+        view(plan(2, "ab", restarts=1, live=True), "abc", drains="a", live=True),
+        limits("2", max_restarts=1),
+        dict(
+            nodes=T("cb"),
+            joiners=T("c"),
+            replaced={"c": "a"},
+            removed=T("a"),
+            restarts=1,
+            live=True,
+            planned=True,
+            cause_has="a: drain (operator: tm-launch ctl drain)",
+        ),
+        id="drain + spare, live -> two-phase migration, no restart consumed (even at the limit)",
+    ),
+    pytest.param(
+        view(plan(2, "ab"), "abc", drains="b"),
+        limits("2"),
+        dict(nodes=T("ac"), joiners=T("ac"), replaced={"c": "b"}, removed=T("b"), restarts=0, live=False, planned=True),
+        id="drain + spare, restart mode -> all workers restart, still no restart consumed",
+    ),
+    pytest.param(
+        view(plan(2, "ab"), "abcd", drains="ab", live=True),
+        limits("2"),
+        dict(nodes=T("cd"), joiners=T("cd"), replaced={"c": "a", "d": "b"}, removed=T("ab"), planned=True, live=False),
+        id="two drains + two spares -> both move, group ranks kept; nobody stays to hand over state: restart",
+    ),
+    pytest.param(
+        view(plan(2, "ab"), "abc", drains="ab", live=True),
+        limits("2"),
+        dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}, removed=T("a")),
+        id="two drains + one spare -> one moves now, the other waits",
+    ),
+    pytest.param(
+        view(plan(2, "ab"), "ab", drains="a", live=True), limits("1:2"), None, id="drain without spare -> None (never shrinks the job)"
+    ),
+    pytest.param(view(plan(2, "ab"), "abc", drains="c", live=True), limits("2"), None, id="drain of a spare -> nothing to migrate"),
+    pytest.param(
+        view(plan(2, "ab"), "abcd", drains="ac", live=True),
+        limits("2"),
+        dict(nodes=T("db"), replaced={"d": "a"}),
+        id="a draining spare is never a migration target",
+    ),
+    pytest.param(
+        view(plan(2, "ab"), "abc", drains="a", failed="c", live=True), limits("2"), None, id="only spare is cordoned -> drain waits"
+    ),
 ]
 
 
@@ -342,14 +525,24 @@ def test_drain(v, lim, want):
 # restart-mode scale-up (torchrun's behaviour)
 
 SCALE = [
-    pytest.param(view(plan(1, "a", restarts=1), "abc"), limits("1:3"),
-                 dict(nodes=T("abc"), joiners=T("abc"), restarts=1, live=False, replaced={}, removed=(),
-                      cause_has="scale up: b, c joined"),
-                 id="restart mode below MAX + spares -> grow, every worker restarts, no restart consumed"),
-    pytest.param(view(plan(1, "a"), "acb"), limits("1:2"), dict(nodes=T("ac"), cause_has="scale up: c joined"),
-                 id="grow only up to MAX, in join order"),
-    pytest.param(view(plan(1, "a"), "abc", live=True), limits("1:3"), None,
-                 id="live mode never grows (changing the world size would restart everyone)"),
+    pytest.param(
+        view(plan(1, "a", restarts=1), "abc"),
+        limits("1:3"),
+        dict(nodes=T("abc"), joiners=T("abc"), restarts=1, live=False, replaced={}, removed=(), cause_has="scale up: b, c joined"),
+        id="restart mode below MAX + spares -> grow, every worker restarts, no restart consumed",
+    ),
+    pytest.param(
+        view(plan(1, "a"), "acb"),
+        limits("1:2"),
+        dict(nodes=T("ac"), cause_has="scale up: c joined"),
+        id="grow only up to MAX, in join order",
+    ),
+    pytest.param(
+        view(plan(1, "a"), "abc", live=True),
+        limits("1:3"),
+        None,
+        id="live mode never grows (changing the world size would restart everyone)",
+    ),
     pytest.param(view(plan(1, "ab"), "abc"), limits("1:2"), None, id="already at MAX -> spares stay spares"),
     pytest.param(view(plan(1, "a"), "ab", failed="b"), limits("1:2"), None, id="cordoned node never grows the job"),
 ]
@@ -362,6 +555,7 @@ def test_scale_up(v, lim, want):
 
 # ------------------------------------------------------------------------------------------------
 # properties
+
 
 @pytest.mark.parametrize("v, lim", [pytest.param(*c.values[:2], id=c.id) for c in FORMATION + LOSS + DRAIN + SCALE])
 def test_every_agent_computes_the_same_plan(v, lim):
@@ -385,10 +579,24 @@ def test_spares_in_join_order():
 # ------------------------------------------------------------------------------------------------
 # JSON
 
+
 def test_plan_json_round_trip():
-    p = Plan(generation=12, nodes=("n2", "n0", "n1"), nproc=4, store={"node": "n0", "addr": "10.1.2.3", "port": 29511},
-             restarts=2, cause="n9: node lost (lease expired)", joiners=("n2",), replaced={"n2": "n9"},
-             removed=("n9",), live=True, planned=False, state=RUNNING, reason="", created=1712345678.25)
+    p = Plan(
+        generation=12,
+        nodes=("n2", "n0", "n1"),
+        nproc=4,
+        store={"node": "n0", "addr": "10.1.2.3", "port": 29511},
+        restarts=2,
+        cause="n9: node lost (lease expired)",
+        joiners=("n2",),
+        replaced={"n2": "n9"},
+        removed=("n9",),
+        live=True,
+        planned=False,
+        state=RUNNING,
+        reason="",
+        created=1712345678.25,
+    )
     back = Plan.from_json(p.to_json())
     assert back == p
     assert isinstance(back.nodes, tuple) and isinstance(back.joiners, tuple) and isinstance(back.removed, tuple)
@@ -410,8 +618,7 @@ def test_plan_next_starts_per_event_fields_empty():
 
 
 def test_node_info_json_round_trip():
-    n = NodeInfo(id="gpu-node-07", host="gpu-node-07.cluster", addr="10.0.0.7", store_port=41234, nproc=8,
-                 pid=4242, joined=1712345678.125)
+    n = NodeInfo(id="gpu-node-07", host="gpu-node-07.cluster", addr="10.0.0.7", store_port=41234, nproc=8, pid=4242, joined=1712345678.125)
     assert NodeInfo.from_json(n.to_json()) == n
 
 
@@ -424,19 +631,34 @@ def blame_view(reports: dict, kinds: dict, times: dict | None = None, now: float
     return dataclasses.replace(v, report_kinds=kinds, report_times=times or {n: 9.0 for n in reports}, now=now)
 
 
-@pytest.mark.parametrize("v, want", [
-    pytest.param(blame_view({"a": "worker exited 1", "b": "worker killed by SIGKILL"}, {"a": "exit", "b": "signal"}),
-                 {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac")}, id="signal-culprit-replaced-exit-collateral-restarts"),
-    pytest.param(blame_view({"a": "worker exited 1"}, {"a": "exit"}, alive="ac"),
-                 {"nodes": T("ac"), "replaced": {"c": "b"}}, id="lease-lost-culprit-exit-collateral"),
-    pytest.param(blame_view({"a": "worker exited 1"}, {"a": "exit"}, times={"a": 9.9}, now=10.0),
-                 None, id="lone-exit-waits-grace-for-its-cause"),
-    pytest.param(blame_view({"a": "worker exited 1"}, {"a": "exit"}, times={"a": 9.0}, now=10.0),
-                 {"nodes": T("cb"), "replaced": {"c": "a"}}, id="lone-exit-after-grace-is-the-culprit"),
-    pytest.param(blame_view({"a": "worker exited 1", "b": "xid 79"}, {"a": "exit", "b": "alarm"}, live=True),
-                 {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac"), "live": False},
-                 id="live-but-no-survivor-holds-state-restarts-all"),
-])
+@pytest.mark.parametrize(
+    "v, want",
+    [
+        pytest.param(
+            blame_view({"a": "worker exited 1", "b": "worker killed by SIGKILL"}, {"a": "exit", "b": "signal"}),
+            {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac")},
+            id="signal-culprit-replaced-exit-collateral-restarts",
+        ),
+        pytest.param(
+            blame_view({"a": "worker exited 1"}, {"a": "exit"}, alive="ac"),
+            {"nodes": T("ac"), "replaced": {"c": "b"}},
+            id="lease-lost-culprit-exit-collateral",
+        ),
+        pytest.param(
+            blame_view({"a": "worker exited 1"}, {"a": "exit"}, times={"a": 9.9}, now=10.0), None, id="lone-exit-waits-grace-for-its-cause"
+        ),
+        pytest.param(
+            blame_view({"a": "worker exited 1"}, {"a": "exit"}, times={"a": 9.0}, now=10.0),
+            {"nodes": T("cb"), "replaced": {"c": "a"}},
+            id="lone-exit-after-grace-is-the-culprit",
+        ),
+        pytest.param(
+            blame_view({"a": "worker exited 1", "b": "xid 79"}, {"a": "exit", "b": "alarm"}, live=True),
+            {"nodes": T("ac"), "replaced": {"c": "b"}, "joiners": T("ac"), "live": False},
+            id="live-but-no-survivor-holds-state-restarts-all",
+        ),
+    ],
+)
 def test_blame(v, want):
     check(next_plan(v, limits("2")), want, v)
 
@@ -449,17 +671,32 @@ def test_live_needs_a_surviving_holder_of_the_state():
     assert got is not None and not got.live and set(got.joiners) == set(got.nodes), got
 
 
-@pytest.mark.parametrize("v, node, want", [
-    pytest.param(view(plan(4, "abc", live=True, planned=True, joiners=T("c")), "abc", done="ab", live=True), "c", True,
-                 id="drain at the end: keepers done, the joiner never got in -> nothing left for it"),
-    pytest.param(view(plan(4, "abc", live=True, planned=True, joiners=T("c")), "abc", done="a", live=True), "c", False,
-                 id="a keeper still training -> the joiner is needed"),
-    pytest.param(view(plan(4, "abc", live=True, joiners=T("c")), "abc", done="ab", live=True), "a", False,
-                 id="a keeper is never finished without itself"),
-    pytest.param(view(plan(4, "abc", joiners=T("abc")), "abc", done="ab"), "c", False,
-                 id="restart mode: every node is new and must finish"),
-    pytest.param(view(plan(4, "c", live=True, joiners=T("c")), "c", done="", live=True), "c", False,
-                 id="no keepers at all -> never"),
-])
+@pytest.mark.parametrize(
+    "v, node, want",
+    [
+        pytest.param(
+            view(plan(4, "abc", live=True, planned=True, joiners=T("c")), "abc", done="ab", live=True),
+            "c",
+            True,
+            id="drain at the end: keepers done, the joiner never got in -> nothing left for it",
+        ),
+        pytest.param(
+            view(plan(4, "abc", live=True, planned=True, joiners=T("c")), "abc", done="a", live=True),
+            "c",
+            False,
+            id="a keeper still training -> the joiner is needed",
+        ),
+        pytest.param(
+            view(plan(4, "abc", live=True, joiners=T("c")), "abc", done="ab", live=True),
+            "a",
+            False,
+            id="a keeper is never finished without itself",
+        ),
+        pytest.param(
+            view(plan(4, "abc", joiners=T("abc")), "abc", done="ab"), "c", False, id="restart mode: every node is new and must finish"
+        ),
+        pytest.param(view(plan(4, "c", live=True, joiners=T("c")), "c", done="", live=True), "c", False, id="no keepers at all -> never"),
+    ],
+)
 def test_finished_without(v, node, want):
     assert finished_without(v, node) is want

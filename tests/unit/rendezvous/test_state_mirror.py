@@ -22,7 +22,7 @@ def listing(revision: int, **values: str) -> Listing:
 
 
 def as_dict(lst: Listing | None) -> dict | None:
-    return None if lst is None else {e.key[len("state/"):]: (e.value, e.revision) for e in lst}
+    return None if lst is None else {e.key[len("state/") :]: (e.value, e.revision) for e in lst}
 
 
 def event(*changes: tuple) -> WatchNews:
@@ -57,11 +57,14 @@ def test_changes_after_the_read_are_applied_in_order():
     assert [e.key for e in lst] == sorted(e.key for e in lst)
 
 
-@pytest.mark.parametrize("case, setup", [
-    ("its own write not yet read back", lambda m, clock: setattr(m, "wrote", True)),
-    ("the read is over a second old", lambda m, clock: setattr(clock, "now", clock.now + 1.5)),
-    ("a read failed since", lambda m, clock: m.forget()),
-])
+@pytest.mark.parametrize(
+    "case, setup",
+    [
+        ("its own write not yet read back", lambda m, clock: setattr(m, "wrote", True)),
+        ("the read is over a second old", lambda m, clock: setattr(clock, "now", clock.now + 1.5)),
+        ("a read failed since", lambda m, clock: m.forget()),
+    ],
+)
 def test_a_read_is_needed(case, setup):
     clock = Clock()
     m, stream, feed = mirror_at(clock=clock, a="1")
@@ -75,7 +78,7 @@ def test_a_read_is_needed(case, setup):
 def test_a_stream_opened_after_the_read_or_ended_or_blind_is_not_trusted():
     m = StateMirror(clock=Clock())
     m.seed(listing(10, a="1"))
-    assert m.listing() is None   # no stream open
+    assert m.listing() is None  # no stream open
     feed = [WatchNews("created", 12)]  # 11 happened in between: unknown
     stream = m.follow(iter(feed))
     next(stream)
@@ -94,10 +97,10 @@ def test_a_read_older_than_a_change_already_applied_does_not_go_back_in_time():
     m, stream, feed = mirror_at(a="1")
     push(stream, feed, event(("a", "2", 11)))
     push(stream, feed, event(("b", "1", 12)))
-    m.seed(listing(11, a="2"))   # a read that was answered before 12 reached etcd's reply
+    m.seed(listing(11, a="2"))  # a read that was answered before 12 reached etcd's reply
     assert as_dict(m.listing()) == {"a": ("2", 11), "b": ("1", 12)}
     m.seed(listing(12, a="2", b="1"))
-    push(stream, feed, event(("b", "0", 9)))   # never: but older than the read, it would be ignored
+    push(stream, feed, event(("b", "0", 9)))  # never: but older than the read, it would be ignored
     assert as_dict(m.listing()) == {"a": ("2", 12), "b": ("1", 12)}
 
 
@@ -106,8 +109,8 @@ def test_too_many_changes_buffered_need_a_newer_read():
     for i in range(RECENT_LIMIT + 1):
         push(stream, feed, event(("a", str(i), 11 + i)))
     newest = 11 + RECENT_LIMIT
-    assert as_dict(m.listing()) == {"a": (str(RECENT_LIMIT), newest)}   # applied: still exact
-    m.seed(listing(newest - 1, a="x"))   # older than changes it can no longer replay
+    assert as_dict(m.listing()) == {"a": (str(RECENT_LIMIT), newest)}  # applied: still exact
+    m.seed(listing(newest - 1, a="x"))  # older than changes it can no longer replay
     assert m.listing() is None
     m.seed(listing(newest, a=str(RECENT_LIMIT)))
     assert as_dict(m.listing()) == {"a": (str(RECENT_LIMIT), newest)}

@@ -1,5 +1,6 @@
 """The etcd-v3 torchrun backend (rendezvous/torch_handler.py), in-process: handlers meet in rounds
 on threads against the session etcd (real torchrun agents: tests/e2e/test_torch_handler.py)."""
+
 import threading
 import time
 import uuid

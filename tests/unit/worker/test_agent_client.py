@@ -1,6 +1,7 @@
 """The worker's side of the agent's directives (``tm_launch.worker.agent_client``), against a real
 agent part: ``WorkerSupervisor.direct`` writes to its own TCPStore server and pushes onto each
 worker's queue; the channel's watch thread blocks on that queue (no polling)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,10 +13,10 @@ import pytest
 from rendezvous.plan import Plan
 from rendezvous.planner import Limits
 from tm_launch.launcher import store_server
-from tm_launch.protocol import Directive, WorkerEnv, WorkerKeys
-from tm_launch.worker.agent_client import AgentClient
 from tm_launch.launcher.config import AgentConfig
 from tm_launch.launcher.supervisor import WorkerSupervisor
+from tm_launch.protocol import Directive, WorkerEnv, WorkerKeys
+from tm_launch.worker.agent_client import AgentClient
 
 PLAN = Plan(generation=1, nodes=("n1", "n2"), nproc=1, store={"node": "n1", "addr": "127.0.0.1", "port": 1}, live=True)
 

@@ -32,8 +32,7 @@ def live_nccl_error_handling(monkeypatch):
 
 @pytest.fixture
 def store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     yield master
 
 
@@ -115,13 +114,14 @@ def test_setup_waits_long_then_collectives_time_out_fast(store):
 def test_each_generation_on_a_fresh_prefix_reinits_in_the_same_processes(store):
     for gen in range(3):
         pgs = build_all(store, 2)
-        def step(r):
+
+        def step(r, pgs=pgs, gen=gen):
             t = torch.tensor([float(gen + r)])
             pgs[r].allreduce([t]).wait()
             return t.item()
 
         assert on_ranks(2, step) == {0: 2.0 * gen + 1, 1: 2.0 * gen + 1}
-        del pgs
+        del pgs, step
 
 
 def test_shrink_without_nccl_rebuilds_and_renumbers_survivors(store):
@@ -166,27 +166,30 @@ def test_live_group_forwards_to_the_composite_group(store):
         group.release()
 
 
-@pytest.mark.parametrize("backend, local_rank, cuda_count, want", [
-    (None, 0, 0, ("cpu",)),  # a CPU machine or build: gloo only, as before
-    (None, 3, 8, ("cpu", "cuda:3")),  # torch's default: NCCL whenever CUDA is usable
-    (None, 9, 8, ("cpu", "cuda:1")),  # local rank i on visible device i modulo the count
-    ("gloo", 0, 0, ("cpu",)),
-    ("gloo", 2, 8, ("cpu",)),  # asked for: no NCCL, even with GPUs (gloo stages CUDA tensors)
-    ("GLOO", 0, 8, ("cpu",)),  # torch lowercases
-    ("nccl", 2, 8, ("cpu", "cuda:2")),  # gloo still carries CPU tensors (the runtime's own)
-    ("cuda:nccl", 1, 2, ("cpu", "cuda:1")),
-    ("cpu:gloo,cuda:nccl", 5, 4, ("cpu", "cuda:1")),
-    ("cuda:nccl, cpu:gloo", 0, 1, ("cpu", "cuda:0")),
-    ("cpu:gloo", 0, 8, ("cpu",)),
-    ("undefined", 0, 2, ("cpu", "cuda:0")),
-    ("nccl", 0, 0, ValueError),  # NCCL where it cannot run: loud, as init_process_group
-    ("cpu:gloo,cuda:nccl", 0, 0, ValueError),
-    ("mpi", 0, 8, ValueError),
-    ("ucc", 0, 8, ValueError),
-    ("cuda:gloo", 0, 8, ValueError),  # not a pairing live mode builds
-    ("cpu:nccl", 0, 8, ValueError),
-    ("cpu:gloo,cuda", 0, 8, ValueError),
-])
+@pytest.mark.parametrize(
+    "backend, local_rank, cuda_count, want",
+    [
+        (None, 0, 0, ("cpu",)),  # a CPU machine or build: gloo only, as before
+        (None, 3, 8, ("cpu", "cuda:3")),  # torch's default: NCCL whenever CUDA is usable
+        (None, 9, 8, ("cpu", "cuda:1")),  # local rank i on visible device i modulo the count
+        ("gloo", 0, 0, ("cpu",)),
+        ("gloo", 2, 8, ("cpu",)),  # asked for: no NCCL, even with GPUs (gloo stages CUDA tensors)
+        ("GLOO", 0, 8, ("cpu",)),  # torch lowercases
+        ("nccl", 2, 8, ("cpu", "cuda:2")),  # gloo still carries CPU tensors (the runtime's own)
+        ("cuda:nccl", 1, 2, ("cpu", "cuda:1")),
+        ("cpu:gloo,cuda:nccl", 5, 4, ("cpu", "cuda:1")),
+        ("cuda:nccl, cpu:gloo", 0, 1, ("cpu", "cuda:0")),
+        ("cpu:gloo", 0, 8, ("cpu",)),
+        ("undefined", 0, 2, ("cpu", "cuda:0")),
+        ("nccl", 0, 0, ValueError),  # NCCL where it cannot run: loud, as init_process_group
+        ("cpu:gloo,cuda:nccl", 0, 0, ValueError),
+        ("mpi", 0, 8, ValueError),
+        ("ucc", 0, 8, ValueError),
+        ("cuda:gloo", 0, 8, ValueError),  # not a pairing live mode builds
+        ("cpu:nccl", 0, 8, ValueError),
+        ("cpu:gloo,cuda", 0, 8, ValueError),
+    ],
+)
 def test_devices_follow_the_scripts_backend(backend, local_rank, cuda_count, want):
     if want is ValueError:
         with pytest.raises(ValueError):
@@ -195,11 +198,14 @@ def test_devices_follow_the_scripts_backend(backend, local_rank, cuda_count, wan
         assert communicators.devices_for(backend, local_rank, cuda_count) == want
 
 
-@pytest.mark.parametrize("devices, cuda_usable, want", [
-    (("cpu",), False, ("gloo", "cpu:gloo")),  # what the registries said before NCCL existed here
-    (("cpu",), True, ("gloo", "cpu:gloo,cuda:gloo")),  # gloo asked for on a GPU machine, as torch says
-    (("cpu", "cuda:1"), True, ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")),
-])
+@pytest.mark.parametrize(
+    "devices, cuda_usable, want",
+    [
+        (("cpu",), False, ("gloo", "cpu:gloo")),  # what the registries said before NCCL existed here
+        (("cpu",), True, ("gloo", "cpu:gloo,cuda:gloo")),  # gloo asked for on a GPU machine, as torch says
+        (("cpu", "cuda:1"), True, ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")),
+    ],
+)
 def test_registry_names_follow_the_devices(devices, cuda_usable, want):
     assert communicators.c10d_names(devices, cuda_usable) == want
 
@@ -317,15 +323,24 @@ def test_gloo_groups_are_not_aborted_by_the_watcher(store):
     group.release()
 
 
-@pytest.mark.parametrize("live,user,expected", [
-    (True, None, "2"), (True, "1", "2"), (True, "3", "2"), (True, "0", "0"), (True, "2", "2"),
-    (False, None, "1"), (False, "3", "3"),
-])
+@pytest.mark.parametrize(
+    "live,user,expected",
+    [
+        (True, None, "2"),
+        (True, "1", "2"),
+        (True, "3", "2"),
+        (True, "0", "0"),
+        (True, "2", "2"),
+        (False, None, "1"),
+        (False, "3", "3"),
+    ],
+)
 def test_nccl_error_handling_keeps_live_survivors_alive(live, user, expected):
     assert nccl_error_handling(live, user) == expected
 
 
 # -- CUDA: one GPU, so world size 1 (NCCL refuses two ranks on one GPU) -------------------------
+
 
 @needs_cuda
 def test_cuda_tensors_go_to_nccl_and_cpu_tensors_to_gloo(store):
@@ -385,8 +400,13 @@ def test_nccl_setup_waiting_for_a_member_that_never_joins_ends_at_the_setup_time
             print("RESULT raised", type(e).__name__)
         print("ELAPSED", round(time.monotonic() - t0, 2))
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k != "TORCH_NCCL_NONBLOCKING_TIMEOUT"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "TORCH_NCCL_NONBLOCKING_TIMEOUT"},
+    )
     out = r.stdout
     assert "RESULT raised" in out, out + r.stderr[-2000:]
     assert 10 < float(out.split("ELAPSED")[1].split()[0]) < 60, out

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tm_launch.worker.cuda_warmup import gpu_memory, leave_no_trace
+from tm_launch.worker.cuda_warmup import leave_no_trace
 
 
 def test_cpu_job_has_nothing_to_release():
@@ -46,7 +46,7 @@ def test_warmup_steps_leave_only_the_model_and_optimizer():
     assert abs(again["device_used"] - dropped["device_used"]) < 8 << 20  # a second warm-up: no growth
 
 
-SANDBOX = r'''
+SANDBOX = r"""
 import json, os
 import torch, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -64,7 +64,7 @@ for step in job._warm_up(0):  # what job.steps() runs in the sandbox before it p
 kept = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
 print("RESULT", json.dumps({"devices": list(job.devices), "allocated": torch.cuda.memory_allocated(),
                             "reserved": torch.cuda.memory_reserved(), "kept": kept}))
-'''
+"""
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (this is a CPU build or machine)")
@@ -79,8 +79,9 @@ def test_the_sandbox_leaves_only_the_model_and_optimizer_on_the_gpu():
 
     from tm_launch.local.localjob import REPO
 
-    out = subprocess.run([sys.executable, "-c", SANDBOX], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": REPO})
+    out = subprocess.run(
+        [sys.executable, "-c", SANDBOX], capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO}
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.split("RESULT", 1)[1])
     assert got["devices"] == ["cpu", "cuda:0"]

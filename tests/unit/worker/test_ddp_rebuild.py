@@ -49,13 +49,13 @@ def test_one_step_and_the_rebuild_lay_buckets_out_as_two_steps(world):
     before = layout(one_step)
     assert rebuilt(one_step) and not rebuilt(two_steps)
     assert layout(one_step) == layout(two_steps) != before
-    step(one_step)                      # the second forward finds nothing to do: no broadcast
+    step(one_step)  # the second forward finds nothing to do: no broadcast
     assert layout(one_step) == layout(two_steps)
     assert not one_step.reducer._rebuild_buckets()
 
 
 def test_a_ddp_the_script_never_registered_is_found(world):
-    held = {"model": ddp()}             # e.g. a framework's wrapper, out of the runtime's sight
+    held = {"model": ddp()}  # e.g. a framework's wrapper, out of the runtime's sight
     step(held["model"])
     assert rebuilt(held["model"])
 

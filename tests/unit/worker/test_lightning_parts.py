@@ -20,22 +20,28 @@ def _firsts(loader):
     return [int(batch[0][0]) for batch in loader]
 
 
-@pytest.mark.parametrize("automatic, accumulate, live", [
-    (True, 1, True),
-    (False, 1, False),  # manual optimization: forward and backward run outside optimizer_step
-    (True, 4, False),  # a step's earlier micro-batches would be lost on a joiner
-])
+@pytest.mark.parametrize(
+    "automatic, accumulate, live",
+    [
+        (True, 1, True),
+        (False, 1, False),  # manual optimization: forward and backward run outside optimizer_step
+        (True, 4, False),  # a step's earlier micro-batches would be lost on a joiner
+    ],
+)
 def test_which_lightning_loops_can_be_live(automatic, accumulate, live):
     trainer = SimpleNamespace(lightning_module=SimpleNamespace(automatic_optimization=automatic), accumulate_grad_batches=accumulate)
     assert (not_live_reason(trainer) is None) == live
 
 
-@pytest.mark.parametrize("saved_epoch, batches, expected", [
-    (2, 3, [6, 8, 10, 12, 14, 16, 18]),  # mid-epoch: the first 3 batches are left out, once
-    (2, 0, list(range(0, 20, 2))),  # at the epoch's start: nothing to leave out
-    (2, 10, list(range(0, 20, 2))),  # saved at the epoch's end: the next epoch starts whole
-    (1, 3, list(range(0, 20, 2))),  # saved in an earlier epoch: not this epoch's position
-])
+@pytest.mark.parametrize(
+    "saved_epoch, batches, expected",
+    [
+        (2, 3, [6, 8, 10, 12, 14, 16, 18]),  # mid-epoch: the first 3 batches are left out, once
+        (2, 0, list(range(0, 20, 2))),  # at the epoch's start: nothing to leave out
+        (2, 10, list(range(0, 20, 2))),  # saved at the epoch's end: the next epoch starts whole
+        (1, 3, list(range(0, 20, 2))),  # saved in an earlier epoch: not this epoch's position
+    ],
+)
 def test_a_resumed_loader_skips_the_batches_used_this_epoch_once(saved_epoch, batches, expected):
     loader = resumable(DataLoader(TensorDataset(torch.arange(20)), batch_size=2), _trainer(epoch=2))
     loader.load_state_dict({"epoch": saved_epoch, "batches": batches})

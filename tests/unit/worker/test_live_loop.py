@@ -33,17 +33,19 @@ class ScriptedJob:
         return self.last
 
 
-@pytest.mark.parametrize("commits, generations, attempts, renewals", [
-    ([True], [0], 1, 0),  # one attempt, committed
-    ([False, True], [0, 1], 2, 1),  # interrupted: repaired in generation 1, run again, a new DDP first
-    ([False, False, True], [0, 1, 2], 3, 2),  # interrupted twice
-    ([False, True], [0, 0], 2, 0),  # not committed, same generation (a vote that failed): no renewal
-])
+@pytest.mark.parametrize(
+    "commits, generations, attempts, renewals",
+    [
+        ([True], [0], 1, 0),  # one attempt, committed
+        ([False, True], [0, 1], 2, 1),  # interrupted: repaired in generation 1, run again, a new DDP first
+        ([False, False, True], [0, 1, 2], 3, 2),  # interrupted twice
+        ([False, True], [0, 0], 2, 0),  # not committed, same generation (a vote that failed): no renewal
+    ],
+)
 def test_a_step_runs_until_it_commits(commits, generations, attempts, renewals):
     job = ScriptedJob(commits, generations)
     loop, calls, renewed, new_steps = LiveLoop(job), [], [], []
-    result = loop.run(5, lambda: calls.append(1) or len(calls), on_new_generation=lambda: renewed.append(1),
-                      on_new_step=new_steps.append)
+    result = loop.run(5, lambda: calls.append(1) or len(calls), on_new_generation=lambda: renewed.append(1), on_new_step=new_steps.append)
     assert result == attempts == len(calls)  # the committed attempt's result
     assert len(renewed) == renewals and new_steps == [5]  # snapshot once per step, not per attempt
     loop.close()

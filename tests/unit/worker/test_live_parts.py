@@ -5,11 +5,10 @@ Layouts are built for real (``init_device_mesh``, ``fully_shard``, ``parallelize
 process on torch's ``fake`` backend, which gives any rank of any world size without peers.
 """
 
+import dataclasses
 import datetime
 import threading
 import time
-
-import dataclasses
 
 import pytest
 import torch
@@ -23,15 +22,18 @@ from tm_launch.worker.transfer import Holding, plan_transfer
 # replicas: the pure rule
 
 
-@pytest.mark.parametrize("mesh, sharded, rank, want", [
-    pytest.param([[0, 1], [2, 3]], {0, 1}, 1, {1}, id="sharded on both dims (FSDP x TP): nobody else"),
-    pytest.param([[0, 1], [2, 3]], {1}, 1, {1, 3}, id="sharded on dim 1 only (HSDP shard / TP under DDP): the dim-0 peer"),
-    pytest.param([[0, 1], [2, 3]], {0}, 1, {0, 1}, id="sharded on dim 0 only: the dim-1 peer"),
-    pytest.param([[0, 1], [2, 3]], set(), 2, {0, 1, 2, 3}, id="replicated everywhere: the whole mesh"),
-    pytest.param([[0, 1, 2], [3, 4, 5]], {1}, 4, {1, 4}, id="2 x 3, sharded on dim 1"),
-    pytest.param([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], {1, 2}, 5, {1, 5}, id="3-d: HSDP x TP, replicated on dim 0"),
-    pytest.param([[0, 1], [2, 3]], {0}, 7, set(), id="a rank outside the mesh holds none of it"),
-])
+@pytest.mark.parametrize(
+    "mesh, sharded, rank, want",
+    [
+        pytest.param([[0, 1], [2, 3]], {0, 1}, 1, {1}, id="sharded on both dims (FSDP x TP): nobody else"),
+        pytest.param([[0, 1], [2, 3]], {1}, 1, {1, 3}, id="sharded on dim 1 only (HSDP shard / TP under DDP): the dim-0 peer"),
+        pytest.param([[0, 1], [2, 3]], {0}, 1, {0, 1}, id="sharded on dim 0 only: the dim-1 peer"),
+        pytest.param([[0, 1], [2, 3]], set(), 2, {0, 1, 2, 3}, id="replicated everywhere: the whole mesh"),
+        pytest.param([[0, 1, 2], [3, 4, 5]], {1}, 4, {1, 4}, id="2 x 3, sharded on dim 1"),
+        pytest.param([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], {1, 2}, 5, {1, 5}, id="3-d: HSDP x TP, replicated on dim 0"),
+        pytest.param([[0, 1], [2, 3]], {0}, 7, set(), id="a rank outside the mesh holds none of it"),
+    ],
+)
 def test_mesh_replicas(mesh, sharded, rank, want):
     assert mesh_replicas(mesh, sharded, rank) == frozenset(want)
 
@@ -85,13 +87,16 @@ def _layout(name: str):
     return net, opt, declared
 
 
-@pytest.mark.parametrize("layout, want", [
-    pytest.param("ddp-tp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="TP under data parallel: the dp peer, same TP shard"),
-    pytest.param("hsdp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="HSDP: the replicate peer"),
-    pytest.param("pp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="pipeline stages: the declared dp group"),
-    pytest.param("fsdp-tp", {r: {r} for r in range(4)}, id="FSDP x TP: no replica"),
-    pytest.param("fsdp", {r: {r} for r in range(4)}, id="FSDP: no replica"),
-])
+@pytest.mark.parametrize(
+    "layout, want",
+    [
+        pytest.param("ddp-tp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="TP under data parallel: the dp peer, same TP shard"),
+        pytest.param("hsdp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="HSDP: the replicate peer"),
+        pytest.param("pp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="pipeline stages: the declared dp group"),
+        pytest.param("fsdp-tp", {r: {r} for r in range(4)}, id="FSDP x TP: no replica"),
+        pytest.param("fsdp", {r: {r} for r in range(4)}, id="FSDP: no replica"),
+    ],
+)
 def test_replica_set_of_real_layouts(fake_world, layout, want):
     for rank in range(4):
         fake_world(rank, 4)
@@ -101,10 +106,16 @@ def test_replica_set_of_real_layouts(fake_world, layout, want):
         assert replica_set(states, decl, rank, 4) == frozenset(want[rank]), (layout, rank)
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU's backward runs on autograd's device thread")),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU's backward runs on autograd's device thread"),
+        ),
+    ],
+)
 def test_forget_layouts_reaches_the_thread_that_ran_the_backward(fake_world, device):
     """A spare's sandbox run of a TP script caches DTensor's sharding decisions, per thread, on
     the thread that ran each op: on a GPU the backward's run on autograd's device thread. Once
@@ -152,23 +163,57 @@ def H(rank, step, replicas, structure="s", values="v"):
     return Holding(rank=rank, step=step, replicas=frozenset(replicas), structure=structure, values=values)
 
 
-@pytest.mark.parametrize("holdings, want_step, want_sources, want_missing", [
-    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}), H(3, 5, {1, 3})], 5, {2: 0}, [],
-                 id="a joiner receives from the replica of its own shard"),
-    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, 5, {0, 2}), H(3, -1, {1, 3})], 5, {3: 1}, [],
-                 id="never from the first rank at the newest step when that rank holds another shard"),
-    pytest.param([H(0, -1, {0, 2}), H(1, -1, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})], 5, {0: 2, 1: 3}, [],
-                 id="two joiners, two different sources (in parallel)"),
-    pytest.param([H(0, 5, {0, 1, 2, 3}), H(1, 5, {0, 1, 2, 3}), H(2, -1, {0, 1, 2, 3}), H(3, -1, {0, 1, 2, 3})],
-                 5, {2: 0, 3: 1}, [], id="plain DP: joiners spread over the holders"),
-    pytest.param([H(0, 5, {0}), H(1, 5, {1}), H(2, -1, {2}), H(3, 5, {3})], 5, {}, [2],
-                 id="no replica (FSDP): the joiner's shard is missing"),
-    pytest.param([H(0, 6, {0, 2}), H(1, 6, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})], 6, {2: 0, 3: 1}, [],
-                 id="ranks behind the newest committed step catch up from their replica"),
-    pytest.param([H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}, structure="other"), H(3, 5, {1, 3})], 5, {}, [2],
-                 id="a source whose module shapes differ is no source"),
-    pytest.param([H(0, -1, {0, 1}), H(1, -1, {0, 1})], -1, {}, [], id="nobody holds state"),
-])
+@pytest.mark.parametrize(
+    "holdings, want_step, want_sources, want_missing",
+    [
+        pytest.param(
+            [H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}), H(3, 5, {1, 3})],
+            5,
+            {2: 0},
+            [],
+            id="a joiner receives from the replica of its own shard",
+        ),
+        pytest.param(
+            [H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, 5, {0, 2}), H(3, -1, {1, 3})],
+            5,
+            {3: 1},
+            [],
+            id="never from the first rank at the newest step when that rank holds another shard",
+        ),
+        pytest.param(
+            [H(0, -1, {0, 2}), H(1, -1, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})],
+            5,
+            {0: 2, 1: 3},
+            [],
+            id="two joiners, two different sources (in parallel)",
+        ),
+        pytest.param(
+            [H(0, 5, {0, 1, 2, 3}), H(1, 5, {0, 1, 2, 3}), H(2, -1, {0, 1, 2, 3}), H(3, -1, {0, 1, 2, 3})],
+            5,
+            {2: 0, 3: 1},
+            [],
+            id="plain DP: joiners spread over the holders",
+        ),
+        pytest.param(
+            [H(0, 5, {0}), H(1, 5, {1}), H(2, -1, {2}), H(3, 5, {3})], 5, {}, [2], id="no replica (FSDP): the joiner's shard is missing"
+        ),
+        pytest.param(
+            [H(0, 6, {0, 2}), H(1, 6, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})],
+            6,
+            {2: 0, 3: 1},
+            [],
+            id="ranks behind the newest committed step catch up from their replica",
+        ),
+        pytest.param(
+            [H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}, structure="other"), H(3, 5, {1, 3})],
+            5,
+            {},
+            [2],
+            id="a source whose module shapes differ is no source",
+        ),
+        pytest.param([H(0, -1, {0, 1}), H(1, -1, {0, 1})], -1, {}, [], id="nobody holds state"),
+    ],
+)
 def test_plan_transfer(holdings, want_step, want_sources, want_missing):
     plan = plan_transfer(holdings)
     assert (plan.step, plan.sources, plan.missing, plan.conflicts) == (want_step, want_sources, want_missing, [])
@@ -189,16 +234,19 @@ def D(joiners=(), all_fresh=False):
     return Directive(generation=1, active=True, joiner_ranks=tuple(joiners), all_fresh=all_fresh)
 
 
-@pytest.mark.parametrize("ranks, d, rank, old_rank, want", [
-    pytest.param(None, D(), 1, 1, True, id="the world always: somebody failed, left or was replaced"),
-    pytest.param((0, 1), D(joiners=[3]), 1, 1, False, id="a subgroup without the replaced rank is kept"),
-    pytest.param((2, 3), D(joiners=[3]), 2, 2, True, id="a subgroup with the replaced rank changes"),
-    pytest.param((0, 2), D(joiners=[2, 3]), 0, 0, True, id="two joiners, one in the group"),
-    pytest.param((0, 1), D(all_fresh=True), 1, 1, True, id="every process is new"),
-    pytest.param((0, 1), D(), 1, 3, True, id="this process changed rank (a promoted spare)"),
-    pytest.param((0, 1), D(joiners=[3]), -1, 1, True, id="this process is replaced itself"),
-    pytest.param((0, 1), D(), 0, 0, False, id="nothing about the group changed"),
-])
+@pytest.mark.parametrize(
+    "ranks, d, rank, old_rank, want",
+    [
+        pytest.param(None, D(), 1, 1, True, id="the world always: somebody failed, left or was replaced"),
+        pytest.param((0, 1), D(joiners=[3]), 1, 1, False, id="a subgroup without the replaced rank is kept"),
+        pytest.param((2, 3), D(joiners=[3]), 2, 2, True, id="a subgroup with the replaced rank changes"),
+        pytest.param((0, 2), D(joiners=[2, 3]), 0, 0, True, id="two joiners, one in the group"),
+        pytest.param((0, 1), D(all_fresh=True), 1, 1, True, id="every process is new"),
+        pytest.param((0, 1), D(), 1, 3, True, id="this process changed rank (a promoted spare)"),
+        pytest.param((0, 1), D(joiners=[3]), -1, 1, True, id="this process is replaced itself"),
+        pytest.param((0, 1), D(), 0, 0, False, id="nothing about the group changed"),
+    ],
+)
 def test_membership_changed(ranks, d, rank, old_rank, want):
     from tm_launch.worker.generations import membership_changed
 
@@ -241,13 +289,16 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
 # the transfer's wire: which backend carries a tensor, which own tensor receives it in place
 
 
-@pytest.mark.parametrize("device, nccl, want", [
-    ("cpu", None, "cpu"),
-    ("cpu", "cuda:0", "cpu"),  # CPU state (Adam's step counters) stays on gloo in an NCCL job
-    ("cuda:0", "cuda:0", "cuda"),  # GPU to GPU through NCCL, no host staging
-    ("cuda:1", "cuda:0", "cpu"),  # not the communicator's device: staged, one tensor at a time
-    ("cuda:0", None, "cpu"),  # a gloo-only job with a model on the GPU
-])
+@pytest.mark.parametrize(
+    "device, nccl, want",
+    [
+        ("cpu", None, "cpu"),
+        ("cpu", "cuda:0", "cpu"),  # CPU state (Adam's step counters) stays on gloo in an NCCL job
+        ("cuda:0", "cuda:0", "cuda"),  # GPU to GPU through NCCL, no host staging
+        ("cuda:1", "cuda:0", "cpu"),  # not the communicator's device: staged, one tensor at a time
+        ("cuda:0", None, "cpu"),  # a gloo-only job with a model on the GPU
+    ],
+)
 def test_wire_for(device, nccl, want):
     from tm_launch.worker.transfer import wire_for
 
@@ -265,21 +316,33 @@ def test_receive_targets_take_only_tensors_that_fit():
     from tm_launch.worker.transfer import receive_targets
 
     base = torch.zeros(10)
-    own = {"model": {
-        "w": torch.zeros(2, 3),  # fits
-        "b": torch.zeros(3),  # the sender's is longer: allocate
-        "h": torch.zeros(3, dtype=torch.float64),  # another dtype: allocate
-        "t": torch.zeros(3, 2).t(),  # not contiguous: one message cannot fill it
-        "x": base[:4], "y": base[4:8],  # views of one buffer that do not overlap: both fit
-        "z": base[6:10],  # overlaps y: fresh memory
-        "n": 7,  # not a tensor
-    }, "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)}}, "param_groups": [{"lr": 0.1}]}}
-    skeleton = {"model": {
-        "w": _ph(0, torch.zeros(2, 3)), "b": _ph(1, torch.zeros(4)), "h": _ph(2, torch.zeros(3)),
-        "t": _ph(3, torch.zeros(2, 3)), "x": _ph(4, torch.zeros(4)), "y": _ph(5, torch.zeros(4)),
-        "z": _ph(6, torch.zeros(4)), "n": _ph(7, torch.zeros(1)), "gone": _ph(8, torch.zeros(1)),
-    }, "opt": {"state": {0: {"step": _ph(9, torch.tensor(1.0)), "exp_avg": _ph(10, torch.zeros(2, 3))}},
-               "param_groups": [{"lr": 0.1}]}}
+    own = {
+        "model": {
+            "w": torch.zeros(2, 3),  # fits
+            "b": torch.zeros(3),  # the sender's is longer: allocate
+            "h": torch.zeros(3, dtype=torch.float64),  # another dtype: allocate
+            "t": torch.zeros(3, 2).t(),  # not contiguous: one message cannot fill it
+            "x": base[:4],
+            "y": base[4:8],  # views of one buffer that do not overlap: both fit
+            "z": base[6:10],  # overlaps y: fresh memory
+            "n": 7,  # not a tensor
+        },
+        "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)}}, "param_groups": [{"lr": 0.1}]},
+    }
+    skeleton = {
+        "model": {
+            "w": _ph(0, torch.zeros(2, 3)),
+            "b": _ph(1, torch.zeros(4)),
+            "h": _ph(2, torch.zeros(3)),
+            "t": _ph(3, torch.zeros(2, 3)),
+            "x": _ph(4, torch.zeros(4)),
+            "y": _ph(5, torch.zeros(4)),
+            "z": _ph(6, torch.zeros(4)),
+            "n": _ph(7, torch.zeros(1)),
+            "gone": _ph(8, torch.zeros(1)),
+        },
+        "opt": {"state": {0: {"step": _ph(9, torch.tensor(1.0)), "exp_avg": _ph(10, torch.zeros(2, 3))}}, "param_groups": [{"lr": 0.1}]},
+    }
     targets = receive_targets(skeleton, own)
     assert sorted(targets) == [0, 4, 5, 9, 10]
     assert targets[0] is own["model"]["w"] and targets[10] is own["opt"]["state"][0]["exp_avg"]
@@ -305,15 +368,19 @@ class _Checkpoint:
         pass
 
 
-@pytest.mark.parametrize("make, want", [
-    pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), True, id="a module: torch's key-by-key load"),
-    pytest.param(lambda: torch.optim.Adam(torch.nn.Linear(2, 2).parameters()), True, id="an optimizer: keeps the tensors given"),
-    pytest.param(lambda: _SelectiveModule(2, 2), False, id="a module with a load of its own"),
-    pytest.param(lambda: _OwnLoadAdam(torch.nn.Linear(2, 2).parameters()), False, id="an optimizer with a load of its own"),
-    pytest.param(_Checkpoint, False, id="any other object"),
-    pytest.param(lambda: torch.optim.lr_scheduler.StepLR(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 1), False,
-                 id="a scheduler"),
-])
+@pytest.mark.parametrize(
+    "make, want",
+    [
+        pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), True, id="a module: torch's key-by-key load"),
+        pytest.param(lambda: torch.optim.Adam(torch.nn.Linear(2, 2).parameters()), True, id="an optimizer: keeps the tensors given"),
+        pytest.param(lambda: _SelectiveModule(2, 2), False, id="a module with a load of its own"),
+        pytest.param(lambda: _OwnLoadAdam(torch.nn.Linear(2, 2).parameters()), False, id="an optimizer with a load of its own"),
+        pytest.param(_Checkpoint, False, id="any other object"),
+        pytest.param(
+            lambda: torch.optim.lr_scheduler.StepLR(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 1), False, id="a scheduler"
+        ),
+    ],
+)
 def test_only_torchs_own_loads_receive_in_place(make, want):
     from tm_launch.worker.transfer import loads_in_place
 
@@ -329,15 +396,18 @@ def test_tied_tensors_receive_into_fresh_memory_the_second_time():
     assert sorted(receive_targets(skeleton, own)) == [0]
 
 
-@pytest.mark.parametrize("sender, receiver, in_place", [
-    pytest.param("fsdp-tp", "fsdp-tp", "all", id="FSDP x TP shards: the same layout, every tensor in place"),
-    pytest.param("hsdp", "hsdp", "all", id="HSDP"),
-    pytest.param("fsdp-tp", "ddp-tp", "plain only", id="another mesh or placements: the DTensors are allocated"),
-])
+@pytest.mark.parametrize(
+    "sender, receiver, in_place",
+    [
+        pytest.param("fsdp-tp", "fsdp-tp", "all", id="FSDP x TP shards: the same layout, every tensor in place"),
+        pytest.param("hsdp", "hsdp", "all", id="HSDP"),
+        pytest.param("fsdp-tp", "ddp-tp", "plain only", id="another mesh or placements: the DTensors are allocated"),
+    ],
+)
 def test_dtensors_receive_in_place_only_with_the_same_layout(fake_world, sender, receiver, in_place):
-    from tm_launch.worker.transfer import flatten, receive_targets
-
     from torch.distributed.tensor import DTensor
+
+    from tm_launch.worker.transfer import flatten, receive_targets
 
     fake_world(1, 4)
     tensors: list = []
@@ -356,7 +426,7 @@ def test_dtensors_receive_in_place_only_with_the_same_layout(fake_world, sender,
         assert not dtensors and targets  # Adam's step counters are plain tensors and still fit
 
 
-TRANSFER = r'''
+TRANSFER = r"""
 import json, sys, datetime
 import torch, torch.distributed as dist
 import torch.distributed.tensor  # as in a live worker
@@ -404,7 +474,7 @@ else:
 step(200)  # both ranks, after the transfer: the optimizer still drives the same tensors
 print("STATE", json.dumps(state()))
 pg.barrier().wait()
-'''
+"""
 
 
 def _transfer_between_processes(device: str):
@@ -419,12 +489,22 @@ def _transfer_between_processes(device: str):
 
     server = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", TRANSFER, str(r), str(server.port), device], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TRANSFER, str(r), str(server.port), device],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
-    found = [{line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
-              if line.startswith(("RECV", "STATE"))} for out, _ in outs]
+    found = [
+        {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith(("RECV", "STATE"))}
+        for out, _ in outs
+    ]
     return found[1]["RECV"], found[0]["STATE"], found[1]["STATE"]
 
 
@@ -435,8 +515,10 @@ def test_a_joiner_receives_into_its_own_model_and_optimizer():
     assert receiver == sender  # bitwise, and the next step too
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= 2),
-                    reason="needs 2 CUDA devices with NCCL (NCCL refuses two ranks on one GPU; this is a CPU build or machine)")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= 2),
+    reason="needs 2 CUDA devices with NCCL (NCCL refuses two ranks on one GPU; this is a CPU build or machine)",
+)
 def test_a_joiner_receives_cuda_state_in_place_through_nccl():
     recv, sender, receiver = _transfer_between_processes("cuda")
     assert recv["step"] == 3 and recv["same_storage"] is True
@@ -482,9 +564,17 @@ def test_a_vote_walks_away_from_a_store_that_never_answers_once_a_peer_is_gone()
     import sys
     import time
 
-    server = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; "
-                               "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
-                               "print(s.port, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, torch.distributed as d; "
+            "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+            "print(s.port, flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(server.stdout.readline())
         commits = []
@@ -512,11 +602,14 @@ def test_a_vote_walks_away_from_a_store_that_never_answers_once_a_peer_is_gone()
         server.wait()
 
 
-@pytest.mark.parametrize("oks, want", [
-    pytest.param([True, True, True], True, id="everyone's collectives worked -> commit everywhere"),
-    pytest.param([True, False, True], False, id="one rank saw a failure -> abort everywhere"),
-    pytest.param([False, False, False], False, id="everyone saw it -> abort"),
-])
+@pytest.mark.parametrize(
+    "oks, want",
+    [
+        pytest.param([True, True, True], True, id="everyone's collectives worked -> commit everywhere"),
+        pytest.param([True, False, True], False, id="one rank saw a failure -> abort everywhere"),
+        pytest.param([False, False, False], False, id="everyone saw it -> abort"),
+    ],
+)
 def test_vote_is_the_same_on_every_rank(oks, want):
     server, commits = _voters(3)
     threads, decisions = _vote_all(commits, oks)
@@ -555,7 +648,7 @@ def test_a_decision_once_written_never_changes():
 # a spare promoted to ranks it did not warm up as
 
 
-RERUN = r'''
+RERUN = r"""
 import os, sys
 import torch, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -580,7 +673,7 @@ try:
 except tm_launch.worker.runtime.RankChanged:
     pass
 print("again", job.rank, *build_and_step())
-'''
+"""
 
 
 def test_a_promoted_spare_builds_its_new_ranks_layout(tmp_path):
@@ -710,7 +803,7 @@ def test_rng_state_round_trips():
     assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]
 
 
-SANDBOX_DCP = r'''
+SANDBOX_DCP = r"""
 import os, sys
 import torch, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -727,7 +820,7 @@ except NoPeersYet as e:
 mine = [{"from": "me"}]
 dist.broadcast_object_list(mine, 1)  # its own rank is the source: served locally
 print("own:", mine[0])
-'''
+"""
 
 
 def test_a_rooted_object_collective_from_another_rank_before_steps_says_what_is_wrong():
@@ -740,8 +833,13 @@ def test_a_rooted_object_collective_from_another_rank_before_steps_says_what_is_
 
     from tm_launch.local.localjob import REPO
 
-    out = subprocess.run([sys.executable, "-c", SANDBOX_DCP], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", SANDBOX_DCP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "refused: tm-launch: broadcast_object_list from rank 0 ran before job.steps()" in out.stdout, out.stdout
     assert "own: {'from': 'me'}" in out.stdout, out.stdout

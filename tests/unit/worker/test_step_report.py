@@ -1,5 +1,6 @@
 """``job.report_step`` / ``tm_launch.report_step``: restart mode's progress, written to a real
 agent store (a TCPStore, as the agent's), in-process or from a real worker process."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+from tm_launch.local.localjob import REPO
 from tm_launch.protocol import WorkerEnv
 from tm_launch.worker.agent_client import AgentClient
-from tm_launch.local.localjob import REPO
 from tm_launch.worker.step_report import STATUS_INTERVAL, StepReporter
 
 
@@ -70,7 +71,7 @@ def test_a_report_never_breaks_the_loop_when_the_agent_is_gone():
     channel.close()
 
 
-WORKER = r'''
+WORKER = r"""
 import os, sys
 import torch.distributed as dist
 import tm_launch
@@ -93,12 +94,23 @@ else:  # a script that never calls tm_launch.init()
     tm_launch.report_step(1)
     tm_launch.report_step(2)
 print("channel", step_report._PROCESS is not None, flush=True)
-'''
+"""
 
 
 def run_worker(how: str, agent_env: dict, script: str = WORKER) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "TM_GENERATION": "4", **agent_env}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "TM_GENERATION": "4",
+        **agent_env,
+    }
     for name in ("TM_AGENT_STORE", "TM_NO_LIVE"):
         if name not in agent_env:
             env.pop(name, None)
@@ -139,7 +151,7 @@ def test_under_plain_torchrun_reporting_does_nothing(how):
     assert run_worker(how, {})[-2:] == ["channel", "False"]
 
 
-LIVE_WORKER = r'''
+LIVE_WORKER = r"""
 import json, time
 import tm_launch
 job = tm_launch.init()  # a LiveJob that entered generation 0, not live until job.steps()
@@ -154,14 +166,14 @@ time.sleep(0.3)  # past the rate limit: a report inside job.steps() would be wri
 for step in job.steps(2):
     job.report_step(100)
     print("inside", *status(), flush=True)
-'''
+"""
 
 
 def test_report_step_is_restart_modes_only_a_live_loop_counts_its_own_steps(tmp_path):
     """A LiveJob reports restart-mode steps until it runs job.steps(); inside, report_step does
     nothing, and at exit its status stays the live loop's ``finished``."""
-    from rendezvous.planner import Limits
     from rendezvous.plan import Plan
+    from rendezvous.planner import Limits
     from tm_launch.launcher.config import AgentConfig
     from tm_launch.launcher.supervisor import WorkerSupervisor
 
@@ -186,8 +198,18 @@ def test_report_step_is_restart_modes_only_a_live_loop_counts_its_own_steps(tmp_
 def test_a_spare_warming_up_in_the_sandbox_reports_nothing(agent_store):
     """Before job.steps() a sandboxed spare is not part of the job: its reports are dropped."""
     script = "import tm_launch\njob = tm_launch.init()\njob.report_step(3)\nprint(job.in_sandbox)\n"
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}",
-           "TM_SANDBOX": "1", "GROUP_RANK": "-1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "RANK": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "OMP_NUM_THREADS": "1",
+        "TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}",
+        "TM_SANDBOX": "1",
+        "GROUP_RANK": "-1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "RANK": "0",
+    }
     env.pop("TM_NO_LIVE", None)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-3000:]
@@ -211,7 +233,7 @@ def test_a_plain_job_asks_torch_for_the_backend_the_script_asked_for(monkeypatch
     assert calls == [given]
 
 
-PLAIN_EXIT = r'''
+PLAIN_EXIT = r"""
 import atexit, weakref
 import torch, torch.distributed as dist
 import tm_launch
@@ -221,7 +243,7 @@ job = tm_launch.init()
 held.append(weakref.ref(dist.group.WORLD))
 t = torch.ones(2)
 dist.all_reduce(t, group=job.group)
-'''
+"""
 
 
 def test_a_plain_job_frees_its_group_before_the_interpreter_tears_down():
@@ -231,12 +253,15 @@ def test_a_plain_job_frees_its_group_before_the_interpreter_tears_down():
     assert run_worker("", {}, script=PLAIN_EXIT) == ["freed", "True"]
 
 
-@pytest.mark.parametrize("error, limit, want", [
-    (RuntimeError("Connection closed by peer\n  frame 0\n  frame 1"), 160, "Connection closed by peer"),
-    (RuntimeError(), 160, "RuntimeError"),  # an empty message: a worker's log line still says something
-    (ValueError("  \n"), 160, "ValueError"),
-    (RuntimeError("x" * 500), 80, "x" * 80),
-])
+@pytest.mark.parametrize(
+    "error, limit, want",
+    [
+        (RuntimeError("Connection closed by peer\n  frame 0\n  frame 1"), 160, "Connection closed by peer"),
+        (RuntimeError(), 160, "RuntimeError"),  # an empty message: a worker's log line still says something
+        (ValueError("  \n"), 160, "ValueError"),
+        (RuntimeError("x" * 500), 80, "x" * 80),
+    ],
+)
 def test_an_error_in_one_log_line(error, limit, want):
     from tm_launch.worker.agent_client import first_line
 
