@@ -1,0 +1,129 @@
+"""Snapshot parts in one process: the ring's placement (table), an image taken and loaded back
+bitwise, the stream to a holder (a real socket) and what a holder keeps."""
+
+import pytest
+import torch
+
+from tm_launch.worker.snapshots.image import Capture
+from tm_launch.worker.snapshots.link import LinkError, SnapshotClient, SnapshotServer
+from tm_launch.worker.snapshots.placement import holder_of, source_of
+
+
+@pytest.mark.parametrize(
+    "world, local_world, want",
+    [
+        pytest.param(4, 1, [1, 2, 3, 0], id="one worker per node: the next node"),
+        pytest.param(8, 2, [2, 3, 4, 5, 6, 7, 0, 1], id="two per node: same local rank, next node"),
+        pytest.param(4, 4, [1, 2, 3, 0], id="one node: the next rank (a worker's death, not the node's)"),
+        pytest.param(1, 1, [None], id="one rank: nobody"),
+    ],
+)
+def test_every_rank_has_one_holder_on_another_node_and_holds_one(world, local_world, want):
+    holders = [holder_of(r, world, local_world) for r in range(world)]
+    assert holders == want
+    if world > 1:
+        assert sorted(holders) == list(range(world))  # every rank holds exactly one snapshot
+        assert all(source_of(h, world, local_world) == r for r, h in enumerate(holders))
+        if local_world < world:
+            assert all(h // local_world != r // local_world for r, h in enumerate(holders))  # never its own node
+
+
+def _job():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def _step(model, opt, sched, seed):
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(32, 8, generator=g)).square().mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def _flat(model, opt, sched):
+    out = [t.clone() for t in model.state_dict().values()]
+    out += [v.clone() for s in opt.state.values() for v in s.values()]
+    return out, sched.state_dict()["last_epoch"], opt.param_groups[0]["lr"]
+
+
+def test_an_image_loads_back_bitwise_and_the_copy_waits_for_nothing_but_the_optimizer():
+    """The capture begins at a step's start; the forward then moves BatchNorm's running
+    statistics before the background copy runs: the image still holds the start's values
+    (buffers are copied at once, parameters and optimizer state later). Training on from the
+    loaded image gives exactly what training on from the original gives."""
+    model, opt, sched = _job()
+    for s in range(3):
+        _step(model, opt, sched, s)
+    objects = {"model": model, "optimizer": opt, "scheduler": sched}
+    want = _flat(model, opt, sched)
+    capture = Capture(3, objects, per_rank={"rng": {"x": 1}}, reuse=None)
+    x0 = torch.randn(32, 8, generator=torch.Generator().manual_seed(99))
+    model(x0)  # the next step's forward: BatchNorm's running stats move
+    image = capture.copy()
+    assert image.step == 3 and image.per_rank == {"rng": {"x": 1}} and set(image.digests) == set(objects)
+    for s in range(3, 6):
+        _step(model, opt, sched, s)
+    after_a = _flat(model, opt, sched)
+    image.load_into(objects)
+    got = _flat(model, opt, sched)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and got[1:] == want[1:]
+    model(x0)
+    for s in range(3, 6):
+        _step(model, opt, sched, s)
+    after_b = _flat(model, opt, sched)
+    assert all(torch.equal(a, b) for a, b in zip(after_a[0], after_b[0])) and after_a[1:] == after_b[1:]
+    # The optimizer got tensors of its own: training on did not write into the image.
+    image2 = Capture(3, objects, None, reuse=image).copy()
+    assert image2.tensors is image.tensors  # same layout: the buffers are reused
+
+
+def test_a_holder_keeps_the_newest_two_images_and_answers_the_rank_that_replaces_its_source():
+    model, opt, sched = _job()
+    objects = {"model": model, "optimizer": opt}
+    server = SnapshotServer("127.0.0.1")
+    client = SnapshotClient(server.address, source=5)
+    try:
+        for step in range(4):
+            _step(model, opt, sched, step)
+            client.put_image(Capture(step, objects, None, reuse=None).copy().subset(["optimizer"]))
+        client.put_mirror(4, True, b"rng")
+        held = server.held()
+        assert set(held) == {5} and sorted(held[5]["images"]) == [2, 3] and held[5]["images"][3] == ("optimizer",)
+        assert held[5]["mirrors"] == {4: True}
+        joiner = SnapshotClient(server.address, source=9)
+        image = joiner.get_image(5, 3, ["optimizer"])
+        assert image.step == 3 and image.names() == ["optimizer"]
+        fresh_model, fresh_opt, _ = _job()
+        image.load_into({"optimizer": opt})
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                [v for s in opt.state.values() for v in s.values()],
+                [v for s in Capture(3, objects, None, None).copy().states()["optimizer"]["state"].values() for v in s.values()],
+            )
+        )
+        assert joiner.get_image(5, 1, None) is None and joiner.get_mirror(5, 4) == (True, b"rng")
+        server.keep_only([])
+        assert server.held() == {} and server.nbytes == 0
+        joiner.close()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_holder_that_is_gone_fails_the_send_at_once(refusing_port):
+    with pytest.raises(LinkError):
+        SnapshotClient(("127.0.0.1", refusing_port), source=0, timeout=2)
+    server = SnapshotServer("127.0.0.1")
+    client = SnapshotClient(server.address, source=0)
+    server.close()
+    model, opt, sched = _job()
+    _step(model, opt, sched, 0)
+    image = Capture(1, {"model": model}, None, None).copy()
+    with pytest.raises(LinkError):  # its connections closed with it: a put raises instead of waiting
+        client.put_image(image)
+    client.close()

@@ -1,0 +1,170 @@
+"""Entering a generation: which step the job continues from, and where each rank's state comes from.
+
+A pure function of what every rank says about itself (``Holding``), table-tested: every rank
+computes the same plan from the same allgathered holdings. For each step the job could continue
+from, newest first, a rank is *at* that step when it holds it (its live state) or can return to
+it (its own local snapshot, ``Holding.local``). Every other rank (a joiner, or a survivor
+behind) must assemble each registered object from one of:
+
+* a **live replica** at that step: a rank holding an identical copy (mutual replica sets, same
+  module shapes), spread over the candidates so several joiners receive in parallel;
+* its **snapshot** at that step, kept by the rank that holds its snapshots (the lost rank's
+  buddy, ``snapshots.placement``): the objects no live rank replicates;
+
+and its per-rank state (RNG, data position) from its snapshot or from an exact per-rank mirror
+at that step. The first step at which every rank can be served wins: with per-step snapshots
+that is the interrupted step itself, or one step earlier when the lost rank's newest snapshot
+was still on its way. If no step works, the plan says which ranks and which step are lost:
+the job then restarts from the script's checkpoint, loudly, never from a silently wrong state.
+
+Replicas that should be identical at the chosen step but are not (a wrong ``replicas=``
+declaration) are *conflicts*: never a source, always an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ObjectState:
+    """One registered object of a rank: who holds identical copies, and its fingerprints."""
+
+    replicas: frozenset  # ranks holding an identical copy (itself included)
+    structure: str  # digest of a module's shapes ("" for other objects)
+    values: str  # digest of a sample of its values
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank says about itself when a generation starts."""
+
+    rank: int
+    step: int  # committed steps it holds; -1: a fresh process (no training state)
+    objects: dict = field(default_factory=dict)  # name -> ObjectState of its live objects
+    per_rank: bool = False  # it registered per-rank state (RNG, data position)
+    local: dict = field(default_factory=dict)  # step -> {name: (structure, values)}: its own snapshots
+    held: dict = field(default_factory=dict)  # source rank -> {"images": {step: names}, "mirrors": {tag: exact}}
+
+
+@dataclass
+class RecoveryPlan:
+    step: int  # the step every rank continues from (-1: nobody holds state)
+    restore: list = field(default_factory=list)  # ranks that return to ``step`` from their own snapshot
+    live: dict = field(default_factory=dict)  # receiver -> {sender: [object names]} from live replicas
+    images: dict = field(default_factory=dict)  # receiver -> (holder, [object names]) from its snapshot
+    mirrors: dict = field(default_factory=dict)  # receiver -> holder of its per-rank state at ``step``
+    missing: list = field(default_factory=list)  # ranks that cannot be served at ``step``
+    conflicts: list = field(default_factory=list)  # replicas whose state differs (a wrong declaration)
+    newest: int = -1  # the newest step a survivor held: ``newest - step`` steps run again
+    tried: dict = field(default_factory=dict)  # step -> why the job cannot continue from it (newer steps first)
+
+    @property
+    def receivers(self) -> set:
+        return set(self.live) | set(self.images) | set(self.mirrors)
+
+
+def plan_recovery(holdings: list[Holding]) -> RecoveryPlan:
+    """The newest step the job can continue from, and how every rank gets there (module docstring)."""
+    by_rank = {h.rank: h for h in holdings}
+    survivors = [h for h in holdings if h.step >= 0]
+    if not survivors:
+        return RecoveryPlan(step=-1)
+    newest = max(h.step for h in survivors)
+    holder = {src: h.rank for h in holdings for src in h.held}
+    candidates = sorted({h.step for h in survivors} | {s for h in survivors for s in h.local}, reverse=True)
+    first, tried = None, {}
+    for step in candidates:
+        plan = _plan_at(step, holdings, by_rank, holder)
+        plan.newest, plan.tried = newest, tried
+        if not plan.missing and not plan.conflicts:
+            return plan
+        tried[step] = (f"ranks {plan.conflicts[0][0]} and {plan.conflicts[0][1]} differ" if plan.conflicts
+                       else f"nothing holds rank(s) {plan.missing}")  # fmt: skip
+        first = first or plan
+    return first
+
+
+def _digests(h: Holding, step: int) -> dict | None:
+    """{name: (structure, values)} of ``h``'s state at ``step``: live, or its own snapshot; None if neither."""
+    if h.step == step:
+        return {name: (o.structure, o.values) for name, o in h.objects.items()}
+    if step in h.local:
+        return dict(h.local[step])
+    return None
+
+
+def _plan_at(step: int, holdings: list[Holding], by_rank: dict, holder: dict) -> RecoveryPlan:
+    plan = RecoveryPlan(step=step)
+    at = {h.rank: d for h in holdings if (d := _digests(h, step)) is not None}
+    for h in holdings:
+        if h.rank in at and h.step != step:
+            plan.restore.append(h.rank)
+    # Replicas that should agree at this step and do not: never a source, always an error.
+    for a in sorted(at):
+        for b in sorted(at):
+            if b <= a:
+                continue
+            ha, hb = by_rank[a], by_rank[b]
+            for name in sorted(set(at[a]) & set(at[b])):
+                oa, ob = ha.objects.get(name), hb.objects.get(name)
+                if oa and ob and b in oa.replicas and a in ob.replicas and at[a][name] != at[b][name]:
+                    plan.conflicts.append((a, b))
+                    break
+    load = {r: 0 for r in at}
+    for h in sorted(holdings, key=lambda h: h.rank):
+        if h.rank in at:
+            continue
+        if h.step > step:  # it cannot return to this step (no snapshot of it): the step is not an option
+            plan.missing.append(h.rank)
+            continue
+        served = _serve(h, step, at, by_rank, holder.get(h.rank), load, plan)
+        if not served:
+            plan.missing.append(h.rank)
+    for r in plan.missing:  # a partial plan for a rank that cannot be served is no plan
+        plan.live.pop(r, None)
+        plan.images.pop(r, None)
+        plan.mirrors.pop(r, None)
+    return plan
+
+
+def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, load: dict, plan: RecoveryPlan) -> bool:
+    """Find a source for each of ``h``'s objects and its per-rank state at ``step``."""
+    held = by_rank[holder].held.get(h.rank, {}) if holder is not None else {}
+    image_names = set((held.get("images") or {}).get(step, ()))
+    live: dict = {}
+    from_image: list = []
+    for name, mine in sorted(h.objects.items()):
+        sources = [
+            r
+            for r in at
+            if r != h.rank
+            and name in at[r]
+            and name in by_rank[r].objects
+            and h.rank in by_rank[r].objects[name].replicas
+            and r in mine.replicas
+            and at[r][name][0] == mine.structure
+        ]
+        if sources:
+            src = min(sources, key=lambda r: (load[r], r))
+            load[src] += 1
+            live.setdefault(src, []).append(name)
+        elif name in image_names:
+            from_image.append(name)
+        else:
+            return False
+    per_rank_from = None
+    if h.per_rank:
+        if image_names and step in (held.get("images") or {}):
+            per_rank_from = holder  # an image carries the per-rank state of its step
+        elif (held.get("mirrors") or {}).get(step):
+            per_rank_from = holder  # an exact per-rank mirror of that step
+        else:
+            return False
+    if live:
+        plan.live[h.rank] = live
+    if from_image:
+        plan.images[h.rank] = (holder, from_image)
+    if per_rank_from is not None:
+        plan.mirrors[h.rank] = per_rank_from
+    return True

@@ -1,0 +1,306 @@
+"""The snapshot stream between a rank and its holder: a TCP connection of its own.
+
+Why not the job's communicators: a snapshot stream runs beside the step (a background thread
+sends while the main thread runs the step's collectives), outlives generations (a holder keeps
+what it holds while communicators are rebuilt), and needs acknowledgements and timeouts that a
+blocking gloo ``recv`` cannot give (a posted receive can be neither cancelled nor bounded from
+Python). A plain socket per pair gives all three; its bytes go straight from the image's host
+tensors to the holder's (``recv_into`` a tensor's memory: no Python copy).
+
+Messages: an 8-byte length and a pickled header, then each tensor's raw bytes in placeholder
+order. Every put is acknowledged once stored, so a sender knows its snapshot is complete on the
+holder (what the step's commit waits for), and the holder answers gets for the rank that
+replaces a lost one. The header is pickled, as the live transfer's is: peers of one job trust
+each other as they do through gloo and the TCPStore (bind to the node's own address).
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+
+import torch
+
+from ..transfer import _placeholders
+from .image import StateImage
+
+_LEN = struct.Struct("!Q")
+PUT_IMAGE, PUT_MIRROR, GET_IMAGE, GET_MIRROR, ACK, MISSING, IMAGE, MIRROR = (
+    "put_image",
+    "put_mirror",
+    "get_image",
+    "get_mirror",
+    "ack",
+    "missing",
+    "image",
+    "mirror",
+)
+KEEP_MIRRORS = 3  # per-rank mirrors kept per source: the tags around any step the job can return to
+
+
+class LinkError(RuntimeError):
+    """The other end is gone or broke the protocol."""
+
+
+def _send_msg(sock: socket.socket, header: dict, tensors=()) -> None:
+    data = pickle.dumps(header)
+    sock.sendall(_LEN.pack(len(data)) + data)
+    for t in tensors:
+        if t.numel():
+            sock.sendall(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise LinkError("the connection closed mid-message")
+        got += k
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, t: torch.Tensor) -> None:
+    if not t.numel():
+        return
+    view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise LinkError("the connection closed mid-snapshot")
+        got += k
+
+
+def _recv_msg(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    return pickle.loads(_recv_exact(sock, n))
+
+
+def _recv_image(sock: socket.socket, header: dict, reuse: StateImage | None = None) -> StateImage:
+    metas = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
+    shapes = [(tuple(m[2]), getattr(torch, m[3])) for m in metas]
+    if reuse is not None and [(tuple(t.shape), t.dtype) for t in reuse.tensors] == shapes:
+        tensors = reuse.tensors
+    else:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+    for t in tensors:
+        _recv_into(sock, t)
+    return StateImage(header["step"], header["skeleton"], tensors, header.get("digests", {}), header.get("per_rank"))
+
+
+def _image_header(kind: str, source: int, image: StateImage) -> dict:
+    return {
+        "kind": kind,
+        "source": source,
+        "step": image.step,
+        "skeleton": image.skeleton,
+        "digests": image.digests,
+        "per_rank": image.per_rank,
+    }
+
+
+class Held:
+    """What a holder keeps of one source rank: its newest complete images (at most two: the one
+    the job can roll back to and the one arriving) and its newest per-rank mirrors."""
+
+    def __init__(self):
+        self.images: dict[int, StateImage] = {}
+        self.mirrors: dict[int, tuple[bool, bytes]] = {}  # tag -> (exact, record)
+
+    def spare_image(self) -> StateImage | None:
+        """An image whose buffers the next one may take (not the newest complete)."""
+        if len(self.images) < 2:
+            return None
+        return self.images[min(self.images)]
+
+    def keep_image(self, image: StateImage) -> None:
+        self.images[image.step] = image
+        for old in sorted(self.images)[:-2]:
+            del self.images[old]
+
+    def keep_mirror(self, tag: int, exact: bool, record: bytes) -> None:
+        self.mirrors[tag] = (exact, record)
+        for old in sorted(self.mirrors)[:-KEEP_MIRRORS]:
+            del self.mirrors[old]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.images.values()) + sum(len(r) for _, r in self.mirrors.values())
+
+
+class SnapshotServer:
+    """A worker's holder side: keeps the snapshots its source rank sends, answers the rank that
+    replaces a lost one. One listening socket per worker process, a thread per connection."""
+
+    def __init__(self, host: str | None = None):
+        family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host or "127.0.0.1", 0))
+        self._sock.listen(64)
+        self.address = (host or "127.0.0.1", self._sock.getsockname()[1])
+        self._lock = threading.Lock()
+        self._held: dict[int, Held] = {}
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        threading.Thread(target=self._accept, name="tm-snapshot-server", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving: the listening socket and every connection close, as when the process ends."""
+        self._closed = True
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for sock in [self._sock, *conns]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def held(self) -> dict[int, dict]:
+        """Source rank -> {"images": {step: object names}, "mirrors": {tag: exact}}."""
+        with self._lock:
+            return {
+                src: {"images": {s: tuple(i.names()) for s, i in h.images.items()}, "mirrors": {t: e for t, (e, _) in h.mirrors.items()}}
+                for src, h in self._held.items()
+            }
+
+    def keep_only(self, sources) -> None:
+        """Drop what this worker holds for ranks that no longer send to it."""
+        with self._lock:
+            for src in [s for s in self._held if s not in set(sources)]:
+                del self._held[src]
+
+    def drop_after(self, step: int) -> None:
+        """Forget images and mirrors of steps after ``step`` (the job returned to ``step``)."""
+        with self._lock:
+            for held in self._held.values():
+                for later in [s for s in held.images if s > step]:
+                    del held.images[later]
+                for later in [t for t in held.mirrors if t > step]:
+                    del held.mirrors[later]
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values())
+
+    def image(self, source: int, step: int) -> StateImage | None:
+        with self._lock:
+            held = self._held.get(source)
+            return None if held is None else held.images.get(step)
+
+    def mirror(self, source: int, tag: int) -> tuple[bool, bytes] | None:
+        with self._lock:
+            held = self._held.get(source)
+            return None if held is None else held.mirrors.get(tag)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tm-snapshot-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed:
+                header = _recv_msg(conn)
+                kind, source = header["kind"], header["source"]
+                if kind == PUT_IMAGE:
+                    with self._lock:
+                        held = self._held.setdefault(source, Held())
+                        spare = held.spare_image()
+                        if spare is not None:
+                            del held.images[spare.step]  # its buffers are about to be overwritten
+                    image = _recv_image(conn, header, reuse=spare)
+                    with self._lock:
+                        self._held.setdefault(source, Held()).keep_image(image)
+                    _send_msg(conn, {"kind": ACK, "step": image.step})
+                elif kind == PUT_MIRROR:
+                    with self._lock:
+                        self._held.setdefault(source, Held()).keep_mirror(header["tag"], header["exact"], header["record"])
+                    _send_msg(conn, {"kind": ACK, "tag": header["tag"]})
+                elif kind == GET_IMAGE:
+                    image = self.image(source, header["step"])
+                    if image is None:
+                        _send_msg(conn, {"kind": MISSING})
+                    else:
+                        image = image.subset(header["names"]) if header.get("names") is not None else image
+                        _send_msg(conn, _image_header(IMAGE, source, image), image.tensors)
+                elif kind == GET_MIRROR:
+                    found = self.mirror(source, header["tag"])
+                    _send_msg(conn, {"kind": MISSING} if found is None else {"kind": MIRROR, "exact": found[0], "record": found[1]})
+                else:
+                    raise LinkError(f"unknown message {kind!r}")
+        except (OSError, LinkError, EOFError, pickle.UnpicklingError, KeyError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+
+class SnapshotClient:
+    """One connection to a holder's ``SnapshotServer``; every call waits for the answer."""
+
+    def __init__(self, address: tuple[str, int], source: int, timeout: float = 30.0):
+        self.address, self.source = tuple(address), source
+        try:
+            self._sock = socket.create_connection(self.address, timeout=timeout)
+        except OSError as e:
+            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} does not answer ({e})") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.settimeout(timeout)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _call(self, header: dict, tensors=()) -> dict:
+        try:
+            _send_msg(self._sock, header, tensors)
+            return _recv_msg(self._sock)
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
+
+    def put_image(self, image: StateImage) -> None:
+        """Send ``image`` and wait until the holder stored it."""
+        reply = self._call(_image_header(PUT_IMAGE, self.source, image), image.tensors)
+        if reply.get("kind") != ACK or reply.get("step") != image.step:
+            raise LinkError(f"the snapshot holder answered {reply.get('kind')!r} to a snapshot")
+
+    def put_mirror(self, tag: int, exact: bool, record: bytes) -> None:
+        reply = self._call({"kind": PUT_MIRROR, "source": self.source, "tag": tag, "exact": exact, "record": record})
+        if reply.get("kind") != ACK or reply.get("tag") != tag:
+            raise LinkError(f"the snapshot holder answered {reply.get('kind')!r} to a per-rank mirror")
+
+    def get_image(self, of_rank: int, step: int, names=None) -> StateImage | None:
+        try:
+            _send_msg(self._sock, {"kind": GET_IMAGE, "source": of_rank, "step": step, "names": names})
+            header = _recv_msg(self._sock)
+            if header.get("kind") == MISSING:
+                return None
+            return _recv_image(self._sock, header)
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
+
+    def get_mirror(self, of_rank: int, tag: int) -> tuple[bool, bytes] | None:
+        reply = self._call({"kind": GET_MIRROR, "source": of_rank, "tag": tag})
+        return None if reply.get("kind") == MISSING else (reply["exact"], reply["record"])
