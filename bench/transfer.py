@@ -6,7 +6,7 @@
 
 Each run starts 2 x J processes on one gloo group (loopback): J holders and J joiners. Every
 joiner holds a different shard (as in a DP x TP job where a whole TP group is replaced), so the
-runtime's transfer plan (``transfer.plan_transfer``) gives each joiner its own source and the
+runtime's recovery plan (``recovery.plan_recovery``) gives each joiner its own source and the
 J transfers run at the same time, through the runtime's own wire format
 (``transfer.send_state`` / ``recv_state``: a pickled header, then every tensor point-to-point).
 The state is a model's parameters plus AdamW's two moments (3 x the parameter bytes), the
@@ -51,7 +51,8 @@ def worker(rank: int, world: int, port: int, mib: float, out) -> None:
     import torch.distributed.tensor  # noqa: F401  (a live worker has it loaded: tm_launch.worker.runtime)
 
     from tm_launch.worker import communicators
-    from tm_launch.worker.transfer import Holding, plan_transfer, recv_state, send_state
+    from tm_launch.worker.recovery import Holding, ObjectState, plan_recovery
+    from tm_launch.worker.transfer import recv_state, send_state
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
@@ -60,16 +61,20 @@ def worker(rank: int, world: int, port: int, mib: float, out) -> None:
     holder = rank < joiners
     shard = rank % joiners  # rank r and r + J hold the same shard
     objects = {"state": Shard(mib, float(shard) if holder else -1.0)}
-    holdings = [Holding(r, 10 if r < joiners else -1, frozenset({r % joiners, r % joiners + joiners}), "s", "v") for r in range(world)]
-    plan = plan_transfer(holdings)
+    holdings = [
+        Holding(r, 10 if r < joiners else -1, {"state": ObjectState(frozenset({r % joiners, r % joiners + joiners}), "s", "v")})
+        for r in range(world)
+    ]
+    plan = plan_recovery(holdings)
+    sources = {dst: next(iter(srcs)) for dst, srcs in plan.live.items()}
     barrier = torch.zeros(1)
     pg.allreduce([barrier]).wait()
     t0 = time.perf_counter()
     if holder:
-        sent = sum(send_state(pg, dst, objects, 10) for dst, src in plan.sources.items() if src == rank)
+        sent = sum(send_state(pg, dst, objects, 10) for dst, src in sources.items() if src == rank)
         out.put((rank, "sent", sent, time.perf_counter() - t0))
     else:
-        step, got = recv_state(pg, plan.sources[rank], objects)
+        step, got = recv_state(pg, sources[rank], objects)
         ok = bool((objects["state"].tensors["param"] == float(shard)).all())
         out.put((rank, "received", got, time.perf_counter() - t0, ok))
     pg.allreduce([barrier]).wait()

@@ -597,7 +597,7 @@ class Membership:
 
 # Keys under state/ by kind and the number of path segments tm-launch writes for each.
 _DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "reports": 4, "done": 4, "stores": 3}
-_REPORT_KINDS = ("exit", "signal", "lost", "alarm", "state")
+_REPORT_KINDS = ("exit", "signal", "lost", "alarm", "state", "refused")
 
 
 def _node_record(node: str, text: str) -> NodeInfo:

@@ -53,7 +53,8 @@ class View:
     done: frozenset[str] = frozenset()  # nodes whose workers finished in this generation
     # What kind of failure each report is: "exit" (a worker exited non-zero: perhaps only
     # because a peer died), a primary failure ("signal", "lost", "alarm"; missing = primary),
-    # or "state": the live state of some rank exists nowhere any more (every worker restarts).
+    # "state": the live state of some rank exists nowhere any more (every worker restarts), or
+    # "refused": a worker refused to run as configured (the job fails: no restart would help).
     report_kinds: dict[str, str] = field(default_factory=dict)
     report_times: dict[str, float] = field(default_factory=dict)
     now: float = 0.0
@@ -164,6 +165,10 @@ def next_plan(view: View, limits: Limits) -> Plan | None:
         return None
     if all(n in view.done for n in plan.nodes):
         return plan.next(state=SUCCEEDED, cause="all workers finished", reason="training finished")
+    refused = [n for n in plan.nodes if view.report_kinds.get(n) == "refused" and n in view.reports]
+    if refused:
+        why = f"{refused[0]}: {view.reports[refused[0]]}"
+        return plan.next(state=FAILED, cause=why, reason=why)
     found = _lost(view)
     if found is None:
         return None

@@ -90,6 +90,17 @@ def _join_timeout(args) -> float:
     return args.join_timeout if raw is None else positive_seconds("timeout", raw)
 
 
+def _snapshot_memory_limit(args) -> int:
+    """--snapshot-memory-limit, else half of this node's memory (the other half: the training
+    processes themselves, their data loaders, the page cache)."""
+    if args.snapshot_memory_limit is not None:
+        return args.snapshot_memory_limit
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 0
+
+
 def _last_call(args) -> float:
     """--last-call, or torchrun's ``--rdzv-conf last_call_timeout=`` (same meaning)."""
     raw = parse_rdzv_conf(args.rdzv_conf).get("last_call_timeout")
@@ -227,6 +238,8 @@ def _launch(args) -> int:
             health=args.health,
             event_log=args.event_log,
             metrics_port=args.metrics_port,
+            snapshot_every=args.snapshot_every,
+            snapshot_memory_limit=_snapshot_memory_limit(args),
         )
         try:
             return Agent(cfg, kv).run()

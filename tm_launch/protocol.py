@@ -32,6 +32,7 @@ from enum import Enum
 # -- the environment --------------------------------------------------------------------------
 
 EXIT_STATE_LOST = 3  # a worker's exit code when no live rank holds some rank's state (``StateLostRecord``)
+EXIT_REFUSED = 4  # a worker's exit code when the job cannot run as configured (``RefusedRecord``): no restart helps
 
 
 # TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch's ErrorHandlingMode).
@@ -73,6 +74,8 @@ class WorkerEnv:
     collective_timeout: float = 120.0
     setup_timeout: float = 600.0  # joiners may start cold
     straggler_window: int = 20
+    snapshot_every: int = 1  # snapshot the state no live rank replicates every N committed steps (0: never)
+    snapshot_memory_limit: int = 0  # bytes of host memory per node snapshots may take (0: no limit)
     # torchrun's variables, as torchrun sets them
     local_rank: int = 0
     rank: int = 0
@@ -92,6 +95,8 @@ class WorkerEnv:
         "collective_timeout": "TM_COLLECTIVE_TIMEOUT",
         "setup_timeout": "TM_SETUP_TIMEOUT",
         "straggler_window": "TM_STRAGGLER_WINDOW",
+        "snapshot_every": "TM_SNAPSHOT_EVERY",
+        "snapshot_memory_limit": "TM_SNAPSHOT_MEMORY_LIMIT",
         "local_rank": "LOCAL_RANK",
         "rank": "RANK",
         "world_size": "WORLD_SIZE",
@@ -189,6 +194,10 @@ class WorkerKeys:
     def state_lost(self) -> str:
         return self._key("state_lost")
 
+    @property
+    def refused(self) -> str:
+        return self._key("refused")
+
     def entered(self, generation: int) -> str:
         return self._key(f"entered/{generation}")
 
@@ -198,7 +207,7 @@ class WorkerKeys:
     def restarted(self) -> tuple[str, ...]:
         """What a new process of this local rank must not inherit from the one before it (the
         hang watchdog would read the old heartbeat as the new process's)."""
-        return self.status, self.beat, self.state_lost
+        return self.status, self.beat, self.state_lost, self.refused
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -315,6 +324,8 @@ class WorkerStatus(_Record):
     steps_run: int = 0
     compute: list = field(default_factory=list)
     windows: dict = field(default_factory=dict)  # completed straggler windows: {index: summed compute seconds}
+    snapshot_bytes: int = 0  # host memory its snapshots take (its own and what it holds for another rank)
+    snapshot_sent: int = 0  # bytes of snapshots it sent to its holder so far
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerStatus:
@@ -352,4 +363,12 @@ class StateLostRecord(_Record):
 
     step: int
     ranks: list
+    why: str
+
+
+@dataclass(frozen=True)
+class RefusedRecord(_Record):
+    """Why a worker ends with ``EXIT_REFUSED``: the job cannot run as configured (snapshots that
+    would not fit in ``--snapshot-memory-limit``); the agent fails the job with this line."""
+
     why: str

@@ -5,8 +5,8 @@ Real agents, real etcd, real gloo, real SIGKILLs; 4 ranks + 1 spare. Every test 
 rank's parameters and optimizer state bitwise equal to the same script's fault-free run under
 plain torchrun. A joiner must receive its own shard from a replica (never another rank's); a
 spare warms up as the last rank and takes whichever rank it is given; where no replica holds a
-lost shard (FSDP2 x TP, pure FSDP2), the job restarts from its checkpoint and says which step
-was lost.
+lost shard (FSDP2 x TP, pure FSDP2) and snapshots are off, the job restarts from its checkpoint
+and says which step was lost (with snapshots, the default: ``test_snapshots.py``).
 """
 
 import glob
@@ -69,12 +69,12 @@ def torchrun_reference(tmp_path_factory):
     return get
 
 
-def run(local_job, layout: str, nproc: int = 1, kill: tuple | None = None, fault=None, extra: tuple = ()):
+def run(local_job, layout: str, nproc: int = 1, kill: tuple | None = None, fault=None, extra: tuple = (), launcher: tuple = ()):
     """4 ranks on ``4 / nproc`` nodes plus one spare node; ``kill = (rank, phase)`` SIGKILLs the
     worker holding that rank at that point of step KILL; ``fault(job)`` runs once the spare parked;
     ``extra``: more script arguments."""
     nodes = 4 // nproc
-    job = local_job(nnodes=str(nodes), nproc=nproc, script=HYBRID, launcher_args=["--max-restarts", "3"])
+    job = local_job(nnodes=str(nodes), nproc=nproc, script=HYBRID, launcher_args=["--max-restarts", "3", *launcher])
     job.env = {"OMP_NUM_THREADS": "1"}
     trigger = os.path.join(job.workdir, "trigger")
     extra = [*extra, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger]
@@ -187,7 +187,8 @@ def test_drain_hands_a_shard_to_the_spare(local_job, reference):
 
 
 # ------------------------------------------------------------------------------------------------
-# no replica: a lost shard exists nowhere, the job restarts from its checkpoint, loudly
+# no replica and snapshots off (--snapshot-every 0): a lost shard exists nowhere, the job
+# restarts from its checkpoint, loudly (with snapshots: tests/e2e/test_snapshots.py)
 
 
 @pytest.mark.parametrize(
@@ -201,14 +202,18 @@ def test_drain_hands_a_shard_to_the_spare(local_job, reference):
     ],
 )
 def test_no_replica_falls_back_to_the_checkpoint_and_says_what_was_lost(local_job, reference, layout, rank, phase):
-    job, codes, got = run(local_job, layout, kill=(rank, phase))
+    job, codes, got = run(local_job, layout, kill=(rank, phase), launcher=("--snapshot-every", "0"))
     assert_bitwise(got, reference(layout))  # = the fault-free run, which resumes from the same checkpoint
     events = job.events()
     lost = [e for e in events if e["kind"] == "state_lost"]
     assert lost and lost[0]["lost_ranks"] == [rank], events
     step = lost[0]["lost_step"]
     assert step in (KILL, KILL + 1), lost  # the newest committed step some rank held
-    plans = [e for e in events if e["kind"] == "plan" and f"no live rank holds the state of rank(s) [{rank}] at step {step}" in e["cause"]]
+    plans = [
+        e
+        for e in events
+        if e["kind"] == "plan" and f"no live rank and no snapshot holds the state of rank(s) [{rank}] at step {step}" in e["cause"]
+    ]
     assert plans and not plans[0]["live"], [e.get("cause") for e in events if e["kind"] == "plan"]
     logs = "\n".join(n.log() for n in job.nodes.values())
     assert "resumed from the checkpoint of step 10" in logs

@@ -5,7 +5,9 @@
 PHASE is a point of a step: ``forward``, ``backward`` (inside the backward pass, mid gradient
 communication for DDP/FSDP), ``vote`` (inside tm-launch's commit vote: its vote counted, the
 decision not read), ``last-vote-node`` (its vote completed the count and the whole node dies:
-agent and workers, while the other ranks wait for the decision), ``optimizer`` (after the commit, before the update), ``logging`` (after the
+agent and workers, while the other ranks wait for the decision), ``snapshot`` / ``snapshot-node``
+(the step's snapshot taken, not yet on its holder: the worker, or its whole node, dies while
+the snapshot is on its way), ``optimizer`` (after the commit, before the update), ``logging`` (after the
 update, before the loss all-reduce) or ``logged`` (after it); a script may add points of its own
 (``tests/scripts/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
@@ -17,8 +19,21 @@ from __future__ import annotations
 import os
 import time
 
-PHASES = ["forward", "backward", "allreduce", "vote", "last-vote-node", "optimizer", "logging", "logged", "checkpoint"]
-RUNTIME_POINTS = {"vote": "vote", "last-vote-node": "last-vote/node"}  # phase -> tm_launch.worker.failpoints point
+PHASES = [
+    "forward",
+    "backward",
+    "allreduce",
+    "vote",
+    "last-vote-node",
+    "snapshot",
+    "snapshot-node",
+    "optimizer",
+    "logging",
+    "logged",
+    "checkpoint",
+]
+# phase -> tm_launch.worker.failpoints point (inside the runtime: the commit vote, the snapshot's send)
+RUNTIME_POINTS = {"vote": "vote", "last-vote-node": "last-vote/node", "snapshot": "snapshot", "snapshot-node": "snapshot/node"}
 
 
 def kill_once(marker: str | None, rank: int, where: str) -> None:

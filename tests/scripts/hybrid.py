@@ -1,10 +1,12 @@
 """Hybrid-parallel training the way torchtitan and Megatron users write it, live under tm-launch.
 
-One script, four layouts over a ``DeviceMesh`` (4 ranks unless said otherwise):
+One script, six layouts (4 ranks unless said otherwise; ``pp`` on 2 ranks has no
+data-parallel peer):
 
 * ``fsdp-tp``: FSDP2 (``fully_shard``) over ``dp`` x DTensor tensor parallel
   (``ColwiseParallel``/``RowwiseParallel``) over ``tp``: every rank holds a shard no other rank
-  holds (FSDP shards what TP left whole), so a lost rank is recovered from the checkpoint.
+  holds (FSDP shards what TP left whole), so a lost rank is recovered from its in-memory
+  snapshot on the next node (from the checkpoint with snapshots off).
 * ``ddp-tp``: tensor parallel over ``tp``, gradients all-reduced over ``dp`` (DDP-style
   replicate): rank r's replica is the ``dp`` peer with the same ``tp`` coordinate.
 * ``hsdp``: FSDP2 on a 2-d ``(replicate, shard)`` mesh: shards replicated across ``replicate``.
@@ -12,8 +14,11 @@ One script, four layouts over a ``DeviceMesh`` (4 ranks unless said otherwise):
   (``dist.send``/``dist.recv`` on the ``pp`` group), each stage's gradients all-reduced over ``dp``;
   the state is registered with ``replicas=`` the stage's ``dp`` group.
 * ``fsdp``: FSDP2 over the whole world, no replica at all: a lost rank's shard exists nowhere
-  else, so the job falls back to its newest checkpoint (``--ckpt-dir``, written with
-  ``torch.distributed.checkpoint``) and says which steps were lost.
+  else but in its in-memory snapshot (on the next node); with snapshots off, the job falls back
+  to its newest checkpoint (``--ckpt-dir``, written with ``torch.distributed.checkpoint``) and
+  says which steps were lost.
+* ``zero``: data parallel with ``ZeroRedundancyOptimizer`` (ZeRO-1): the parameters are
+  replicated, each rank's optimizer state is its own partition.
 
 Runs unchanged under ``torchrun`` (``tm_launch.init`` is then ``init_process_group``). Everything
 rank-dependent is built after ``tm_launch.init()`` from ``job.rank``: a spare promoted to a rank
@@ -41,24 +46,25 @@ from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this s
 
 import tm_launch  # noqa: E402
 
-LAYOUTS = ("fsdp-tp", "ddp-tp", "hsdp", "pp", "fsdp")
+LAYOUTS = ("fsdp-tp", "ddp-tp", "hsdp", "pp", "fsdp", "zero")
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, h: int):
+    def __init__(self, d: int, h: int, dropout: float = 0.0):
         super().__init__()
         self.w1 = nn.Linear(d, h)
         self.w2 = nn.Linear(h, d)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
-        return x + self.w2(torch.tanh(self.w1(x)))
+        return x + self.w2(self.drop(torch.tanh(self.w1(x))))
 
 
 class Net(nn.Module):
-    def __init__(self, d: int = 32, h: int = 64, depth: int = 2):
+    def __init__(self, d: int = 32, h: int = 64, depth: int = 2, dropout: float = 0.0):
         super().__init__()
         self.inp = nn.Linear(16, d)
-        self.blocks = nn.ModuleList(Block(d, h) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(d, h, dropout) for _ in range(depth))
         self.out = nn.Linear(d, 8)
 
     def forward(self, x):
@@ -84,6 +90,13 @@ def parse():
         help="cuda: the mesh, model, batches and optimizer state on cuda:LOCAL_RANK (modulo the visible devices)",
     )
     p.add_argument("--backend", default=None, help="tm_launch.init(backend=...): gloo runs several ranks on one GPU (ddp-tp, hsdp, fsdp*)")
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="dropout in every block, each rank drawing from its own generator: per-rank state (job.register(per_rank=True))",
+    )
+    p.add_argument("--width", type=int, default=64, help="hidden width of the blocks (the state grows with it)")
     Faults.add_arguments(p)
     return p.parse_args()
 
@@ -93,13 +106,15 @@ def batch(step: int, dp_index: int):
     return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
 
 
-def build(layout: str, rank: int, world: int, device: torch.device = torch.device("cpu")):
+def build(layout: str, rank: int, world: int, device: torch.device = torch.device("cpu"), dropout: float = 0.0, width: int = 64):
     """The model, what to train and how, for ``rank``: (modules to register, the step function's
     pieces, the data-parallel index of this rank, the ``replicas`` declaration)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    net = Net().to(device)  # initialised on the CPU: the same weights on every device
+    net = Net(h=width, dropout=dropout).to(device)  # initialised on the CPU: the same weights on every device
+    if layout == "zero":  # data parallel, every rank's optimizer state its own partition (ZeRO-1)
+        return net, dist.group.WORLD, rank, None, None
     if layout in ("fsdp-tp", "ddp-tp"):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -134,8 +149,11 @@ def build(layout: str, rank: int, world: int, device: torch.device = torch.devic
 
 
 def local_state(model, opt) -> dict:
-    """This rank's shards of the parameters and optimizer state, as plain tensors."""
+    """This rank's shards of the parameters and optimizer state, as plain tensors (a ZeRO
+    optimizer's: its own partition)."""
     from torch.distributed.tensor import DTensor
+
+    opt = getattr(opt, "optim", opt)
 
     def plain(t):
         return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
@@ -190,18 +208,27 @@ def main():
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    model, sync, dp_index, replicas, mesh = build(args.layout, rank, world, device)
+    model, sync, dp_index, replicas, mesh = build(args.layout, rank, world, device, args.dropout, args.width)
     # foreach=False: on CUDA, AdamW's default multi-tensor path refuses a list that mixes DTensors
     # (the TP-sharded blocks) with plain tensors (ddp-tp's input and output layers); the CPU
     # default is this per-tensor path already.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    if args.layout == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.01, foreach=False)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     # A spare's sandbox and a joining rank have no peers before steps(), and their state comes
     # from a live replica: only ranks that start the generation together load the checkpoint.
     start = resume(args, model, opt, sched) if args.ckpt_dir and not job.in_sandbox else 0
     job.register(model=model, optimizer=opt, scheduler=sched, replicas=replicas)
+    if args.dropout:  # each rank's own dropout masks: its generator is per-rank state
+        torch.manual_seed(1000 + rank)
+        job.register(per_rank=True, rng=tm_launch.RNGState())
     faults.arm_backward(model, job)
-    opt.register_step_pre_hook(lambda *a: faults.at(job, "optimizer"))
+    stepping = opt.optim if args.layout == "zero" else opt  # ZeRO steps its inner optimizer over its partition
+    stepping.register_step_pre_hook(lambda *a: faults.at(job, "optimizer"))
     pp = mesh["pp"].get_group() if args.layout == "pp" else None
     stage = mesh["pp"].get_local_rank() if pp is not None else 0
     # gloo's point-to-point reads host memory only (a CUDA tensor's pointer fails in writev):

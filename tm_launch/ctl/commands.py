@@ -107,6 +107,7 @@ def status(members, run_id: str) -> dict:
                 "alive": node in view.alive,
                 "reason": view.failed.get(node) or view.drains.get(node),
                 "progress": progress.get(node, {}).get("workers", {}),
+                "snapshot_bytes": _snapshot_bytes(progress.get(node, {}).get("workers", {})),
             }
         )
     return {
@@ -124,6 +125,24 @@ def status(members, run_id: str) -> dict:
     }
 
 
+def _snapshot_bytes(workers: dict) -> int:
+    """Host memory a node's snapshots take, from its workers' progress (etcd content: junk is 0)."""
+    total = 0
+    for w in workers.values():
+        value = w.get("snapshot_bytes") if isinstance(w, dict) else None
+        total += value if isinstance(value, int) and value > 0 else 0
+    return total
+
+
+def _size(n) -> str:
+    if not n:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def _clean(value, limit: int = 300) -> str:
     """Text from etcd for a terminal: one line, no control characters or escapes, bounded."""
     text = " ".join(str(value).split())
@@ -138,12 +157,13 @@ def _print_status(s: dict) -> None:
     )
     if s["cause"]:
         print(f"last change: {_clean(s['cause'])}")
-    print(f"{'NODE':<24} {'ROLE':<9} {'RANKS':<16} STEP")
+    print(f"{'NODE':<24} {'ROLE':<9} {'RANKS':<16} {'SNAPSHOTS':>10}  STEP")
     for n in s["nodes"]:
         steps = sorted({_clean(w.get("step"), 20) for w in n["progress"].values()}) or ["-"]
         ranks = ",".join(map(str, n["ranks"])) or "-"
         extra = f"  ({_clean(n['reason'])})" if n["reason"] else ""
-        print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {'/'.join(steps)}{extra}")
+        memory = _size(n.get("snapshot_bytes"))
+        print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {memory:>10}  {'/'.join(steps)}{extra}")
     for a in s["alarms"]:
         print(
             _clean(

@@ -31,6 +31,8 @@ class AgentConfig:
     live_enabled: bool = True
     collective_timeout: float = 120.0
     sandbox_steps: int = 2
+    snapshot_every: int = 1  # live mode: snapshot what no replica holds every N steps (0: never)
+    snapshot_memory_limit: int = 0  # bytes per node for snapshots (0: no limit)
     output: OutputSpec | None = None
     health: HealthConfig | None = None
     event_log: str | None = None

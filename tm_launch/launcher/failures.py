@@ -61,6 +61,15 @@ class FailureWatch:
             failed = sup.workers.failed()
         if failed and self.reported_gen != plan.generation:
             local_rank, code = failed
+            refused = sup.refused(local_rank)
+            if refused is not None and active:
+                # The job cannot run as configured (snapshots over their memory limit): no
+                # restart helps; the planner fails the job with the worker's own line.
+                sup.workers.stop(grace=0)
+                self.reported_gen = plan.generation
+                self.say(f"generation {plan.generation}: {refused.why}", kind="refused", generation=plan.generation)
+                self.session.report_failure(plan.generation, me, refused.why, kind="refused")
+                return
             lost = sup.state_lost(local_rank)
             if lost is not None and active:
                 # Not this node's fault: the live state of some rank exists nowhere any more.

@@ -46,6 +46,14 @@ class AgentMetrics:
             "tm_launch_steps_per_second", "Training steps per second of this node's running workers (mean over its workers).", registry=r
         )
         self.step = Gauge("tm_launch_step", "Highest step completed by this node's workers.", registry=r)
+        self.snapshot_bytes = Gauge(
+            "tm_launch_snapshot_bytes",
+            "Host memory this node's workers' snapshots take (their own and what they hold for ranks of another node).",
+            registry=r,
+        )
+        self.snapshot_sent = Gauge(
+            "tm_launch_snapshot_sent_bytes", "Bytes of snapshots this node's workers sent to their holders so far.", registry=r
+        )
         self.spares = Gauge(
             "tm_launch_spares_available", "Spare nodes alive and ready to take over ranks, as this agent last read them.", registry=r
         )
@@ -92,6 +100,8 @@ class AgentMetrics:
         steps = [s.step for s in statuses.values() if isinstance(s.step, int)]
         if steps:
             self.step.set(max(steps))
+        self.snapshot_bytes.set(sum(s.snapshot_bytes for s in statuses.values()))
+        self.snapshot_sent.set(sum(s.snapshot_sent for s in statuses.values()))
 
     def on_event(self, kind: str, fields: dict) -> None:
         """Count what the agent logs: alarms and failures (see ``Agent.say``)."""

@@ -241,7 +241,15 @@ class ProgressPublisher:
             "role": role,
             "generation": plan.generation,
             "workers": {
-                str(lr): {"step": s.step, "state": s.state.value, "rank": s.rank, "step_time": s.step_time, "windows": s.windows}
+                str(lr): {
+                    "step": s.step,
+                    "state": s.state.value,
+                    "rank": s.rank,
+                    "step_time": s.step_time,
+                    "windows": s.windows,
+                    "snapshot_bytes": s.snapshot_bytes,
+                    "snapshot_sent": s.snapshot_sent,
+                }
                 for lr, s in statuses.items()
             },
             "time": now,

@@ -99,6 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
         "one promoted to other ranks runs the script again with one step and DDP's bucket rebuild).",
     )
     own.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Live mode: every N committed steps, each rank copies the state no other live rank replicates (FSDP/ZeRO/TP shards, "
+        "pipeline stages without data-parallel peers) to host memory and to a rank on the next node, so that such layouts "
+        "recover live too (default 1; 0: never, a lost shard then restarts the job from its checkpoint).",
+    )
+    own.add_argument(
+        "--snapshot-memory-limit",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="Live mode: host memory per node the snapshots may take (e.g. 16GiB, 500MB); snapshots that would need more "
+        "are refused when training starts, with one line saying how much they need (default: half the node's memory).",
+    )
+    own.add_argument(
         "--no-live",
         action="store_true",
         help="Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().",
@@ -146,7 +163,7 @@ def _convert(action: argparse.Action, key: str, value: Any, where: str) -> Any:
     if action.type is not None:
         try:
             value = action.type(str(value) if action.type is not int or isinstance(value, str) else int(value))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
             raise UsageError(f"{where}: '{key}' has the wrong type: {value!r}") from None
     elif value is not None:
         value = str(value)
@@ -247,6 +264,40 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+_UNITS = {
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "b": 1,
+    "": 1,
+}
+
+
+def _size(text) -> int:
+    """``16GiB``, ``500MB``, ``1.5G``, ``1000000``: bytes (argparse type; also YAML's)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number) :]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"'{text}' is no size: write bytes or a number with KiB, MiB, GiB, KB, MB or GB") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'{text}': a size cannot be negative")
+    return int(value)
+
+
 def validate(args: argparse.Namespace) -> None:
     parse_nnodes(args.nnodes)
     if args.spares < 0:
@@ -255,6 +306,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--lease-ttl {args.lease_ttl}: must be positive seconds")
     if args.sandbox_steps < 1:
         raise UsageError(f"--sandbox-steps {args.sandbox_steps}: must be at least 1")
+    if args.snapshot_every < 0:
+        raise UsageError(f"--snapshot-every {args.snapshot_every}: must be 0 (never) or more")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port {args.metrics_port}: must be a TCP port number (0-65535; 0 picks a free one)")
     if args.max_restarts < 0:

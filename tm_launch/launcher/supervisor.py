@@ -23,6 +23,7 @@ from ..protocol import (
     Directive,
     EnteredRecord,
     FirstStepRecord,
+    RefusedRecord,
     StateLostRecord,
     StoreAddress,
     WorkerEnv,
@@ -124,6 +125,16 @@ class WorkerSupervisor:
             return None
         try:
             return StateLostRecord.from_json(self.store.get(key))
+        except (ValueError, TypeError):
+            return None
+
+    def refused(self, local_rank: int) -> RefusedRecord | None:
+        """Why a worker refused to run (the job cannot run as configured), if it said so."""
+        key = WorkerKeys(local_rank).refused
+        if not self.store.check([key]):
+            return None
+        try:
+            return RefusedRecord.from_json(self.store.get(key))
         except (ValueError, TypeError):
             return None
 
@@ -273,6 +284,8 @@ class WorkerSupervisor:
                 collective_timeout=cfg.collective_timeout,
                 setup_timeout=cfg.join_timeout,
                 straggler_window=cfg.health.straggler_window if cfg.health else 20,
+                snapshot_every=cfg.snapshot_every,
+                snapshot_memory_limit=cfg.snapshot_memory_limit,
             ).tm_variables()
         )
         return env

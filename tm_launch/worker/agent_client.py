@@ -28,6 +28,7 @@ from ..protocol import (
     Directive,
     EnteredRecord,
     FirstStepRecord,
+    RefusedRecord,
     StateLostRecord,
     WorkerEnv,
     WorkerKeys,
@@ -165,6 +166,9 @@ class AgentClient:
 
     def report_state_lost(self, record: StateLostRecord) -> None:
         self._put(self.keys.state_lost, record.to_json(), wake=True)
+
+    def report_refused(self, record: RefusedRecord) -> None:
+        self._put(self.keys.refused, record.to_json(), wake=True)
 
     # -- what the agent handed over ------------------------------------------------------------
     def latest(self) -> int:

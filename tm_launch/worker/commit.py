@@ -40,7 +40,7 @@ _UNANSWERED = 2.0  # s a vote still waits on its store once a newer generation i
 
 
 def commit_store(store: dist.Store, generation: int) -> dist.Store:
-    """Generation ``generation``'s votes (and per-rank mirrors) within its bootstrap store."""
+    """Generation ``generation``'s votes within its bootstrap store."""
     return dist.PrefixStore(f"tm/g{generation}/commit/", store)
 
 
@@ -71,26 +71,14 @@ class StepCommit:
         self.step = -1
         self.decision: bool | None = None
         self.uncertain = False  # the store was lost mid-vote: the outcome is unknown here
-        self.where: tuple | None = None  # (generation, address, port) of the store in use
-        self.last_commit_where: tuple | None = None  # the store of the last committed step (per-rank mirrors)
         self.on_slow_vote: Callable[[bool], None] = lambda waiting: None  # True: still waiting after _SLOW_VOTE; False: decided
 
-    def use(
-        self,
-        store: dist.Store | None,
-        rank: int,
-        world: int,
-        generation: int,
-        where: tuple | None = None,
-        abort_store: dist.Store | None = None,
-    ) -> None:
+    def use(self, store: dist.Store | None, rank: int, world: int, generation: int, abort_store: dist.Store | None = None) -> None:
         """Generation ``generation``'s store (None: the sandbox, where every step commits
-        locally); ``where``: (generation, address, port) of that store, for joiners;
-        ``abort_store``: the same store on a connection of its own, for the watcher thread's
-        abort while a vote may be blocked on ``store`` (default: a clone of ``store``)."""
+        locally); ``abort_store``: the same store on a connection of its own, for the watcher
+        thread's abort while a vote may be blocked on ``store`` (default: a clone of ``store``)."""
         with self._lock:
             self.store, self.rank, self.world, self.generation = store, rank, world, generation
-            self.where = where
             self._abort_store = None if store is None else abort_store if abort_store is not None else store.clone()
 
     def begin(self, step: int) -> None:
@@ -108,23 +96,23 @@ class StepCommit:
         _write_abort(store, step)
 
     def decide(
-        self, ok: bool, newer_generation, mirror: tuple[int, bytes] | None = None, peer_gone: Callable[[], bool] | None = None
+        self, ok: bool, newer_generation, before_count: Callable[[], bool] | None = None, peer_gone: Callable[[], bool] | None = None
     ) -> bool:
-        """Vote once per step; later calls return the same decision. ``mirror``: this rank's
-        per-rank state after the step, (tag, record), written before the vote counts;
-        ``peer_gone``: whether an unplanned newer generation is known (the vote may then walk
-        away from a store that does not answer; default ``newer_generation``)."""
+        """Vote once per step; later calls return the same decision. ``before_count``: what must
+        be done before this rank's vote counts (its snapshot complete on its holder, its per-rank
+        mirror acknowledged: ``snapshots``); False votes to abort. ``peer_gone``: whether an
+        unplanned newer generation is known (the vote may then walk away from a store, or a
+        holder, that does not answer; default ``newer_generation``)."""
         if self.decision is None:
             self.decision = (
-                True if self.store is None else self._vote_or_walk_away(ok, newer_generation, mirror, peer_gone or newer_generation)
+                True if self.store is None else self._vote_or_walk_away(ok, newer_generation, before_count, peer_gone or newer_generation)
             )
             if self.decision and self.store is not None:
-                self.last_commit_where = self.where
                 if self.step % self.world == self.rank and self.step >= 2:
                     self._forget(self.step - 2)
         return self.decision
 
-    def _vote_or_walk_away(self, ok: bool, newer_generation, mirror, peer_gone) -> bool:
+    def _vote_or_walk_away(self, ok: bool, newer_generation, before_count, peer_gone) -> bool:
         """``_vote`` on a thread of its own, given up (an uncertain abort, as when the store is
         lost) once a peer is known gone and the store has not answered for
         ``_UNANSWERED``. A store whose node was cut off the network neither answers nor
@@ -136,7 +124,7 @@ class StepCommit:
 
         def run():
             try:
-                box["decision"] = self._vote(ok, newer_generation, mirror)
+                box["decision"] = self._vote(ok, newer_generation, before_count)
             except BaseException as e:  # noqa: BLE001 -- handed to the waiting thread
                 box["error"] = e
 
@@ -154,24 +142,14 @@ class StepCommit:
             raise box["error"]
         return box["decision"]
 
-    def mirror(self, tag: int, record: bytes) -> None:
-        """Keep this rank's per-rank state for step ``tag`` in the store (``per_rank``); the
-        record two steps older goes."""
-        try:
-            self.store.set(f"pr/{self.rank}/{tag}", record)
-            if tag >= 2:
-                self.store.delete_key(f"pr/{self.rank}/{tag - 2}")
-        except (RuntimeError, dist.DistError):
-            pass  # the store is gone: a joiner will find no mirror and say so
-
-    def _vote(self, ok: bool, newer_generation, mirror) -> bool:
+    def _vote(self, ok: bool, newer_generation, before_count) -> bool:
         store, key = self.store, str(self.step)
         try:
+            if ok and before_count is not None and not before_count():
+                ok = False
             if not ok:  # no commit without this rank's count: the decision is known here
                 _write_abort(self._abort_store, self.step)
                 return False
-            if mirror is not None:
-                self.mirror(*mirror)
             votes = store.add(f"{key}/n", 1)
             failpoints.reached("vote", self.rank, self.step)
             if votes == self.world:

@@ -7,7 +7,8 @@ fires once per job, whichever process holds the rank (etcd's gofail, in spirit).
 
 Points: ``vote`` (this rank's vote is counted, the decision not yet read), ``last-vote`` (the
 same, when this vote completed the count: every other rank then waits for a decision that this
-rank was to write). A name ending in ``/node`` (``last-vote/node``) SIGKILLs the worker's agent
+rank was to write), ``snapshot`` (the step's snapshot is taken and about to be sent to its
+holder: the holder never gets it). A name ending in ``/node`` (``last-vote/node``) SIGKILLs the worker's agent
 first: the whole node is lost at that point, as when a machine dies.
 """
 

@@ -5,7 +5,7 @@ generation's store (the plan names the node hosting it), rebuild only the subgro
 membership changed (``membership_changed``; delta setup: a group none of whose ranks is served
 by a new process keeps its communicator), point the commit vote at the new store, then agree
 and transfer: every rank says which step it holds and which ranks hold the same state, and
-``transfer.plan_transfer`` decides who sends to whom. Ranks behind receive their own state from a replica of the same shard; a
+``recovery.plan_recovery`` decides which step and who sends what to whom. Ranks behind receive their own state from a replica of the same shard; a
 shard that no live rank holds at the newest step stops the job with one clear line, never a
 silent restart from the script's start state.
 
@@ -24,6 +24,7 @@ it (``abort_changed``), so a step waiting on the GPU for a dead rank fails at on
 
 from __future__ import annotations
 
+import datetime
 import math
 import threading
 import time
@@ -36,11 +37,13 @@ from . import c10d_glue, communicators
 from .agent_client import AgentClient, first_line, log
 from .commit import commit_store
 from .groups import LocalBackend
+from .recovery import Holding, ObjectState, plan_recovery
 from .replicas import fingerprints, replica_set
+from .snapshots import Snapshots
 from .step_report import LiveStatus
 from .store_clients import StoreClients
 from .training_state import TrainingState
-from .transfer import Holding, allgather_objects, human_size, plan_transfer, recv_state, send_state
+from .transfer import allgather_objects, human_size, recv_state, send_state
 
 
 class Superseded(Exception):
@@ -76,10 +79,11 @@ def membership_changed(ranks, d: Directive, rank: int, old_rank: int) -> bool:
 class Generations:
     Superseded = Superseded
 
-    def __init__(self, state: TrainingState, agent: AgentClient, status: LiveStatus, env: WorkerEnv, devices: tuple):
+    def __init__(self, state: TrainingState, agent: AgentClient, status: LiveStatus, env: WorkerEnv, devices: tuple, snapshots: Snapshots):
         self.state = state
         self.agent = agent
         self.status = status
+        self.snapshots = snapshots
         self.local_rank = env.local_rank
         self.devices = devices  # every group of the job serves these (``communicators.job_devices``)
         self._addr = env.local_addr
@@ -204,9 +208,14 @@ class Generations:
             return True
         pending, self.pending = self.pending, None
         if not d.active:
-            # Its per-rank state at the switch step, exactly: the rank taking over starts there
-            # (the vote-time mirror is not trusted once the script moved that state between steps).
-            state.per_rank.begin_step(state.step, state.commit)
+            # Its state at the switch step, exactly, on its holder: the rank taking over starts
+            # there (the vote-time mirror is not trusted once the script moved per-rank state
+            # between steps; a shard no replica holds comes from this rank's snapshot).
+            state.per_rank.begin_step(state.step, self.snapshots.publish_mirror)
+            try:
+                self.snapshots.resend(state.step, state.objects, state.per_rank.states_now())
+            except (RuntimeError, OSError) as e:
+                log(f"leaving at step {state.step}: its snapshot did not reach its holder ({first_line(e)})")
             self._leave()
         prebuilt = (pending["thread"], pending["built"]) if pending["thread"] is not None else None
         self.enter(d, prebuilt=prebuilt)
@@ -264,14 +273,8 @@ class Generations:
         state.world.swap(inner, rank, world, gen)
         c10d_glue.register(state.world, range(world))
         self._rebuild_subgroups(d, rank, old_rank)
-        state.commit.use(
-            commit_store(self.store(d.store), gen),
-            rank,
-            world,
-            gen,
-            where=(gen, d.store.addr, d.store.port),
-            abort_store=commit_store(self.store(d.store), gen),
-        )
+        state.commit.use(commit_store(self.store(d.store), gen), rank, world, gen, abort_store=commit_store(self.store(d.store), gen))
+        self._meet_snapshot_holders(d, rank, world)
         t_comm = time.perf_counter()
         received = self._agree_and_transfer(inner, rank, world) if agree else False
         state.in_sandbox = False
@@ -293,6 +296,30 @@ class Generations:
         # and to the one that takes over if this store's node is lost.
         self.clients.prepare([d.store, d.standby])
 
+    def _meet_snapshot_holders(self, d: Directive, rank: int, world: int) -> None:
+        """Tell the generation where this rank's snapshot server listens (its store's
+        ``snap/<rank>``), and point this rank's snapshots at its holder in the new world; the
+        other ranks' addresses are read when first needed (``endpoint_of``, cached)."""
+        host, port = self.snapshots.server.address
+        self.state.commit.store.set(f"snap/{rank}", f"{host}:{port}")
+        found: dict = {}
+        lock = threading.Lock()
+        lookup: list = []
+        timeout = datetime.timedelta(seconds=self._setup_timeout)
+
+        def endpoint_of(r: int) -> tuple:
+            with lock:
+                if r not in found:
+                    if not lookup:
+                        lookup.append(commit_store(self.store(d.store), d.generation))
+                    key = f"snap/{r}"
+                    lookup[0].wait([key], timeout)
+                    addr, p = lookup[0].get(key).decode().rsplit(":", 1)
+                    found[r] = (addr, int(p))
+                return found[r]
+
+        self.snapshots.enter(rank, world, endpoint_of)
+
     def _rebuild_subgroups(self, d: Directive, rank: int, old_rank: int) -> None:
         """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by
         a new process (a joiner), when it failed, or when this process took a new rank; the
@@ -309,23 +336,53 @@ class Generations:
             if fresh:
                 sub.swap(self._build_watching(ranks, rank, d.generation, d), ranks.index(rank), len(ranks), d.generation)
 
-    def _agree_and_transfer(self, pg, rank: int, world: int) -> bool:
-        """Every rank says what it holds; ranks behind receive from a replica of their shard."""
+    # -- agreeing on the step, and the state ----------------------------------------------------------
+    def object_states(self, rank: int, world: int) -> dict:
+        """name -> ``ObjectState`` of every registered object: who replicates it, its fingerprints."""
         state = self.state
-        states = {name: obj.state_dict() for name, obj in state.objects.items()}
-        modules = {name for name, obj in state.objects.items() if isinstance(obj, torch.nn.Module)}
-        structure, values = fingerprints(states, modules)
+        out = {}
+        for name, obj in state.objects.items():
+            sd = obj.state_dict()
+            structure, values = fingerprints({name: sd}, {name} if isinstance(obj, torch.nn.Module) else set())
+            out[name] = ObjectState(self._replicas(name, obj, sd, rank, world), structure, values)
+        return out
+
+    def unreplicated(self, rank: int, world: int) -> frozenset:
+        """The registered objects no other live rank holds a copy of (what snapshots send)."""
+        return frozenset(
+            name for name, obj in self.state.objects.items() if self._replicas(name, obj, obj.state_dict(), rank, world) == {rank}
+        )
+
+    def _replicas(self, name: str, obj, sd: dict, rank: int, world: int) -> frozenset:
+        """The ranks holding an identical copy of ``obj``. An optimizer's state is laid out like
+        its parameters (and may not exist yet, before its first step): its parameters count too
+        (a ZeRO partition's: the partition's)."""
+        tensors = [sd]
+        if isinstance(getattr(obj, "param_groups", None), list):
+            tensors.append([p for group in obj.param_groups for p in group["params"]])
+        return replica_set({name: tensors}, self.state.declared, rank, world)
+
+    def _agree_and_transfer(self, pg, rank: int, world: int) -> bool:
+        """Every rank says what it holds (``recovery.Holding``); every rank computes the same
+        ``recovery.plan_recovery`` from all of it. Ranks that can return to the chosen step from
+        their own snapshot do; the others receive each object from a live replica or from
+        their snapshot's holder, and their per-rank state with it."""
+        state, snapshots = self.state, self.snapshots
+        snapshots.wait_idle()
+        objects = self.object_states(rank, world)
+        snapshots.set_remote((name for name, o in objects.items() if o.replicas == {rank}), state.generation)
         mine = Holding(
             rank,
             -1 if state.step is None else state.step,
-            replica_set(states, state.declared, rank, world),
-            structure,
-            values,
-            mirrors=state.commit.last_commit_where,
+            objects,
+            per_rank=bool(state.per_rank),
+            local=snapshots.local_digests(),
+            held=snapshots.server.held(),
         )
-        del states
         holdings = allgather_objects(pg, world, mine)
-        plan = plan_transfer(holdings)
+        plan = plan_recovery(holdings)
+        if plan.tried:
+            log(f"steps the job cannot continue from: {'; '.join(f'{s}: {why}' for s, why in plan.tried.items())}")
         if plan.conflicts:
             a, b = plan.conflicts[0]
             raise StateLost(
@@ -335,36 +392,106 @@ class Generations:
                 plan.step,
                 [a, b],
             )
+        if plan.step < 0:
+            raise StateLost("no live rank holds any training state (every process of this generation is new)", -1, list(range(world)))
         if plan.missing:
             raise StateLost(
-                f"no live rank holds the state of rank(s) {plan.missing} at step {plan.step} (every replica is gone, or the "
-                f"layout has none, e.g. FSDP without replicas)",
+                f"no live rank and no snapshot holds the state of rank(s) {plan.missing} at step {plan.step} (every replica "
+                f"and both copies of its snapshot are gone: two neighbouring nodes lost at once, or snapshots are off)",
                 plan.step,
                 plan.missing,
             )
-        if plan.step < 0:
-            raise StateLost("no live rank holds any training state (every process of this generation is new)", -1, list(range(world)))
-        what = "+".join(sorted(state.objects)) or "nothing registered"
-        for dst, src in sorted(plan.sources.items()):
-            if src == rank:
-                t0 = time.perf_counter()
-                sent = send_state(pg, dst, state.objects, state.step)
-                log(
-                    f"sent the training state of step {state.step} ({what}, {human_size(sent)}) to rank {dst} in {(time.perf_counter() - t0) * 1000:.0f} ms"
-                )
-        if rank in plan.sources:
-            src = plan.sources[rank]
-            t0 = time.perf_counter()
-            # Received in place: until it is complete this rank holds no step at all, so a
-            # transfer cut short never makes it a source of half-written state.
-            state.step = None
-            step, got = recv_state(pg, src, state.objects)
+        if plan.step < plan.newest:
             log(
-                f"received the training state of step {step} ({what}, {human_size(got)}) from rank {src} in {(time.perf_counter() - t0) * 1000:.0f} ms"
+                f"continuing from step {plan.step}, {plan.newest - plan.step} step(s) run again (the newest step a rank "
+                f"held was {plan.newest}; see the steps above for why not that one)"
             )
-            lost = state.per_rank.fetch(holdings[src].mirrors, rank, step)
+        if rank in plan.restore:
+            t0 = time.perf_counter()
+            snapshots.restore(plan.step, state.objects, state.per_rank)
+            state.step = plan.step
+            log(f"returned to step {plan.step} from this rank's own snapshot in {(time.perf_counter() - t0) * 1000:.0f} ms")
+        sends = [(dst, names) for dst, sources in sorted(plan.live.items()) for src, names in sorted(sources.items()) if src == rank]
+        sender = _Background(lambda: self._send_live(pg, sends))
+        received = False
+        try:
+            if rank in plan.receivers:
+                self._receive(pg, rank, plan)
+                received = True
+        finally:
+            sender.join()
+        snapshots.settle(plan.step)  # every rank: nothing of a later step may ever be returned to
+        holder = next((h.rank for h in holdings if rank in h.held), None)
+        ours = holdings[holder].held.get(rank, {}) if holder is not None else {}
+        if plan.step not in (ours.get("images") or {}):
+            snapshots.resend(plan.step, state.objects, state.per_rank.states_now())
+        if state.per_rank and not (ours.get("mirrors") or {}).get(plan.step):
+            tag, exact, record = state.per_rank.record_now(plan.step)
+            snapshots.publish_mirror(tag, exact, record)
+        return received
+
+    def _send_live(self, pg, sends: list) -> None:
+        """This rank's part of the plan's live transfers: the named objects to each receiver."""
+        state = self.state
+        for dst, names in sends:
+            t0 = time.perf_counter()
+            sent = send_state(pg, dst, {n: state.objects[n] for n in names}, state.step)
+            log(
+                f"sent the training state of step {state.step} ({'+'.join(names)}, {human_size(sent)}) to rank {dst} "
+                f"in {(time.perf_counter() - t0) * 1000:.0f} ms"
+            )
+
+    def _receive(self, pg, rank: int, plan) -> None:
+        """Assemble this rank's state at ``plan.step``: objects from live replicas, from its
+        snapshot's holder, and its per-rank state. Received in place: until it is complete this
+        rank holds no step at all, so a transfer cut short never makes it a source of half-written
+        state."""
+        state, snapshots = self.state, self.snapshots
+        state.step = None
+        for src, names in sorted(plan.live.get(rank, {}).items()):
+            t0 = time.perf_counter()
+            step, got = recv_state(pg, src, {n: state.objects[n] for n in names})
+            log(
+                f"received the training state of step {step} ({'+'.join(names)}, {human_size(got)}) from rank {src} "
+                f"in {(time.perf_counter() - t0) * 1000:.0f} ms"
+            )
+        per_rank_done = False
+        if rank in plan.images:
+            holder, names = plan.images[rank]
+            t0 = time.perf_counter()
+            image = snapshots.fetch(holder, rank, plan.step, names)
+            image.load_into(state.objects, names)
+            if image.per_rank is not None and state.per_rank:
+                state.per_rank.load(image.per_rank)
+                per_rank_done = True
+            log(
+                f"received this rank's snapshot of step {plan.step} ({'+'.join(names)}, {human_size(image.nbytes)}) "
+                f"from rank {holder} in {(time.perf_counter() - t0) * 1000:.0f} ms"
+            )
+        if rank in plan.mirrors and not per_rank_done:
+            holder = plan.mirrors[rank]
+            lost = state.per_rank.load_mirror(snapshots.fetch_mirror(holder, rank, plan.step), rank, plan.step)
             if lost:
-                raise StateLost(f"{lost}: its RNG or data position exists nowhere else", step, [rank])
-            state.step = step
-            return True
-        return False
+                raise StateLost(f"{lost}: its RNG or data position exists nowhere else", plan.step, [rank])
+        state.step = plan.step
+
+
+class _Background:
+    """``fn`` on a thread of its own; ``join`` re-raises what it raised."""
+
+    def __init__(self, fn):
+        self._error: BaseException | None = None
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 -- re-raised by join()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="tm-state-send", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

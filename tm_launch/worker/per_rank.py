@@ -8,27 +8,25 @@ things make it safe across failures:
   of every step and restored when the step is interrupted, so a re-run draws the same dropout
   masks and the same batch as the first attempt (and as the fault-free run).
 * **A joiner gets the lost rank's own state**: it exists on no other rank, so every rank
-  mirrors it into the generation's store together with its commit vote (a few KB per step).
-  The mirror is tagged with the step it belongs to and whether it is exact: it is written at
-  the vote, and if the script changes per-rank state after the optimizer step (a random draw
-  while logging), the rank writes the start-of-step state again and later vote-time mirrors
-  count as inexact. A joiner that finds no exact mirror of its rank at the agreed step (the
-  store's node died too, or the rank died between its commit and the end of the step in such a
-  script) has lost state: the job restarts from the checkpoint, as for a shard without replica.
+  mirrors it to the rank that holds its snapshots, on another node (``snapshots.placement``),
+  together with its commit vote (a few KB per step; the vote waits for the holder's
+  acknowledgement). The mirror is tagged with the step it belongs to and whether it is exact:
+  it is taken at the vote, and if the script changes per-rank state after the optimizer step
+  (a random draw while logging), the rank sends the start-of-step state again and later
+  vote-time mirrors count as inexact. Snapshots of the registered objects carry the
+  start-of-step per-rank state as well. A joiner that finds neither an exact mirror nor a
+  snapshot of its rank at the agreed step (its holder died too, or the rank died between its
+  commit and the end of the step in such a script) has lost state: the job restarts from the
+  checkpoint, as for a shard without replica.
 """
 
 from __future__ import annotations
 
-import datetime
 import pickle
 import random
 
 import torch
-import torch.distributed as dist
 
-from .agent_client import first_line
-from .commit import commit_store
-from .store_clients import open_client
 from .transfer import cpu_copy
 
 
@@ -74,59 +72,68 @@ class PerRankState:
     def _states(self) -> dict:
         return {name: cpu_copy(obj.state_dict()) for name, obj in self.objects.items()}
 
-    def begin_step(self, step: int, commit) -> None:
+    @property
+    def at_step_start(self) -> dict | None:
+        """The states taken at the start of the current step (what a snapshot of the step keeps)."""
+        return self._snapshot
+
+    def begin_step(self, step: int, publish) -> bool:
         """Snapshot at the start of ``step``. Once the state has moved between a committed vote
         and the next step's start (a loop that draws randomness after its optimizer step, or
         starts a loader iterator between epochs), vote-time mirrors are no longer trusted and
-        every later step mirrors its exact start-of-step state, also when this step's state
-        happens not to have moved (its vote-time mirror is marked inexact all the same)."""
+        every later step mirrors its exact start-of-step state (``publish(tag, exact,
+        record)``; None in the sandbox), also when this step's state happens not to have moved
+        (its vote-time mirror is marked inexact all the same). False when that mirror could
+        not be published (its holder is gone)."""
         if not self.objects:
-            return
+            return True
         self._snapshot = now = self._states()
         voted, self._voted = self._voted, None
-        if voted is None or voted[0] != step or commit.store is None:
-            return  # nothing voted, or the vote was for a step that did not commit
+        if voted is None or voted[0] != step or publish is None:
+            return True  # nothing voted, or the vote was for a step that did not commit
         if not _same(now, voted[1]):
             self._exact = False
         if not self._exact:
-            commit.mirror(step, pickle.dumps({"step": step, "exact": True, "states": now}))
+            return publish(step, True, pickle.dumps({"step": step, "exact": True, "states": now}))
+        return True
+
+    def states_now(self) -> dict | None:
+        """The per-rank states now (host copies); None without per-rank objects."""
+        return self._states() if self.objects else None
+
+    def record_now(self, tag: int) -> tuple[int, bool, bytes]:
+        """(tag, exact, record) of the state now, which is exactly step ``tag``'s start (a rank
+        that just returned to, or received, that step)."""
+        return tag, True, pickle.dumps({"step": tag, "exact": True, "states": self._states()})
 
     def restore(self) -> None:
         """The step runs again: back to the state it started with."""
         if self._snapshot is not None:
-            for name, state in self._snapshot.items():
-                self.objects[name].load_state_dict(state)
+            self.load(self._snapshot)
 
-    def vote_mirror(self, step: int) -> tuple[int, bytes] | None:
-        """(tag, record) this rank mirrors with its vote on ``step``: its state after the step."""
+    def load(self, states: dict) -> None:
+        for name, state in states.items():
+            self.objects[name].load_state_dict(state)
+
+    def vote_mirror(self, step: int) -> tuple[int, bool, bytes] | None:
+        """(tag, exact, record) this rank mirrors with its vote on ``step``: its state after the step."""
         if not self.objects:
             return None
         self._voted = (step + 1, self._states())
-        return step + 1, pickle.dumps({"step": step + 1, "exact": self._exact, "states": self._voted[1]})
+        return step + 1, self._exact, pickle.dumps({"step": step + 1, "exact": self._exact, "states": self._voted[1]})
 
-    def fetch(self, where: tuple | None, rank: int, step: int) -> str | None:
-        """Load rank ``rank``'s mirror of ``step`` from the store at ``where`` (generation,
-        address, port); the reason when there is none."""
+    def load_mirror(self, found: tuple[bool, bytes] | None, rank: int, step: int) -> str | None:
+        """Load rank ``rank``'s mirror of ``step`` (``(exact, record)`` from its holder, None when
+        it holds none); the reason when it cannot be used."""
         if not self.objects:
             return None
-        if where is None:
-            return f"no step was committed with a mirror of rank {rank}'s per-rank state"
-        generation, addr, port = where
-        key = f"pr/{rank}/{step}"
-        try:  # a dead store is refused at once; a live one may cost a dropped name lookup (store_clients)
-            client = open_client(addr, port, timeout=datetime.timedelta(seconds=5))
-            votes = commit_store(client, generation)
-            record = pickle.loads(votes.get(key)) if votes.check([key]) else None
-        except (RuntimeError, dist.DistError, OSError) as e:
-            return f"the store holding rank {rank}'s per-rank state is gone ({first_line(e, 80)})"
-        if record is None or not record["exact"]:
-            return f"rank {rank}'s per-rank state at step {step} was not mirrored exactly ({'none found' if record is None else 'only at its vote'})"
-        states = record["states"]
+        if found is None or not found[0]:
+            return f"rank {rank}'s per-rank state at step {step} was not mirrored exactly ({'none found' if found is None else 'only at its vote'})"
+        states = pickle.loads(found[1])["states"]
         missing = set(self.objects) - set(states)
         if missing:
             return f"rank {rank}'s mirror has no per-rank object(s) {sorted(missing)}"
-        for name, obj in self.objects.items():
-            obj.load_state_dict(states[name])
+        self.load(states)
         return None
 
 

@@ -57,15 +57,18 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..protocol import EXIT_STATE_LOST, Directive, FirstStepRecord, StateLostRecord, WorkerEnv, WorkerState
+from ..protocol import EXIT_REFUSED, EXIT_STATE_LOST, Directive, FirstStepRecord, RefusedRecord, StateLostRecord, WorkerEnv, WorkerState
 from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
 from .groups import LiveGroup, LocalBackend, StepPoison
+from .snapshots import Snapshots
+from .snapshots.service import SnapshotRefused
 from .step_report import LiveStatus, StepReporter, StepStats, process_reporter
 from .training_state import TrainingState
 from .transfer import cpu_copy, human_size
+from .zero import ZeroPartition, is_zero
 
 PR_SET_PDEATHSIG = 1
 
@@ -227,7 +230,13 @@ class LiveJob:
         poison = StepPoison()
         world_group = LiveGroup(None, rank, world, poison, name=c10d_glue.unique_name(None), backend=self._c10d_names)
         self.state = TrainingState(world=world_group, poison=poison, commit=StepCommit(), stats=StepStats(env.straggler_window))
-        self.status = LiveStatus(self.agent, self.state.stats, lambda: (self.rank, self.generation, self.state.step))
+        self.snapshots = Snapshots(env.local_addr, env.snapshot_every, env.snapshot_memory_limit, env.local_world_size)
+        self.status = LiveStatus(
+            self.agent,
+            self.state.stats,
+            lambda: (self.rank, self.generation, self.state.step),
+            extra=lambda: {"snapshot_bytes": self.snapshots.nbytes, "snapshot_sent": self.snapshots.bytes_sent},
+        )
         self.state.commit.on_slow_vote = self.status.slow_vote
         self._in_step = False
         self._restart_steps: StepReporter | None = None  # report_step() outside job.steps() (restart mode)
@@ -236,6 +245,7 @@ class LiveJob:
         self._held: list | None = None  # communicators entered before the loop, used from its first step
         self._held_per_rank: dict | None = None  # the per-rank state received with them
         self._first_step_gen = -1  # the generation whose first completed step was reported
+        self._boundary_ok = True  # the step's start went as it should (its per-rank mirror reached the holder)
         self._loop_ended = False  # end_loop(): a closed steps() generator means finished, not left
         self._detach(rank)
         c10d_glue.route_new_group(self.new_group)
@@ -247,7 +257,7 @@ class LiveJob:
             freeze_what_exists()
         c10d_glue.refuse_rooted_objects_without_peers()
         register_optimizer_step_pre_hook(self._before_optimizer_step)
-        self.gens = Generations(self.state, self.agent, self.status, env, self.devices)
+        self.gens = Generations(self.state, self.agent, self.status, env, self.devices, self.snapshots)
         if spare:  # opened while it warms up, not in the moment it is promoted
             self._keep_connections_ready()
         atexit.register(self._close)
@@ -269,6 +279,7 @@ class LiveJob:
         """Release communicators and store clients before interpreter teardown: C++ threads
         (gloo, TCPStore) destroyed during teardown abort the process (SIGABRT)."""
         self.agent.close()
+        self.snapshots.close()
         self.gens.close()
         for g in [*self.state.subgroups, self.group]:
             g.swap(None, g.rank(), g.size(), g.generation)
@@ -324,13 +335,16 @@ class LiveJob:
             self.state.per_rank.objects.update(objects)
             return
         for name, obj in objects.items():
+            declared = _replica_ranks(replicas, self.world_size)
             scheduler = _wrapped(obj, "scheduler", _SCHEDULERS)  # accelerate's AcceleratedScheduler steps the one it wraps
             if scheduler is not None:
                 _guard(scheduler, "step", self._effect_allowed, None)
             elif isinstance(obj, torch.amp.GradScaler):
                 _guard(obj, "update", self._effect_allowed, _reset_scaler)
+            elif is_zero(obj):  # each rank's own partition: held by this rank alone
+                obj, declared = ZeroPartition(obj), (self.rank,)
             self.state.objects[name] = obj
-            self.state.declared[name] = _replica_ranks(replicas, self.world_size)
+            self.state.declared[name] = declared
 
     def new_group(self, ranks) -> LiveGroup:
         """A subgroup (TP/PP/DP style) that is rebuilt only when one of its ranks is replaced.
@@ -427,6 +441,8 @@ class LiveJob:
             yield from self._live_steps(total, start)
         except StateLost as lost:
             self._state_lost(lost)
+        except SnapshotRefused as refused:
+            self._refused(refused)
 
     def _live_steps(self, total: int, start: int):
         if self.in_sandbox:
@@ -459,7 +475,8 @@ class LiveJob:
                 break
             t0 = time.perf_counter()
             self.group.last_submit = 0.0
-            state.per_rank.begin_step(state.step, state.commit)
+            self._boundary_ok = state.per_rank.begin_step(state.step, self.snapshots.publish_mirror)
+            self._snapshot_boundary()
             state.commit.begin(state.step)
             state.poison.armed = self._in_step = True
             closing = False
@@ -496,6 +513,31 @@ class LiveJob:
         if self._first_step_gen != self.generation:
             self._first_step_gen = self.generation
             self.agent.report_first_step(self.generation, FirstStepRecord(time=now, step=self.state.step))
+
+    def _snapshot_boundary(self) -> None:
+        """The start of a step: take its snapshot (``snapshots``), once this generation knows
+        which of this rank's objects no live rank replicates."""
+        snapshots, state = self.snapshots, self.state
+        if snapshots.every <= 0:
+            return
+        if snapshots.remote_generation != self.generation:
+            first = snapshots.remote_generation < 0
+            snapshots.set_remote(self.gens.unreplicated(self.rank, self.world_size), self.generation)
+            if first and snapshots.enabled:
+                log(
+                    f"snapshots every {snapshots.every} step(s): {'+'.join(sorted(snapshots.remote))} (held by no other rank) "
+                    f"to rank {snapshots.holder}, everything registered kept locally"
+                )
+        snapshots.boundary(state.step, state.objects, state.per_rank.at_step_start)
+
+    def _refused(self, refused: SnapshotRefused) -> None:
+        """The job cannot run as configured: say so once, tell the agent (it fails the job: no
+        restart would help), end this process."""
+        log(f"tm-launch: error: {refused}")
+        self.agent.report_refused(RefusedRecord(why=str(refused)))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_REFUSED)
 
     def _state_lost(self, lost: StateLost) -> None:
         """No live rank can give some rank its state: tell the agent (the job restarts every
@@ -546,11 +588,27 @@ class LiveJob:
             state.poison.release_broken()  # peers blocked in a failed communicator fail now, before the vote waits
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # a step commits only once its GPU work is complete
+            if not self._boundary_ok:
+                state.poison.set(RuntimeError("the step's per-rank state did not reach its snapshot holder (it is gone)"))
             ok = not state.poison.active
-            mirror = state.per_rank.vote_mirror(state.commit.step) if ok else None
-            if not state.commit.decide(ok, lambda: self.agent.latest() > self.generation, mirror, peer_gone=self._unplanned_newer) and ok:
+            if (
+                not state.commit.decide(
+                    ok, lambda: self.agent.latest() > self.generation, self._before_vote_counts, peer_gone=self._unplanned_newer
+                )
+                and ok
+            ):
                 state.poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
         return bool(state.commit.decision)
+
+    def _before_vote_counts(self) -> bool:
+        """What must be true before this rank's vote counts (the voter thread runs it): the
+        step's snapshot is complete here and on the holder, and the per-rank state after the step
+        is on the holder (a joiner that replaces this rank starts from it)."""
+        step = self.state.commit.step
+        if not self.snapshots.ready_to_commit(step, give_up=self._unplanned_newer):
+            return False
+        mirror = self.state.per_rank.vote_mirror(step)
+        return mirror is None or self.snapshots.publish_mirror(*mirror)
 
     def _unplanned_newer(self) -> bool:
         """The agent handed over a newer generation because a peer is gone (not a planned switch)."""
@@ -657,6 +715,7 @@ class LiveJob:
             c10d_glue.unregister(g)
         c10d_glue.forget_layouts()
         self.state.forget_script()
+        self.snapshots.forget()
         self._detach(rank)
         forget_framework_ranks()
         self._entering = d  # still in the sandbox (no peers) until steps() enters generation d

@@ -75,10 +75,11 @@ class LiveStatus:
     ``STATUS_INTERVAL`` seconds, and at once (waking the agent) when ``force``d: a change of
     state, or anything the agent acts on."""
 
-    def __init__(self, agent, stats: StepStats, where):
+    def __init__(self, agent, stats: StepStats, where, extra=None):
         self.agent = agent
         self.stats = stats
         self._where = where  # () -> (rank, generation, step): read at each write
+        self._extra = extra or dict  # () -> more status fields (the snapshots' memory)
         self.state = WorkerState.SANDBOX
         self.waiting_for_peers = False  # in a commit vote that has waited long: the agent probes the peers
         self.why = ""  # what made this process wait for a new generation (its agent says it)
@@ -118,6 +119,7 @@ class LiveStatus:
                 waiting_for_peers=self.waiting_for_peers,
                 why=self.why if self.state == WorkerState.RECOVERING else "",
                 **self.stats.report(step),
+                **self._extra(),
             ),
             wake=force,
         )

@@ -2,7 +2,7 @@
 
 A rank that enters a generation behind its peers (a joiner, or a rank that lost a race) receives
 every registered object's ``state_dict()`` point-to-point from a live rank holding the same
-state (``plan_transfer``, a pure function). The format: an int64 header length, a pickled header
+state (``recovery.plan_recovery``, a pure function). The format: an int64 header length, a pickled header
 (step, the state dicts with every tensor replaced by a placeholder, the tensor count), then each
 tensor as its own message in index order. Nothing but the header is ever pickled and tensors
 never pass through Python objects.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import copy
 import pickle
-from dataclasses import dataclass, field
 
 import torch
 
@@ -306,54 +305,6 @@ def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
         if name in objects:
             objects[name].load_state_dict(unflatten(skeleton, tensors))
     return header["step"], total
-
-
-@dataclass(frozen=True)
-class Holding:
-    """What one rank says about itself when a generation starts."""
-
-    rank: int
-    step: int  # completed steps; -1: no training state (a fresh process)
-    replicas: frozenset  # ranks that hold exactly what this rank holds
-    structure: str  # digest of the registered modules' shapes
-    values: str  # digest of a sample of every registered value
-    mirrors: tuple | None = None  # (generation, addr, port): the store of its last committed step (per-rank state)
-
-
-@dataclass
-class TransferPlan:
-    step: int  # the step every rank continues from (-1: nobody holds state)
-    sources: dict = field(default_factory=dict)  # receiver -> sender
-    missing: list = field(default_factory=list)  # receivers no live replica can serve
-    conflicts: list = field(default_factory=list)  # replicas whose state differs (a wrong declaration)
-
-
-def plan_transfer(holdings: list[Holding]) -> TransferPlan:
-    """Who sends to whom. Every rank behind the newest step receives from a rank at that step
-    that holds the same state (mutual replicas, same module shapes); receivers are spread over
-    the candidates so several joiners receive in parallel. A receiver with no such rank is
-    *missing*: its state is gone and the job must fall back to a checkpoint, never continue."""
-    best = max((h.step for h in holdings), default=-1)
-    if best < 0:
-        return TransferPlan(step=-1)
-    holders = [h for h in holdings if h.step == best]
-    plan = TransferPlan(step=best)
-    for i, a in enumerate(holders):
-        for b in holders[i + 1 :]:
-            if b.rank in a.replicas and a.rank in b.replicas and (a.values, a.structure) != (b.values, b.structure):
-                plan.conflicts.append((a.rank, b.rank))
-    load = {h.rank: 0 for h in holders}
-    for h in sorted(holdings, key=lambda h: h.rank):
-        if h.step == best:
-            continue
-        candidates = [s for s in holders if s.rank in h.replicas and h.rank in s.replicas and s.structure == h.structure]
-        if not candidates:
-            plan.missing.append(h.rank)
-            continue
-        src = min(candidates, key=lambda s: (load[s.rank], s.rank))
-        load[src.rank] += 1
-        plan.sources[h.rank] = src.rank
-    return plan
 
 
 def allgather_objects(pg, world: int, obj) -> list:

@@ -700,3 +700,12 @@ def test_live_needs_a_surviving_holder_of_the_state():
 )
 def test_finished_without(v, node, want):
     assert finished_without(v, node) is want
+
+
+def test_a_worker_that_refuses_to_run_fails_the_job_at_once():
+    """A worker refused to run as configured (snapshots over their memory limit): no restart
+    would help, so the job fails with the worker's own line, spares or not."""
+    v = view(plan(3, "ab", live=True), "abc", reports={"a": "snapshots need 2.0 GiB ... over --snapshot-memory-limit 1.0 GiB"},
+             kinds={"a": "refused"}, live=True)  # fmt: skip
+    got = next_plan(v, limits("2"))
+    check(got, dict(state=FAILED, reason_has="over --snapshot-memory-limit", cause_has="a: snapshots need"), v)

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from tm_launch.worker.commit import StepCommit, commit_store
 from tm_launch.worker.replicas import mesh_replicas, replica_set
-from tm_launch.worker.transfer import Holding, plan_transfer
 
 # ------------------------------------------------------------------------------------------------
 # replicas: the pure rule
@@ -156,75 +155,6 @@ def test_forget_layouts_reaches_the_thread_that_ran_the_backward(fake_world, dev
 
 
 # ------------------------------------------------------------------------------------------------
-# the transfer plan
-
-
-def H(rank, step, replicas, structure="s", values="v"):
-    return Holding(rank=rank, step=step, replicas=frozenset(replicas), structure=structure, values=values)
-
-
-@pytest.mark.parametrize(
-    "holdings, want_step, want_sources, want_missing",
-    [
-        pytest.param(
-            [H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}), H(3, 5, {1, 3})],
-            5,
-            {2: 0},
-            [],
-            id="a joiner receives from the replica of its own shard",
-        ),
-        pytest.param(
-            [H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, 5, {0, 2}), H(3, -1, {1, 3})],
-            5,
-            {3: 1},
-            [],
-            id="never from the first rank at the newest step when that rank holds another shard",
-        ),
-        pytest.param(
-            [H(0, -1, {0, 2}), H(1, -1, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})],
-            5,
-            {0: 2, 1: 3},
-            [],
-            id="two joiners, two different sources (in parallel)",
-        ),
-        pytest.param(
-            [H(0, 5, {0, 1, 2, 3}), H(1, 5, {0, 1, 2, 3}), H(2, -1, {0, 1, 2, 3}), H(3, -1, {0, 1, 2, 3})],
-            5,
-            {2: 0, 3: 1},
-            [],
-            id="plain DP: joiners spread over the holders",
-        ),
-        pytest.param(
-            [H(0, 5, {0}), H(1, 5, {1}), H(2, -1, {2}), H(3, 5, {3})], 5, {}, [2], id="no replica (FSDP): the joiner's shard is missing"
-        ),
-        pytest.param(
-            [H(0, 6, {0, 2}), H(1, 6, {1, 3}), H(2, 5, {0, 2}), H(3, 5, {1, 3})],
-            6,
-            {2: 0, 3: 1},
-            [],
-            id="ranks behind the newest committed step catch up from their replica",
-        ),
-        pytest.param(
-            [H(0, 5, {0, 2}), H(1, 5, {1, 3}), H(2, -1, {0, 2}, structure="other"), H(3, 5, {1, 3})],
-            5,
-            {},
-            [2],
-            id="a source whose module shapes differ is no source",
-        ),
-        pytest.param([H(0, -1, {0, 1}), H(1, -1, {0, 1})], -1, {}, [], id="nobody holds state"),
-    ],
-)
-def test_plan_transfer(holdings, want_step, want_sources, want_missing):
-    plan = plan_transfer(holdings)
-    assert (plan.step, plan.sources, plan.missing, plan.conflicts) == (want_step, want_sources, want_missing, [])
-
-
-def test_plan_transfer_reports_replicas_that_disagree():
-    plan = plan_transfer([H(0, 5, {0, 1}, values="a"), H(1, 5, {0, 1}, values="b")])
-    assert plan.conflicts == [(0, 1)]
-
-
-# ------------------------------------------------------------------------------------------------
 # which communicators a generation changes (rebuilt on entry; NCCL ones aborted when it arrives)
 
 
@@ -270,7 +200,7 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     # The unreachable store below fails fast: a 2 s set-up timeout.
-    gens = Generations(state=None, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",))
+    gens = Generations(state=None, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",), snapshots=None)
     d = Directive(generation=3, active=True, ranks=(0,), world_size=1, store=StoreAddress("127.0.0.1", server.port))
     gens.build_ahead(d)
     ahead = gens._take_ahead(3)
@@ -712,54 +642,68 @@ class Counter:
 
 
 def _mirroring_rank():
+    """A rank with per-rank state, voting on a real store and mirroring to a real holder."""
     from tm_launch.worker.per_rank import PerRankState
+    from tm_launch.worker.snapshots.link import SnapshotClient, SnapshotServer
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     commit = StepCommit()
-    where = (4, "127.0.0.1", server.port)
-    commit.use(commit_store(dist.TCPStore("127.0.0.1", server.port, 1, False, wait_for_workers=False), 4), 0, 1, 4, where=where)
+    commit.use(commit_store(dist.TCPStore("127.0.0.1", server.port, 1, False, wait_for_workers=False), 4), 0, 1, 4)
     state = PerRankState()
     state.objects["data"] = Counter()
-    return server, commit, state, where
+    holder = SnapshotServer("127.0.0.1")
+    client = SnapshotClient(holder.address, source=0)
+
+    def publish(tag, exact, record):
+        client.put_mirror(tag, exact, record)
+        return True
+
+    return (server, client), commit, state, holder, publish
 
 
-def _step(commit, state, step, consume=1, after_commit=0):
+def _step(commit, state, publish, step, consume=1, after_commit=0):
     """One committed step: the body consumes ``consume``, then ``after_commit`` after the vote."""
-    state.begin_step(step, commit)
+    state.begin_step(step, publish)
     commit.begin(step)
     state.objects["data"].n += consume
-    assert commit.decide(True, lambda: False, state.vote_mirror(step))
+    assert commit.decide(True, lambda: False, lambda: publish(*state.vote_mirror(step)))
     state.objects["data"].n += after_commit
 
 
-def test_a_mirror_on_a_store_whose_node_is_gone_is_reported_at_once(refusing_port):
-    """The store that held a rank's per-rank mirror went with its node: the joiner learns so from
-    the refused connection at once, not after torch's client has retried it for its whole connect
-    timeout (which allows for the resolver's dropped lookups, tm_launch.worker.store_clients)."""
-    joiner = _mirroring_rank()[2]
+def _fetch(joiner, holder, step):
+    """What a joiner that replaces rank 0 gets from its holder for ``step`` (None: loaded)."""
+    return joiner.load_mirror(holder.mirror(0, step), 0, step)
+
+
+def test_a_mirror_whose_holder_is_gone_is_reported_at_once(refusing_port):
+    """The rank that held a rank's per-rank mirror went with its node: the joiner learns so from
+    the refused connection at once."""
+    from tm_launch.worker.snapshots.link import LinkError, SnapshotClient
+
     t0 = time.monotonic()
-    why = joiner.fetch((4, "127.0.0.1", refusing_port), 0, 4)
-    assert why is not None and "is gone" in why and time.monotonic() - t0 < 3
+    with pytest.raises(LinkError, match="does not answer"):
+        SnapshotClient(("127.0.0.1", refusing_port), source=1, timeout=5).get_mirror(0, 4)
+    assert time.monotonic() - t0 < 3
 
 
 def test_an_interrupted_step_runs_again_with_the_state_it_started_with():
-    server, commit, state, _ = _mirroring_rank()
-    _step(commit, state, 0)
-    state.begin_step(1, commit)
+    keep, commit, state, _, publish = _mirroring_rank()
+    _step(commit, state, publish, 0)
+    state.begin_step(1, publish)
     state.objects["data"].n += 5  # the step's body ran, then a peer failed
     state.restore()
     assert state.objects["data"].n == 1
 
 
 def test_a_joiner_gets_the_mirror_of_the_agreed_step():
-    server, commit, state, where = _mirroring_rank()
+    keep, commit, state, holder, publish = _mirroring_rank()
     for step in range(3):
-        _step(commit, state, step)
+        _step(commit, state, publish, step)
     joiner = _mirroring_rank()[2]
-    assert joiner.fetch(commit.last_commit_where, 0, 3) is None
+    assert _fetch(joiner, holder, 3) is None
     assert joiner.objects["data"].n == 3
-    assert "not mirrored" in joiner.fetch(commit.last_commit_where, 0, 7)  # a step nobody mirrored
-    assert "not mirrored" in joiner.fetch(where, 0, 0)  # deleted: only the last two are kept
+    assert "not mirrored" in _fetch(joiner, holder, 7)  # a step nobody mirrored
+    assert "not mirrored" in _fetch(joiner, holder, 0)  # a step start never mirrored (its vote-time mirror was exact)
 
 
 def test_state_changed_after_the_commit_makes_vote_time_mirrors_inexact():
@@ -767,28 +711,37 @@ def test_state_changed_after_the_commit_makes_vote_time_mirrors_inexact():
     state the next step starts with. The rank mirrors the exact state at the next step's start,
     and a joiner refuses a vote-time mirror from then on (its rank may have died before
     reaching the next step: that is lost state, never a silently different stream)."""
-    server, commit, state, _ = _mirroring_rank()
-    _step(commit, state, 0, after_commit=10)
-    state.begin_step(1, commit)  # sees the change, mirrors step 1 exactly
+    keep, commit, state, holder, publish = _mirroring_rank()
+    _step(commit, state, publish, 0, after_commit=10)
+    state.begin_step(1, publish)  # sees the change, mirrors step 1 exactly
     joiner = _mirroring_rank()[2]
-    assert joiner.fetch(commit.last_commit_where, 0, 1) is None and joiner.objects["data"].n == 11
+    assert _fetch(joiner, holder, 1) is None and joiner.objects["data"].n == 11
     commit.begin(1)
     state.objects["data"].n += 1
-    assert commit.decide(True, lambda: False, state.vote_mirror(1))  # the rank dies after this vote
-    assert "only at its vote" in joiner.fetch(commit.last_commit_where, 0, 2)
+    assert commit.decide(True, lambda: False, lambda: publish(*state.vote_mirror(1)))  # the rank dies after this vote
+    assert "only at its vote" in _fetch(joiner, holder, 2)
 
 
 def test_after_the_state_moved_once_every_step_start_is_mirrored_exactly():
     """The state moved after one vote (an epoch's new loader iterator), then never again: every
     later step still gets an exact start-of-step mirror, so a rank drained or lost at any later
     step can be replaced (a vote-time mirror, marked inexact since the move, is refused)."""
-    server, commit, state, _ = _mirroring_rank()
-    _step(commit, state, 0, after_commit=10)  # moved after the vote: vote-time mirrors untrusted
+    keep, commit, state, holder, publish = _mirroring_rank()
+    _step(commit, state, publish, 0, after_commit=10)  # moved after the vote: vote-time mirrors untrusted
     for step in range(1, 4):
-        _step(commit, state, step)  # nothing moves after these votes
-    state.begin_step(4, commit)
+        _step(commit, state, publish, step)  # nothing moves after these votes
+    state.begin_step(4, publish)
     joiner = _mirroring_rank()[2]
-    assert joiner.fetch(commit.last_commit_where, 0, 4) is None and joiner.objects["data"].n == 14
+    assert _fetch(joiner, holder, 4) is None and joiner.objects["data"].n == 14
+
+
+def test_a_vote_whose_mirror_cannot_reach_the_holder_aborts_the_step():
+    """The holder is gone: the per-rank state after the step would exist nowhere, so the step
+    must not commit."""
+    keep, commit, state, holder, publish = _mirroring_rank()
+    _step(commit, state, publish, 0)
+    commit.begin(1)
+    assert commit.decide(True, lambda: False, lambda: False) is False
 
 
 def test_rng_state_round_trips():
