@@ -36,11 +36,13 @@ Launchers
   tm-restart      tm-launch ``--no-live`` with one spare node, same checkpointing.
   tm-live         tm-launch live mode with one spare node (parked), no checkpoint.
 
-Scripts: ``tests/scripts/train.py`` (DDP) by default; ``--layout ddp-tp|hsdp|pp|fsdp-tp|fsdp`` runs
-``tests/scripts/hybrid.py`` instead (4 ranks = 2 nodes x 2 workers; the worker killed holds rank 2).
-Layouts without replicas (fsdp-tp, fsdp) cannot be repaired live: tm-live falls back to the
-same DCP checkpoint restart as the others, and the table says so. ``--script-args`` passes more
-arguments to the script under every launcher (``'--device cuda --backend gloo'``: a GPU job).
+Scripts: ``tests/scripts/train.py`` (DDP) by default; ``--layout ddp-tp|hsdp|pp|fsdp-tp|fsdp|zero``
+runs ``tests/scripts/hybrid.py`` instead (4 ranks = 2 nodes x 2 workers; the worker killed holds
+rank 2). Layouts without replicas (fsdp-tp, fsdp, zero's optimizer partitions) recover live from
+the in-memory snapshots (``--snapshot-every``, default every step); torchrun and tm-restart
+restart from the DCP checkpoint (``--ckpt-every``). ``--script-args`` passes more arguments to the
+script under every launcher (``'--device cuda --backend gloo'``: a GPU job; ``'--width 20000'``:
+a bigger hybrid model).
 
 World sizes: 2 ranks = 2 nodes x 1 worker (torchrun's anchor layout); N > 2 = N/2 nodes x 2
 workers. The size sweep runs worker-sigkill for torchrun and tm-live; the other cases run at the
@@ -81,7 +83,6 @@ from rendezvous.etcd_server import free_ports  # noqa: E402
 from tm_launch.local.localjob import LocalJob, Node, downtime  # noqa: E402
 
 HYBRID = os.path.join(REPO, "tests", "scripts", "hybrid.py")
-NO_REPLICA = ("fsdp-tp", "fsdp")  # layouts whose lost shards only a checkpoint holds
 
 TAG_VAR = "TM_BENCH_TAG"
 TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -331,6 +332,8 @@ class Bench:
                 launcher_args += ["--spares", "1"]
             if spec.launcher == "tm-restart":
                 launcher_args.append("--no-live")
+            else:
+                launcher_args += ["--snapshot-every", str(self.args.snapshot_every)]
             job = LocalJob(endpoint=self.etcd_endpoint(), launcher_args=launcher_args, **common)
         if self.args.layout:
             job.script = HYBRID
@@ -349,7 +352,7 @@ class Bench:
         trigger = os.path.join(workdir, "release")
         pause, fault_step = a.pause_step, a.pause_step + a.fault_after
         script = ["--steps", str(a.steps), "--step-sleep", str(a.step_sleep), "--pause-step", str(pause), "--pause-file", trigger]
-        if spec.launcher in ("torchrun", "tm-restart") or a.layout in NO_REPLICA:
+        if spec.launcher in ("torchrun", "tm-restart"):
             script += ["--ckpt-dir", os.path.join(workdir, "ckpt"), "--ckpt-every", str(a.ckpt_every)]
         tm = spec.launcher != "torchrun"
         standby = spec.launcher == "torchrun" and spec.case == "node-sigkill"
@@ -957,7 +960,7 @@ def parse(argv=None):
     p.add_argument(
         "--layout",
         default="",
-        choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp"),
+        choices=("", "ddp-tp", "hsdp", "pp", "fsdp-tp", "fsdp", "zero"),
         help="run tests/scripts/hybrid.py with this layout (4 ranks) instead of the DDP script",
     )
     p.add_argument(
@@ -994,6 +997,12 @@ def parse(argv=None):
         "step pause+fault-after: 0.5 (default) is where a fault that may come at any time lands on average",
     )
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1,
+        help="tm-live's --snapshot-every (0: off, so a layout without replicas falls back to the checkpoint)",
+    )
     p.add_argument("--overhead-steps", type=int, default=150, help="steps per overhead run")
     p.add_argument("--overhead-pairs", type=int, default=3, help="torchrun/tm-live overhead runs, alternating (per --repeat)")
     p.add_argument("--overhead-warmup", type=int, default=20)
