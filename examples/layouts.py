@@ -11,13 +11,16 @@ Layouts (any even world size; the mesh is built for the world the job has):
 * ``hsdp``: FSDP2 on a 2-d (replicate, shard) mesh: each shard is held by 2 ranks.
 * ``fsdp-tp``: tensor parallel (``parallelize_module``) inside pairs of ranks, FSDP2 across them.
 * ``ddp-tp``: tensor parallel inside pairs of ranks, gradients averaged across them (DDP-style).
+* ``zero``: data parallel with ``ZeroRedundancyOptimizer``: each rank's optimizer state is its own.
 
-A lost rank is repaired live when some live rank holds the same state: tm-launch reads that off
-the DTensors' placements (``hsdp``'s replicate peer, ``ddp-tp``'s data-parallel peer), and off
-``job.register(..., replicas=...)`` for plain tensors. Where a rank's shard exists nowhere else
-(``fsdp``, ``fsdp-tp``), the job restarts every worker from ``--ckpt-dir`` and says which steps
-were lost. Build everything rank-dependent after ``tm_launch.init()``, from ``job.rank``: a spare
-that takes over a rank runs the script again for it.
+A lost rank is repaired live from a live rank that holds the same state: tm-launch reads that
+off the DTensors' placements (``hsdp``'s replicate peer, ``ddp-tp``'s data-parallel peer), and
+off ``job.register(..., replicas=...)`` for plain tensors. Where a rank's shard exists nowhere
+else (``fsdp``, ``fsdp-tp``, ``zero``'s optimizer partitions), it comes back from the rank's
+in-memory snapshot, which tm-launch keeps on the next node (``--snapshot-every``); the
+checkpoint (``--ckpt-dir``) is for what snapshots cannot cover (two neighbouring nodes lost at
+once, a restart). Build everything rank-dependent after ``tm_launch.init()``, from ``job.rank``:
+a spare that takes over a rank runs the script again for it.
 """
 
 import argparse
@@ -70,6 +73,8 @@ def parallelize(model: Model, layout: str, rank: int, world: int):
             # embed and head stay plain tensors, identical on every rank of the mesh: say so.
             return model, mesh["dp"].get_group(), dp_index, mesh
         shard_mesh = mesh["dp"]
+    elif layout == "zero":  # plain data parallel: the model is the same on every rank
+        return model, dist.group.WORLD, dp_index, None
     elif layout == "hsdp":
         shard_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:  # fsdp
@@ -90,16 +95,24 @@ def average_gradients(model: nn.Module, group) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layout", choices=("fsdp", "hsdp", "fsdp-tp", "ddp-tp"), default="fsdp-tp")
+    parser.add_argument("--layout", choices=("fsdp", "hsdp", "fsdp-tp", "ddp-tp", "zero"), default="fsdp-tp")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--ckpt-dir", default=None, help="checkpoint here (DCP) and resume from it")
     parser.add_argument("--ckpt-every", type=int, default=25)
     args = parser.parse_args()
+    if args.layout == "zero" and args.ckpt_dir:
+        parser.error("--ckpt-dir: this example checkpoints with torch.distributed.checkpoint, which does not take a "
+                     "ZeroRedundancyOptimizer (consolidate_state_dict() on one rank and torch.save() it instead)")  # fmt: skip
 
     job = tm_launch.init()
     torch.manual_seed(0)  # the same full model everywhere before it is split
     model, dp_group, dp_index, replicas = parallelize(Model(), args.layout, job.rank, job.world_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if args.layout == "zero":  # tm-launch registers this rank's partition
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     job.register(model=model, optimizer=opt, replicas=replicas)
 
     start = 0

@@ -72,7 +72,7 @@ def test_accelerate(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "fsdp-tp", "ddp-tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "fsdp-tp", "ddp-tp", "zero"])
 def test_layouts(tmp_path, layout):
     same_under_both(tmp_path, "layouts.py", ["--layout", layout, "--steps", "25"], rf"^\[{layout}\] step \d+: loss \S+$")
 
