@@ -121,18 +121,14 @@ def main() -> None:
         os.makedirs(args.out_dir, exist_ok=True)
         rank = int(os.environ.get("RANK", 0))
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out_dir, f"rank{rank}.pt"))
-    if dist.is_initialized():
-        # As torchrun scripts end: a group torch still holds is freed by the interpreter's
-        # teardown, where gloo's thread can abort the process (tm_launch.worker.runtime._destroy_default_group).
-        dist.destroy_process_group()
+    # End here, while the Trainer still holds its DDP model: freeing that model (at main's return,
+    # or in the interpreter's teardown) joins gloo's worker thread while holding the GIL, and that
+    # thread, destroying the Trainer's last all-gather, waits for the GIL: a deadlock seen under
+    # plain torchrun about 1 run in 10. The results are saved; tm-launch's own processes end so too.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # The Trainer's DDP model still holds the group: freeing it in the interpreter's teardown
-    # joins gloo's worker thread while holding the GIL, and that thread, destroying the Trainer's
-    # last all-gather, waits for the GIL: a deadlock (seen under plain torchrun, 1 run in ~10).
-    # The results are saved; end here, as tm-launch's own processes do.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

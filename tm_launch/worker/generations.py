@@ -304,17 +304,17 @@ class Generations:
         self.state.commit.store.set(f"snap/{rank}", f"{host}:{port}")
         found: dict = {}
         lock = threading.Lock()
-        lookup: list = []
+        # A connection of its own (a wait here must not hold up the vote), taken now, inside the
+        # change, so that the connections kept ready for the next change count it.
+        lookup = commit_store(self.store(d.store), d.generation)
         timeout = datetime.timedelta(seconds=self._setup_timeout)
 
         def endpoint_of(r: int) -> tuple:
             with lock:
                 if r not in found:
-                    if not lookup:
-                        lookup.append(commit_store(self.store(d.store), d.generation))
                     key = f"snap/{r}"
-                    lookup[0].wait([key], timeout)
-                    addr, p = lookup[0].get(key).decode().rsplit(":", 1)
+                    lookup.wait([key], timeout)
+                    addr, p = lookup.get(key).decode().rsplit(":", 1)
                     found[r] = (addr, int(p))
                 return found[r]
 

@@ -697,14 +697,14 @@ class LiveJob:
     def _keep_connections_ready(self, d: Directive | None = None) -> None:
         """A spare's connections to the store of the plan it waits beside (``d``; None: the one
         its agent handed over last, if any) and to that store's standby, for the day it is
-        promoted: the world communicator, its subgroups, the vote and its abort path
-        (``tm_launch.worker.store_clients``)."""
+        promoted: the world communicator, its subgroups, the vote, its abort path and the
+        lookup of snapshot servers' addresses (``tm_launch.worker.store_clients``)."""
         if d is None:
             latest = self.agent.latest()
             if not self.agent.has_directive(latest):
                 return
             d = self.agent.directive(latest)
-        self.gens.clients.prepare([d.store, d.standby], at_least=3 + len(self.state.subgroups))
+        self.gens.clients.prepare([d.store, d.standby], at_least=4 + len(self.state.subgroups))
 
     def _take_other_ranks(self, d: Directive) -> None:
         """Promoted to ranks this process did not warm up as: drop everything the script built
