@@ -51,6 +51,7 @@ def test_train_ends_with_the_same_weights_under_torchrun_and_tm_launch(tmp_path)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+@pytest.mark.slow
 def test_train_resumes_from_its_checkpoint_in_restart_mode(tmp_path):
     """A checkpoint written under torchrun is where ``tm-launch --no-live`` starts again."""
     ckpt = str(tmp_path / "ckpt")
@@ -62,11 +63,13 @@ def test_train_resumes_from_its_checkpoint_in_restart_mode(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["step-10", "step-20"]
 
 
+@pytest.mark.slow
 def test_restart_mode(tmp_path):
     same_under_both(tmp_path, "restart_mode.py", ["--steps", "100", "--ckpt", "ckpt.pt"], r"^step \d+: loss \S+$")
     assert torch.load(tmp_path / "tm-launch" / "ckpt.pt")["step"] == 100
 
 
+@pytest.mark.slow
 def test_accelerate(tmp_path):
     same_under_both(tmp_path, "accelerate_train.py", ["--epochs", "2"], r"^epoch \d+: loss \S+$")
 

@@ -160,7 +160,8 @@ def accelerate_reference(tmp_path_factory):
     return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
 
 
-@pytest.mark.parametrize("victim_rank", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("victim_rank", [0, 1])
 def test_accelerate_loop_spare_takes_over_bitwise(local_job, accelerate_reference, victim_rank):
     """An accelerate loop on job.steps(): rank 0 (the spare warmed up as rank 1, so it runs the
     script again as rank 0 and accelerate must see rank 0) or rank 1 dies before its backward.
@@ -212,7 +213,8 @@ def hf_reference(tmp_path_factory):
     return {r: torch.load(out / f"rank{r}.pt") for r in (0, 1)}
 
 
-@pytest.mark.parametrize("victim_rank", [1, pytest.param(0, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("victim_rank", [1, 0])
 def test_hf_live_trainer_spare_takes_over_bitwise(local_job, hf_reference, victim_rank):
     """LiveTrainer: a worker dies before its forward at step 9; the spare, parked in train(),
     resumes through the Trainer's own resume_from_checkpoint from the state a survivor sent (at

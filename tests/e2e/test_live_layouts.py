@@ -132,7 +132,7 @@ def received(job) -> list[str]:
 @pytest.mark.parametrize(
     "layout, rank, phase",
     [
-        ("ddp-tp", 1, "backward"),
+        pytest.param("ddp-tp", 1, "backward", marks=pytest.mark.slow),
         pytest.param("ddp-tp", 3, "vote", marks=pytest.mark.slow),
         pytest.param("hsdp", 0, "optimizer", marks=pytest.mark.slow),
         pytest.param("hsdp", 1, "logged", marks=pytest.mark.slow),
@@ -194,7 +194,7 @@ def test_drain_hands_a_shard_to_the_spare(local_job, reference):
 @pytest.mark.parametrize(
     "layout, rank, phase",
     [
-        ("fsdp-tp", 0, "backward"),
+        pytest.param("fsdp-tp", 0, "backward", marks=pytest.mark.slow),
         pytest.param("fsdp-tp", 1, "forward", marks=pytest.mark.slow),
         pytest.param("fsdp-tp", 2, "optimizer", marks=pytest.mark.slow),
         pytest.param("fsdp-tp", 3, "logging", marks=pytest.mark.slow),

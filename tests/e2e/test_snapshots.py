@@ -98,7 +98,7 @@ def node_of(job, rank: int) -> str:
     "layout, world, rank, phase, launcher",
     [
         ("fsdp-tp", 4, 0, "backward", ()),
-        ("zero", 4, 1, "backward", ()),
+        pytest.param("zero", 4, 1, "backward", (), marks=pytest.mark.slow),
         pytest.param("fsdp", 4, 2, "vote", (), marks=pytest.mark.slow),
         pytest.param("fsdp", 4, 3, "logging", (), marks=pytest.mark.slow),
         pytest.param("fsdp", 4, 0, "forward", (), marks=pytest.mark.slow),
