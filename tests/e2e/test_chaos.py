@@ -1,16 +1,21 @@
 """Chaos: a long live run with >= 20 random real faults ends bitwise equal to the fault-free run
-(bench/chaos.py); and a fault that no spare can cover ends the job cleanly, never a hang."""
+(bench/chaos.py), its fault triggers (tests/scripts/faults.ChaosDir); and a fault that no spare
+can cover ends the job cleanly, never a hang."""
 
 import os
+import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 import chaos  # noqa: E402  (bench/chaos.py)
+from faults import ChaosDir  # noqa: E402  (tests/scripts/faults.py)
 
 
 @pytest.mark.parametrize("seed, faults", [(1, 12), (1, 24), (7, 30)])
@@ -37,6 +42,64 @@ def test_summary_counts_per_kind():
     assert rows["drain"]["injected"] == 1 and rows["drain"]["max_downtime_s"] == 0.5
     assert rows["all"]["injected"] == 4 and rows["all"]["recovered"] == 3
     assert "| hang | 3 | 2 | 4.00 | 5.00 |" in chaos.markdown(chaos.summarize(results))
+
+
+def job_of(rank: int, sandbox: bool = False):
+    return SimpleNamespace(rank=rank, in_sandbox=sandbox)
+
+
+def test_chaos_dir_fires_a_script_phase_once(tmp_path, monkeypatch):
+    """``kill.<rank>`` fires at its phase of the first step >= its step, renamed before the
+    SIGKILL: a second process of the rank never fires it again; a spare's sandbox never does."""
+    kills = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    d = ChaosDir(str(tmp_path))
+    (tmp_path / "kill.2").write_text("backward 10\n")
+    for job, step, phase in [
+        (job_of(1), 12, "backward"),
+        (job_of(2), 9, "backward"),
+        (job_of(2), 12, "forward"),
+        (job_of(2, True), 12, "backward"),
+    ]:
+        d.kill(job, step, phase)
+    assert not kills
+    d.kill(job_of(2), 11, "backward")
+    assert kills == [(os.getpid(), signal.SIGKILL)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"kill.2.fired.{os.getpid()}"]
+    d.kill(job_of(2), 12, "backward")  # the next process of rank 2: nothing armed any more
+    assert len(kills) == 1
+
+
+def test_chaos_dir_arms_a_runtime_point_for_the_process_that_takes_it(tmp_path, monkeypatch):
+    """``kill.<rank>`` holding a runtime point (snapshot, vote) is taken at a step's start by one
+    process, which arms ``TM_FAILPOINT`` with the marker the driver waits for."""
+    monkeypatch.delenv("TM_FAILPOINT", raising=False)
+    d = ChaosDir(str(tmp_path))
+    (tmp_path / "kill.3").write_text("snapshot 40\n")
+    d.start_step(job_of(3, sandbox=True), 41)
+    d.start_step(job_of(1), 41)
+    assert "TM_FAILPOINT" not in os.environ
+    d.start_step(job_of(3), 38)  # taken before its step: the runtime fires at the first step >= 40
+    marker = tmp_path / f"kill.3.fired.{os.getpid()}"
+    assert os.environ["TM_FAILPOINT"] == f"snapshot:3:40:{marker}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"kill.3.armed.{os.getpid()}"]
+    (tmp_path / "kill.0").write_text("forward 5\n")  # a script phase: not the runtime's
+    d.start_step(job_of(0), 6)
+    assert (tmp_path / "kill.0").exists() and os.environ["TM_FAILPOINT"].startswith("snapshot:3:")
+
+
+def test_chaos_dir_end_hold_fast_slow(tmp_path, monkeypatch):
+    d, off = ChaosDir(str(tmp_path)), ChaosDir(None)
+    assert not off and d and not off.over(10**6) and off.end(60) == 60
+    assert d.end(60) == 60 and not d.over(59)
+    (tmp_path / "end").write_text("25")
+    assert d.end(60) == 25 and d.over(25) and not d.over(24)
+    assert not d.fast() and not d.slow()
+    monkeypatch.setenv("TM_NODE_ID", "s3")
+    (tmp_path / "fast").touch()
+    (tmp_path / "slow.s3").touch()
+    assert d.fast() and d.slow()
+    d.hold(job_of(0))  # no hold file: returns at once
 
 
 @pytest.mark.slow
