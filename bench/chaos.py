@@ -2,6 +2,7 @@
 """Chaos soak: one long live job, a seeded random schedule of real faults, a bitwise check.
 
     .venv/bin/python bench/chaos.py --seed 1 --faults 24      # ~6-10 minutes on 2 cores
+    .venv/bin/python bench/chaos.py --layout fsdp --seed 1 --faults 20
 
 One job (3 active nodes x 1 worker, tests/scripts/train.py in live mode) runs while the driver injects
 faults one after another, waiting for recovery in between, and keeps the job supplied with warm
@@ -24,7 +25,32 @@ Kinds (every one appears at least once; the rest are drawn at random):
   spare-killed-promotion  a worker dies, and the spare promoted for it is SIGKILLed at once
   double-failure       two workers on different nodes SIGKILL themselves in the same step
 
-Results: bench/results/chaos-<seed>.md and .json (git-ignored).
+``--layout fsdp|fsdp-tp|zero``: the job is ``tests/scripts/hybrid.py`` in that layout instead (4
+active nodes x 1 worker; fsdp-tp: dp 2 x tp 2), where no live rank replicates a rank's state
+(ZeRO: its optimizer partition): every recovery is live from the in-memory snapshots, whose
+holder of rank r is rank r + 1 (mod 4). Its kinds (``LAYOUT_KINDS``):
+  kill-forward / kill-backward / kill-optimizer / kill-logging
+                       the worker SIGKILLs itself at that phase of a step (--chaos-dir trigger)
+  kill-vote / kill-snapshot
+                       ... inside the runtime: its commit vote counted, the decision not read; the
+                       step's snapshot taken and on its way to its holder (TM_FAILPOINT)
+  double-failure       two workers of non-neighbouring ranks (r and r + 2) in the same step: each
+                       one's holder survives (two neighbours lose a snapshot's both copies, which
+                       falls back to the checkpoint by design: tests/e2e/test_snapshots.py)
+and agent-kill, hang, xid, drain, spare-killed-parked and spare-killed-promotion as above;
+``zero`` leaves out kill-optimizer and kill-vote (``ZERO_STALLS``): a rank killed once its step
+committed (in the vote, its vote counted, or inside ZeroRedundancyOptimizer's step) leaves the
+survivors in ZeRO's parameter broadcast, waiting on handles that gloo cannot abort, until
+--collective-timeout (120 s); then a survivor whose collective failed is replaced as well
+(measured: docs/benchmarks.md, "Chaos soak per layout"). No
+straggler: the detector's compute time is a step minus the wait in its *last* collective, here
+the loss all-reduce after the optimizer step, while the peers of a slow rank wait for it in the
+forward's all-gathers: a slow node is never singled out in these layouts. The
+reference is the same script under plain torchrun, and every rank's parameters and optimizer
+state must be bitwise equal to it; the report also counts restart-mode generations and
+``state_lost`` events (a snapshot both of whose copies were lost), which a layout soak must not have.
+
+Results: bench/results/chaos-<seed>.md and .json, chaos-<layout>-<seed>.* (git-ignored).
 """
 
 from __future__ import annotations
@@ -61,17 +87,53 @@ KINDS = (
     "spare-killed-promotion",
     "double-failure",
 )
+LAYOUTS = ("fsdp", "fsdp-tp", "zero")  # tests/scripts/hybrid.py's layouts that no live rank replicates
+LAYOUT_KINDS = (
+    "kill-forward",
+    "kill-backward",
+    "kill-optimizer",
+    "kill-logging",
+    "kill-vote",
+    "kill-snapshot",
+    "agent-kill",
+    "hang",
+    "xid",
+    "drain",
+    "spare-killed-parked",
+    "spare-killed-promotion",
+    "double-failure",
+)
+ALL_KINDS = KINDS + tuple(k for k in LAYOUT_KINDS if k not in KINDS)  # the table's order
 PLANNED = ("straggler", "drain")
 ACTIVE = 3  # straggler detection needs three ranks to single one out
+LAYOUT_ACTIVE = 4  # fsdp-tp: dp 2 x tp 2
+HYBRID = os.path.join(REPO, "tests", "scripts", "hybrid.py")
+# A kill after the step's commit: ZeRO's survivors wait in its parameter broadcast until the
+# collective timeout (a known limit, not a recovery the soak can bound).
+ZERO_STALLS = ("kill-optimizer", "kill-vote")
+
+
+def kinds_of(layout: str | None) -> tuple[str, ...]:
+    """The fault kinds of a soak: the DDP job's, or a layout's."""
+    if layout is None:
+        return KINDS
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    if layout == "zero":
+        return tuple(k for k in LAYOUT_KINDS if k not in ZERO_STALLS)
+    return LAYOUT_KINDS
+
+
 CKPT_EVERY = 10
 
 
-def schedule(seed: int, faults: int) -> list[str]:
-    """Every kind once, the rest drawn at random, in a seeded random order (pure)."""
-    if faults < len(KINDS):
-        raise ValueError(f"--faults must be at least {len(KINDS)} (one of each kind), got {faults}")
+def schedule(seed: int, faults: int, layout: str | None = None) -> list[str]:
+    """Every kind (of ``layout``'s soak) once, the rest drawn at random, in a seeded random order (pure)."""
+    every = kinds_of(layout)
+    if faults < len(every):
+        raise ValueError(f"--faults must be at least {len(every)} (one of each kind), got {faults}")
     rng = random.Random(seed)
-    kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(faults - len(KINDS))]
+    kinds = list(every) + [rng.choice(every) for _ in range(faults - len(every))]
     rng.shuffle(kinds)
     return kinds
 
@@ -79,7 +141,7 @@ def schedule(seed: int, faults: int) -> list[str]:
 def summarize(results: list[dict]) -> list[dict]:
     """Per kind: injected, recovered, median and max downtime of the recovered ones (pure)."""
     rows = []
-    for kind in KINDS:
+    for kind in ALL_KINDS:
         mine = [r for r in results if r["kind"] == kind]
         if not mine:
             continue
@@ -116,14 +178,24 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def in_generation(records, generation: int) -> bool:
+    """Every rank of the step log finished a step in ``generation`` or a later one (pure)."""
+    ranks = {rank for _, rank, _, _, _ in records}
+    return bool(ranks) and ranks <= {rank for _, rank, _, gen, _ in records if gen >= generation}
+
+
 class SoakError(RuntimeError):
     """The job did not recover from a fault within the bound: the soak stops there."""
 
 
 class Chaos:
-    def __init__(self, endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_sleep: float, log=print, kinds=None):
+    def __init__(
+        self, endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_sleep: float, log=print, kinds=None, layout=None
+    ):
         self.seed, self.rng = seed, random.Random(seed * 7919 + 1)
-        self.kinds = list(kinds) if kinds else schedule(seed, faults)
+        self.layout = layout
+        self.active = LAYOUT_ACTIVE if layout else ACTIVE
+        self.kinds = list(kinds) if kinds else schedule(seed, faults, layout)
         self.steps = steps
         self.log = log
         self.workdir = workdir
@@ -135,7 +207,7 @@ class Chaos:
             endpoint=endpoint,
             run_id=run_id,
             workdir=workdir,
-            nnodes=str(ACTIVE),
+            nnodes=str(self.active),
             nproc=1,
             launcher_args=[
                 # Dead agents are found by probing in milliseconds; the lease is only the backstop,
@@ -156,24 +228,27 @@ class Chaos:
                 "5",
             ],
         )
-        self.job.script_args = [
-            "--steps",
-            str(steps),
-            "--step-sleep",
-            str(step_sleep),
-            "--out",
-            self.out,
-            "--step-log",
-            self.job.step_log,
-            "--chaos-dir",
-            self.chaos,
-            "--ckpt-dir",
-            os.path.join(workdir, "ckpt"),
-            "--ckpt-every",
-            str(CKPT_EVERY),
-            "--slow-factor",
-            "8",
-        ]
+        common = ["--steps", str(steps), "--step-sleep", str(step_sleep), "--step-log", self.job.step_log, "--chaos-dir", self.chaos]
+        if layout is None:
+            self.job.script_args = [
+                *common,
+                "--out",
+                self.out,
+                "--ckpt-dir",
+                os.path.join(workdir, "ckpt"),
+                "--ckpt-every",
+                str(CKPT_EVERY),
+                "--slow-factor",
+                "8",
+            ]
+        else:
+            # Live recovery from the snapshots needs no checkpoint (and a soak that fell back to
+            # one would fail its checks anyway): none is written. One thread per worker, as in
+            # the reference under torchrun.
+            self.out = os.path.join(workdir, "out")  # each rank's state: out.rank<r>
+            self.job.script = HYBRID
+            self.job.env = {"OMP_NUM_THREADS": "1"}
+            self.job.script_args = ["--layout", layout, *common, "--out", self.out, "--slow-factor", "8"]
         self.spare_count = 0
         self.results: list[dict] = []
         self.members = self._members(endpoint, run_id)
@@ -270,7 +345,7 @@ class Chaos:
     # -- the soak ------------------------------------------------------------------------------
     def run(self) -> dict:
         t0 = time.time()
-        for i in range(ACTIVE):
+        for i in range(self.active):
             self.start_node(f"n{i}")
             time.sleep(0.2)
         self.hold(True)
@@ -322,7 +397,7 @@ class Chaos:
         info: dict = {"kind": kind, "generation_before": gen}
         expect_plan = True
         if kind.startswith("kill-"):
-            phase = kind.split("-", 1)[1]
+            phase = kind.split("-", 1)[1]  # vote, snapshot: a point inside the runtime (TM_FAILPOINT)
             if phase == "checkpoint":  # rank 0 saves the checkpoint
                 rank = 0
                 victim = next(n for n in actives if 0 in n["ranks"])
@@ -367,7 +442,10 @@ class Chaos:
             self.job.kill_agent(joiners[0])
             info["promoted_and_killed"] = joiners[0]
         elif kind == "double-failure":
-            other = self.rng.choice([n for n in actives if n["id"] != victim["id"]])
+            if self.layout:  # not the victim's holder (rank + 1) nor the rank it holds for (rank - 1)
+                other = next(n for n in actives if n["ranks"][0] == (rank + 2) % self.active)
+            else:
+                other = self.rng.choice([n for n in actives if n["id"] != victim["id"]])
             ranks = [rank, other["ranks"][0]]
             for r in ranks:
                 self.arm(r, "forward", step + 3)
@@ -382,19 +460,25 @@ class Chaos:
         """Wait (bounded) until the victim is out of the job and every rank trained on; measure."""
         try:
             if expect_plan:
+                # Every node this fault took out (both of a double failure, the promoted spare
+                # killed on its way in) is out of the job, and the job is whole again.
+                gone = {victim, *info.get("victims", ())} | ({info["promoted_and_killed"]} if "promoted_and_killed" in info else set())
 
-                def replaced(s):
+                def replaced(s):  # -> the generation that replaced them (>= 1)
                     active = {n["id"] for n in s["nodes"] if n["role"] in ("active", "draining")}
-                    return s["generation"] > gen and victim not in active and len(active) == ACTIVE
+                    return s["generation"] if s["generation"] > gen and not gone & active and len(active) == self.active else None
 
-                self.wait(replaced, 90, f"{victim} to be replaced after {kind}", interval=0.1)
+                new_gen = self.wait(replaced, 90, f"{victim} to be replaced after {kind}", interval=0.1)
             elif info.get("how") == "worker":
                 # Its progress record says "parked" until the agent publishes the restart (~1 s).
                 self.wait(lambda s: victim not in self.parked(s), 30, f"spare {victim}'s agent to restart its worker", interval=0.1)
                 self.wait(lambda s: victim in self.parked(s), 90, f"spare {victim} to warm up again", interval=0.3)
 
             def trained(_):
-                d = downtime(self.job.step_records(), fault_time)
+                records = self.job.step_records()
+                if expect_plan and not in_generation(records, new_gen):
+                    return None  # a planned switch happens steps after its plan: not yet
+                d = downtime(records, fault_time)
                 return d if d["first_step_after"] is not None and self.max_step() >= d["first_step_after"] + 3 else None
 
             self.wait(trained, 90, f"every rank to train on after {kind}", interval=0.1)
@@ -448,19 +532,84 @@ def reference_params(endpoint: str, workdir: str, steps: int):
     return torch.load(out)
 
 
+def reference_state(workdir: str, layout: str, steps: int) -> dict:
+    """A layout's fault-free final state, ``{"rank<r>": {name: tensor}}``: the same script under
+    plain torchrun (``tests/e2e/test_snapshots.py``'s reference), the same steps, no step sleep."""
+    import subprocess
+
+    ref = os.path.join(workdir, "reference")
+    os.makedirs(ref, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(LAYOUT_ACTIVE), HYBRID]
+    cmd += ["--layout", layout, "--steps", str(steps), "--out", os.path.join(ref, "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    if out.returncode != 0:
+        raise SoakError(f"the reference run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return load_ranks(os.path.join(ref, "out"))
+
+
+def load_ranks(prefix: str) -> dict:
+    """``{"rank<r>": state}`` from hybrid.py's ``--out PREFIX`` files (``PREFIX.rank<r>``)."""
+    import glob
+
+    import torch
+
+    return {os.path.basename(p).rsplit(".", 1)[1]: torch.load(p) for p in sorted(glob.glob(f"{glob.escape(prefix)}.rank*"))}
+
+
 def bitwise_diff(params: dict, ref: dict) -> dict:
+    """What differs: ``{name: max abs difference}`` (``{"keys": [...]}`` if the names differ);
+    nested per rank (``{"rank1": {...}}``) for a layout's states."""
     import torch
 
     if params.keys() != ref.keys():
         return {"keys": sorted(set(params) ^ set(ref))}
-    return {k: (params[k] - ref[k]).abs().max().item() for k in ref if not torch.equal(params[k], ref[k])}
+    diff = {}
+    for k in ref:
+        if isinstance(ref[k], dict):
+            if sub := bitwise_diff(params[k], ref[k]):
+                diff[k] = sub
+        elif not torch.equal(params[k], ref[k]):
+            diff[k] = (params[k].double() - ref[k].double()).abs().max().item() if params[k].shape == ref[k].shape else "shape"
+    return diff
 
 
-def soak(endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_sleep: float, log=print, kinds=None) -> dict:
+def generations(events: list[dict], results: list[dict]) -> dict:
+    """The job's generation changes from its agents' event logs: how many, the restart-mode ones
+    (every worker started afresh), the unexplained ones (outside every fault's window: between
+    one fault's recovery and the next fault, nothing should change), ``state_lost`` events; and
+    each fault's ``live`` (every plan between its generation before and after was live). Pure
+    but for ``results``, updated."""
+    plans = {e["generation"]: e for e in events if e["kind"] == "plan" and e.get("generation", 0) >= 1}
+    windows = []
+    for r in results:
+        if r.get("recovered") and r.get("generation_after") is not None:
+            windows.append((r["generation_before"], r["generation_after"]))
+            mine = [p for g, p in plans.items() if r["generation_before"] < g <= r["generation_after"]]
+            r["live"] = all(p.get("live") for p in mine)
+        elif r.get("generation_before") is not None:
+            windows.append((r["generation_before"], float("inf")))  # not recovered: anything after it
+    return {
+        "generation_changes": len(plans),
+        "restarts": [{"generation": g, "cause": p.get("cause")} for g, p in sorted(plans.items()) if not p.get("live")],
+        "unexplained": [
+            {"generation": g, "cause": p.get("cause")} for g, p in sorted(plans.items()) if not any(a < g <= b for a, b in windows)
+        ],
+        "state_lost": [
+            {k: e.get(k) for k in ("time", "node", "message", "lost_ranks", "lost_step") if k in e}
+            for e in events
+            if e["kind"] == "state_lost"
+        ],
+    }
+
+
+def soak(
+    endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_sleep: float, log=print, kinds=None, layout: str | None = None
+) -> dict:
     """Run the soak and the reference; the report (``table``, ``results``, ``bitwise_equal``...)."""
     import torch
 
-    chaos = Chaos(endpoint, workdir, seed, faults, steps, step_sleep, log=log, kinds=kinds)
+    chaos = Chaos(endpoint, workdir, seed, faults, steps, step_sleep, log=log, kinds=kinds, layout=layout)
     try:
         run = chaos.run()
     except BaseException:
@@ -470,6 +619,8 @@ def soak(endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_s
         chaos.job.stop()
     steps = chaos.end
     report = {
+        "layout": layout,
+        "active": chaos.active,
         "seed": seed,
         "steps": steps,
         "faults": len(chaos.results),
@@ -478,11 +629,18 @@ def soak(endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_s
         "results": chaos.results,
         "table": summarize(chaos.results),
         "spares_started": chaos.spare_count,
+        **generations(chaos.job.events(), chaos.results),
     }
-    if not os.path.exists(chaos.out):
+    if layout is None:
+        got = torch.load(chaos.out) if os.path.exists(chaos.out) else None
+    else:
+        got = load_ranks(chaos.out)
+        got = got if sorted(got) == [f"rank{r}" for r in range(chaos.active)] else None
+    if got is None:
         report["bitwise_equal"], report["error"] = False, f"no final parameters: the job ended with {run['codes']}\n{chaos.job.logs_tail()}"
         return report
-    report["diff"] = bitwise_diff(torch.load(chaos.out), reference_params(endpoint, workdir, steps))
+    ref = reference_params(endpoint, workdir, steps) if layout is None else reference_state(workdir, layout, steps)
+    report["diff"] = bitwise_diff(got, ref)
     report["bitwise_equal"] = not report["diff"]
     return report
 
@@ -496,27 +654,37 @@ def main() -> int:
     p.add_argument("--etcd", default=None, help="an etcd endpoint (default: start a private one)")
     p.add_argument("--out-dir", default=os.path.join(BENCH, "results"))
     p.add_argument("--kinds", default=None, help="comma-separated kinds to inject in this order instead of the schedule (debugging)")
+    p.add_argument(
+        "--layout",
+        default=None,
+        choices=LAYOUTS,
+        help="soak tests/scripts/hybrid.py in this layout (4 nodes x 1 worker, live from snapshots) instead of the DDP job",
+    )
     args = p.parse_args()
     kinds = args.kinds.split(",") if args.kinds else None
-    unknown = [k for k in kinds or () if k not in KINDS]
+    known = kinds_of(args.layout)
+    unknown = [k for k in kinds or () if k not in known]
     if unknown:
-        print(f"chaos: error: unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(KINDS)}", file=sys.stderr)
+        print(f"chaos: error: unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     try:
         if not kinds:
-            schedule(args.seed, args.faults)
+            schedule(args.seed, args.faults, args.layout)
     except ValueError as e:
         print(f"chaos: error: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup (no orphaned agents)
-    workdir = tempfile.mkdtemp(prefix=f"tm-chaos-{args.seed}-")
+    name = f"chaos-{args.layout}-{args.seed}" if args.layout else f"chaos-{args.seed}"
+    workdir = tempfile.mkdtemp(prefix=f"tm-{name}-")
     server = None
     if args.etcd is None:
         from rendezvous.etcd_server import EtcdServer
 
         server = EtcdServer().start()
     try:
-        report = soak(args.etcd or server.endpoint, workdir, args.seed, args.faults, args.steps, args.step_sleep, kinds=kinds)
+        report = soak(
+            args.etcd or server.endpoint, workdir, args.seed, args.faults, args.steps, args.step_sleep, kinds=kinds, layout=args.layout
+        )
     except SoakError as e:
         print(f"chaos: error: {e}", file=sys.stderr)
         return 1
@@ -525,20 +693,27 @@ def main() -> int:
             server.stop()
     os.makedirs(args.out_dir, exist_ok=True)
     table = markdown(report["table"])
+    what = "final parameters" if args.layout is None else "every rank's final parameters and optimizer state"
     head = (
-        f"Chaos soak, seed {args.seed}: {report['faults']} faults in {report['seconds']:.0f} s, {report['steps']} steps, "
-        f"{ACTIVE} active nodes x 1 worker, {report['spares_started']} spares started; final parameters "
+        f"Chaos soak{f' ({args.layout}, tests/scripts/hybrid.py)' if args.layout else ''}, seed {args.seed}: "
+        f"{report['faults']} faults in {report['seconds']:.0f} s, {report['steps']} steps, "
+        f"{report['active']} active nodes x 1 worker, {report['spares_started']} spares started; "
+        f"{report['generation_changes']} generation changes ({len(report['restarts'])} in restart mode, "
+        f"{len(report['unexplained'])} no fault explains), {len(report['state_lost'])} state lost; "
+        f"{sum(1 for r in report['results'] if r.get('live'))} of {report['faults']} faults recovered live; {what} "
         f"{'bitwise equal to' if report['bitwise_equal'] else 'DIFFERENT from'} the fault-free run"
     )
-    with open(os.path.join(args.out_dir, f"chaos-{args.seed}.md"), "w") as f:
+    with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:
         f.write(head + "\n\n" + table + "\n")
-    with open(os.path.join(args.out_dir, f"chaos-{args.seed}.json"), "w") as f:
+    with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(head + "\n\n" + table)
     ok = (
         report["bitwise_equal"]
         and all(r["recovered"] for r in report["results"])
-        and len(report["results"]) == len(kinds or schedule(args.seed, args.faults))
+        and len(report["results"]) == len(kinds or schedule(args.seed, args.faults, args.layout))
+        and (args.layout is None or not (report["restarts"] or report["state_lost"] or report["unexplained"]))
+        and (args.layout is None or all(r.get("live") for r in report["results"]))
     )
     return 0 if ok else 1
 

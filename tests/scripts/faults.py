@@ -12,11 +12,15 @@ update, before the loss all-reduce) or ``logged`` (after it); a script may add p
 (``tests/scripts/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
 whichever process holds rank R by then.
+
+``ChaosDir`` is the chaos soak's protocol (``bench/chaos.py``), the same in every script that
+takes ``--chaos-dir DIR``: repeatable triggers, each fired once whichever process holds the rank.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 PHASES = [
@@ -54,17 +58,20 @@ class Faults:
         p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
         p.add_argument("--pause-file", default=None)
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, chaos: ChaosDir | None = None):
+        """``chaos``: the chaos soak's triggers (``--chaos-dir``), fired at the same points."""
+        self.args, self.chaos = args, chaos
         self.step: int | None = None
         point = RUNTIME_POINTS.get(args.kill_phase)
         if point and args.kill_rank >= 0:  # a point inside the runtime (tm_launch.worker.failpoints)
             os.environ["TM_FAILPOINT"] = f"{point}:{args.kill_rank}:{args.kill_step}:{args.kill_marker or ''}"
 
     def at(self, job, phase: str) -> None:
-        """SIGKILL this worker if it holds the armed rank and reached the armed point; the pause
+        """SIGKILL this worker if it holds the armed rank (or a chaos trigger of its rank) and reached the armed point; the pause
         (every rank holds at --pause-step until --pause-file exists) happens at ``forward``."""
         a, step = self.args, self.step
+        if self.chaos:
+            self.chaos.kill(job, step, phase)
         if job.in_sandbox or step is None:
             return
         if phase == "forward" and step == a.pause_step and a.pause_file:
@@ -89,3 +96,100 @@ class Faults:
     def log_step(path: str, job, step: int) -> None:
         with open(path, "a") as f:
             f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
+
+
+class ChaosDir:
+    """Repeated fault injection for a long run (the chaos soak, ``bench/chaos.py``): ``--chaos-dir DIR``.
+
+    * ``DIR/kill.<rank>`` holding "<phase> <step>" arms one SIGKILL of the rank's worker at that
+      phase of the first step >= <step>. A phase of the script (``kill``, called at the script's
+      points) is fired by the worker that gets there first: it renames the file to
+      ``kill.<rank>.fired.<pid>`` (its mtime: when the fault happened) and SIGKILLs itself, so the
+      kill fires once however many processes hold the rank. A runtime point (``RUNTIME_POINTS``:
+      ``vote``, ``snapshot``...) is taken at the step's start (``start_step``): the worker renames
+      the file to ``kill.<rank>.armed.<pid>`` and arms ``TM_FAILPOINT`` in its own environment,
+      whose marker ``kill.<rank>.fired.<pid>`` the runtime creates as it fires.
+    * ``DIR/slow.<node>``: that node's workers are slower (a straggler) while it exists.
+    * ``DIR/hold``: training holds at the top of the next step while it exists.
+    * ``DIR/fast``: the stand-in for compute (``--step-sleep``) is dropped.
+    * ``DIR/end`` holding N: the run ends after N steps (the remaining steps do nothing).
+    """
+
+    def __init__(self, path: str | None, name: str = "faults"):
+        self.path, self.name = path, name
+
+    def __bool__(self) -> bool:
+        return bool(self.path)
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _armed(self, rank: int) -> tuple[str, int] | None:
+        try:
+            with open(self._file(f"kill.{rank}")) as f:
+                phase, step = f.read().split()
+            return phase, int(step)
+        except (OSError, ValueError):
+            return None
+
+    def kill(self, job, step: int | None, phase: str) -> None:
+        """Fire an armed ``DIR/kill.<rank>`` of this script ``phase`` once: rename it, then SIGKILL."""
+        if not self.path or job.in_sandbox or step is None:
+            return
+        armed = self._armed(job.rank)
+        if armed is None or armed[0] != phase or step < armed[1]:
+            return
+        path = self._file(f"kill.{job.rank}")
+        fired = f"{path}.fired.{os.getpid()}"
+        try:
+            os.rename(path, fired)
+            os.utime(fired)  # its mtime: when the fault happened
+        except OSError:
+            return  # another process of this rank fired it
+        print(f"[{self.name}] rank {job.rank}: chaos SIGKILL at step {step} ({phase})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def start_step(self, job, step: int) -> None:
+        """At the top of a step: take an armed kill at a runtime point (``TM_FAILPOINT``) for
+        this process; the runtime fires it at the first step >= the armed one."""
+        if not self.path or job.in_sandbox:
+            return
+        armed = self._armed(job.rank)
+        if armed is None or armed[0] not in RUNTIME_POINTS:
+            return
+        path = self._file(f"kill.{job.rank}")
+        try:
+            os.rename(path, f"{path}.armed.{os.getpid()}")
+        except OSError:
+            return  # another process of this rank took it
+        os.environ["TM_FAILPOINT"] = f"{RUNTIME_POINTS[armed[0]]}:{job.rank}:{armed[1]}:{path}.fired.{os.getpid()}"
+        print(f"[{self.name}] rank {job.rank}: chaos SIGKILL armed at {armed[0]} of step >= {armed[1]}", flush=True)
+
+    def end(self, steps: int) -> int:
+        """``DIR/end`` (written once, well ahead of every rank): the run ends after that many
+        steps; ``steps`` while there is none."""
+        if not self.path:
+            return steps
+        try:
+            with open(self._file("end")) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return steps
+
+    def over(self, step: int) -> bool:
+        """The soak is over at ``step``: the script skips it, so the state is that of a run of
+        exactly ``end`` steps (not a break: ``steps()`` must run out and report the worker
+        finished, or the hang watchdog sees a silent "running" worker at exit)."""
+        return step >= self.end(step + 1)
+
+    def hold(self, job) -> None:
+        """Wait at the top of a step while ``DIR/hold`` exists."""
+        while self.path and not job.in_sandbox and os.path.exists(self._file("hold")):
+            time.sleep(0.02)
+
+    def fast(self) -> bool:
+        return bool(self.path) and os.path.exists(self._file("fast"))
+
+    def slow(self) -> bool:
+        """This node (``TM_NODE_ID``) is a straggler now."""
+        return bool(self.path) and os.path.exists(self._file(f"slow.{os.environ.get('TM_NODE_ID')}"))

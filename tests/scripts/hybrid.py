@@ -28,6 +28,13 @@ Deterministic on CPU: the model is seeded and each step's batch is seeded by (st
 index), so a run with failures ends with exactly the state of a run without, on every rank
 (``--out PREFIX`` writes each rank's local shards of the parameters and optimizer state to
 ``PREFIX.rank<r>``). The loss is all-reduced after the optimizer step, as loops log it.
+
+Fault injection: ``--kill-rank R --kill-step S --kill-phase PHASE`` once
+(``tests/scripts/faults.py``); repeatedly for the chaos soak (``bench/chaos.py --layout``),
+``--chaos-dir DIR`` (``faults.ChaosDir``, as ``tests/scripts/train.py``): ``DIR/kill.<rank>``
+holding "<phase> <step>" with this script's phases (``forward``, ``backward``, ``optimizer``,
+``logging``, ``logged``) or a runtime point (``vote``, ``snapshot``...), ``DIR/slow.<node>`` (a
+straggler: ``--slow-factor`` x ``--step-sleep`` more), ``DIR/hold``, ``DIR/fast``, ``DIR/end``.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+from faults import ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 import tm_launch  # noqa: E402
 
@@ -98,6 +105,8 @@ def parse():
     )
     p.add_argument("--width", type=int, default=64, help="hidden width of the blocks (the state grows with it)")
     Faults.add_arguments(p)
+    p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (faults.ChaosDir, the chaos soak)")
+    p.add_argument("--slow-factor", type=float, default=0.5, help="a straggler (DIR/slow.<node>) sleeps this x --step-sleep more")
     return p.parse_args()
 
 
@@ -201,7 +210,8 @@ def resume(args, model, opt, sched) -> int:
 
 def main():
     args = parse()
-    faults = Faults(args)
+    chaos = ChaosDir(args.chaos_dir, "hybrid")
+    faults = Faults(args, chaos)
     job = tm_launch.init(args.backend)
     rank, world = job.rank, job.world_size
     device = torch.device("cpu")
@@ -244,13 +254,18 @@ def main():
         return buf.to(device)
 
     for step in job.steps(args.steps, start=start):
+        if chaos.over(step):  # the soak is over: the remaining steps do nothing
+            continue
+        chaos.hold(job)
+        chaos.start_step(job, step)
         faults.step = step
         if args.ckpt_dir and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
             checkpoint(args, model, opt, sched, step)  # at the top: the state after step - 1
         x, y = (t.to(device) for t in batch(step, dp_index))
         faults.at(job, "forward")
-        if args.step_sleep:
-            time.sleep(args.step_sleep)  # stands in for the compute, before the gradients are reduced
+        if args.step_sleep and not chaos.fast():
+            # stands in for the compute, before the gradients are reduced
+            time.sleep(args.step_sleep * (1 + args.slow_factor if chaos.slow() else 1))
         opt.zero_grad(set_to_none=True)
         if pp is None:
             loss = nn.functional.mse_loss(model(x), y)

@@ -14,12 +14,13 @@ Fault injection (a real SIGKILL of this worker, once: a marker file remembers it
 inside the gradient allreduce, ``checkpoint`` mid-write with --ckpt-dir, ``logging``/``logged``
 around the loss allreduce of --log-loss).
 
-Repeated fault injection for a long run (the chaos soak, bench/chaos.py): ``--chaos-dir DIR``.
-A file ``DIR/kill.<rank>`` holding "<phase> <step>" arms one SIGKILL of the rank's worker at that
-phase of the first step >= <step>; the worker that fires it renames the file first, so it fires
-once however many processes hold the rank. ``DIR/slow.<node>`` makes that node's workers slower
-(a straggler) while it exists; ``DIR/hold`` holds training at the top of the next step while it
-exists; ``DIR/fast`` drops --step-sleep; ``DIR/end`` holding N ends the run after N steps.
+Repeated fault injection for a long run (the chaos soak, bench/chaos.py): ``--chaos-dir DIR``
+(``faults.ChaosDir``, shared with ``tests/scripts/hybrid.py``). A file ``DIR/kill.<rank>`` holding
+"<phase> <step>" arms one SIGKILL of the rank's worker at that phase of the first step >= <step>;
+it fires once however many processes hold the rank. ``DIR/slow.<node>`` makes that node's
+workers slower (a straggler) while it exists; ``DIR/hold`` holds training at the top of the next
+step while it exists; ``DIR/fast`` drops --step-sleep; ``DIR/end`` holding N ends the run after N
+steps.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+from faults import ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 import tm_launch  # noqa: E402
 
@@ -97,45 +98,15 @@ class RandomBatches:
         self.gen.set_state(state["generator"])
 
 
-def chaos_kill(args, job, step, phase):
-    """Fire an armed ``DIR/kill.<rank>`` ("<phase> <step>") once: rename it, then SIGKILL."""
-    if not args.chaos_dir or job.in_sandbox or step is None:
-        return
-    path = os.path.join(args.chaos_dir, f"kill.{job.rank}")
-    try:
-        with open(path) as f:
-            want_phase, want_step = f.read().split()
-    except (OSError, ValueError):
-        return
-    if want_phase != phase or step < int(want_step):
-        return
-    try:
-        os.rename(path, f"{path}.fired.{os.getpid()}")
-        os.utime(f"{path}.fired.{os.getpid()}")  # its mtime: when the fault happened
-    except OSError:
-        return  # another process of this rank fired it
-    print(f"[train] rank {job.rank}: chaos SIGKILL at step {step} ({phase})", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def chaos_end(args) -> int:
-    """``DIR/end`` (written once, well ahead of every rank): the run ends after that many steps."""
-    try:
-        with open(os.path.join(args.chaos_dir, "end")) as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return args.steps
-
-
-def kill_now(args, faults, job, step, phase):
-    chaos_kill(args, job, step, phase)
+def kill_now(faults, job, step, phase):
     faults.step = step
     faults.at(job, phase)
 
 
 def main():
     args = parse()
-    faults = Faults(args)
+    chaos = ChaosDir(args.chaos_dir, "train")
+    faults = Faults(args, chaos)  # fires chaos triggers too
     job = tm_launch.init(args.backend)
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -174,11 +145,11 @@ def main():
     state = {"step": None}
 
     def on_grad(grad):
-        kill_now(args, faults, job, state["step"], "allreduce")
+        kill_now(faults, job, state["step"], "allreduce")
         return grad
 
     model[0].weight.register_hook(on_grad)
-    opt.register_step_pre_hook(lambda *a: kill_now(args, faults, job, state["step"], "optimizer"))
+    opt.register_step_pre_hook(lambda *a: kill_now(faults, job, state["step"], "optimizer"))
 
     for step in job.steps(args.steps, start=start):
         state["step"] = step
@@ -189,39 +160,36 @@ def main():
             x = torch.randn(16, 32, generator=g)
             y = torch.randn(16, 8, generator=g)
         x, y = x.to(device), y.to(device)
-        if args.chaos_dir and step >= chaos_end(args):
-            # The soak is over: the remaining steps do nothing, so the parameters are those of a
-            # run of exactly chaos_end steps. (Not a break: steps() must run out and report the
-            # worker finished, or the hang watchdog sees a silent "running" worker at exit.)
+        if chaos.over(step):  # the soak is over: the remaining steps do nothing
             continue
-        while args.chaos_dir and not job.in_sandbox and os.path.exists(os.path.join(args.chaos_dir, "hold")):
-            time.sleep(0.02)
+        chaos.hold(job)
+        chaos.start_step(job, step)
         if args.ckpt_dir and job.rank == 0 and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
             # At the top of the step: the state after step - 1, which every rank completed. (At
             # the end of a live step it could be a step whose collectives failed and runs again.)
             os.makedirs(args.ckpt_dir, exist_ok=True)
             tmp = os.path.join(args.ckpt_dir, "ckpt.pt.tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-            kill_now(args, faults, job, step, "checkpoint")  # dies with the new checkpoint half-written
+            kill_now(faults, job, step, "checkpoint")  # dies with the new checkpoint half-written
             os.replace(tmp, os.path.join(args.ckpt_dir, "ckpt.pt"))
-        kill_now(args, faults, job, step, "forward")
+        kill_now(faults, job, step, "forward")
         if args.crash_node and os.environ.get("TM_NODE_ID") == args.crash_node and step == args.crash_step and not job.in_sandbox:
             os.kill(os.getpid(), signal.SIGKILL)
-        if args.step_sleep and not (args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, "fast"))):
+        if args.step_sleep and not chaos.fast():
             # The stand-in for compute sits where a step computes, before its gradients are
             # reduced: a rank that fails there is found at the collective, as in real training.
             slow = args.slow_node is not None and os.environ.get("TM_NODE_ID") == args.slow_node
-            slow = slow or bool(args.chaos_dir and os.path.exists(os.path.join(args.chaos_dir, f"slow.{os.environ.get('TM_NODE_ID')}")))
+            slow = slow or chaos.slow()
             time.sleep(args.step_sleep * (1 + args.slow_factor if slow else 1))
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if args.log_loss:
-            kill_now(args, faults, job, step, "logging")
+            kill_now(faults, job, step, "logging")
             logged = loss.detach().clone()
             dist.all_reduce(logged, group=job.group)
-            kill_now(args, faults, job, step, "logged")
+            kill_now(faults, job, step, "logged")
             if job.rank == 0 and not job.in_sandbox and step % 20 == 0 and getattr(job, "step_ok", True):
                 print(f"[train] step {step}: mean loss {logged.item() / job.world_size:.5f}", flush=True)
         if subgroups:
@@ -240,7 +208,7 @@ def main():
     if job.rank == 0 and args.out:
         torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, args.out)
         print(
-            f"[train] finished {min(args.steps, chaos_end(args)) if args.chaos_dir else args.steps} steps; parameters saved to {args.out}",
+            f"[train] finished {min(args.steps, chaos.end(args.steps))} steps; parameters saved to {args.out}",
             flush=True,
         )
     dist.barrier(group=job.group) if dist.is_initialized() else None
