@@ -93,22 +93,33 @@ class Bench:
         job = self.job(f"o{mib}-{every}-{i}", mib, every, spare=False, steps=self.args.warmup + self.args.steps)
         try:
             job.start_all(["n0", "n1"])
+            per_step = self.sent_per_node_per_step(job)
             codes = job.wait(timeout=self.args.timeout)
             if any(codes.values()):
                 raise RuntimeError(f"overhead run failed: {codes}\n{job.logs_tail()}")
             times = step_times(job.step_records(), self.args.warmup)
-            sent = self.sent(job)
         finally:
             job.stop()
-        return {"step_s": statistics.median(times), "sent_per_node_per_step": sent / 2 / (self.args.warmup + self.args.steps)}
+        return {"step_s": statistics.median(times), "sent_per_node_per_step": per_step}
 
-    def sent(self, job: LocalJob) -> int:
-        """Bytes every worker sent to its holder, from the last progress each agent published."""
-        try:
-            status = job.status()
-        except RuntimeError:
-            return 0
-        return sum(int(w.get("snapshot_sent") or 0) for n in status["nodes"] for w in n["progress"].values())
+    def sent_per_node_per_step(self, job: LocalJob) -> float:
+        """Bytes a node's workers sent to their holders per step, from one ``ctl status`` read
+        half-way through the timed steps (the agents publish each worker's ``snapshot_sent`` and
+        step with its progress while the job runs; once it ends nobody does). One read only:
+        each ``ctl`` is a process of its own, and its CPU would be counted in the step times."""
+        half = self.args.warmup + self.args.steps // 2
+        while any(n.proc.poll() is None for n in job.nodes.values()):
+            done = job.steps_done()
+            if len(done) == WORLD and min(done.values()) >= half:
+                try:
+                    nodes = job.status()["nodes"]
+                except RuntimeError:
+                    return 0.0
+                workers = [w for n in nodes for w in (n["progress"] or {}).values()]
+                steps = min((int(w.get("step") or 0) for w in workers), default=0)
+                return sum(int(w.get("snapshot_sent") or 0) for w in workers) / len(nodes) / steps if steps else 0.0
+            time.sleep(0.2)
+        return 0.0
 
     def recovery_run(self, mib: float, i: int) -> dict:
         a = self.args
