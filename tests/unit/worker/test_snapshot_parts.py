@@ -64,7 +64,7 @@ def test_an_image_loads_back_bitwise_and_the_copy_waits_for_nothing_but_the_opti
     x0 = torch.randn(32, 8, generator=torch.Generator().manual_seed(99))
     model(x0)  # the next step's forward: BatchNorm's running stats move
     image = capture.copy()
-    assert image.step == 3 and image.per_rank == {"rng": {"x": 1}} and set(image.digests) == set(objects)
+    assert image.step == 3 and image.per_rank == {"rng": {"x": 1}} and set(image.fingerprints()) == set(objects)
     for s in range(3, 6):
         _step(model, opt, sched, s)
     after_a = _flat(model, opt, sched)

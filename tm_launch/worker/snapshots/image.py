@@ -42,8 +42,9 @@ class StateImage:
     step: int
     skeleton: dict  # object name -> its state dict with placeholders for tensors
     tensors: list  # host tensors, in placeholder order
-    digests: dict = field(default_factory=dict)  # object name -> (structure, values) fingerprints
+    digests: dict = field(default_factory=dict)  # object name -> (structure, values): ``fingerprints()``
     per_rank: dict | None = None  # per-rank objects' states at ``step`` (already host copies), if any
+    modules: frozenset = frozenset()  # the objects that are modules (their structure is fingerprinted)
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +64,21 @@ class StateImage:
             [self.tensors[i] for i in order],
             {n: self.digests[n] for n in keep if n in self.digests},
             self.per_rank,
+            self.modules & set(keep),
         )
+
+    def fingerprints(self) -> dict:
+        """{name: (structure, values)} of the image, computed when first asked: a recovery asks
+        for the images it may return to, a step never does (hashing every step cost each rank
+        about a millisecond of a core). The host tensors of an image do not change while it is
+        kept (a capture only reuses the buffers of an image it took out of the kept ones)."""
+        missing = [name for name in sorted(self.skeleton) if name not in self.digests]
+        if missing:
+            states = self.states()
+            with torch.no_grad():
+                for name in missing:
+                    self.digests[name] = fingerprints({name: states[name]}, self.modules & {name})
+        return self.digests
 
     def states(self) -> dict:
         """Each object's state dict with the host tensors in place (shared, not copied)."""
@@ -109,8 +124,12 @@ def _renumber(obj, mapping: dict):
 
 
 class Capture:
-    """One snapshot being taken: ``begin`` at the step boundary, ``copy`` on the snapshot thread."""
+    """One snapshot being taken: ``begin`` at the step boundary, ``copy`` on the snapshot thread.
 
+    Both run without autograd: a DTensor's ``to_local()`` is then its local tensor, not an
+    autograd function's output (half of the boundary's cost with FSDP2's parameters)."""
+
+    @torch.no_grad()
     def __init__(self, step: int, objects: dict, per_rank: dict | None, reuse: StateImage | None):
         self.step = step
         self._modules = {name for name, obj in objects.items() if isinstance(obj, torch.nn.Module)}
@@ -120,7 +139,7 @@ class Capture:
         self._sources = [t.to_local() if _is_dtensor(t) else t for t in sources]
         self._sources = [t.detach() for t in self._sources]
         buffers = _reuse(reuse, skeleton, self._sources)
-        self.image = StateImage(step, skeleton, buffers, per_rank=per_rank or None)
+        self.image = StateImage(step, skeleton, buffers, per_rank=per_rank or None, modules=frozenset(self._modules))
         later = _changes_only_in_optimizer_step(objects, states, skeleton)
         self._later = [i for i in range(len(buffers)) if i in later]
         for i in range(len(buffers)):
@@ -131,6 +150,7 @@ class Capture:
             self._stream = torch.cuda.Stream()
             self._stream.wait_stream(torch.cuda.current_stream())  # the step's work so far is what we copy
 
+    @torch.no_grad()
     def copy(self) -> StateImage:
         """Copy what may wait for the optimizer step; returns the finished image."""
         buffers, sources = self.image.tensors, self._sources
@@ -143,9 +163,6 @@ class Capture:
             for i in self._later:
                 buffers[i].copy_(sources[i])
         self._sources = []  # no reference to live tensors outlives the copy
-        states = self.image.states()
-        for name in states:
-            self.image.digests[name] = fingerprints({name: states[name]}, self._modules & {name})
         return self.image
 
 

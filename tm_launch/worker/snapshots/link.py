@@ -89,7 +89,7 @@ def _recv_image(sock: socket.socket, header: dict, reuse: StateImage | None = No
         tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
     for t in tensors:
         _recv_into(sock, t)
-    return StateImage(header["step"], header["skeleton"], tensors, header.get("digests", {}), header.get("per_rank"))
+    return StateImage(header["step"], header["skeleton"], tensors, {}, header.get("per_rank"), frozenset(header.get("modules", ())))
 
 
 def _image_header(kind: str, source: int, image: StateImage) -> dict:
@@ -98,7 +98,7 @@ def _image_header(kind: str, source: int, image: StateImage) -> dict:
         "source": source,
         "step": image.step,
         "skeleton": image.skeleton,
-        "digests": image.digests,
+        "modules": sorted(image.modules),
         "per_rank": image.per_rank,
     }
 

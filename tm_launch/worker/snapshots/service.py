@@ -194,7 +194,7 @@ class Snapshots:
     def local_digests(self) -> dict:
         """step -> {name: (structure, values)} of the complete local images: where this rank can return."""
         with self._lock:
-            return {s: dict(i.digests) for s, i in self._local.items()}
+            return {s: dict(i.fingerprints()) for s, i in self._local.items()}
 
     def holds_own(self, step: int) -> bool:
         """This rank's holder acknowledged its image of ``step``."""
