@@ -70,8 +70,13 @@ def test_a_follower_costs_the_same_per_event_at_8_and_24_nodes(results):
     # Generation 0: a follower takes the first plan from its delta and reads its peers' records
     # in one request. It reads the whole state at most once, at its join, and only if it joined
     # before the planners were chosen (before: once at its join and again when the plan landed),
-    # and makes as many requests at 24 nodes as at 8.
+    # and makes a bounded number of requests whatever N: its join (get, grant, create, put), a
+    # read at its join, the watch, the plan's delta and its peers' records, 7 to 9 at 8 and at 24
+    # nodes (seen: at 24 an early joiner makes 2 gets, 2 prefix reads and a get_many; at 8, 1 get
+    # and 2 or 3 prefix reads, with the timing of the joins: comparing the two sizes' maxima
+    # within one request failed 1 run in 3).
+    # Without the mirror it grew with N (30 at 24 nodes).
     for gen0 in (gen0_8, gen0_24):
         f = gen0["followers"]
         assert f["count"] >= gen0["live"] - PLANNERS - 3 and f["whole_reads"] <= f["count"], gen0
-    assert gen0_24["followers"]["ops_max"] <= gen0_8["followers"]["ops_max"] + 1, (gen0_8, gen0_24)
+        assert f["ops_max"] <= 10, (gen0_8, gen0_24)
