@@ -120,21 +120,18 @@ class WorkerSupervisor:
 
     def state_lost(self, local_rank: int) -> StateLostRecord | None:
         """What a worker said before it ended because no live rank holds some rank's state."""
-        key = WorkerKeys(local_rank).state_lost
-        if not self.store.check([key]):
-            return None
-        try:
-            return StateLostRecord.from_json(self.store.get(key))
-        except (ValueError, TypeError):
-            return None
+        return self._last_word(WorkerKeys(local_rank).state_lost, StateLostRecord)
 
     def refused(self, local_rank: int) -> RefusedRecord | None:
         """Why a worker refused to run (the job cannot run as configured), if it said so."""
-        key = WorkerKeys(local_rank).refused
+        return self._last_word(WorkerKeys(local_rank).refused, RefusedRecord)
+
+    def _last_word(self, key: str, record):
+        """The record a worker left under ``key`` before it ended; None if none or unreadable."""
         if not self.store.check([key]):
             return None
         try:
-            return RefusedRecord.from_json(self.store.get(key))
+            return record.from_json(self.store.get(key))
         except (ValueError, TypeError):
             return None
 
