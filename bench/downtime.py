@@ -429,6 +429,7 @@ class Bench:
                 result["events"] = [e for e in job.events() if e.get("kind") not in ("info",)]
             if spec.launcher == "tm-live" and spec.case != "overhead":
                 result["breakdown"] = self.breakdown(job, None if spec.case == "drain" else fault_time)
+                result["connections"] = connections_opened(result["events"])
                 spare = job.nodes.get("s0")
                 result["spare_reran"] = bool(spare and "running the script again" in spare.log())
         except KeyboardInterrupt:
@@ -593,6 +594,8 @@ class Bench:
                 # the part of the interrupted step done before the fault, and the rest: the recovery
                 out["fault_offset_s"] = fault_time - d["last_step_at"]
                 out["after_fault_s"] = d["downtime_s"] - out["fault_offset_s"]
+                if step:  # issue 32's figure: what the recovery adds to the interrupted step run again
+                    out["recovery_overhead_s"] = out["after_fault_s"] - step
         out.update(d)
         out["step_time_s"] = step
         return out
@@ -738,6 +741,7 @@ def summarize(runs: list[dict], args) -> tuple[list[dict], list[dict]]:
             "steps_redone": _median_of(ok, "steps_redone"),
             "after_fault_s": _median_of(ok, "after_fault_s"),
             "fault_offset_s": _median_of(ok, "fault_offset_s"),
+            "recovery_overhead_s": _median_of(ok, "recovery_overhead_s"),
             "step_time_s": statistics.median([r["step_time_s"] for r in ok if r.get("step_time_s")])
             if any(r.get("step_time_s") for r in ok)
             else None,
@@ -842,6 +846,27 @@ def run_notes(runs: list[dict]) -> list[str]:
     return notes
 
 
+def connections_opened(events) -> dict | None:
+    """Per substitution (the change to generation 1): the most TCP connections one worker of a
+    surviving node and one of a joining node opened while entering, and the most communicators
+    one worker rebuilt (the agents' ``entered`` events, from ``tm_launch.worker.connections``)."""
+    plan = next((e for e in events if e.get("kind") == "plan" and e.get("generation") == 1), None)
+    entered = [e for e in events if e.get("kind") == "entered" and e.get("generation") == 1]
+    if plan is None or not entered:
+        return None
+    joiners = set((plan.get("replaced") or {}).keys())
+
+    def most(rows):
+        values = [e["tcp_opened"] for e in rows if e.get("tcp_opened") is not None]
+        return max(values) if values else None
+
+    return {
+        "survivor": most([e for e in entered if e["node"] not in joiners]),
+        "joiner": most([e for e in entered if e["node"] in joiners]),
+        "groups_rebuilt": max((e.get("groups_rebuilt") or 0) for e in entered),
+    }
+
+
 BREAKDOWN_PHASES = ("before_fault", "detect", "plan", "seen", "directed", "communicator", "state", "first_step", "total")
 
 
@@ -860,8 +885,9 @@ def breakdown_table(runs) -> list[str]:
         "tm-live downtime by phase (ms, median; the phases of the node that resumed last, which add up to its total; "
         "the step log's downtime adds the gap between the agents' stamps and the script's step log):",
         "",
-        "| case | world size | " + " | ".join(BREAKDOWN_PHASES) + " | spare ran the script again |",
-        "|---|---|" + "---|" * len(BREAKDOWN_PHASES) + "---|",
+        "| case | world size | " + " | ".join(BREAKDOWN_PHASES) + " | spare ran the script again "
+        "| connections opened per worker: survivor / joiner | communicators rebuilt per worker |",
+        "|---|---|" + "---|" * len(BREAKDOWN_PHASES) + "---|---|---|",
     ]
     order = {c: i for i, c in enumerate(CASES)}
     for (case, size), group in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
@@ -870,25 +896,36 @@ def breakdown_table(runs) -> list[str]:
             values = [r["breakdown"][phase] for r in group if r["breakdown"].get(phase) is not None]
             cells.append(fmt_num(statistics.median(values) * 1000, "{:.0f}") if values else "—")
         reran = sum(1 for r in group if r.get("spare_reran"))
-        lines.append(f"| {case} | {size} | " + " | ".join(cells) + f" | {reran} of {len(group)} |")
+        counted = [r["connections"] for r in group if r.get("connections")]
+
+        def span(key, counted=counted):
+            values = sorted({c[key] for c in counted if c.get(key) is not None})
+            return "—" if not values else str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+        lines.append(
+            f"| {case} | {size} | " + " | ".join(cells) + f" | {reran} of {len(group)} | {span('survivor')} / {span('joiner')} "
+            f"| {span('groups_rebuilt')} |"
+        )
     return lines
 
 
 def markdown(rows, overhead, args, meta, runs=()) -> str:
     lines = (
         [
-            "| case | world size | launcher | downtime s | of it before the fault, ms | steps redone | ratio vs torchrun |",
-            "|---|---|---|---|---|---|---|",
+            "| case | world size | launcher | downtime s | of it before the fault, ms | recovery overhead, ms | steps redone | ratio vs torchrun |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         if rows
         else []
     )
     for r in rows:
+        extra = "—"
         if r.get("na"):
             dt, before, redone, ratio = "n/a (no drain)", "n/a", "n/a", "n/a"
         elif r["downtime_s"] is None:
             dt, before, redone, ratio = "no recovery", "—", "—", "—"
         else:
+            extra = fmt_num(None if r.get("recovery_overhead_s") is None else r["recovery_overhead_s"] * 1000, "{:.0f}")
             dt = fmt_num(r["downtime_s"], "{:.2f}")
             if r["failed"]:
                 dt += f" ({r['failed']}/{r['runs']} runs failed)"
@@ -896,7 +933,7 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
             redone = fmt_num(r["steps_redone"], "{:g}")
             ratio = "1.0x (ref)" if r["launcher"] == "torchrun" else (fmt_num(r["ratio"], "{:.1f}x") if r["ratio"] else "n/a")
         case = f"{r['case']} ({args.layout})" if args.layout else r["case"]
-        lines.append(f"| {case} | {r['size']} | {r['launcher']} | {dt} | {before} | {redone} | {ratio} |")
+        lines.append(f"| {case} | {r['size']} | {r['launcher']} | {dt} | {before} | {extra} | {redone} | {ratio} |")
     if overhead:
         lines += [
             "" if rows else None,
@@ -940,7 +977,8 @@ def markdown(rows, overhead, args, meta, runs=()) -> str:
         f"{f'tests/scripts/hybrid.py --layout {args.layout} (AdamW, LR schedule, loss all-reduced after the optimizer step) ' if args.layout else 'a tiny MLP forward/backward/allreduce '}"
         f"(measured median step before the fault: {fmt_num(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms). "
         f"Training paused at step {args.pause_step} until ready, an unplanned fault {args.fault_at:g} of a step after step "
-        f'{args.pause_step + args.fault_after} completed ("before the fault": the part of the interrupted step done before it); '
+        f'{args.pause_step + args.fault_after} completed ("before the fault": the part of the interrupted step done before it; '
+        f'"recovery overhead": the downtime less that part and one step before the fault, the interrupted step run again); '
         f"checkpoint every {args.ckpt_every} steps for torchrun and tm-restart; one spare node for tm-launch "
         f"(torchrun: a standby agent for node-sigkill{'' if args.torchrun_shared_store else '; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1'}). "
         f"{f'OMP_NUM_THREADS={args.omp_threads} for every launcher. ' if args.omp_threads else ''}Layout: 2 ranks = 2 nodes x 1, N ranks = N/2 nodes x 2. "

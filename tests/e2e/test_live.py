@@ -124,6 +124,25 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     assert plans and plans[0]["replaced"] == {"c": victim} and plans[0]["live"], job.events()
 
 
+MOST_CONNECTIONS = 4  # per worker entering a generation: 2 ring neighbours + the peers of its state transfer
+
+
+@pytest.mark.slow
+def test_a_survivor_connects_to_as_few_peers_at_8_ranks(local_job, reference):
+    """4 nodes x 2 workers and a spare; rank 2's worker dies at the vote. Every worker that
+    enters generation 1 opens at most as many connections as at 4 ranks (the full mesh it
+    replaced opened 7 per worker here), and the job ends bitwise."""
+    script = ["--log-loss", "--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", "vote"]
+    script += ["--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c", "d", "e"], script=script)
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
+    assert all(code == 0 for node, code in codes.items() if node != victim), job.logs_tail()
+    assert_bitwise(params, reference(4, 2))
+    entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
+    assert len(entered) == 4, entered
+    assert all(e["groups_rebuilt"] == 1 and 1 <= e["tcp_opened"] <= MOST_CONNECTIONS for e in entered.values()), entered
+
+
 def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local_job, reference):
     """The worker of rank 0 SIGKILLs itself: the spare, warmed up as the last node's ranks, runs
     the script again for ranks 0 and 1 with one warm-up step and DDP's bucket rebuild done
@@ -157,6 +176,10 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     # workers and the parked spare's held connections ready (tm_launch.worker.store_clients).
     entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
     assert entered[survivor]["store_connects"] == 0 and entered["c"]["store_connects"] == 0, entered
+    # Delta set-up (tm_launch.worker.communicators): one communicator rebuilt; a worker connects
+    # to its two ring neighbours and to the ranks it exchanges state with, not to every rank
+    # (the same bound at 8 ranks: test_a_survivor_connects_to_as_few_peers_at_8_ranks).
+    assert all(e["groups_rebuilt"] == 1 and 1 <= e["tcp_opened"] <= MOST_CONNECTIONS for e in entered.values()), entered
     spare = job.nodes["c"].log()
     assert "promoted to rank 0 (warmed up as rank 2)" in spare and "promoted to rank 1 (warmed up as rank 3)" in spare, spare
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]

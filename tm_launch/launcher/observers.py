@@ -294,6 +294,7 @@ class EntryReport:
         state = max(r.state for r in records)
         received = any(r.received for r in records)
         connects = sum(r.store_connects for r in records)  # opened on the way in (tm_launch.worker.store_clients)
+        opened = [r.tcp_opened for r in records if r.tcp_opened is not None]  # per worker (tm_launch.worker.connections)
         since = time.time() - plan.created
         self.timings[plan.generation] = {"communicator": comm, "state": state}
         self.metrics.on_entered(plan)
@@ -307,6 +308,8 @@ class EntryReport:
             received=received,
             after_plan_s=since,
             store_connects=connects,
+            tcp_opened=max(opened) if opened else None,  # the most any one worker of this node opened
+            groups_rebuilt=max(r.groups_rebuilt for r in records),
         )
 
 

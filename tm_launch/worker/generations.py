@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol import Directive, EnteredRecord, StoreAddress, WorkerEnv, WorkerState
-from . import c10d_glue, communicators
+from . import c10d_glue, communicators, connections
 from .agent_client import AgentClient, first_line, log
 from .commit import commit_store
 from .groups import LocalBackend
@@ -257,7 +257,7 @@ class Generations:
     def _enter_once(self, d: Directive, prebuilt=None, agree: bool = True) -> None:
         state = self.state
         t0, began = time.perf_counter(), time.time()
-        connects_before = self.clients.opened_on_demand
+        connects_before, opened = self.clients.opened_on_demand, connections.Mark()
         gen, rank, world = d.generation, d.rank_of(self.local_rank), d.world_size
         self.current = d
         old_rank = state.rank
@@ -272,7 +272,7 @@ class Generations:
         inner = prebuilt or self._build_watching(None, rank, gen, d)
         state.world.swap(inner, rank, world, gen)
         c10d_glue.register(state.world, range(world))
-        self._rebuild_subgroups(d, rank, old_rank)
+        rebuilt = 1 + self._rebuild_subgroups(d, rank, old_rank)
         state.commit.use(commit_store(self.store(d.store), gen), rank, world, gen, abort_store=commit_store(self.store(d.store), gen))
         self._meet_snapshot_holders(d, rank, world)
         t_comm = time.perf_counter()
@@ -289,6 +289,8 @@ class Generations:
                 began=began,
                 last_step_at=state.step_done_at,  # wall clock: tm_launch.joblog
                 store_connects=self.clients.opened_on_demand - connects_before,
+                tcp_opened=opened.opened(),
+                groups_rebuilt=rebuilt,
             ),
         )
         self.status.report(force=True)
@@ -320,12 +322,14 @@ class Generations:
 
         self.snapshots.enter(rank, world, endpoint_of)
 
-    def _rebuild_subgroups(self, d: Directive, rank: int, old_rank: int) -> None:
+    def _rebuild_subgroups(self, d: Directive, rank: int, old_rank: int) -> int:
         """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by
         a new process (a joiner), when it failed, or when this process took a new rank; the
         others keep their communicator object and its connections. Groups are built in the
         order the script created them, the same order on every rank (each setup waits for all
-        of its members, so two ranks building in different orders would wait for each other)."""
+        of its members, so two ranks building in different orders would wait for each other).
+        Returns how many it rebuilt."""
+        rebuilt = 0
         for sub in self.state.subgroups:
             ranks = sub.member_ranks
             if rank not in ranks:
@@ -335,6 +339,8 @@ class Generations:
             fresh = membership_changed(ranks, d, rank, old_rank) or sub.inner is None or isinstance(sub.inner, LocalBackend)
             if fresh:
                 sub.swap(self._build_watching(ranks, rank, d.generation, d), ranks.index(rank), len(ranks), d.generation)
+                rebuilt += 1
+        return rebuilt
 
     # -- agreeing on the step, and the state ----------------------------------------------------------
     def object_states(self, rank: int, world: int) -> dict:

@@ -30,6 +30,18 @@ def live_nccl_error_handling(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_error_handling(True, None))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def pairs_on_first_use():
+    """As a live worker runs (``LiveJob`` sets it first thing); as before after this module."""
+    before = os.environ.pop(communicators.LAZY_GLOO, None)
+    communicators.connect_pairs_on_first_use()
+    assert os.environ[communicators.LAZY_GLOO] == "1"
+    yield
+    os.environ.pop(communicators.LAZY_GLOO, None)
+    if before is not None:
+        os.environ[communicators.LAZY_GLOO] = before
+
+
 @pytest.fixture
 def store():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))

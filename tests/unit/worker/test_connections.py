@@ -1,0 +1,93 @@
+"""tm_launch.worker.connections, and the delta set-up it measures: a rank entering a generation
+opens a number of connections that does not grow with the world size (real processes, one per
+rank, on a real TCPStore; the full mesh, the user's ``TORCH_GLOO_LAZY_INIT=0``, for contrast)."""
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import torch.distributed as dist
+
+from tm_launch.worker import communicators, connections
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+# One rank entering a generation as the runtime does: the communicator, then the agreement
+# (an all-gather of every rank's holding) and one state transfer (rank 0 sends to rank size/2,
+# not a ring neighbour from 4 ranks on).
+RANK = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch, torch.distributed as dist
+    from tm_launch.worker import communicators, connections
+    from tm_launch.worker.transfer import allgather_objects
+    rank, size, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    communicators.connect_pairs_on_first_use()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    mark = connections.Mark()
+    pg = communicators.build(dist.PrefixStore("g1/", store), rank, size, devices=["cpu"], timeout_s=30,
+                             setup_timeout_s=60, hostname="127.0.0.1")
+    assert allgather_objects(pg, size, {"rank": rank}) == [{"rank": r} for r in range(size)]
+    t = torch.full((4,), float(rank))
+    if rank == 0:
+        pg.send([t], size // 2, 0).wait()
+    elif rank == size // 2:
+        pg.recv([t], 0, 0).wait()
+        assert t.sum().item() == 0
+    print("OPENED", mark.opened(), flush=True)
+    store.set(f"done/{rank}", "1")
+    store.wait([f"done/{r}" for r in range(size)])
+    """
+)
+
+
+def enter_on(size: int, mesh: bool = False) -> list[int]:
+    """Connections each of ``size`` rank processes opened while entering (by rank)."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env.pop(communicators.LAZY_GLOO, None)
+    if mesh:
+        env[communicators.LAZY_GLOO] = "0"  # the user's choice wins: the full mesh
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(r), str(size), str(master.port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(size)
+    ]
+    counts = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        counts.append(int(next(line.split()[1] for line in out.splitlines() if line.startswith("OPENED"))))
+    return counts
+
+
+def test_a_rank_entering_opens_the_same_connections_at_2_4_and_8_ranks():
+    # Ring neighbours (one peer at 2 ranks) plus the transfer's pair for its two ends.
+    assert enter_on(2) == [1, 1]
+    for size in (4, 8):
+        counts = enter_on(size)
+        assert counts == [3 if r in (0, size // 2) else 2 for r in range(size)], (size, counts)
+
+
+def test_the_full_mesh_opens_a_connection_to_every_peer():
+    assert enter_on(6, mesh=True) == [5] * 6
+
+
+def test_a_mark_counts_established_connections_only():
+    mark = connections.Mark()
+    assert mark.opened() == 0
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    assert mark.opened() == 2  # both ends live in this process; the listener is no connection
+    for s in (client, accepted, listener):
+        s.close()
+    assert mark.opened() == 0
