@@ -44,12 +44,15 @@ def nccl_error_handling(live: bool, user_value: str | None) -> str:
 
     Live mode: 2 (clean up only). When a collective fails or times out, NCCL's watchdog aborts
     that communicator and fails its pending works, so the survivor's wait raises and its
-    stream is freed, and the process lives on to enter the next generation. 1 (tear down) and
+    stream is freed, and the process lives on to enter the next generation. The worker sets it
+    itself when it starts live mode (``communicators.live_process_environment``), from what the
+    agent gave it: every worker starts with torchrun's value, since a script that never calls
+    ``tm_launch.init()`` runs in restart mode. 1 (tear down) and
     3 (tear down, skip clean-up) kill the survivor on the first NCCL error, which is what live
     substitution exists to avoid, so they are overridden; 0 (no handling) is honoured when the
     user asks for it (the runtime then has to call ``abort`` itself, or a timed-out kernel
     keeps its stream busy for ever).  Restart mode: every worker restarts anyway, so the
-    user's value, else 1 (tear down, the fastest way out).
+    user's value, else 1 (tear down, the fastest way out), as torchrun gives it.
     """
     if live:
         return user_value if user_value in (NCCL_NO_HANDLING, NCCL_CLEANUP_ONLY) else NCCL_CLEANUP_ONLY

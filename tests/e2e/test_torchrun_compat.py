@@ -24,8 +24,9 @@ from tests.scripts.env_dump import TORCHRUN_ENV  # noqa: E402
 # Must be equal under both launchers. The rest of TORCHRUN_ENV must be present but may differ:
 # MASTER_PORT (each picks its own), TORCHELASTIC_RUN_ID (random per --standalone),
 # TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init),
-# TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory),
-# TORCH_NCCL_ASYNC_ERROR_HANDLING (on purpose: 2 in live mode, torchrun's 1 with --no-live; see NCCL_MODE).
+# TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory).
+# TORCH_NCCL_ASYNC_ERROR_HANDLING is torchrun's 1 too: a live worker sets its own (2) when it
+# starts live mode (tests/unit/worker/test_communicators.py), and env_dump never calls tm_launch.init().
 SAME = (
     "RANK",
     "LOCAL_RANK",
@@ -41,10 +42,8 @@ SAME = (
     "OMP_NUM_THREADS",
     "MASTER_ADDR",
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 )
-# TORCH_NCCL_ASYNC_ERROR_HANDLING, a difference on purpose (README): torchrun gives 1 (tear the process
-# down on an NCCL error); tm-launch's live mode gives 2 (clean up only: a survivor must live on).
-NCCL_MODE = {"torchrun": "1", "tm-launch": "2"}
 SCRIPT_ARGS = ["--foo", "bar", "--tag", "${local_rank}"]  # torchrun substitutes ${local_rank} in worker args
 
 
@@ -85,10 +84,6 @@ def assert_same_worker_view(ours: dict, theirs: dict, ours_out, theirs_out) -> N
             f"missing {sorted(set(b['env']) - set(a['env']))}, extra {sorted(set(a['env']) - set(b['env']))}"
         )
         assert {k: a["env"][k] for k in SAME} == {k: b["env"][k] for k in SAME}, f"rank {rank}"
-        assert (a["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], b["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == (
-            NCCL_MODE["tm-launch"],
-            NCCL_MODE["torchrun"],
-        )
         for record in (a, b):
             pattern = error_file_pattern(rank).format(run_id=re.escape(record["env"]["TORCHELASTIC_RUN_ID"]))
             assert re.fullmatch(pattern, record["env"]["TORCHELASTIC_ERROR_FILE"]), record["env"]["TORCHELASTIC_ERROR_FILE"]
@@ -246,12 +241,19 @@ def test_modes_match_torchrun(tmp_path, mode):
 
 @pytest.mark.slow
 def test_train_parameters_bitwise_equal(tmp_path):
-    """tests/scripts/train.py (DDP, 2 workers, 10 steps) ends with identical parameters under both."""
-    params = {}
+    """tests/scripts/train.py (DDP, 2 workers, 10 steps) ends with identical parameters under both.
+    Once the script called ``tm_launch.init()``, a live worker has set what torch reads for its
+    groups (NCCL errors cleaned up, gloo pairs on first use); under torchrun nothing changed."""
+    params, seen = {}, {}
     for launcher in ("torchrun", "tm-launch"):
-        out = tmp_path / f"{launcher}.pt"
-        launch(launcher, ["tests/scripts/train.py", "--steps", "10", "--out", str(out)])
+        out, env_out = tmp_path / f"{launcher}.pt", tmp_path / f"{launcher}.json"
+        launch(launcher, ["tests/scripts/train.py", "--steps", "10", "--out", str(out), "--env-out", str(env_out)])
         params[launcher] = torch.load(out)
+        seen[launcher] = json.loads(env_out.read_text())
+    assert seen == {
+        "torchrun": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_GLOO_LAZY_INIT": None},
+        "tm-launch": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_GLOO_LAZY_INIT": "1"},
+    }
     theirs, ours = params["torchrun"], params["tm-launch"]
     assert theirs.keys() == ours.keys() and len(theirs) > 0
     for name in theirs:

@@ -26,6 +26,7 @@ steps.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -47,6 +48,7 @@ def parse():
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
     p.add_argument("--out", default=None, help="rank 0 saves the final parameters here")
+    p.add_argument("--env-out", default=None, help="rank 0 writes what torch will read for its groups here, after init()")
     p.add_argument("--step-log", default=None, help="append 'time rank step generation' per finished step")
     p.add_argument("--ckpt-dir", default=None, help="restart mode: checkpoint here and resume from it")
     p.add_argument("--ckpt-every", type=int, default=10)
@@ -108,6 +110,9 @@ def main():
     chaos = ChaosDir(args.chaos_dir, "train")
     faults = Faults(args, chaos)  # fires chaos triggers too
     job = tm_launch.init(args.backend)
+    if args.env_out and job.rank == 0:
+        with open(args.env_out, "w") as f:
+            json.dump({k: os.environ.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_GLOO_LAZY_INIT")}, f)
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())

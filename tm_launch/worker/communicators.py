@@ -13,7 +13,7 @@ addresses); each backend takes a sub-prefix of it (``cpu/``, ``cuda/``), as torc
 Only the pairs a group uses are connected (delta set-up). gloo's constructor connects every
 pair of the group by default: N - 1 connections per rank on every rebuild, the part of a
 recovery that grows with the job. A live worker sets torch's ``TORCH_GLOO_LAZY_INIT``
-(``connect_pairs_on_first_use``; the user's own setting wins), so pairs connect on first use,
+(``live_process_environment``; the user's own setting wins), so pairs connect on first use,
 and ``build`` runs one 1-element all-reduce: gloo's ring connects each rank to its two ring
 neighbours only, and the all-reduce completing proves that every member has arrived, which
 the full mesh used to prove. After that a rank connects only to the peers it exchanges with:
@@ -43,6 +43,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from ..protocol import nccl_error_handling
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 NCCL = dist.ProcessGroup.BackendType.NCCL
@@ -135,17 +137,22 @@ def gloo_devices(hostname: str | None) -> list:
 
 
 LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"  # read by libtorch in each ProcessGroupGloo constructor
+NCCL_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # read by each ProcessGroupNCCL constructor
 
 
-def connect_pairs_on_first_use() -> None:
-    """Every gloo group this process builds from now on connects its pairs on first use
-    (``TORCH_GLOO_LAZY_INIT=1``; see the module's doc), unless the user set the variable (then
-    it is theirs: ``0`` keeps the full mesh). Called once when a worker starts live mode, before
-    it starts threads: ``setenv`` racing a C++ ``getenv`` on another thread can crash the
-    process (measured here: setting it around each constructor, with ranks as threads, ended
-    in a segmentation fault). Restart mode never calls it: a script's own
-    ``init_process_group`` gets exactly torchrun's environment."""
+def live_process_environment() -> None:
+    """What torch reads when it builds a live worker's groups, set once when the worker starts
+    live mode, before it starts threads (``setenv`` racing a C++ ``getenv`` on another thread
+    can crash the process; measured here: setting it around each constructor, with ranks as
+    threads, ended in a segmentation fault). Restart mode never calls it: a script's own
+    ``init_process_group`` gets exactly torchrun's environment.
+
+    - ``TORCH_GLOO_LAZY_INIT=1``: gloo pairs connect on first use (see the module's doc),
+      unless the user set it (``0`` keeps the full mesh).
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING``: the live value (``protocol.nccl_error_handling``: a
+      survivor of a failed NCCL collective must live on) in place of torchrun's 1."""
     os.environ.setdefault(LAZY_GLOO, "1")
+    os.environ[NCCL_HANDLING] = nccl_error_handling(True, os.environ.get(NCCL_HANDLING))
 
 
 def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeout_s: float, hostname: str | None):

@@ -214,7 +214,7 @@ class LiveJob:
     """A worker that survives its peers: substitution happens inside ``steps()``."""
 
     def __init__(self, env: WorkerEnv, backend: str | None = None):
-        communicators.connect_pairs_on_first_use()  # first: before this process starts threads
+        communicators.live_process_environment()  # first: before this process starts threads
         die_with_parent()
         self.local_rank = env.local_rank
         # Every group of the job serves these devices (an unusable choice raises before anything starts).

@@ -2,6 +2,7 @@
 NCCL release the GIL while they connect and reduce); the CUDA branches run where CUDA is."""
 
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -34,8 +35,7 @@ def live_nccl_error_handling(monkeypatch):
 def pairs_on_first_use():
     """As a live worker runs (``LiveJob`` sets it first thing); as before after this module."""
     before = os.environ.pop(communicators.LAZY_GLOO, None)
-    communicators.connect_pairs_on_first_use()
-    assert os.environ[communicators.LAZY_GLOO] == "1"
+    os.environ.setdefault(communicators.LAZY_GLOO, "1")  # as live_process_environment sets it
     yield
     os.environ.pop(communicators.LAZY_GLOO, None)
     if before is not None:
@@ -477,3 +477,22 @@ def test_gloo_takes_its_interfaces_from_gloo_socket_ifname_as_torch_does(store, 
         return t.item()
 
     assert on_ranks(2, step) == {0: 3.0, 1: 3.0}
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [
+        ({}, {"TORCH_GLOO_LAZY_INIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"TORCH_GLOO_LAZY_INIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, {"TORCH_GLOO_LAZY_INIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
+        ({"TORCH_GLOO_LAZY_INIT": "0"}, {"TORCH_GLOO_LAZY_INIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+    ],
+)
+def test_a_live_process_sets_what_torch_reads_for_its_groups_once(given, want):
+    """In a process of its own (it changes the environment): the agent gives torchrun's value
+    (or the user's); live mode's is set by the worker; the user's gloo choice wins."""
+    env = {k: v for k, v in os.environ.items() if k not in want} | given
+    code = "import os, json; from tm_launch.worker import communicators as c; c.live_process_environment(); "
+    code += f"print(json.dumps({{k: os.environ.get(k) for k in {sorted(want)!r}}}))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == want

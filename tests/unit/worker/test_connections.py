@@ -25,7 +25,7 @@ RANK = textwrap.dedent(
     from tm_launch.worker import communicators, connections
     from tm_launch.worker.transfer import allgather_objects
     rank, size, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    communicators.connect_pairs_on_first_use()
+    communicators.live_process_environment()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     mark = connections.Mark()
     pg = communicators.build(dist.PrefixStore("g1/", store), rank, size, devices=["cpu"], timeout_s=30,
