@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch.distributed as dist
 
 from tm_launch.worker import communicators, connections
@@ -77,6 +78,7 @@ def test_a_rank_entering_opens_the_same_connections_at_2_4_and_8_ranks():
         assert counts == [3 if r in (0, size // 2) else 2 for r in range(size)], (size, counts)
 
 
+@pytest.mark.slow
 def test_the_full_mesh_opens_a_connection_to_every_peer():
     assert enter_on(6, mesh=True) == [5] * 6
 
