@@ -505,9 +505,11 @@ class Membership:
         self.kv.create("state/live", "1")
 
     # -- operator log -------------------------------------------------------------------------
-    def event(self, node: str, kind: str, **fields) -> dict:
-        record = {"time": time.time(), "node": node, "kind": kind, **fields}
-        self.kv.put(f"log/events/{time.time_ns():020d}-{node}", json.dumps(record, sort_keys=True))
+    def event(self, node: str, kind: str, at: float | None = None, **fields) -> dict:
+        """One event under ``log/events/``, keyed by when it happened (``at``; default now)."""
+        at = time.time() if at is None else at
+        record = {"time": at, "node": node, "kind": kind, **fields}
+        self.kv.put(f"log/events/{int(at * 1e9):020d}-{node}", json.dumps(record, sort_keys=True))
         return record
 
     def _json_values(self, prefix: str) -> dict[str, dict]:

@@ -122,6 +122,7 @@ class Agent:
             self.alarms.stop()
             self.metrics.stop()
             self.supervisor.close()
+            self.events.close()  # the last events reach etcd while the session still holds it
             self.session.close()
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -157,10 +158,8 @@ class Agent:
         view, me = snap.view, self.cfg.node_id
         followed = self.executor.plan
         if view.plan is not None and (followed is None or view.plan.generation != followed.generation):
-            self.stamps.plan_seen(view.plan, view.now)
-            code = self.executor.follow(view.plan, view)
+            code = self._follow(view, view.now)
             if code is not None:
-                self.stamps.flush()
                 return code
         plan = self.executor.plan
         if view.plan is None:
@@ -193,7 +192,9 @@ class Agent:
             self._announce(decision)
             self.stamps.plan_published(decision, sent_at, view)
             self.state_changed = True  # look at the new state at once
-            return None
+            # Its own plan is followed now, not after reading it back from etcd on the next
+            # iteration (10-25 ms on a loaded 2-core machine, on every change this node plans).
+            return self._follow(dataclasses.replace(view, plan=decision), time.time())
         # Our own writes (reports, cordons) move the revision past the snapshot's too, so the
         # wait returns at once and the next iteration plans on them. An agent that does not
         # plan wakes only for a new plan, a marker naming it a planner or no planner left
@@ -267,6 +268,14 @@ class Agent:
             f"tm-launch: error: waited {waited:.0f}s for {self.cfg.limits.min_nodes} node(s) to join run "
             f"'{self.cfg.run_id}', {count} joined; start the other nodes or lower --nnodes"
         )
+
+    def _follow(self, view, seen_at: float) -> int | None:
+        """Do what ``view.plan`` asks of this node; an exit code when the agent is done."""
+        self.stamps.plan_seen(view.plan, seen_at)
+        code = self.executor.follow(view.plan, view)
+        if code is not None:
+            self.stamps.flush()
+        return code
 
     def _announce(self, plan: Plan) -> None:
         if plan.finished:
