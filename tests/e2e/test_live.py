@@ -179,7 +179,9 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     # Delta set-up (tm_launch.worker.communicators): one communicator rebuilt; a worker connects
     # to its two ring neighbours and to the ranks it exchanges state with, not to every rank
     # (the same bound at 8 ranks: test_a_survivor_connects_to_as_few_peers_at_8_ranks).
-    assert all(e["groups_rebuilt"] == 1 and 1 <= e["tcp_opened"] <= MOST_CONNECTIONS for e in entered.values()), entered
+    assert all(e["groups_rebuilt"] == 1 and 1 <= e["tcp_opened"] <= MOST_CONNECTIONS for e in entered.values()), {
+        n: (e["tcp_opened"], e["groups_rebuilt"]) for n, e in entered.items()
+    }
     spare = job.nodes["c"].log()
     assert "promoted to rank 0 (warmed up as rank 2)" in spare and "promoted to rank 1 (warmed up as rank 3)" in spare, spare
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]

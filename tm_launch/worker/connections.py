@@ -6,7 +6,10 @@ generation, so that the count is reported per change (``EnteredRecord.tcp_opened
 not only inferred from timings. It counts every TCP connection the process opened in the span
 (gloo pairs, plus any store or snapshot connection a change had to open): sockets that are new
 since ``Mark`` and connected now. Listening sockets (one gloo device per group) are not
-connections and are not counted. Elsewhere than Linux the count is None.
+connections and are not counted, nor are connections accepted by a listener that was already
+open at ``Mark``: those belong to an older group another process is still using (a dying
+worker's last collective of the old generation connecting to a survivor's old world group
+counted one more, now and then). Elsewhere than Linux the count is None.
 """
 
 from __future__ import annotations
@@ -35,36 +38,47 @@ def open_sockets() -> dict[int, int] | None:
     return found
 
 
-def is_tcp_connection(fd: int) -> bool:
-    """Whether ``fd`` is a connected TCP socket (IPv4 or IPv6; not a listener, not UDP or a
-    Unix socket). Asked of the socket itself, through a duplicate: reading the kernel's TCP
-    table (``/proc/net/tcp``) took 8 ms with a few hundred sockets on the machine, too long for
-    a recovery's path."""
+def tcp_endpoint(fd: int) -> tuple[int, bool] | None:
+    """(local port, connected) of ``fd`` when it is a TCP socket (IPv4 or IPv6; not UDP or a
+    Unix socket), else None. Asked of the socket itself, through a duplicate: reading the
+    kernel's TCP table (``/proc/net/tcp``) took 8 ms with a few hundred sockets on the machine,
+    too long for a recovery's path."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:  # closed since it was listed
-        return False
+        return None
     try:
         if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-            return False
-        sock.getpeername()
-        return True
-    except OSError:  # not connected (a listener) or no longer open
-        return False
+            return None
+        port = sock.getsockname()[1]
+        try:
+            sock.getpeername()
+        except OSError:  # not connected: a listener, or a socket not yet connected
+            return port, False
+        return port, True
+    except OSError:  # no longer open
+        return None
     finally:
         sock.close()
 
 
 class Mark:
     """The sockets open at one moment; ``opened()``: TCP connections opened since then and
-    still open (None where it cannot be known)."""
+    still open, not counting those accepted by a listener open at the mark (None where it
+    cannot be known)."""
 
     def __init__(self):
         before = open_sockets()
         self.before = None if before is None else set(before)
+        self.listening = set()
+        for fd in (before or {}).values():
+            endpoint = tcp_endpoint(fd)
+            if endpoint is not None and not endpoint[1]:
+                self.listening.add(endpoint[0])
 
     def opened(self) -> int | None:
         now = open_sockets()
         if self.before is None or now is None:
             return None
-        return sum(1 for inode, fd in now.items() if inode not in self.before and is_tcp_connection(fd))
+        endpoints = (tcp_endpoint(fd) for inode, fd in now.items() if inode not in self.before)
+        return sum(1 for e in endpoints if e is not None and e[1] and e[0] not in self.listening)

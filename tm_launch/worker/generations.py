@@ -127,8 +127,10 @@ class Generations:
         return [g for g in self.state.groups if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d.generation)]
 
     def _build_in_background(self, ranks, global_rank: int, gen: int, d: Directive) -> tuple:
-        """``build`` in a daemon thread: (thread, box); the box gets ``pg`` or ``error``."""
-        box: dict = {}
+        """``build`` in a daemon thread: (thread, box); the box gets ``pg`` or ``error``, and
+        ``mark``: the sockets open before the build (``connections.Mark``), from which entering
+        with it counts what it opened."""
+        box: dict = {"mark": connections.Mark()}
 
         def work():
             try:
@@ -257,7 +259,10 @@ class Generations:
     def _enter_once(self, d: Directive, prebuilt=None, agree: bool = True) -> None:
         state = self.state
         t0, began = time.perf_counter(), time.time()
-        connects_before, opened = self.clients.opened_on_demand, connections.Mark()
+        connects_before = self.clients.opened_on_demand
+        # Counted from before the communicator's build: one built ahead (a spare running the
+        # script again, a planned switch) opened its listener before this call.
+        opened = prebuilt[1]["mark"] if isinstance(prebuilt, tuple) else connections.Mark()
         gen, rank, world = d.generation, d.rank_of(self.local_rank), d.world_size
         self.current = d
         old_rank = state.rank

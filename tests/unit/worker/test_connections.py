@@ -93,3 +93,20 @@ def test_a_mark_counts_established_connections_only():
     for s in (client, accepted, listener):
         s.close()
     assert mark.opened() == 0
+
+
+def test_a_connection_an_older_listener_accepts_is_not_counted():
+    """Another process connecting to a group this one had before the mark (a dying worker's last
+    collective of the old generation) is no connection the change opened; a listener opened
+    since the mark (the rebuilt group's) counts what it accepts."""
+    old = socket.create_server(("127.0.0.1", 0))
+    mark = connections.Mark()
+    client = socket.create_connection(old.getsockname())
+    accepted, _ = old.accept()
+    assert mark.opened() == 1  # the client end is outgoing; the accepted end belongs to the old listener
+    new = socket.create_server(("127.0.0.1", 0))
+    client2 = socket.create_connection(new.getsockname())
+    accepted2, _ = new.accept()
+    assert mark.opened() == 3
+    for s in (client, accepted, old, client2, accepted2, new):
+        s.close()
