@@ -122,6 +122,7 @@ class Plan:
     replaced: dict = field(default_factory=dict)  # new node -> node it replaced
     removed: tuple[str, ...] = ()  # nodes that left in this generation (failed or drained)
     live: bool = False  # survivors keep their processes (in-place substitution)
+    restart_why: str = ""  # a generation after the first that is not live: why every worker starts afresh
     planned: bool = False  # a two-phase migration (drain): switch at a step boundary
     state: str = RUNNING
     reason: str = ""
@@ -178,6 +179,7 @@ class Plan:
                 ("cause", str),
                 ("replaced", dict),
                 ("live", bool),
+                ("restart_why", str),
                 ("planned", bool),
                 ("state", str),
                 ("reason", str),
@@ -203,6 +205,7 @@ class Plan:
             replaced={},
             removed=(),
             live=self.live,
+            restart_why="",
             planned=False,
             state=RUNNING,
             reason="",

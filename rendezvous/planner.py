@@ -190,6 +190,7 @@ def next_plan(view: View, limits: Limits) -> Plan | None:
             store=_store_for(nodes, nodes, view.alive, view.plan.store),
             cause=f"scale up: {', '.join(grow)} joined",
             live=False,
+            restart_why=f"the job grows from {len(plan.nodes)} to {len(nodes)} node(s)",
         )
     return None
 
@@ -242,7 +243,8 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
     nodes_t, joiners_t = tuple(nodes), tuple(joiners)
     # Live needs the same world size and a surviving process that holds the training state;
     # otherwise every worker starts afresh (from the script's own start or checkpoint).
-    live = view.live and not state_lost and len(nodes) == len(plan.nodes) and any(n not in joiners for n in nodes)
+    why = why_restart(view.live, state_lost, len(plan.nodes), len(nodes), any(n not in joiners for n in nodes))
+    live = not why
     if not live:
         joiners_t = nodes_t
     return plan.next(
@@ -253,8 +255,32 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
         restarts=restarts,
         cause=cause,
         live=live,
+        restart_why=why,
         store=_store_for(nodes_t, joiners_t, view.alive, plan.store),
     )
+
+
+NOT_LIVE_YET = (
+    "no worker has entered tm_launch's live loop (job.steps() or a framework integration): the script does not "
+    "use tm_launch.init(), or tm-launch runs with --no-live (README: Live mode)"
+)
+
+
+def why_restart(live_seen: bool, state_lost: str, before: int, after: int, survivor: bool) -> str:
+    """Why a generation replacing nodes restarts every worker instead of substituting ranks in
+    place ('' when it can be live): said in the plan, the agents' logs and ``ctl status``, so
+    that a job running in restart mode says what would make it live. ``live_seen``: a worker
+    entered the live loop; ``state_lost``: a live rank's report that some rank's state exists
+    nowhere; ``before``/``after``: the node count; ``survivor``: a node keeps its workers."""
+    if not live_seen:
+        return NOT_LIVE_YET
+    if state_lost:
+        return f"the training state of some rank is lost ({state_lost})"
+    if after != before:
+        return f"no spare left: the job goes from {before} to {after} node(s), and live substitution keeps the world size"
+    if not survivor:
+        return "no node keeps its workers: none is left to hand the training state over"
+    return ""
 
 
 def _migrate(view: View, drains: list[str]) -> Plan | None:
@@ -267,7 +293,8 @@ def _migrate(view: View, drains: list[str]) -> Plan | None:
     if not moves:
         return None  # a drain waits for a spare; it never shrinks the job
     nodes = tuple(moves.get(n, n) for n in plan.nodes)
-    live = view.live and len(moves) < len(plan.nodes)  # someone must stay to hand over the state
+    why = why_restart(view.live, "", len(plan.nodes), len(nodes), len(moves) < len(plan.nodes))  # someone must stay to hand over the state
+    live = not why
     joiners = tuple(moves.values()) if live else nodes
     return plan.next(
         nodes=nodes,
@@ -275,6 +302,7 @@ def _migrate(view: View, drains: list[str]) -> Plan | None:
         replaced={new: old for old, new in moves.items()},
         removed=tuple(moves),
         live=live,
+        restart_why=why,
         planned=True,
         cause="; ".join(f"{old}: drain ({view.drains[old]})" for old in moves),
         store=_store_for(nodes, joiners, view.alive, plan.store),

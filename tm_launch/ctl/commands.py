@@ -75,14 +75,15 @@ def _connect(args):
 
 def status(members, run_id: str) -> dict:
     from rendezvous.plan import FAILED, SUCCEEDED
-    from rendezvous.planner import spares
+    from rendezvous.planner import NOT_LIVE_YET, spares
 
     snap = members.snapshot(strict=False)  # an operator still sees the nodes when the plan is junk
     if snap.plan_error:
         logging.getLogger("tm_launch.ctl").warning("%s", snap.plan_error)
     view, plan = snap.view, snap.view.plan
     progress = members.all_progress()
-    ids = set(view.alive) | set(view.failed) | set(plan.nodes if plan else ()) | set(progress)
+    departed = departures(members.history())
+    ids = set(view.alive) | set(view.failed) | set(plan.nodes if plan else ()) | set(progress) | set(departed)
     nodes = []
     for node in sorted(ids, key=lambda n: (plan.group_rank(n) if plan and plan.group_rank(n) is not None else 10**9, n)):
         active = bool(plan and node in plan.nodes)
@@ -97,6 +98,8 @@ def status(members, run_id: str) -> dict:
             role = "active" if node in view.alive else "lost"
         elif node in view.alive:
             role = "spare"
+        elif node in departed:
+            role = departed[node][0]
         else:
             role = "gone"
         nodes.append(
@@ -105,7 +108,9 @@ def status(members, run_id: str) -> dict:
                 "role": role,
                 "ranks": plan.ranks(node) if plan else [],
                 "alive": node in view.alive,
-                "reason": view.failed.get(node) or view.drains.get(node),
+                "reason": view.failed.get(node)
+                or view.drains.get(node)
+                or (departed[node][1] if role in ("replaced", "removed") else None),
                 "progress": progress.get(node, {}).get("workers", {}),
                 "snapshot_bytes": _snapshot_bytes(progress.get(node, {}).get("workers", {})),
             }
@@ -116,6 +121,8 @@ def status(members, run_id: str) -> dict:
         "state": plan.state if plan else ("plan unreadable" if snap.plan_error else "forming"),
         "world_size": plan.world_size if plan else 0,
         "live": view.live,
+        # what a job not repaired in place needs, or why its last change restarted every worker
+        "not_live": (plan.restart_why if plan and not plan.live and plan.generation > 0 else "") or ("" if view.live else NOT_LIVE_YET),
         # restarts done: a failed plan also counts the failure that found none left
         "restarts": (plan.restarts - (plan.state == FAILED and plan.restarts > 0)) if plan else 0,
         "cause": plan.cause if plan else "",
@@ -123,6 +130,23 @@ def status(members, run_id: str) -> dict:
         "nodes": nodes,
         "alarms": members.alarms(),
     }
+
+
+def departures(history) -> dict[str, tuple[str, str]]:
+    """Nodes that left the job, from its plans (oldest first): node -> (role, reason), the role
+    ``replaced`` (a spare took its ranks) or ``removed`` (the job went on without it). Their
+    agents have exited and their leases are gone, so only the history still knows them."""
+    left: dict[str, tuple[str, str]] = {}
+    for plan in sorted(history, key=lambda p: p.generation):
+        successors = {old: new for new, old in plan.replaced.items()}
+        for node in plan.removed:
+            if node in successors:
+                left[node] = ("replaced", f"by {successors[node]} in generation {plan.generation}")
+            else:
+                left[node] = ("removed", f"in generation {plan.generation}")
+        for node in plan.nodes:
+            left.pop(node, None)  # back in the job
+    return left
 
 
 def _snapshot_bytes(workers: dict) -> int:
@@ -155,6 +179,8 @@ def _print_status(s: dict) -> None:
         f"run {s['run_id']}: generation {s['generation']}, {s['state']}, world size {s['world_size']}, "
         f"{'live' if s['live'] else 'restart'} mode, {s['restarts']} restart(s), {s['spares_left']} spare(s) left"
     )
+    if s.get("not_live"):
+        print(f"not live: {_clean(s['not_live'])}")
     if s["cause"]:
         print(f"last change: {_clean(s['cause'])}")
     print(f"{'NODE':<24} {'ROLE':<9} {'RANKS':<16} {'SNAPSHOTS':>10}  STEP")

@@ -281,7 +281,12 @@ class Agent:
         if plan.finished:
             return  # every agent says it when it follows the plan
         moves = ", ".join(f"{new} takes the ranks of {old}" for new, old in plan.replaced.items()) or "no spare used"
-        mode = "live (survivors keep their processes)" if plan.live else "restart (all workers start afresh)"
+        if plan.live:
+            mode = "live (survivors keep their processes)"
+        elif plan.generation == 0:
+            mode = "all workers start; failures are repaired in place once they enter tm_launch's live loop"
+        else:
+            mode = f"restart (all workers start afresh: {plan.restart_why or 'not live'})"
         self.say(
             f"published generation {plan.generation}: {plan.cause}; {moves}; {mode}",
             kind="plan",
@@ -290,6 +295,7 @@ class Agent:
             replaced=plan.replaced,
             removed=list(plan.removed),
             live=plan.live,
+            restart_why=plan.restart_why,
             planned=plan.planned,
             nodes=list(plan.nodes),
         )

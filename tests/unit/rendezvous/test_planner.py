@@ -13,7 +13,7 @@ import random
 import pytest
 
 from rendezvous.plan import FAILED, RUNNING, SUCCEEDED, NodeInfo, Plan
-from rendezvous.planner import Limits, View, finished_without, next_plan, spares
+from rendezvous.planner import Limits, View, finished_without, next_plan, spares, why_restart
 
 NPROC = 2
 
@@ -709,3 +709,29 @@ def test_a_worker_that_refuses_to_run_fails_the_job_at_once():
              kinds={"a": "refused"}, live=True)  # fmt: skip
     got = next_plan(v, limits("2"))
     check(got, dict(state=FAILED, reason_has="over --snapshot-memory-limit", cause_has="a: snapshots need"), v)
+
+
+@pytest.mark.parametrize(
+    "live_seen, state_lost, before, after, survivor, says",
+    [
+        pytest.param(True, "", 2, 2, True, "", id="live: a spare keeps the world size and a node keeps its workers"),
+        pytest.param(False, "", 2, 2, True, "no worker has entered tm_launch's live loop", id="the script never entered job.steps()"),
+        pytest.param(True, "rank 1: no replica", 2, 2, True, "training state of some rank is lost (rank 1: no replica)", id="state lost"),
+        pytest.param(True, "", 3, 2, True, "no spare left: the job goes from 3 to 2 node(s)", id="the job shrinks"),
+        pytest.param(True, "", 2, 2, False, "no node keeps its workers", id="every node is new"),
+    ],
+)
+def test_why_a_generation_restarts_every_worker(live_seen, state_lost, before, after, survivor, says):
+    why = why_restart(live_seen, state_lost, before, after, survivor)
+    assert (says in why) if says else why == ""
+
+
+def test_a_plan_says_why_it_is_not_live():
+    lost = {"b": "worker exited with code 1"}
+    not_live = next_plan(view(plan(1, "ab"), "abc", reports=lost), limits("2"))
+    assert not not_live.live and "live loop" in not_live.restart_why
+    live = next_plan(view(plan(1, "ab", live=True), "abc", reports=lost, live=True), limits("2"))
+    assert live.live and live.restart_why == ""
+    shrinks = next_plan(view(plan(1, "abc", live=True), "ab", failed="c", live=True), limits("2:3"))
+    assert not shrinks.live and "from 3 to 2 node(s)" in shrinks.restart_why
+    assert Plan.from_json(shrinks.to_json()) == shrinks
