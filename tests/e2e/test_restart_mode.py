@@ -171,7 +171,58 @@ def _timeline_when(job, ready, timeout: float) -> dict:
     raise TimeoutError(f"ctl timeline never showed it\n{job.logs_tail()}")
 
 
-@pytest.mark.parametrize("launcher", [[], pytest.param(["--no-live"], marks=pytest.mark.slow)], ids=["init", "no-live"])
+def test_an_unmodified_torchrun_script_is_watched_shown_and_replaced(local_job, tmp_path):
+    """A script that knows nothing of tm-launch (``init_process_group``, a loop of its own, no
+    report): its steps are counted from its optimizer, so ``ctl status`` shows them and the hang
+    watchdog kills b's SIGSTOPped worker; ``ps`` shows the worker as torchrun starts it; the spare
+    takes b's ranks and every worker restarts from the checkpoint, and the plan, the log and
+    ``ctl status`` say why the job is not repaired in place; b stays in ``ctl status`` as
+    replaced after its agent has gone."""
+    from tm_launch.local.localjob import REPO
+
+    script = os.path.join(REPO, "tests", "scripts", "plain_loop.py")
+    job = local_job(
+        nnodes="2",
+        nproc=1,
+        script=script,
+        launcher_args=["--max-restarts", "1", "--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
+    )
+    out = os.path.join(job.workdir, "params.pt")
+    job.script_args = [
+        "--unmodified",
+        "--steps",
+        "400",
+        "--step-sleep",
+        "0.02",
+        "--ckpt-dir",
+        os.path.join(job.workdir, "ckpt"),
+        "--out",
+        out,
+    ]
+    job.start_all(["a", "b"])
+    _wait_steps_in_status(job, 12)
+    job.start("c")
+    job.wait_for(lambda s: any(n["id"] == "c" and n["role"] == "spare" for n in s["nodes"]), 60, "c a spare")
+    with open(f"/proc/{job.worker_pids('a')[0]}/cmdline") as f:
+        title = f.read().replace("\0", " ").split()
+    assert title[1:3] == ["-u", script] and "tm_launch.worker" not in title, title
+    job.kill_worker("b", signal.SIGSTOP)
+    codes = job.wait(timeout=240)
+    assert codes == {"a": 0, "b": 1, "c": 0}, job.logs_tail()
+    assert [e["node"] for e in job.events() if e["kind"] == "hang"] == ["b"], job.logs_tail()
+    plan = next(e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1)
+    assert plan["replaced"] == {"c": "b"} and not plan["live"] and "live loop" in plan["restart_why"], plan
+    assert "restart (all workers start afresh: no worker has entered tm_launch's live loop" in plan["message"], plan
+    assert os.path.exists(out)
+    shown = job.ctl("status")
+    assert "not live: no worker has entered tm_launch's live loop" in shown.stdout, shown.stdout
+    roles = {n["id"]: (n["role"], n["reason"]) for n in job.status()["nodes"]}
+    assert roles["b"] == ("replaced", "by c in generation 1"), roles
+
+
+@pytest.mark.parametrize(
+    "launcher", [pytest.param([], marks=pytest.mark.slow), pytest.param(["--no-live"], marks=pytest.mark.slow)], ids=["init", "no-live"]
+)
 def test_a_hung_restart_mode_worker_is_killed_and_every_worker_restarts(local_job, tmp_path, launcher):
     """A loop of its own that reports its steps (tests/scripts/plain_loop.py, job.report_step): no
     worker is live, yet ``ctl status`` shows each worker's step, the hang watchdog kills the

@@ -10,6 +10,9 @@ without, as under torchrun.
 
 ``job.report_step(step)`` after each step tells the agent how far the loop got: ``ctl status``
 and ``ctl timeline`` show it, and the hang watchdog watches the worker (nothing under torchrun).
+
+``--unmodified``: a torchrun script that knows nothing of tm-launch (``init_process_group``, no
+report): tm-launch counts its steps from its optimizer (``tm_launch.worker.optimizer_steps``).
 """
 
 from __future__ import annotations
@@ -37,9 +40,14 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--kill-marker", default=None, help="kill once: this file records that it happened")
     p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument("--unmodified", action="store_true", help="never touch tm_launch: a plain torchrun script")
     args = p.parse_args()
 
-    job = tm_launch.init()  # = init_process_group(); no job.steps() below
+    if args.unmodified:
+        dist.init_process_group("gloo")
+        report_step = None
+    else:
+        report_step = tm_launch.init().report_step  # = init_process_group(); no job.steps() below
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -65,7 +73,8 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        job.report_step(step + 1)  # the global step count: steps finished
+        if report_step is not None:
+            report_step(step + 1)  # the global step count: steps finished
         time.sleep(args.step_sleep)
     if rank == 0 and args.out:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)

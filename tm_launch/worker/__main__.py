@@ -60,14 +60,51 @@ def _as_python_shows_it(kind, value, tb) -> None:
 
 
 _AS_MODULE = False
+WRAPPER = ["-m", "tm_launch.worker"]
+
+
+def title_without_wrapper(orig_argv: list[str]) -> str | None:
+    """The command line ``ps`` shows for this worker: the interpreter's own (``sys.orig_argv``)
+    without ``-m tm_launch.worker``, i.e. ``python -u SCRIPT ARGS`` as torchrun starts it (None
+    when the wrapper is not found there: nothing to change)."""
+    for i in range(len(orig_argv) - 1):
+        if orig_argv[i : i + 2] == WRAPPER:
+            return " ".join(orig_argv[:i] + orig_argv[i + 2 :])
+    return None
+
+
+def _show_as_python_does() -> None:
+    """``ps``, ``top`` and ``pkill -f`` see ``python -u SCRIPT ARGS``, as under torchrun. The
+    title is shorter than the command line it replaces, so it fits where the command line was
+    (``SPT_NOENV``: the process's environment is left as it is; the variable is gone again
+    before the script runs, which sees torchrun's environment)."""
+    title = title_without_wrapper(getattr(sys, "orig_argv", []))
+    if title is None:
+        return
+    users = os.environ.get("SPT_NOENV")
+    try:
+        os.environ["SPT_NOENV"] = "1"
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # the package is a dependency; without it the title stays as it was
+        pass
+    finally:
+        if users is None:
+            del os.environ["SPT_NOENV"]
+        else:
+            os.environ["SPT_NOENV"] = users
 
 
 def main(argv: list[str]) -> None:
     global _AS_MODULE
     if not argv:
         raise SystemExit("usage: python -m tm_launch.worker SCRIPT [ARGS] | -m MODULE [ARGS]")
-    from tm_launch.worker.runtime import RankChanged
+    from tm_launch.worker import optimizer_steps
+    from tm_launch.worker.runtime import RankChanged, report_counted_step
 
+    _show_as_python_does()
+    optimizer_steps.install(report_counted_step)  # steps of a script that never reports them
     as_module = argv[0] == "-m"
     target, args = (argv[1], argv[2:]) if as_module else (argv[0], argv[1:])
     _AS_MODULE = as_module

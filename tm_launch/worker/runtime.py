@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..protocol import EXIT_REFUSED, EXIT_STATE_LOST, Directive, FirstStepRecord, RefusedRecord, StateLostRecord, WorkerEnv, WorkerState
-from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild
+from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_steps
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
@@ -115,8 +115,15 @@ def init(backend: str | None = None):
 def report_step(step: int) -> None:
     """``tm_launch.report_step(step)``: ``job.report_step(step)`` for scripts that never call
     ``init()`` (they call ``init_process_group`` themselves); nothing under plain torchrun."""
+    optimizer_steps.the_script_reports()
+    report_counted_step(step)
+
+
+def report_counted_step(step: int) -> None:
+    """A step this process finished, told to the agent: the script's own report, or its
+    optimizers' count for a script that says nothing (``tm_launch.worker.optimizer_steps``)."""
     if _LIVE is not None:
-        _LIVE.report_step(step)
+        _LIVE.report_finished_step(step)
         return
     reporter = process_reporter()
     if reporter is not None:
@@ -179,6 +186,7 @@ class PlainJob:
         return True
 
     def steps(self, total: int, start: int = 0):
+        optimizer_steps.the_script_reports()
         for step in range(start, total):
             yield step
             self.report_step(step + 1)
@@ -194,6 +202,7 @@ class PlainJob:
     def report_step(self, step: int) -> None:
         """This worker finished step ``step`` (the global step count): told to the agent under
         ``tm-launch --no-live``, nothing under plain torchrun."""
+        optimizer_steps.the_script_reports()
         reporter = process_reporter()
         if reporter is not None:
             reporter.step(step)
@@ -422,6 +431,10 @@ class LiveJob:
         The agent shows it (``ctl status``, ``ctl timeline``) and watches the worker for hangs
         from the first report on (``tm_launch.worker.step_report``). Inside ``job.steps()``, and in the
         sandbox, it does nothing: the live loop counts its own steps."""
+        optimizer_steps.the_script_reports()
+        self.report_finished_step(step)
+
+    def report_finished_step(self, step: int) -> None:
         if self._live_marked or self.in_sandbox:
             return
         if self._restart_steps is None:
@@ -468,6 +481,7 @@ class LiveJob:
         if not self._live_marked:
             self.agent.mark_live()  # the agent repairs this job in place from now on
             self._live_marked = True
+            optimizer_steps.the_script_reports()  # the live loop counts its steps
         self.status.state = WorkerState.RUNNING
         closing = False
         while True:
