@@ -170,6 +170,19 @@ def test_node_loss_of_a_zero_rank(local_job, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1])
+def test_node_loss_of_a_pipeline_stage(local_job, reference, stage):
+    """Two pipeline stages, one per node, no data-parallel peer: a stage's node is lost (its
+    agent SIGKILLed, the worker with it) while training is held at a step boundary; the other
+    stage meets the loss in the schedule's first send or receive. The spare takes the stage
+    from its snapshot on the other node; the other stage keeps its process."""
+    job, codes, got = run(local_job, "pp", 2, fault=lambda job: job.kill_agent(node_of(job, stage)))
+    assert_live(job, codes)
+    assert_bitwise(got, reference("pp", 2))
+    assert "received this rank's snapshot of step" in logs(job), logs(job)[-3000:]
+
+
+@pytest.mark.slow
 def test_two_faults_in_a_row(local_job, reference):
     """Rank 1's worker dies at step KILL and a spare takes it; once the job trains again, rank
     2's worker dies (its holder, rank 3, kept its snapshot) and the second spare takes it."""
