@@ -2,8 +2,8 @@
 (pyproject.toml's ``torchtitan`` extra, installed by ``make test-all`` only).
 
 torchtitan's trainer, loop, FSDP2 and DCP checkpointer run as torchtitan runs them; the CPU-only
-workarounds live in ``tests/torchtitan/cpu_train.py`` (the stand-in for ``-m torchtitan.train``
-on a machine without GPUs). A tiny llama3 (``tests/torchtitan/tiny_llama3.py``), a tokenizer
+workarounds live in ``tests/titan_cpu/cpu_train.py`` (the stand-in for ``-m torchtitan.train``
+on a machine without GPUs). A tiny llama3 (``tests/titan_cpu/tiny_llama3.py``), a tokenizer
 trained here and a local JSONL text set keep it offline and fast. Every comparison is against the
 same command under plain torchrun, fault-free, bitwise: model, optimizer, scheduler, data-loader
 and step state of torchtitan's final checkpoint.
@@ -24,7 +24,7 @@ from tm_launch.local.localjob import REPO, downtime
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]': make test-all)")
 
-HARNESS = os.path.join(REPO, "tests", "torchtitan", "cpu_train.py")
+HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
 sys.path.insert(0, os.path.dirname(HARNESS))  # offline_assets, tiny_llama3
 
 STEPS, CKPT_EVERY, KILL_STEP = 10, 4, 6  # the kill after step 6: the restart resumes from step 4's checkpoint
