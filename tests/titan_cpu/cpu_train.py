@@ -2,7 +2,8 @@
 ``python -m torchtitan.train ARGS`` on a machine without GPUs.
 
 torchtitan 0.3.0 with torch 2.13 assumes an accelerator; on CPU it needs the workarounds measured
-in ARCHITECTURE.md ("torchtitan 0.3.0 on CPU with torch 2.13") and nothing more. Each one is a
+in ARCHITECTURE.md ("torchtitan 0.3.0 on CPU with torch 2.13") and nothing more (forcing the
+device also takes a stand-in for the memory statistics ``torch.cuda`` has). Each one is a
 function below, applied before torchtitan builds anything; the trainer, its loop, its
 checkpointer and its command line are torchtitan's, unchanged. The workarounds are test
 scaffolding for a CPU-only machine: on GPUs a torchtitan user runs ``-m torchtitan.train``
@@ -185,6 +186,8 @@ def install_test_hooks() -> None:
 
 
 def apply_cpu_workarounds() -> None:
+    """All of them, in order: the device before torchtitan is imported, the rest before it
+    parses its command line and builds its config."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     force_cpu_device()
@@ -192,11 +195,11 @@ def apply_cpu_workarounds() -> None:
     partial_dtensor_default()
     sdpa_attention()
     fsdp_force_sum()
-    install_test_hooks()
 
 
 if __name__ == "__main__":
     apply_cpu_workarounds()
+    install_test_hooks()
     from torchtitan.train import main
 
     main()
