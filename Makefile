@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tm-launch-installed
+TITAN  := $(VENV)/.tm-launch-torchtitan-installed
 
 .PHONY: demo test test-all lint bench clean
 
@@ -12,6 +13,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,frameworks]'
 	touch $(STAMP)
+
+# torchtitan for tests/e2e/test_torchtitan.py, in test-all only: it adds ~1.3 GB to the venv
+# (triton alone ~0.9 GB, pyarrow, wandb, tensorboard) and minutes of download, which CI's
+# `make test` (< 10 minutes, no slow tests) must not pay; without it those tests are skipped.
+# The constraint keeps pip from resolving another torch (GBs of CUDA packages); triton has no
+# dependencies of its own, and --no-deps makes sure it pulls nothing.
+$(TITAN): $(STAMP)
+	echo "torch==2.13.0" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[test,frameworks,torchtitan]'
+	$(PY) -m pip install -q --no-deps triton==3.8.0
+	touch $(TITAN)
 
 demo: $(STAMP)
 	$(PY) -m tm_launch.local.demo
@@ -23,7 +35,7 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: $(STAMP)
+test-all: $(TITAN)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

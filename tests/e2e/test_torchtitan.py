@@ -1,0 +1,208 @@
+"""An unmodified torchtitan 0.3.0 training command under tm-launch, with the real torchtitan
+(pyproject.toml's ``torchtitan`` extra, installed by ``make test-all`` only).
+
+torchtitan's trainer, loop, FSDP2 and DCP checkpointer run as torchtitan runs them; the CPU-only
+workarounds live in ``tests/titan_cpu/cpu_train.py`` (the stand-in for ``-m torchtitan.train``
+on a machine without GPUs). A tiny llama3 (``tests/titan_cpu/tiny_llama3.py``), a tokenizer
+trained here and a local JSONL text set keep it offline and fast. Every comparison is against the
+same command under plain torchrun, fault-free, bitwise: model, optimizer, scheduler, data-loader
+and step state of torchtitan's final checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tm_launch.local.localjob import REPO, downtime
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]': make test-all)")
+
+HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
+sys.path.insert(0, os.path.dirname(HARNESS))  # offline_assets, tiny_llama3
+
+STEPS, CKPT_EVERY, KILL_STEP = 10, 4, 6  # the kill after step 6: the restart resumes from step 4's checkpoint
+
+
+@pytest.fixture(scope="module")
+def titan_assets(tmp_path_factory):
+    """The tokenizer and the data set, written once for the module (the tokenizer's ids fit the
+    tiny model's vocabulary)."""
+    from offline_assets import build
+    from tiny_llama3 import VOCAB
+
+    return build(str(tmp_path_factory.mktemp("torchtitan-assets")), VOCAB)
+
+
+def titan_args(assets: dict[str, str], dump_folder: str) -> list[str]:
+    """torchtitan's command line, as a user gives it to ``torchtitan.train``: the tiny llama3,
+    FSDP over the 2 ranks, a DCP checkpoint every CKPT_EVERY steps, a fixed seed and deterministic
+    kernels (so two runs can be compared bitwise), fp32 parameters (bf16 is slow on CPU)."""
+    return [
+        "--module",
+        "tiny_llama3",
+        "--config",
+        "llama3_tiny",
+        "--hf-assets-path",
+        assets["hf_assets_path"],
+        "--dataloader.dataset-path",
+        assets["dataset_path"],
+        "--dump-folder",
+        dump_folder,
+        "--training.steps",
+        str(STEPS),
+        "--training.seq-len",
+        "128",
+        "--training.local-batch-size",
+        "2",
+        "--training.mixed-precision-param",
+        "float32",
+        "--parallelism.data-parallel-shard-degree",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(CKPT_EVERY),
+        "--debug.seed",
+        "42",
+        "--debug.deterministic",
+    ]
+
+
+def final_state(dump_folder: str) -> dict:
+    """Everything in torchtitan's last checkpoint (``step-STEPS``), gathered to full tensors and
+    flattened to dotted keys: each rank's FSDP shards of the model and the optimizer, the LR
+    scheduler, the train state and each data-parallel rank's data-loader position."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(dump_folder, "checkpoint", f"step-{STEPS}")
+    out = path + ".pt"
+    dcp_to_torch_save(path, out)
+    return flatten(torch.load(out, weights_only=False))
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, sub in enumerate(tree) for k, v in flatten(sub, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def assert_same_state(state: dict, ref: dict) -> None:
+    assert state.keys() == ref.keys(), sorted(set(state) ^ set(ref))
+    tensors = [k for k in ref if isinstance(ref[k], torch.Tensor)]
+    assert any(k.startswith("layers.") for k in tensors), sorted(ref)[:20]  # the model's weights are there
+    differ = {
+        k: (state[k] - ref[k]).abs().max().item() if state[k].is_floating_point() else ""
+        for k in tensors
+        if not torch.equal(state[k], ref[k])
+    }
+    assert not differ, f"tensors differ from torchrun's fault-free run: {differ}"
+    others = [k for k in ref if k not in tensors and state[k] != ref[k]]
+    assert not others, f"state differs from torchrun's fault-free run: {others}"
+
+
+LOSS = re.compile(r"step:\s*(\d+)\s+\S*loss:\s*([0-9.]+)")
+
+
+def losses(log: str) -> dict[int, str]:
+    """torchtitan's own per-step loss lines (the last one logged for each step, as printed)."""
+    return {int(step): loss for step, loss in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", log))}
+
+
+def run(cmd: list[str], timeout: float = 180, env: dict | None = None) -> str:
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO, **(env or {})}
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(titan_assets, tmp_path_factory):
+    """The fault-free run under plain torchrun: (final checkpoint state, losses, seconds).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun at its best (ARCHITECTURE.md)."""
+    dump = str(tmp_path_factory.mktemp("torchtitan-torchrun"))
+    start = time.time()
+    log = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HARNESS, *titan_args(titan_assets, dump)],
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )
+    return final_state(dump), losses(log), time.time() - start
+
+
+@pytest.mark.slow
+def test_worker_sigkill_spare_takes_rank_restart_from_torchtitan_checkpoint(local_job, titan_assets, torchrun_reference):
+    """2 nodes of 1 worker (FSDP over the 2 ranks) and a spare: rank 1 is SIGKILLed after step 6,
+    once the spare has joined; the spare takes its node's rank, every worker restarts and
+    torchtitan resumes from its own step-4 checkpoint; the job ends with exit 0 on the survivor
+    and the spare, and torchtitan's final checkpoint is bitwise torchrun's fault-free one. The
+    plan says why the change is not live, ``ctl status`` follows torchtitan's steps and keeps the
+    lost node as replaced."""
+    job = local_job(nnodes="2", nproc=1, script=HARNESS, launcher_args=["--max-restarts", "2"])
+    dump = os.path.join(job.workdir, "titan")
+    marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-joined")
+    job.script_args = titan_args(titan_assets, dump)
+    job.env = {
+        "TT_KILL_RANK": "1",
+        "TT_KILL_STEP": str(KILL_STEP),
+        "TT_KILL_MARKER": marker,
+        "TT_KILL_AFTER": go,
+        "TT_STEP_LOG": job.step_log,
+    }
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
+    job.wait_for(lambda s: any(n["id"] == "c" and n["role"] == "spare" for n in s["nodes"]), 60, "c a spare")
+    job.wait_for(lambda s: steps_shown(s, ("a", "b"), KILL_STEP), 60, f"ctl status showing step {KILL_STEP} for a and b")
+    open(go, "w").close()
+    codes = job.wait(timeout=240)
+
+    plan = next(e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1)
+    victim = plan["replaced"]["c"]
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes[victim] != 0 and codes[survivor] == 0 and codes["c"] == 0, job.logs_tail()
+    assert not plan["live"] and "live loop" in plan["restart_why"], plan
+    roles = {n["id"]: n["role"] for n in job.status()["nodes"]}
+    assert roles[victim] == "replaced", roles
+    logs = job.nodes[survivor].log() + job.nodes["c"].log()
+    assert f"Loading the checkpoint from {dump}/checkpoint/step-{CKPT_EVERY}" in logs, job.logs_tail()
+
+    assert_same_state(final_state(dump), torchrun_reference[0])
+    assert restarted_steps(job.step_records()) == {0: list(range(CKPT_EVERY + 1, STEPS + 1)), 1: list(range(CKPT_EVERY + 1, STEPS + 1))}
+    measured = downtime(job.step_records(), os.path.getmtime(marker))
+    print(f"\ntorchtitan under tm-launch, restart mode: {measured}; torchrun's fault-free run took {torchrun_reference[2]:.1f}s")
+
+
+def steps_shown(status: dict, nodes: tuple[str, ...], at_least: int) -> bool:
+    """``ctl status`` shows each worker of ``nodes`` at ``at_least`` or later: torchtitan reports
+    nothing, so this is tm-launch counting its AdamW steps (rank 1 holds after step 6 until the
+    test lets it die)."""
+    shown = {n["id"]: [w.get("step") for w in n["progress"].values()] for n in status["nodes"] if n["id"] in nodes}
+    return len(shown) == len(nodes) and all(steps and all(isinstance(x, int) and x >= at_least for x in steps) for steps in shown.values())
+
+
+def restarted_steps(records) -> dict[int, list[int]]:
+    """Each rank's steps run by its restarted worker (a pid that did not run step 1)."""
+    first = {pid for _, _, step, _, pid in records if step == 1}
+    out: dict[int, list[int]] = {}
+    for _, rank, step, _, pid in sorted(records):
+        if pid not in first:
+            out.setdefault(rank, []).append(step)
+    return out
+
+
+@pytest.mark.slow
+def test_standalone_tm_launch_runs_torchtitan_as_torchrun_does(titan_assets, torchrun_reference, tmp_path):
+    """``tm-launch --standalone --nproc-per-node 2`` in place of ``torchrun``: the same losses,
+    step by step, and the same final checkpoint, bitwise."""
+    dump = str(tmp_path / "titan")
+    log = run([sys.executable, "-m", "tm_launch.cli", "--standalone", "--nproc-per-node", "2", HARNESS, *titan_args(titan_assets, dump)])
+    assert losses(log) == torchrun_reference[1] and len(torchrun_reference[1]) == STEPS, (losses(log), torchrun_reference[1])
+    assert_same_state(final_state(dump), torchrun_reference[0])

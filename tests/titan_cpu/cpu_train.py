@@ -1,0 +1,205 @@
+"""torchtitan's own ``torchtitan.train.main`` on CPU: ``python cpu_train.py ARGS`` is
+``python -m torchtitan.train ARGS`` on a machine without GPUs.
+
+torchtitan 0.3.0 with torch 2.13 assumes an accelerator; on CPU it needs the workarounds measured
+in ARCHITECTURE.md ("torchtitan 0.3.0 on CPU with torch 2.13") and nothing more (forcing the
+device also takes a stand-in for the memory statistics ``torch.cuda`` has). Each one is a
+function below, applied before torchtitan builds anything; the trainer, its loop, its
+checkpointer and its command line are torchtitan's, unchanged. The workarounds are test
+scaffolding for a CPU-only machine: on GPUs a torchtitan user runs ``-m torchtitan.train``
+directly.
+
+Also, for the tests (inert unless the variables are set):
+
+- ``TT_KILL_RANK`` / ``TT_KILL_STEP`` / ``TT_KILL_MARKER``: that rank SIGKILLs itself once, right
+  after its optimizer step ``TT_KILL_STEP`` (before that step's checkpoint), and creates the marker
+  file so that the restarted run does not kill again. With ``TT_KILL_AFTER`` (a path) it first
+  waits for that file, so that a test can hold the kill until its spare has joined.
+- ``TT_STEP_LOG``: each rank appends ``time rank step restart pid`` after each step, the format
+  ``tm_launch.local.localjob`` reads for its downtime measure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import types
+from datetime import timedelta
+
+import torch
+import torch._utils
+import torch.distributed as dist
+
+
+class CpuDeviceModule(types.SimpleNamespace):
+    """What torchtitan calls on its ``device_module`` (``torch.cuda`` on GPUs), for the CPU:
+    ``torch.cpu`` has no memory statistics or device properties, which torchtitan's memory
+    monitor and MFU estimate read. The numbers are placeholders (zero peak memory, the host's
+    RAM as capacity): only logged, never used for a decision."""
+
+    def __init__(self):
+        super().__init__(
+            set_device=torch.cpu.set_device,
+            current_device=lambda: 0,
+            device_count=lambda: 1,
+            synchronize=torch.cpu.synchronize,
+            is_available=lambda: True,
+            get_device_name=lambda device=None: "cpu",
+            get_device_properties=lambda device=None: types.SimpleNamespace(total_memory=_host_memory(), name="cpu"),
+            memory_stats=lambda device=None: {},
+            reset_peak_memory_stats=lambda device=None: None,
+            empty_cache=lambda: None,
+        )
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def force_cpu_device() -> None:
+    """torchtitan picks its device once, at import of ``torchtitan.tools.utils``
+    (``_get_available_device_type() or "cuda"``) and every module imports the result by name, so
+    the choice is made there: while that module is imported, torch reports "cpu" with the module
+    above. torchtitan then gets ``cpu`` devices and, from torch's backend map, gloo."""
+    if "torchtitan.tools.utils" in sys.modules:
+        raise RuntimeError("force_cpu_device() must run before torchtitan is imported")
+    saved = torch._utils._get_available_device_type, torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch._utils._get_device_module = lambda device_type=None: CpuDeviceModule()
+    try:
+        import torchtitan.tools.utils  # noqa: F401
+    finally:
+        torch._utils._get_available_device_type, torch._utils._get_device_module = saved
+
+
+def alias_set_timeout() -> None:
+    """torchtitan lowers every group's timeout after the first step with
+    ``torch.distributed.set_timeout``, which torch 2.13 does not have; ``_set_pg_timeout`` is
+    the same operation under its private name."""
+    if not hasattr(dist, "set_timeout"):
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        def set_timeout(timeout: timedelta, group=None) -> None:
+            _set_pg_timeout(timeout, group)
+
+        dist.set_timeout = set_timeout
+
+
+def sdpa_attention() -> None:
+    """FlexAttention has no CPU backward in torch 2.13: the llama3 model spec gets SDPA as its
+    inner attention (causal, maskless; torchtitan's trainer then builds no block masks).
+    Patched where llama3's layer builder looks the function up, before any config is built."""
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    real = llama3.get_attention_config
+
+    def get_attention_config(backend: str):
+        if backend == "flex":
+            return ScaledDotProductAttention.Config()
+        return real(backend)
+
+    llama3.get_attention_config = get_attention_config
+
+
+def fsdp_force_sum() -> None:
+    """gloo has no ``PREMUL_SUM``, which FSDP2 uses to scale gradients in its reduce-scatter:
+    every module torchtitan shards gets ``set_force_sum_reduction_for_comms(True)`` (a plain sum,
+    the scaling done apart), set by wrapping ``fully_shard`` where torchtitan calls it."""
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import FSDPModule
+
+    real = tt_fsdp.fully_shard
+
+    def fully_shard(module, *args, **kwargs):
+        sharded = real(module, *args, **kwargs)
+        for m in module if isinstance(module, list) else [module]:  # a list: one FSDP unit of several modules
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        return sharded
+
+    tt_fsdp.fully_shard = fully_shard
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torchtitan.") and getattr(mod, "fully_shard", None) is real:
+            mod.fully_shard = fully_shard
+
+
+def partial_dtensor_default() -> None:
+    """torchtitan's default SPMD backend (``spmd_types``) fails under torch 2.13's FSDP2 ("all
+    parameters must be DTensors on the full SPMD mesh"); ``partial_dtensor`` (DTensor for the
+    model-parallel axes only) works. Set on the config the registry function returns, before the
+    command line is applied, so ``--parallelism.spmd-backend`` still wins."""
+    from torchtitan.config.manager import ConfigManager
+
+    real = ConfigManager._load_config
+
+    def _load_config(self, args):
+        config, rest = real(self, args)
+        config.parallelism.spmd_backend = "partial_dtensor"
+        return config, rest
+
+    ConfigManager._load_config = _load_config
+
+
+def kill_point(rank: int, step: int, env: dict) -> bool:
+    """Whether this rank kills itself after ``step``: it is the configured rank and step and the
+    marker file does not exist yet (a restarted run passes the step again)."""
+    if not env.get("TT_KILL_STEP"):
+        return False
+    marker = env.get("TT_KILL_MARKER")
+    return rank == int(env.get("TT_KILL_RANK", "0")) and step == int(env["TT_KILL_STEP"]) and not (marker and os.path.exists(marker))
+
+
+def wait_for_file(path: str | None, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while path and not os.path.exists(path):
+        if time.time() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+def install_test_hooks() -> None:
+    """The step log and the kill, after each ``Trainer.train_step`` (optimizer step done,
+    checkpoint of that step not yet written)."""
+    from torchtitan.trainer import Trainer
+
+    real = Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        rank = dist.get_rank()
+        log = os.environ.get("TT_STEP_LOG")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{time.time():.6f} {rank} {self.step} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {os.getpid()}\n")
+        if kill_point(rank, self.step, os.environ):
+            wait_for_file(os.environ.get("TT_KILL_AFTER"), timeout=300)
+            marker = os.environ.get("TT_KILL_MARKER")
+            if marker:
+                open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    Trainer.train_step = train_step
+
+
+def apply_cpu_workarounds() -> None:
+    """All of them, in order: the device before torchtitan is imported, the rest before it
+    parses its command line and builds its config."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    force_cpu_device()
+    alias_set_timeout()
+    partial_dtensor_default()
+    sdpa_attention()
+    fsdp_force_sum()
+
+
+if __name__ == "__main__":
+    apply_cpu_workarounds()
+    install_test_hooks()
+    from torchtitan.train import main
+
+    main()
