@@ -169,9 +169,9 @@ class Agent:
         self._link_to_successor(plan, view)
         self.failures.watch_workers(plan, view)
         self.failures.probe_peers(plan, view)
-        lost = self.peer_link.take_dropped()
-        if lost is not None:
-            self.failures.report_if_lost(plan, view, lost)
+        dropped = self.peer_link.take_dropped()
+        if dropped is not None and self.failures.report_if_lost(plan, view, dropped):
+            self.peer_link.answered(dropped)  # the link broke, the peer lives: watch it again
         self.entry.report(plan)
         self.stamps.write()
         self.alarms.handle(plan)

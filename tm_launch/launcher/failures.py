@@ -176,35 +176,39 @@ class FailureWatch:
             self.say(f"generation {plan.generation}: {why}", kind="worker_failed", generation=plan.generation)
             self.session.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
 
-    def report_if_lost(self, plan: Plan | None, view: View, node: str) -> None:
+    def report_if_lost(self, plan: Plan | None, view: View, node: str) -> bool:
         """The connection to ``node``'s agent ended (``tm_launch.launcher.peer_link``): report the node
         lost if its agent refuses connections, and only while it is active in the newest plan
         (read now, one key: a node that was replaced, drained or finished closes its connections
-        too, and this view may be older than the plan that let it go)."""
+        too, and this view may be older than the plan that let it go). True when its agent
+        answered: the link broke, the node is alive."""
         me = self.cfg.node_id
         if plan is None or plan.finished or me not in plan.nodes or node not in plan.nodes:
-            return
+            return False
         newest = self.session.members.plan()
         if newest is None or newest.finished or newest.generation != plan.generation:
-            return
-        self.report_dead_peers(plan, view, only=node)
+            return False
+        return node in self.report_dead_peers(plan, view, only=node)
 
-    def report_dead_peers(self, plan: Plan, view: View, only: str | None = None) -> None:
+    def report_dead_peers(self, plan: Plan, view: View, only: str | None = None) -> set[str]:
         """Report active peers whose agent refuses connections. A dead agent's port refuses at
         once, so a node loss is known in milliseconds instead of after the lease TTL; anything
         short of a refusal (a timeout, a partition) is left to the lease, the authority. The
         view's record may be older than the peer's registration (a follower's view carries
         records over from generation to generation): a refusal is checked against the record
         read now, one key, before the peer is reported. ``only``: probe that peer alone; else
-        the peers at ring distances 1, 2, 4, ... (``peer_link.probe_targets``: log2(N) each)."""
+        the peers at ring distances 1, 2, 4, ... (``peer_link.probe_targets``: log2(N) each).
+        Returns the peers whose agent answered."""
         if only is None:  # a probe round (probe_peers counts from it)
             self.probed_gen, self.probed_at = plan.generation, time.time()
+        answered = set()
         for node in probe_targets(plan.nodes, self.cfg.node_id) if only is None else [only]:
             info = view.alive.get(node)
             if node == self.cfg.node_id or info is None or node in view.reports:
                 continue
             try:
                 socket.create_connection((info.addr, info.store_port), timeout=0.5).close()
+                answered.add(node)
             except ConnectionRefusedError:
                 if self.session.members.node_record(node) not in (None, info):
                     continue  # registered again since the view was read (a new agent, a new port): not lost

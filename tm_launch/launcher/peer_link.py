@@ -10,7 +10,8 @@ ring). That is one connection per node whatever the job's size, and every active
 watched by exactly one peer. The end of the stream is only a hint that wakes the agent's loop:
 the agent reads etcd again and probes that peer (``FailureWatch.report_dead_peers``: a refused
 connection, checked against the peer's record read now). A peer that left the plan, finished,
-or only closed this connection is never reported. A machine that vanishes without closing
+or only closed this connection is never reported; one whose agent still answers is watched
+again a second later (``PeerLink.answered``). A machine that vanishes without closing
 anything (power loss) is still found by its lease.
 """
 
@@ -18,7 +19,10 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
+
+REWATCH_AFTER = 1.0  # seconds before a peer whose link ended but whose agent answered is watched again
 
 
 def successor(nodes, me: str) -> str | None:
@@ -69,13 +73,17 @@ class PeerLink:
         self._sock: socket.socket | None = None
         self._dropped: str | None = None  # the peer whose connection ended, until taken
         self._ended: tuple | None = None  # (generation, node): not connected to again in that generation
+        self._rewatch_at: float | None = None  # monotonic time after which the ended peer is watched again
 
     def watch(self, target: tuple | None, generation: int) -> None:
         """Keep a connection to ``target`` (node, addr, port), or to nobody (None). A peer whose
         connection ended is not connected to again in the same generation: the probe decides
         about it, and a new plan picks the peer anew (a dead peer's refusals would spin)."""
         if target is not None and (generation, target[0]) == self._ended:
-            target = None
+            if self._rewatch_at is None or time.monotonic() < self._rewatch_at:
+                target = None
+            else:
+                self._ended = self._rewatch_at = None
         if target == self._target:
             return
         family = _family(target[1]) if target is not None else None  # resolved once per new target
@@ -102,9 +110,18 @@ class PeerLink:
             if self._sock is not sock:
                 return  # this connection was given up on purpose
             self._sock, self._target = None, None
-            self._dropped, self._ended = node, (generation, node)
+            self._dropped, self._ended, self._rewatch_at = node, (generation, node), None
         sock.close()
         self._wake()
+
+    def answered(self, node: str) -> None:
+        """The probe found ``node``'s agent answering after its link ended (the link broke, the
+        peer did not die): watch it again from ``REWATCH_AFTER`` seconds on, instead of leaving
+        it to its lease for the rest of the generation. A peer that answers and then closes
+        every link costs one reconnection per ``REWATCH_AFTER``, not a spin."""
+        with self._lock:
+            if self._ended is not None and self._ended[1] == node:
+                self._rewatch_at = time.monotonic() + REWATCH_AFTER
 
     def take_dropped(self) -> str | None:
         """The peer whose connection ended since the last call (None: none)."""

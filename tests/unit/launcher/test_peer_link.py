@@ -4,10 +4,12 @@ watches, and what the link reports, on real sockets."""
 import math
 import socket
 import threading
+import time
 from collections import Counter
 
 import pytest
 
+from tm_launch.launcher import peer_link
 from tm_launch.launcher.peer_link import PeerLink, probe_targets, successor
 
 
@@ -97,6 +99,35 @@ def test_a_peer_that_dies_wakes_the_agent_once_per_generation():
     assert not woke.wait(0.3)
     link.watch(("b", "127.0.0.1", peer.port), generation=2)  # a new plan still names it: tried again
     assert woke.wait(10) and link.take_dropped() == "b"  # refused
+    link.close()
+
+
+def test_a_broken_link_to_a_peer_that_answers_is_watched_again(monkeypatch):
+    """The link ended but the probe found the peer's agent answering: watched again after
+    REWATCH_AFTER (else it was left to its lease for the rest of the generation), not before."""
+    monkeypatch.setattr(peer_link, "REWATCH_AFTER", 0.2)
+    woke = threading.Event()
+    link = PeerLink(wake=woke.set)
+    peer = Peer()
+    link.watch(("b", "127.0.0.1", peer.port), generation=1)
+    deadline = time.time() + 10
+    while not peer.accepted and time.time() < deadline:
+        time.sleep(0.01)
+    peer.accepted.pop().close()  # the connection breaks; the peer's listener lives on
+    assert woke.wait(10) and link.take_dropped() == "b"
+    link.answered("b")
+    link.watch(("b", "127.0.0.1", peer.port), generation=1)
+    time.sleep(0.1)
+    assert not peer.accepted, "watched again before REWATCH_AFTER"
+    time.sleep(0.2)
+    link.watch(("b", "127.0.0.1", peer.port), generation=1)
+    deadline = time.time() + 10
+    while not peer.accepted and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(peer.accepted) == 1, "not watched again"
+    woke.clear()
+    peer.die()
+    assert woke.wait(10) and link.take_dropped() == "b"  # and its death is seen through the new link
     link.close()
 
 
