@@ -220,3 +220,4 @@ class FailureWatch:
                 self.session.members.leave(node)
             except OSError:
                 continue
+        return answered

@@ -281,7 +281,9 @@ def test_a_peer_whose_agent_refuses_connections_is_reported_lost(members, superv
         watch = FailureWatch(supervisor.cfg, session, supervisor, said)
         plan = Plan(generation=0, nodes=("n1", "n2", "n3"), nproc=2)
         assert members.publish(plan, None)
-        watch.report_dead_peers(plan, members.snapshot().view)
+        before = members.snapshot().view
+        assert watch.report_dead_peers(plan, before) == {"n3"}  # the peers whose agent answered
+        assert watch.report_if_lost(plan, before, "n3")  # a broken link to a live peer: it answers
     assert said.kinds() == ["node_lost"] and session.take_reported()
     view = members.snapshot().view
     assert set(view.reports) == {"n1"} and view.report_kinds == {"n1": "lost"}
