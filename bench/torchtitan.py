@@ -2,7 +2,7 @@
 """torchtitan's own trainer after a worker SIGKILL: torchrun's restart against tm-launch's spare,
 side by side in one run on loopback.
 
-    .venv/bin/python bench/torchtitan.py                  # --repeat 3: ~10 minutes on 2 cores
+    .venv/bin/python bench/torchtitan.py                  # --repeat 3: ~3-6 minutes on 2 cores
     .venv/bin/python bench/torchtitan.py --repeat 1 --no-check
 
 The job is the e2e test's (``tests/e2e/test_torchtitan.py``): torchtitan 0.3.0's own trainer,
@@ -34,13 +34,16 @@ registered by then (the benchmark checks, torchtitan takes 10+ s to its first st
 Measures, per run, from the step log (``tm_launch.local.localjob.downtime``, bench/downtime.py's
 definition): downtime, from the last step every rank completed before the fault to the first step
 every rank completed after it, and the steps redone (completed by every rank before the fault and
-run again: those since the last checkpoint). Split, for both launchers: ``kill -> workers
-started``, from the fault to the start of the last new worker process (its start time read from
-``/proc/<pid>/stat`` while it runs: 10 ms resolution), the launcher's part; and ``workers started
--> first step``, the rest: starting Python, torch and torchtitan again, loading the checkpoint,
-redoing the steps since it and the interrupted step. For tm-launch, its own part from the agents'
-``--event-log``: ``kill -> failure reported`` (the victim's agent's ``worker_failed`` event) and
-``-> plan published`` (generation 1's ``plan`` event).
+run again: those since the last checkpoint). The time after the kill, split for both launchers
+at the slowest new worker (every rank waits for it): ``kill -> workers started``, to the start of
+the last new worker process (read from ``/proc/<pid>/stat`` while it runs, on CLOCK_BOOTTIME:
+truncated to 10 ms), the launcher's part; ``-> torchtitan imported``, to torchtitan's first log
+line (``torchtitan version``: Python, torch and torchtitan imported); ``-> checkpoint loaded``
+(``Finished loading the checkpoint``: process group, mesh, model, FSDP, data loader and the
+checkpoint); ``-> first step after``, every rank redoing the steps since that checkpoint and the
+interrupted step. torchtitan's log lines carry local wall-clock times to the millisecond. For
+tm-launch, its own part from the agents' ``--event-log``: ``kill -> failure reported`` (the
+victim's agent's ``worker_failed`` event) and ``-> plan published`` (generation 1's ``plan`` event).
 
 ``--check`` (default on): one fault-free torchrun run first, the reference, and every fault run's
 final torchtitan checkpoint compared with it bitwise (model, optimizer, LR scheduler, data loader
@@ -171,22 +174,18 @@ CLK = os.sysconf("SC_CLK_TCK")
 
 
 def boot_time() -> float:
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    raise RuntimeError("no btime in /proc/stat")
-
-
-BOOT = boot_time()
+    """The wall-clock time of boot on the clock ``/proc/<pid>/stat`` counts start times on
+    (CLOCK_BOOTTIME): ``btime`` in /proc/stat is whole seconds and was 0.12 s off here."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def process_start(pid: int) -> float | None:
-    """Wall-clock start of a running process (1/CLK_TCK resolution); None once it is gone."""
+    """Wall-clock start of a running process (truncated to 1/CLK_TCK: up to 10 ms early); None
+    once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return BOOT + int(fields[19]) / CLK
+        return boot_time() + int(fields[19]) / CLK
     except (OSError, IndexError, ValueError):
         return None
 
@@ -447,6 +446,11 @@ class Bench:
         return out
 
 
+def load_range(runs: list[dict]) -> str:
+    loads = [r["load"] for r in runs if r.get("load") is not None]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "—"
+
+
 def ms(x):
     return None if x is None else x * 1000
 
@@ -548,7 +552,8 @@ def markdown(rows: list[dict], runs: list[dict], reference: dict | None, args, m
         f"--max-restarts {args.max_restarts} for both; torchrun: c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; "
         f"tm-launch: etcd, 1 spare node. OMP_NUM_THREADS={args.omp_threads or 'unset'}. "
         f"Median over {args.repeat} run(s) per launcher, alternating. "
-        f"Load average at start: {meta['load_start']:.1f} (the machine is shared).",
+        f"Load average at the start of the benchmark: {meta['load_start']:.1f}, of each run: {load_range(runs)}, at the end: "
+        f"{meta['load_end']:.1f} (the machine is shared).",
         f"Command: `{meta['command']}` (total {meta['total_s']:.0f} s)",
     ]
     return "\n".join(lines) + "\n"
@@ -624,6 +629,7 @@ def main(argv=None) -> int:
         "command": command,
         "total_s": total,
         "load_start": load_start,
+        "load_end": os.getloadavg()[0],
         "host_cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torchtitan": importlib.metadata.version("torchtitan"),
