@@ -59,6 +59,7 @@ def test_agent_sigkill_spare_takes_rank_same_world_size(local_job, reference):
     assert_bitwise(torch.load(out), reference(2, 1, STEPS))  # resumed from the checkpoint: nothing lost
 
 
+@pytest.mark.slow  # the fast tier replaces a node in restart mode in test_an_unmodified_torchrun_script_is_watched_shown_and_replaced
 def test_crashing_worker_node_is_replaced_by_the_spare(local_job):
     job, out = _job(local_job, launcher=["--max-restarts", "3"], script=["--crash-node", "b", "--crash-step", "3"])
     job.start_all(["a", "b"])
@@ -191,7 +192,7 @@ def test_an_unmodified_torchrun_script_is_watched_shown_and_replaced(local_job, 
     job.script_args = [
         "--unmodified",
         "--steps",
-        "400",
+        "300",
         "--step-sleep",
         "0.02",
         "--ckpt-dir",
