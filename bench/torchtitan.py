@@ -85,40 +85,10 @@ HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
 TITAN_DIR = os.path.dirname(HARNESS)
 LAUNCHERS = ("torchrun", "tm-launch")
 say = base.say
+sys.path.insert(0, TITAN_DIR)
+from titan_job import final_state, titan_args  # noqa: E402  (the e2e test's job and checkpoint reader)
 
-
-def titan_args(assets: dict[str, str], dump_folder: str, steps: int, ckpt_every: int) -> list[str]:
-    """torchtitan's command line, the e2e test's (``tests/e2e/test_torchtitan.py``): the tiny
-    llama3, FSDP over the 2 ranks, a DCP checkpoint every ``ckpt_every`` steps, fixed seed,
-    deterministic kernels, fp32 parameters."""
-    return [
-        "--module",
-        "tiny_llama3",
-        "--config",
-        "llama3_tiny",
-        "--hf-assets-path",
-        assets["hf_assets_path"],
-        "--dataloader.dataset-path",
-        assets["dataset_path"],
-        "--dump-folder",
-        dump_folder,
-        "--training.steps",
-        str(steps),
-        "--training.seq-len",
-        "128",
-        "--training.local-batch-size",
-        "2",
-        "--training.mixed-precision-param",
-        "float32",
-        "--parallelism.data-parallel-shard-degree",
-        "2",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        str(ckpt_every),
-        "--debug.seed",
-        "42",
-        "--debug.deterministic",
-    ]
+sys.path.remove(TITAN_DIR)
 
 
 def build_assets(folder: str) -> dict[str, str]:
@@ -133,26 +103,6 @@ def build_assets(folder: str) -> dict[str, str]:
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
-def final_state(dump_folder: str, steps: int) -> dict:
-    """torchtitan's last checkpoint (``step-<steps>``), as full tensors under dotted keys (the e2e
-    test's ``final_state``)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path = os.path.join(dump_folder, "checkpoint", f"step-{steps}")
-    out = path + ".pt"
-    dcp_to_torch_save(path, out)
-    return flatten(torch.load(out, weights_only=False))
-
-
-def flatten(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
-    if isinstance(tree, list | tuple):
-        return {k: v for i, sub in enumerate(tree) for k, v in flatten(sub, f"{prefix}{i}.").items()}
-    return {prefix.rstrip("."): tree}
-
-
 def differences(state: dict, ref: dict) -> list[str]:
     """The keys whose values differ from the reference (empty: bitwise equal)."""
     import torch

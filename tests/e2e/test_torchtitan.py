@@ -26,6 +26,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 
 HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
 sys.path.insert(0, os.path.dirname(HARNESS))  # offline_assets, tiny_llama3
+from titan_job import final_state, titan_args  # noqa: E402  (the job the benchmark runs too)
 
 STEPS, CKPT_EVERY, KILL_STEP = 10, 4, 6  # the kill after step 6: the restart resumes from step 4's checkpoint
 
@@ -38,60 +39,6 @@ def titan_assets(tmp_path_factory):
     from tiny_llama3 import VOCAB
 
     return build(str(tmp_path_factory.mktemp("torchtitan-assets")), VOCAB)
-
-
-def titan_args(assets: dict[str, str], dump_folder: str) -> list[str]:
-    """torchtitan's command line, as a user gives it to ``torchtitan.train``: the tiny llama3,
-    FSDP over the 2 ranks, a DCP checkpoint every CKPT_EVERY steps, a fixed seed and deterministic
-    kernels (so two runs can be compared bitwise), fp32 parameters (bf16 is slow on CPU)."""
-    return [
-        "--module",
-        "tiny_llama3",
-        "--config",
-        "llama3_tiny",
-        "--hf-assets-path",
-        assets["hf_assets_path"],
-        "--dataloader.dataset-path",
-        assets["dataset_path"],
-        "--dump-folder",
-        dump_folder,
-        "--training.steps",
-        str(STEPS),
-        "--training.seq-len",
-        "128",
-        "--training.local-batch-size",
-        "2",
-        "--training.mixed-precision-param",
-        "float32",
-        "--parallelism.data-parallel-shard-degree",
-        "2",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        str(CKPT_EVERY),
-        "--debug.seed",
-        "42",
-        "--debug.deterministic",
-    ]
-
-
-def final_state(dump_folder: str) -> dict:
-    """Everything in torchtitan's last checkpoint (``step-STEPS``), gathered to full tensors and
-    flattened to dotted keys: each rank's FSDP shards of the model and the optimizer, the LR
-    scheduler, the train state and each data-parallel rank's data-loader position."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path = os.path.join(dump_folder, "checkpoint", f"step-{STEPS}")
-    out = path + ".pt"
-    dcp_to_torch_save(path, out)
-    return flatten(torch.load(out, weights_only=False))
-
-
-def flatten(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
-    if isinstance(tree, list | tuple):
-        return {k: v for i, sub in enumerate(tree) for k, v in flatten(sub, f"{prefix}{i}.").items()}
-    return {prefix.rstrip("."): tree}
 
 
 def assert_same_state(state: dict, ref: dict) -> None:
@@ -131,10 +78,19 @@ def torchrun_reference(titan_assets, tmp_path_factory):
     dump = str(tmp_path_factory.mktemp("torchtitan-torchrun"))
     start = time.time()
     log = run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HARNESS, *titan_args(titan_assets, dump)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            HARNESS,
+            *titan_args(titan_assets, dump, STEPS, CKPT_EVERY),
+        ],
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     )
-    return final_state(dump), losses(log), time.time() - start
+    return final_state(dump, STEPS), losses(log), time.time() - start
 
 
 @pytest.mark.slow
@@ -148,7 +104,7 @@ def test_worker_sigkill_spare_takes_rank_restart_from_torchtitan_checkpoint(loca
     job = local_job(nnodes="2", nproc=1, script=HARNESS, launcher_args=["--max-restarts", "2"])
     dump = os.path.join(job.workdir, "titan")
     marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-joined")
-    job.script_args = titan_args(titan_assets, dump)
+    job.script_args = titan_args(titan_assets, dump, STEPS, CKPT_EVERY)
     job.env = {
         "TT_KILL_RANK": "1",
         "TT_KILL_STEP": str(KILL_STEP),
@@ -174,7 +130,7 @@ def test_worker_sigkill_spare_takes_rank_restart_from_torchtitan_checkpoint(loca
     logs = job.nodes[survivor].log() + job.nodes["c"].log()
     assert f"Loading the checkpoint from {dump}/checkpoint/step-{CKPT_EVERY}" in logs, job.logs_tail()
 
-    assert_same_state(final_state(dump), torchrun_reference[0])
+    assert_same_state(final_state(dump, STEPS), torchrun_reference[0])
     assert restarted_steps(job.step_records()) == {0: list(range(CKPT_EVERY + 1, STEPS + 1)), 1: list(range(CKPT_EVERY + 1, STEPS + 1))}
     measured = downtime(job.step_records(), os.path.getmtime(marker))
     print(f"\ntorchtitan under tm-launch, restart mode: {measured}; torchrun's fault-free run took {torchrun_reference[2]:.1f}s")
@@ -203,6 +159,17 @@ def test_standalone_tm_launch_runs_torchtitan_as_torchrun_does(titan_assets, tor
     """``tm-launch --standalone --nproc-per-node 2`` in place of ``torchrun``: the same losses,
     step by step, and the same final checkpoint, bitwise."""
     dump = str(tmp_path / "titan")
-    log = run([sys.executable, "-m", "tm_launch.cli", "--standalone", "--nproc-per-node", "2", HARNESS, *titan_args(titan_assets, dump)])
+    log = run(
+        [
+            sys.executable,
+            "-m",
+            "tm_launch.cli",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            HARNESS,
+            *titan_args(titan_assets, dump, STEPS, CKPT_EVERY),
+        ]
+    )
     assert losses(log) == torchrun_reference[1] and len(torchrun_reference[1]) == STEPS, (losses(log), torchrun_reference[1])
-    assert_same_state(final_state(dump), torchrun_reference[0])
+    assert_same_state(final_state(dump, STEPS), torchrun_reference[0])
