@@ -108,11 +108,13 @@ class Generations:
         """A connection of its own to the store ``where`` names (``tm_launch.worker.store_clients``)."""
         return self.clients.take(where)
 
-    def build(self, ranks, global_rank: int, gen: int, d: Directive | None = None):
+    def build(self, ranks, global_rank: int, gen: int, d: Directive | None = None, key: str | None = None):
         """A communicator for ``ranks`` (None: the world) in generation ``gen``, via a fresh prefix,
-        on the job's devices (``communicators.build``: the one place that builds them)."""
+        on the job's devices (``communicators.build``: the one place that builds them). ``key``:
+        the group's own name in that prefix (``LiveGroup.store_key``), for jobs with several
+        groups of the same ranks (torchtitan's flattened meshes), whose set-ups must not meet."""
         d = d or self.current
-        name = "world" if ranks is None else "sub-" + "-".join(map(str, ranks))
+        name = "world" if ranks is None else key or "sub-" + "-".join(map(str, ranks))
         store = dist.PrefixStore(f"tm/g{gen}/{name}/", self.store(d.store))
         rank, size = (global_rank, d.world_size) if ranks is None else (ranks.index(global_rank), len(ranks))
         return communicators.build(
@@ -126,7 +128,7 @@ class Generations:
         rank, old_rank = d.rank_of(self.local_rank), self.state.rank
         return [g for g in self.state.groups if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d.generation)]
 
-    def _build_in_background(self, ranks, global_rank: int, gen: int, d: Directive) -> tuple:
+    def _build_in_background(self, ranks, global_rank: int, gen: int, d: Directive, key: str | None = None) -> tuple:
         """``build`` in a daemon thread: (thread, box); the box gets ``pg`` or ``error``, and
         ``mark``: the sockets open before the build (``connections.Mark``), from which entering
         with it counts what it opened."""
@@ -134,7 +136,7 @@ class Generations:
 
         def work():
             try:
-                box["pg"] = self.build(ranks, global_rank, gen, d)
+                box["pg"] = self.build(ranks, global_rank, gen, d, key)
             except BaseException as e:  # noqa: BLE001 -- handed to the thread that waits for it
                 box["error"] = e
 
@@ -162,12 +164,12 @@ class Generations:
             communicators.release(box.get("pg"))
         return None
 
-    def _build_watching(self, ranks, global_rank: int, gen: int, d: Directive, pending=None):
+    def _build_watching(self, ranks, global_rank: int, gen: int, d: Directive, pending=None, key: str | None = None):
         """``build`` in a thread while this one watches for a newer generation: the setup waits
         for every member, so a member that died would otherwise hold this process for the whole
         setup timeout. An abandoned build is left to fail at its own timeout (a daemon thread).
         ``pending``: a build already started (``_build_in_background``) to wait for instead."""
-        pending, box = pending or self._build_in_background(ranks, global_rank, gen, d)
+        pending, box = pending or self._build_in_background(ranks, global_rank, gen, d, key)
         agent = self.agent
         while pending.is_alive():
             pending.join(0.01)
@@ -343,7 +345,7 @@ class Generations:
                 continue
             fresh = membership_changed(ranks, d, rank, old_rank) or sub.inner is None or isinstance(sub.inner, LocalBackend)
             if fresh:
-                sub.swap(self._build_watching(ranks, rank, d.generation, d), ranks.index(rank), len(ranks), d.generation)
+                sub.swap(self._build_watching(ranks, rank, d.generation, d, key=sub.store_key), ranks.index(rank), len(ranks), d.generation)
                 rebuilt += 1
         return rebuilt
 

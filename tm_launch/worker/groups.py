@@ -187,9 +187,11 @@ class LiveGroup(dist.ProcessGroup):
         poison: StepPoison,
         name: str = "tm-world",
         backend: tuple[str, str] = ("gloo", "cpu:gloo"),
+        store_key: str | None = None,
     ):
         super().__init__(max(rank, 0), size)
         self.member_ranks = ranks  # None: the world group
+        self.store_key = store_key  # its communicators' name in a generation's store (Generations.build)
         self._rank, self._size = rank, size
         self._inner = None
         self._poison = poison

@@ -361,6 +361,9 @@ class LiveJob:
         ``dist.new_group`` and ``init_device_mesh`` come here too in live mode."""
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(sorted(int(r) for r in ranks))
         me = self.rank
+        # Every rank creates every group in the same order (torch's rule for new_group), so the
+        # n-th group of the same ranks is the same group everywhere: its own key in the store.
+        same = sum(1 for g in self.state.subgroups if g.member_ranks == ranks)
         sub = LiveGroup(
             ranks,
             ranks.index(me) if me in ranks else -1,
@@ -368,12 +371,13 @@ class LiveJob:
             self.state.poison,
             name=c10d_glue.unique_name(ranks),
             backend=self._c10d_names,
+            store_key="sub-" + "-".join(map(str, ranks)) + (f"+{same}" if same else ""),
         )
         if me in ranks:
             if isinstance(self.group.inner, LocalBackend):
                 sub.swap(LocalBackend(sub.rank(), len(ranks)), sub.rank(), len(ranks), -1)
             else:
-                sub.swap(self.gens.build(ranks, me, self.generation), ranks.index(me), len(ranks), self.generation)
+                sub.swap(self.gens.build(ranks, me, self.generation, key=sub.store_key), ranks.index(me), len(ranks), self.generation)
         self.state.subgroups.append(sub)
         c10d_glue.register(sub, ranks)
         return sub
