@@ -11,8 +11,9 @@ For each tensor the set of ranks holding an identical copy is:
   ``job.register(..., replicas=group)`` (a pipeline stage's data-parallel peers), else the whole
   world (plain DDP).
 
-The rank's replica set is the intersection over all its tensors. Unknown layouts (a flattened
-mesh dimension) count as held by this rank alone: a loud checkpoint fallback, never a wrong source.
+The rank's replica set is the intersection over all its tensors. A DTensor on a mesh whose
+dimensions the root mesh does not name (flattened or unflattened ones) counts the ranks of its own
+mesh only: possibly fewer than hold a copy, never a wrong source.
 The ``mesh_replicas`` rule is pure and table-tested; ``replica_set`` reads it off live objects.
 """
 
@@ -57,7 +58,11 @@ def _dtensor_replicas(t, rank: int) -> frozenset[int]:
     elif names and root_names and all(names[i] in root_names for i in sharded):
         dims = {root_names.index(names[i]) for i in sharded}
     else:
-        return frozenset({rank})  # a flattened or unnamed sub-mesh: do not guess
+        # A mesh of flattened or unflattened dimensions (torchtitan's ("dp_replicate", "fsdp")):
+        # the ranks of this mesh itself with this rank's coordinates on its sharded dimensions.
+        # Possibly fewer than hold a copy (data-parallel peers outside the mesh), never a rank
+        # that does not.
+        return mesh_replicas(mesh.mesh.tolist(), set(sharded), rank) | {rank}
     return mesh_replicas(root.mesh.tolist(), dims, rank)
 
 

@@ -75,6 +75,9 @@ def _layout(name: str):
             fully_shard(net, mesh=mesh["dp"])
     elif name == "hsdp":
         fully_shard(net, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    elif name == "hsdp-unflattened":  # as torchtitan's ParallelDims builds it
+        world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+        fully_shard(net, mesh=world._unflatten(0, (2, 2), ("dp_replicate", "fsdp")))
     elif name == "fsdp":
         fully_shard(net, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("shard",)))
     elif name == "pp":
@@ -91,6 +94,7 @@ def _layout(name: str):
     [
         pytest.param("ddp-tp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="TP under data parallel: the dp peer, same TP shard"),
         pytest.param("hsdp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="HSDP: the replicate peer"),
+        pytest.param("hsdp-unflattened", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="HSDP on a mesh unflattened from the world's"),
         pytest.param("pp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="pipeline stages: the declared dp group"),
         pytest.param("fsdp-tp", {r: {r} for r in range(4)}, id="FSDP x TP: no replica"),
         pytest.param("fsdp", {r: {r} for r in range(4)}, id="FSDP: no replica"),
