@@ -43,12 +43,20 @@ class LiveLoop:
         self._steps = None  # job.steps(): advanced once per attempt of a step
         self._generation: int | None = None
         self.started: int | None = None  # the step whose first attempt began last
+        self.running = False  # inside run(): between the framework's step count and its commit
 
-    def run(self, framework_step: int, body, on_new_generation=None, on_new_step=None):
+    def run(self, framework_step: int, body, on_new_generation=None, on_new_step=None, at_step=None):
         """One optimizer step of the framework, at its ``framework_step`` (its global step):
         ``on_new_generation()`` before the first attempt in a new generation (this rank stepped
         in an earlier one), ``on_new_step(step)`` before the first attempt of a step, ``body()``
-        for each attempt; returns the committed attempt's result."""
+        for each attempt; returns the committed attempt's result.
+
+        ``at_step(step)`` before each attempt, for a framework whose body reads its step count
+        from its own state (``tm_launch.torchtitan``), which can then run any step: a spare's
+        warm-up steps in the sandbox, then the job's step once it joins; and when survivors
+        return to an earlier step (a lost rank's newest snapshot was still on its way), that step
+        and those after it run here, each to its commit, until the job is back at
+        ``framework_step``. Without it the job's step must be the framework's."""
         if self._steps is None:
             self._steps = self.job.steps(sys.maxsize, start=framework_step)
         if framework_step != self.started:
@@ -57,19 +65,25 @@ class LiveLoop:
             if on_new_step:
                 on_new_step(framework_step)
             self.started = framework_step
-        while True:
-            step = next(self._steps)
-            if step != framework_step:
-                raise RuntimeError(
-                    f"tm-launch: the job is at step {step} but the framework at {framework_step}: one "
-                    "optimizer step per batch (no gradient accumulation) is required for live mode"
-                )
-            if self._generation is not None and self._generation != self.job.generation and on_new_generation:
-                on_new_generation()
-            self._generation = self.job.generation
-            result = body()
-            if self.job.commit():
-                return result
+        self.running = True
+        try:
+            while True:
+                step = next(self._steps)
+                if step != framework_step and at_step is None:
+                    raise RuntimeError(
+                        f"tm-launch: the job is at step {step} but the framework at {framework_step}: one "
+                        "optimizer step per batch (no gradient accumulation) is required for live mode"
+                    )
+                if at_step is not None:
+                    at_step(step)
+                if self._generation is not None and self._generation != self.job.generation and on_new_generation:
+                    on_new_generation()
+                self._generation = self.job.generation
+                result = body()
+                if self.job.commit() and step >= framework_step:
+                    return result
+        finally:
+            self.running = False
 
     def close(self) -> None:
         """The framework's loop ended: the last step's bookkeeping; the agent sees it finish."""

@@ -60,6 +60,34 @@ def test_the_framework_and_the_job_must_agree_on_the_step():
         loop.run(3, lambda: None)  # the framework did not count the committed step (e.g. accumulation)
 
 
+class SequenceJob:
+    """``steps()`` yields a scripted sequence of steps (a return to an earlier one, a jump); every
+    attempt commits."""
+
+    def __init__(self, sequence):
+        self.sequence, self.generation = list(sequence), 0
+
+    def steps(self, total, start=0):
+        yield from self.sequence
+
+    def commit(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    "framework_step, sequence, ran",
+    [
+        (5, [5], [5]),
+        (5, [4, 5], [4, 5]),  # survivors returned to step 4 (a snapshot still on its way): 4, then 5 again
+        (2, [7], [7]),  # a spare's loop after its warm-up steps joins the job at step 7
+    ],
+)
+def test_a_framework_that_follows_the_job_runs_the_jobs_steps(framework_step, sequence, ran):
+    loop, seen, running = LiveLoop(SequenceJob(sequence)), [], []
+    loop.run(framework_step, lambda: running.append(loop.running), at_step=seen.append)
+    assert seen == ran and all(running) and not loop.running
+
+
 def test_a_process_group_started_before_init_is_one_clear_error(monkeypatch):
     import torch.distributed as dist
 
