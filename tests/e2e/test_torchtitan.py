@@ -11,6 +11,7 @@ and step state of torchtitan's final checkpoint.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(HARNESS))  # offline_assets, tiny_llama3
 from titan_job import final_state, titan_args  # noqa: E402  (the job the benchmark runs too)
 
 STEPS, CKPT_EVERY, KILL_STEP = 10, 4, 6  # the kill after step 6: the restart resumes from step 4's checkpoint
+HSDP_STEPS = 14  # room for a drain's switch (a few steps after the request)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +73,9 @@ def run(cmd: list[str], timeout: float = 180, env: dict | None = None) -> str:
     return out.stdout + out.stderr
 
 
-@pytest.fixture(scope="module")
-def torchrun_reference(titan_assets, tmp_path_factory):
+def torchrun_run(assets: dict, dump: str, steps: int, replicate: int = 1):
     """The fault-free run under plain torchrun: (final checkpoint state, losses, seconds).
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun at its best (ARCHITECTURE.md)."""
-    dump = str(tmp_path_factory.mktemp("torchtitan-torchrun"))
     start = time.time()
     log = run(
         [
@@ -84,13 +84,26 @@ def torchrun_reference(titan_assets, tmp_path_factory):
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(2 * replicate),
             HARNESS,
-            *titan_args(titan_assets, dump, STEPS, CKPT_EVERY),
+            *titan_args(assets, dump, steps, CKPT_EVERY, replicate),
         ],
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        timeout=300,
     )
-    return final_state(dump, STEPS), losses(log), time.time() - start
+    return final_state(dump, steps), losses(log), time.time() - start
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(titan_assets, tmp_path_factory):
+    """FSDP over 2 ranks, ``STEPS`` steps, under plain torchrun (``torchrun_run``)."""
+    return torchrun_run(titan_assets, str(tmp_path_factory.mktemp("torchtitan-torchrun")), STEPS)
+
+
+@pytest.fixture(scope="module")
+def torchrun_hsdp_reference(titan_assets, tmp_path_factory):
+    """HSDP, 2 replicas of 2 FSDP shards, ``HSDP_STEPS`` steps, under plain torchrun."""
+    return torchrun_run(titan_assets, str(tmp_path_factory.mktemp("torchtitan-torchrun-hsdp")), HSDP_STEPS, replicate=2)
 
 
 @pytest.mark.slow
@@ -175,3 +188,118 @@ def test_standalone_tm_launch_runs_torchtitan_as_torchrun_does(titan_assets, tor
     )
     assert losses(log) == torchrun_reference[1] and len(torchrun_reference[1]) == STEPS, (losses(log), torchrun_reference[1])
     assert_same_state(final_state(dump, STEPS), torchrun_reference[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim_rank", [1, 0], ids=["spare-keeps-its-rank", "spare-takes-another-rank"])
+def test_live_fsdp2_worker_sigkill_recovers_from_snapshot(local_job, titan_assets, torchrun_reference, victim_rank):
+    """``-m tm_launch.torchtitan`` (``LiveTrainer``), pure FSDP2 over 2 ranks, 2 nodes of 1
+    worker and a parked spare: rank ``victim_rank`` is SIGKILLed right after torchtitan's step 6.
+    No rank replicates its shards, so the spare receives them from the victim's snapshot on the
+    other node; the survivor keeps its process; at most the step before the interrupted one runs
+    again (the victim's snapshot of its last step may not have reached its holder); torchtitan's
+    final checkpoint is bitwise torchrun's fault-free one. Rank 0: the spare warmed up as rank 1
+    and runs torchtitan's set-up again for rank 0, in the same process."""
+    job = local_job(nnodes="2", nproc=1, script=HARNESS, launcher_args=["--max-restarts", "3"])
+    dump = os.path.join(job.workdir, "titan")
+    marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-parked")
+    job.script_args = titan_args(titan_assets, dump, STEPS, CKPT_EVERY)
+    job.env = {
+        "TT_LIVE": "1",
+        "TT_KILL_RANK": str(victim_rank),
+        "TT_KILL_STEP": str(KILL_STEP),
+        "TT_KILL_MARKER": marker,
+        "TT_KILL_AFTER": go,
+        "TT_STEP_LOG": job.step_log,
+    }
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
+    job.wait_parked("c", timeout=180)
+    open(go, "w").close()
+    codes = job.wait(timeout=240)
+
+    plan = next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+    assert plan is not None, job.logs_tail()
+    victim = plan["replaced"]["c"]
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes[victim] != 0 and codes[survivor] == 0 and codes["c"] == 0, job.logs_tail()
+    assert plan["live"], plan
+    assert_same_state(final_state(dump, STEPS), torchrun_reference[0])
+
+    records = job.step_records()
+    survivor_rank = 1 - victim_rank
+    assert len({pid for _, rank, _, _, pid in records if rank == survivor_rank}) == 1, (
+        f"the survivor kept its process: {records}\n{job.logs_tail()}"
+    )
+    for rank in (0, 1):
+        steps = [step for _, r, step, _, _ in sorted(records) if r == rank]
+        assert set(steps) == set(range(1, STEPS + 1)), steps
+        again = {s for s in steps if steps.count(s) > 1}
+        assert again <= {KILL_STEP, KILL_STEP + 1}, f"rank {rank} ran {sorted(again)} more than once: {steps}"
+    if victim_rank == 0:
+        assert "running the script again for rank 0" in job.nodes["c"].log(), job.logs_tail()
+    print(f"\ntorchtitan live, FSDP2, victim rank {victim_rank}: {recovery(records, os.path.getmtime(marker))}")
+
+
+def recovery(records, kill_time: float) -> str:
+    """From the kill to the first step every rank completed after it (the kill waits for the
+    spare to park, so the step before it ended long before), and the steps run twice."""
+    after = collections.defaultdict(set)
+    for t, rank, step, _, _ in records:
+        if t > kill_time:
+            after[step].add(rank)
+    ranks = {rank for _, rank, _, _, _ in records}
+    first = min(step for step, done in after.items() if done == ranks)
+    done_at = max(t for t, _, step, _, _ in records if step == first and t > kill_time)
+    again = sorted({s for _, r, s, _, _ in records if [x for _, q, x, _, _ in records if q == r].count(s) > 1})
+    return f"step {first} completed by every rank {done_at - kill_time:.2f}s after the kill; run twice: {again}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigkill", "drain"])
+def test_live_hsdp_recovers_from_the_replica(local_job, titan_assets, torchrun_hsdp_reference, fault):
+    """HSDP (2 replicas x 2 FSDP shards), 2 nodes of 2 workers and a parked spare node. A worker
+    SIGKILL of rank 3 right after torchtitan's step 4 (before that step's checkpoint), or ``ctl
+    drain`` of its node: the spare takes ranks 2 and 3 and receives each one's shards from its
+    replica on the other node (ranks 0 and 1); the survivors keep their processes; at most the
+    interrupted step runs again (none after a drain); the step-4 checkpoint, which the dead rank
+    never wrote its shards of, is not left behind; the final checkpoint is bitwise torchrun's."""
+    job = local_job(nnodes="2", nproc=2, script=HARNESS, launcher_args=["--max-restarts", "3"])
+    dump = os.path.join(job.workdir, "titan")
+    marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-parked")
+    job.script_args = titan_args(titan_assets, dump, HSDP_STEPS, CKPT_EVERY, replicate=2)
+    job.env = {"TT_LIVE": "1", "TT_STEP_LOG": job.step_log}
+    if fault == "sigkill":
+        job.env.update(TT_KILL_RANK="3", TT_KILL_STEP="4", TT_KILL_MARKER=marker, TT_KILL_AFTER=go)
+    else:
+        job.env.update(TT_HOLD_STEP="2", TT_HOLD_UNTIL=go)
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
+    job.wait_parked("c", timeout=240)
+    holder = next(n["id"] for n in job.status()["nodes"] if n["ranks"] == [2, 3])
+    if fault == "drain":
+        assert job.ctl("drain", holder).returncode == 0
+    open(go, "w").close()
+    codes = job.wait(timeout=300)
+
+    plan = next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+    assert plan is not None and plan["live"] and plan["replaced"] == {"c": holder}, (plan, job.logs_tail())
+    survivor = ({"a", "b"} - {holder}).pop()
+    assert codes[survivor] == 0 and codes["c"] == 0 and (codes[holder] != 0) == (fault == "sigkill"), job.logs_tail()
+    assert_same_state(final_state(dump, HSDP_STEPS), torchrun_hsdp_reference[0])
+    log = job.nodes["c"].log()
+    assert "from rank 0" in log and "from rank 1" in log and "snapshot" not in log.split("received")[-1], log[-3000:]
+
+    records = job.step_records()
+    for rank in (0, 1):
+        assert len({pid for _, r, _, _, pid in records if r == rank}) == 1, f"rank {rank} kept its process: {records}"
+    for rank in range(4):
+        steps = [step for _, r, step, _, _ in sorted(records) if r == rank]
+        assert set(steps) == set(range(1, HSDP_STEPS + 1)), (rank, steps)
+        again = {s for s in steps if steps.count(s) > 1}
+        assert again <= ({5} if fault == "sigkill" else set()), f"rank {rank} ran {sorted(again)} more than once: {steps}"
+    if fault == "sigkill":
+        assert not os.path.exists(os.path.join(dump, "checkpoint", "step-4", ".metadata")), os.listdir(os.path.join(dump, "checkpoint"))
+        print(f"\ntorchtitan live, HSDP, worker SIGKILL: {recovery(records, os.path.getmtime(marker))}")

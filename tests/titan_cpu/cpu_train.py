@@ -15,6 +15,9 @@ Also, for the tests (inert unless the variables are set):
   after its optimizer step ``TT_KILL_STEP`` (before that step's checkpoint), and creates the marker
   file so that the restarted run does not kill again. With ``TT_KILL_AFTER`` (a path) it first
   waits for that file, so that a test can hold the kill until its spare has joined.
+- ``TT_HOLD_STEP`` / ``TT_HOLD_UNTIL``: every rank waits after that step until the file exists
+  (a test's spare parks before the job goes on).
+- ``TT_LIVE=1``: ``tm_launch.torchtitan``'s entry (live mode) in place of ``torchtitan.train``'s.
 - ``TT_STEP_LOG``: each rank appends ``time rank step restart pid`` after each step, the format
   ``tm_launch.local.localjob`` reads for its downtime measure.
 """
@@ -160,6 +163,12 @@ def wait_for_file(path: str | None, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def in_sandbox() -> bool:
+    import tm_launch
+
+    return tm_launch.init().in_sandbox
+
+
 def install_test_hooks() -> None:
     """The step log and the kill, after each ``Trainer.train_step`` (optimizer step done,
     checkpoint of that step not yet written)."""
@@ -169,11 +178,15 @@ def install_test_hooks() -> None:
 
     def train_step(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
+        if os.environ.get("TT_LIVE") == "1" and in_sandbox():
+            return out  # a spare's warm-up step: not a step of the job
         rank = dist.get_rank()
         log = os.environ.get("TT_STEP_LOG")
         if log:
             with open(log, "a") as f:
                 f.write(f"{time.time():.6f} {rank} {self.step} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {os.getpid()}\n")
+        if os.environ.get("TT_HOLD_STEP") == str(self.step):
+            wait_for_file(os.environ.get("TT_HOLD_UNTIL"), timeout=300)
         if kill_point(rank, self.step, os.environ):
             wait_for_file(os.environ.get("TT_KILL_AFTER"), timeout=300)
             marker = os.environ.get("TT_KILL_MARKER")
@@ -198,8 +211,18 @@ def apply_cpu_workarounds() -> None:
 
 
 if __name__ == "__main__":
-    apply_cpu_workarounds()
-    install_test_hooks()
-    from torchtitan.train import main
+    # A spare promoted to ranks other than the ones it warmed up as runs this file again in the
+    # same process (tm_launch.worker): torchtitan is imported and patched by then.
+    # The workarounds are called from this file imported as a module: this run's ``__main__``
+    # globals are cleared before the next run, and torchtitan keeps using what they installed.
+    if "torchtitan.tools.utils" not in sys.modules:
+        import cpu_train
+
+        cpu_train.apply_cpu_workarounds()
+        cpu_train.install_test_hooks()
+    if os.environ.get("TT_LIVE") == "1":  # python -m tm_launch.torchtitan (live mode)
+        from tm_launch.torchtitan import main
+    else:  # python -m torchtitan.train
+        from torchtitan.train import main
 
     main()
