@@ -9,8 +9,9 @@ The job is the e2e test's (``tests/e2e/test_torchtitan.py``): torchtitan 0.3.0's
 unchanged, through the CPU harness ``tests/titan_cpu/cpu_train.py``, training the tiny llama3 of
 ``tests/titan_cpu/tiny_llama3.py`` with FSDP over 2 ranks (2 nodes x 1 worker), offline tokenizer
 and data (``tests/titan_cpu/offline_assets.py``), a DCP checkpoint every ``--ckpt-every`` steps,
-a fixed seed and deterministic kernels. torchtitan is not live under tm-launch: both launchers
-restart every worker, which resumes from torchtitan's own last checkpoint.
+a fixed seed and deterministic kernels. torchrun and tm-launch run torchtitan's own
+``torchtitan.train`` and restart every worker, which resumes from torchtitan's last checkpoint;
+tm-live runs the same arguments through ``tm_launch.torchtitan`` (live mode).
 
 Launchers, alternating run by run (torchrun first in even rounds, tm-launch first in odd ones) so
 that drifting background load hits both alike:
@@ -24,6 +25,10 @@ that drifting background load hits both alike:
              (no ``--no-live``: what a user runs; the plan says why it restarts: torchtitan's loop
              does not enter the live loop). The spare takes the lost node's rank and every worker
              restarts.
+  tm-live    as tm-launch, with ``python -m tm_launch.torchtitan`` in place of ``torchtitan.train``
+             (the harness's ``TT_LIVE=1``): the spare warms up and parks before the kill (the
+             benchmark waits for it), takes the lost rank's FSDP shards from its snapshot on the
+             other node, and the survivor keeps its process.
 
 The fault: once every rank completed step ``--kill-after`` (read from the harness's step log,
 ``TT_STEP_LOG``), the benchmark waits ``--fault-at`` of a median step (0.5: a fault that may come
@@ -83,7 +88,7 @@ from tm_launch.local.localjob import LocalJob, downtime  # noqa: E402
 
 HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
 TITAN_DIR = os.path.dirname(HARNESS)
-LAUNCHERS = ("torchrun", "tm-launch")
+LAUNCHERS = ("torchrun", "tm-launch", "tm-live")
 say = base.say
 sys.path.insert(0, TITAN_DIR)
 from titan_job import final_state, titan_args  # noqa: E402  (the e2e test's job and checkpoint reader)
@@ -193,6 +198,8 @@ class Bench:
             env["OMP_NUM_THREADS"] = str(a.omp_threads)
         common = dict(run_id=run_id, workdir=workdir, nnodes="2", nproc=1, env=env, script=HARNESS)
         restarts = ["--max-restarts", str(a.max_restarts)]
+        if launcher == "tm-live":
+            env["TT_LIVE"] = "1"
         if launcher == "torchrun":
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             from rendezvous.etcd_server import free_ports
@@ -237,7 +244,7 @@ class Bench:
         a = self.args
         t0 = time.time()
         job = self.make_job(launcher, f"{launcher}-r{repeat}", {})
-        tm = launcher == "tm-launch"
+        tm = launcher != "torchrun"
         result = {"launcher": launcher, "repeat": repeat, "workdir": job.workdir, "load": os.getloadavg()[0]}
         label = f"{launcher} run {repeat + 1}"
         try:
@@ -249,6 +256,8 @@ class Bench:
                 job.wait_for(
                     lambda s: any(n["id"] == "s0" and n["role"] == "spare" for n in s["nodes"]), a.start_timeout, "spare s0 to register"
                 )
+                if launcher == "tm-live":
+                    job.wait_parked("s0", timeout=a.start_timeout)
             result["spare_ready_s"] = time.time() - t0 if tm else None
             fault_time, pid = self.kill_mid_step(job, label)
             result.update(fault_time=fault_time, fault=f"kill -9 worker pid {pid} (rank {a.victim_rank})", killed_pid=pid)
@@ -331,7 +340,8 @@ class Bench:
 
     def wait_recovered(self, job: LocalJob, fault_time: float) -> dict[int, float] | None:
         """Poll the step log until every rank completed a step after the fault; meanwhile read
-        the start time of every new worker process while it runs. Returns pid -> start time."""
+        the start time of every worker process started after the fault while it runs (tm-live's
+        spare started before). Returns pid -> start time."""
         deadline = time.time() + self.args.recover_timeout
         starts: dict[int, float] = {}
         old = {p for t, _, _, _, p in job.step_records() if t < fault_time}
@@ -339,7 +349,7 @@ class Bench:
             records = job.step_records()
             for pid in {p for t, _, _, _, p in records if t > fault_time and p not in old} - set(starts):
                 start = process_start(pid)
-                if start is not None:
+                if start is not None and start > fault_time - 0.02:  # /proc's start time: 10 ms ticks
                     starts[pid] = start
             if downtime(records, fault_time)["first_step_after"] is not None:
                 return starts
@@ -455,7 +465,7 @@ def markdown(rows: list[dict], runs: list[dict], reference: dict | None, args, m
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        tm = r["launcher"] == "tm-launch"
+        tm = r["launcher"] != "torchrun"
         runs_text = ", ".join(f"{v:.2f}" for v in r["downtime_all_s"])
         failed = f"; {r['failed']} of {r['runs']} failed" if r["failed"] else ""
         ratio = "1.0x (ref)" if r["launcher"] == "torchrun" else f(r["ratio"], "{:.2f}x")
@@ -491,7 +501,8 @@ def markdown(rows: list[dict], runs: list[dict], reference: dict | None, args, m
         "starts new workers; they import Python, torch and torchtitan (torchtitan's first log line); torchtitan "
         "builds the process group, mesh, model and data loader and loads its last checkpoint ('Finished loading the "
         "checkpoint'); then every rank redoes the steps since that checkpoint and the interrupted step. tm-launch's "
-        "own part, from its agents' event logs, is inside the first column.",
+        "own part, from its agents' event logs, is inside the first column. tm-live starts no worker: the parked "
+        "spare and the survivor go on in their processes, so its columns between are empty.",
         "",
         f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']}, torchtitan {meta['torchtitan']} (CPU, gloo), loopback. "
         f"torchtitan's trainer via tests/titan_cpu/cpu_train.py, tiny llama3, FSDP over 2 ranks (2 nodes x 1 worker), "
@@ -500,7 +511,7 @@ def markdown(rows: list[dict], runs: list[dict], reference: dict | None, args, m
         f"{f(statistics.median(firsts) if firsts else None, '{:.1f}')} s after the agents started{ref_text}. "
         f"Rank {args.victim_rank}'s worker SIGKILLed {args.fault_at:g} of a step after step {args.kill_after}; "
         f"--max-restarts {args.max_restarts} for both; torchrun: c10d, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; "
-        f"tm-launch: etcd, 1 spare node. OMP_NUM_THREADS={args.omp_threads or 'unset'}. "
+        f"tm-launch and tm-live: etcd, 1 spare node. OMP_NUM_THREADS={args.omp_threads or 'unset'}. "
         f"Median over {args.repeat} run(s) per launcher, alternating. "
         f"Load average at the start of the benchmark: {meta['load_start']:.1f}, of each run: {load_range(runs)}, at the end: "
         f"{meta['load_end']:.1f} (the machine is shared).",
@@ -520,7 +531,7 @@ def parse(argv=None):
     p.add_argument("--victim-rank", type=int, default=1, choices=(0, 1), help="the rank whose worker is killed")
     p.add_argument("--max-restarts", type=int, default=1)
     p.add_argument("--omp-threads", type=int, default=1, help="OMP_NUM_THREADS for every worker (0: leave unset)")
-    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma list of torchrun, tm-launch")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma list of torchrun, tm-launch, tm-live")
     p.add_argument(
         "--check",
         action=argparse.BooleanOptionalAction,
