@@ -4,6 +4,7 @@ side by side in one run on loopback.
 
     .venv/bin/python bench/torchtitan.py                  # --repeat 3: ~3-6 minutes on 2 cores
     .venv/bin/python bench/torchtitan.py --repeat 1 --no-check
+    .venv/bin/python bench/torchtitan.py --steady --launchers torchrun,tm-live --steps 40   # no fault: the live step's overhead
 
 The job is the e2e test's (``tests/e2e/test_torchtitan.py``): torchtitan 0.3.0's own trainer,
 unchanged, through the CPU harness ``tests/titan_cpu/cpu_train.py``, training the tiny llama3 of
@@ -211,33 +212,53 @@ class Bench:
         job.script_args = titan_args(self.assets, os.path.join(workdir, "titan"), a.steps, a.ckpt_every)
         return job
 
-    # -- the fault-free reference --------------------------------------------------------------------
-    def reference_run(self) -> dict:
+    # -- fault-free runs: the reference, the steady state ---------------------------------------------
+    def clean_run(self, launcher: str, name: str, label: str, finish) -> dict:
+        """One fault-free run on 2 nodes (no spare: a parked spare does nothing per step);
+        ``finish(job, result)`` once it ended well. The median step leaves steps 1-2 out (the
+        first steps' set-up)."""
         a = self.args
         t0 = time.time()
-        job = self.make_job("torchrun", "reference", {})
-        result = {"launcher": "torchrun", "fault": None, "workdir": job.workdir, "load": os.getloadavg()[0]}
+        job = self.make_job(launcher, name, {})
+        result = {"launcher": launcher, "fault": None, "workdir": job.workdir, "load": os.getloadavg()[0]}
         try:
-            say("reference: torchrun, no fault")
             job.start_all(["n0", "n1"])
             codes = result["exit_codes"] = job.wait(timeout=a.start_timeout + a.steps * 10)
             if any(codes.values()):
-                raise RuntimeError(f"the reference run failed: {codes}\n{job.logs_tail()}")
+                raise RuntimeError(f"{label} failed: exit codes {codes}\n{job.logs_tail()}")
             records = job.step_records()
             result["step_time_s"] = base.median_step_time(records, first=2)
             result["first_step_s"] = min(t for t, _, s, _, _ in records if s == 1) - t0
-            self.reference = final_state(os.path.join(job.workdir, "titan"), a.steps)
-            say(f"reference: done in {time.time() - t0:.0f} s (first step {result['first_step_s']:.1f} s after the start)")
+            finish(job, result)
         except KeyboardInterrupt:
             raise
-        except Exception as e:  # noqa: BLE001 - the fault runs go on without the check
+        except Exception as e:  # noqa: BLE001 - the other runs go on
             result["error"] = f"{type(e).__name__}: {e}"[:4000]
-            say(f"reference: ERROR {result['error'].splitlines()[0]}")
+            say(f"{label}: ERROR {result['error'].splitlines()[0]}")
         finally:
             job.stop()
             result["orphans_reaped"] = base.reap()
             result["wall_s"] = time.time() - t0
         return result
+
+    def reference_run(self) -> dict:
+        """torchrun without a fault: the final checkpoint every fault run is compared with."""
+        t0 = time.time()
+
+        def finish(job, result):
+            self.reference = final_state(os.path.join(job.workdir, "titan"), self.args.steps)
+            say(f"reference: done in {time.time() - t0:.0f} s (first step {result['first_step_s']:.1f} s after the start)")
+
+        say("reference: torchrun, no fault")
+        return self.clean_run("torchrun", "reference", "reference", finish)
+
+    def steady_run(self, launcher: str, repeat: int) -> dict:
+        """``--steady``: one fault-free run, its median step."""
+        label = f"steady {launcher} run {repeat + 1}"
+        result = self.clean_run(
+            launcher, f"steady-{launcher}-r{repeat}", label, lambda job, r: say(f"{label}: median step {r['step_time_s'] * 1000:.1f} ms")
+        )
+        return {**result, "repeat": repeat, "steady": True}
 
     # -- one fault run ----------------------------------------------------------------------------------
     def fault_run(self, launcher: str, repeat: int) -> dict:
@@ -456,6 +477,33 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def steady_markdown(runs: list[dict], args, meta) -> str:
+    """Median step per launcher (the median of each run's median) and the overhead against torchrun."""
+    medians = {}
+    for launcher in args.launchers:
+        values = [r["step_time_s"] for r in runs if r["launcher"] == launcher and r.get("step_time_s")]
+        medians[launcher] = (statistics.median(values), values) if values else (None, values)
+    ref = medians.get("torchrun", (None, []))[0]
+    lines = ["| launcher | median step ms (runs) | against torchrun |", "|---|---|---|"]
+    for launcher, (median, values) in medians.items():
+        runs_text = ", ".join(f"{v * 1000:.1f}" for v in values)
+        against = "ref" if launcher == "torchrun" else (f"{(median / ref - 1) * 100:+.1f}%" if median and ref else "—")
+        lines.append(f"| {launcher} | {base.fmt_num(median * 1000 if median else None, '{:.1f}')} ({runs_text}) | {against} |")
+    errors = [f"{r['launcher']} run {r['repeat'] + 1}: {r['error'].splitlines()[0][:200]}" for r in runs if r.get("error")]
+    if errors:
+        lines += ["", "Errors:"] + [f"- {e}" for e in errors]
+    lines += [
+        "",
+        f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']}, torchtitan {meta['torchtitan']} (CPU, gloo), loopback; "
+        f"the fault runs' job without a fault or a spare: tiny llama3, FSDP over 2 ranks (2 nodes x 1 worker), {args.steps} steps, "
+        f"a DCP checkpoint every {args.ckpt_every} steps; step = time between consecutive steps completed by every rank, "
+        f"steps 1-2 left out. {args.repeat} run(s) per launcher, alternating. Load average {meta['load_start']:.1f} at the "
+        f"start, {load_range(runs)} per run, {meta['load_end']:.1f} at the end (the machine is shared).",
+        f"Command: `{meta['command']}` (total {meta['total_s']:.0f} s)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict], runs: list[dict], reference: dict | None, args, meta) -> str:
     f = base.fmt_num
     lines = [
@@ -538,6 +586,11 @@ def parse(argv=None):
         default=True,
         help="a fault-free torchrun run first, and every final checkpoint compared with it bitwise",
     )
+    p.add_argument(
+        "--steady",
+        action="store_true",
+        help="no fault: fault-free runs per launcher, the median step against torchrun's (the live step's overhead)",
+    )
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--recover-timeout", type=float, default=300)
     p.add_argument("--finish-timeout", type=float, default=60)
@@ -570,10 +623,10 @@ def main(argv=None) -> int:
     say(f"{len(plan)} fault run(s){' + a fault-free reference' if args.check else ''}; logs under {os.path.relpath(bench.logdir)}")
     try:
         bench.assets = build_assets(os.path.join(bench.logdir, "assets"))
-        if args.check:
+        if args.check and not args.steady:
             reference = bench.reference_run()
         for launcher, rep in plan:
-            runs.append(bench.fault_run(launcher, rep))
+            runs.append(bench.steady_run(launcher, rep) if args.steady else bench.fault_run(launcher, rep))
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: cleaning up")
@@ -600,14 +653,15 @@ def main(argv=None) -> int:
         "runs_done": len(runs),
         "runs_planned": len(plan),
     }
-    rows = summarize(runs)
-    md = markdown(rows, runs, reference, args, meta)
-    with open(os.path.join(args.out_dir, "torchtitan.md"), "w") as f:
+    name = "torchtitan-steady" if args.steady else "torchtitan"
+    rows = [] if args.steady else summarize(runs)
+    md = steady_markdown(runs, args, meta) if args.steady else markdown(rows, runs, reference, args, meta)
+    with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:
         f.write(md)
-    with open(os.path.join(args.out_dir, "torchtitan.json"), "w") as f:
+    with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "config": vars(args), "rows": rows, "reference": reference, "runs": runs}, f, indent=1, default=str)
     print(md, flush=True)
-    say(f"done in {total:.0f} s; wrote {os.path.relpath(os.path.join(args.out_dir, 'torchtitan.md'))} and torchtitan.json")
+    say(f"done in {total:.0f} s; wrote {os.path.relpath(os.path.join(args.out_dir, name + '.md'))} and {name}.json")
     failed = any(r.get("error") for r in runs) or any(r.get("bitwise_equal") is False for r in runs)
     return 130 if interrupted else (1 if failed else 0)
 

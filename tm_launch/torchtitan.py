@@ -255,7 +255,7 @@ class CommittedCheckpoints:
 
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         job = self._job
-        if job.in_sandbox:
+        if job.in_sandbox or not getattr(self._inner, "enable", False):
             return False
         if not job.step_ok:
             if self._inner._should_save(curr_step, last_step):

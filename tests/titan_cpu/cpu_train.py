@@ -12,7 +12,8 @@ directly.
 Also, for the tests (inert unless the variables are set):
 
 - ``TT_KILL_RANK`` / ``TT_KILL_STEP`` / ``TT_KILL_MARKER``: that rank SIGKILLs itself once, right
-  after its optimizer step ``TT_KILL_STEP`` (before that step's checkpoint), and creates the marker
+  after its optimizer step ``TT_KILL_STEP`` (before that step's checkpoint; ``TT_KILL_PHASE=forward``:
+  at the start of that step's forward), and creates the marker
   file so that the restarted run does not kill again. With ``TT_KILL_AFTER`` (a path) it first
   waits for that file, so that a test can hold the kill until its spare has joined.
 - ``TT_HOLD_STEP`` / ``TT_HOLD_UNTIL``: every rank waits after that step until the file exists
@@ -169,12 +170,28 @@ def in_sandbox() -> bool:
     return tm_launch.init().in_sandbox
 
 
+def kill_now() -> None:
+    """The kill: once ``TT_KILL_AFTER`` exists, after creating the marker."""
+    wait_for_file(os.environ.get("TT_KILL_AFTER"), timeout=300)
+    marker = os.environ.get("TT_KILL_MARKER")
+    if marker:
+        open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def install_test_hooks() -> None:
     """The step log and the kill, after each ``Trainer.train_step`` (optimizer step done,
-    checkpoint of that step not yet written)."""
+    checkpoint of that step not yet written); with ``TT_KILL_PHASE=forward``, the kill comes
+    at the start of the step's forward instead (before its optimizer step: not committed)."""
     from torchtitan.trainer import Trainer
 
-    real = Trainer.train_step
+    real, real_forward = Trainer.train_step, Trainer.forward_backward_step
+
+    def forward_backward_step(self, *args, **kwargs):
+        if os.environ.get("TT_KILL_PHASE") == "forward" and kill_point(dist.get_rank(), self.step, os.environ):
+            if not (os.environ.get("TT_LIVE") == "1" and in_sandbox()):
+                kill_now()
+        return real_forward(self, *args, **kwargs)
 
     def train_step(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
@@ -187,15 +204,11 @@ def install_test_hooks() -> None:
                 f.write(f"{time.time():.6f} {rank} {self.step} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {os.getpid()}\n")
         if os.environ.get("TT_HOLD_STEP") == str(self.step):
             wait_for_file(os.environ.get("TT_HOLD_UNTIL"), timeout=300)
-        if kill_point(rank, self.step, os.environ):
-            wait_for_file(os.environ.get("TT_KILL_AFTER"), timeout=300)
-            marker = os.environ.get("TT_KILL_MARKER")
-            if marker:
-                open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("TT_KILL_PHASE", "after-step") == "after-step" and kill_point(rank, self.step, os.environ):
+            kill_now()
         return out
 
-    Trainer.train_step = train_step
+    Trainer.train_step, Trainer.forward_backward_step = train_step, forward_backward_step
 
 
 def apply_cpu_workarounds() -> None:
