@@ -266,6 +266,10 @@ class Bench:
         t0 = time.time()
         job = self.make_job(launcher, f"{launcher}-r{repeat}", {})
         tm = launcher != "torchrun"
+        if launcher == "tm-live":
+            # the job holds after step 1 until its spare parked (warm-up included, it takes longer
+            # to get ready than this short job takes to end); the kill comes many steps later
+            job.env.update(TT_HOLD_STEP="1", TT_HOLD_UNTIL=os.path.join(job.workdir, "spare-parked"))
         result = {"launcher": launcher, "repeat": repeat, "workdir": job.workdir, "load": os.getloadavg()[0]}
         label = f"{launcher} run {repeat + 1}"
         try:
@@ -279,6 +283,7 @@ class Bench:
                 )
                 if launcher == "tm-live":
                     job.wait_parked("s0", timeout=a.start_timeout)
+                    open(job.env["TT_HOLD_UNTIL"], "w").close()
             result["spare_ready_s"] = time.time() - t0 if tm else None
             fault_time, pid = self.kill_mid_step(job, label)
             result.update(fault_time=fault_time, fault=f"kill -9 worker pid {pid} (rank {a.victim_rank})", killed_pid=pid)
@@ -526,7 +531,7 @@ def markdown(rows: list[dict], runs: list[dict], reference: dict | None, args, m
         )
     notes = []
     for r in runs:
-        name = "reference" if r.get("fault") is None else f"{r['launcher']} run {r['repeat'] + 1}"
+        name = "reference" if r.get("repeat") is None else f"{r['launcher']} run {r['repeat'] + 1}"
         if r.get("error"):
             notes.append(f"{name}: {r['error'].splitlines()[0][:200]}")
         elif r.get("finish_timeout"):
