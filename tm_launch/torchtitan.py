@@ -212,7 +212,8 @@ class ModelTensors:
 
 
 class TrainProgress:
-    """torchtitan's step, as the job's: the steps completed before the one running. Its
+    """torchtitan's step as the job carries it: the step this rank's loop is in (a joiner's
+    loop is put there: ``LiveLoop.join_at``) or, outside the loop, the steps completed. Its
     ``parts()`` is the optimizer container, which steps the registered optimizers."""
 
     def __init__(self, trainer: LiveTrainer):
@@ -221,15 +222,20 @@ class TrainProgress:
     def parts(self) -> list:
         return [self.trainer.optimizers]
 
-    def _in_step(self) -> bool:
+    def _running(self):
         loop = self.trainer._loop
-        return loop is not None and loop.running
+        return loop if loop is not None and loop.running else None
 
     def state_dict(self) -> dict:
-        return {"step": self.trainer.step - 1 if self._in_step() else self.trainer.step}
+        loop = self._running()
+        return {"step": loop.started if loop is not None else self.trainer.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.trainer.step = state["step"] + 1 if self._in_step() else state["step"]
+        loop = self._running()
+        if loop is not None:
+            loop.join_at(state["step"])  # at_step() sets torchtitan's count for each step run
+        else:
+            self.trainer.step = state["step"]
 
 
 class CommittedCheckpoints:

@@ -73,7 +73,7 @@ def run(cmd: list[str], timeout: float = 180, env: dict | None = None) -> str:
     return out.stdout + out.stderr
 
 
-def torchrun_run(assets: dict, dump: str, steps: int, replicate: int = 1):
+def torchrun_run(assets: dict, dump: str, steps: int, replicate: int = 1, tp: int = 1):
     """The fault-free run under plain torchrun: (final checkpoint state, losses, seconds).
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun at its best (ARCHITECTURE.md)."""
     start = time.time()
@@ -84,9 +84,9 @@ def torchrun_run(assets: dict, dump: str, steps: int, replicate: int = 1):
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            str(2 * replicate),
+            str(2 * replicate * tp),
             HARNESS,
-            *titan_args(assets, dump, steps, CKPT_EVERY, replicate),
+            *titan_args(assets, dump, steps, CKPT_EVERY, replicate, tp),
         ],
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         timeout=300,
@@ -100,10 +100,22 @@ def torchrun_reference(titan_assets, tmp_path_factory):
     return torchrun_run(titan_assets, str(tmp_path_factory.mktemp("torchtitan-torchrun")), STEPS)
 
 
+LAYOUTS_4 = {"hsdp": {"replicate": 2}, "fsdp-tp": {"tp": 2}}  # 4 ranks: HSDP 2 x 2, FSDP 2 x TP 2
+
+
 @pytest.fixture(scope="module")
-def torchrun_hsdp_reference(titan_assets, tmp_path_factory):
-    """HSDP, 2 replicas of 2 FSDP shards, ``HSDP_STEPS`` steps, under plain torchrun."""
-    return torchrun_run(titan_assets, str(tmp_path_factory.mktemp("torchtitan-torchrun-hsdp")), HSDP_STEPS, replicate=2)
+def torchrun_4_rank_reference(titan_assets, tmp_path_factory):
+    """``reference(layout)``: a layout of ``LAYOUTS_4``, ``HSDP_STEPS`` steps, under plain
+    torchrun (run once per layout for the module)."""
+    done = {}
+
+    def reference(layout: str):
+        if layout not in done:
+            dump = str(tmp_path_factory.mktemp(f"torchtitan-torchrun-{layout}"))
+            done[layout] = torchrun_run(titan_assets, dump, HSDP_STEPS, **LAYOUTS_4[layout])
+        return done[layout]
+
+    return reference
 
 
 @pytest.mark.slow
@@ -267,18 +279,21 @@ def recovery(records, kill_time: float) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["sigkill", "drain"])
-def test_live_hsdp_recovers_from_the_replica(local_job, titan_assets, torchrun_hsdp_reference, fault):
-    """HSDP (2 replicas x 2 FSDP shards), 2 nodes of 2 workers and a parked spare node. A worker
-    SIGKILL of rank 3 right after torchtitan's step 4 (before that step's checkpoint), or ``ctl
-    drain`` of its node: the spare takes ranks 2 and 3 and receives each one's shards from its
-    replica on the other node (ranks 0 and 1); the survivors keep their processes; at most the
-    interrupted step runs again (none after a drain); the step-4 checkpoint, which the dead rank
-    never wrote its shards of, is not left behind; the final checkpoint is bitwise torchrun's."""
+@pytest.mark.parametrize("layout, fault", [("hsdp", "sigkill"), ("hsdp", "drain"), ("fsdp-tp", "sigkill")])
+def test_live_4_ranks_hsdp_from_the_replica_fsdp_tp_from_snapshots(local_job, titan_assets, torchrun_4_rank_reference, layout, fault):
+    """4 ranks on 2 nodes of 2 workers and a parked spare node. A worker SIGKILL of rank 3 right
+    after torchtitan's step 4 (before that step's checkpoint), or ``ctl drain`` of its node: the
+    spare takes ranks 2 and 3. HSDP (2 replicas x 2 FSDP shards): each one's shards come from its
+    replica on the other node (ranks 0 and 1), at most the interrupted step runs again (none after
+    a drain). FSDP2 x TP (2 x 2): no rank replicates anything, each one's shards come from its
+    snapshot (the step before the interrupted one may run again too). The survivors keep their
+    processes; the step-4 checkpoint, which the dead rank never wrote its shards of, is not left
+    behind; the final checkpoint is bitwise torchrun's."""
+    reference = torchrun_4_rank_reference(layout)
     job = local_job(nnodes="2", nproc=2, script=HARNESS, launcher_args=["--max-restarts", "3"])
     dump = os.path.join(job.workdir, "titan")
     marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-parked")
-    job.script_args = titan_args(titan_assets, dump, HSDP_STEPS, CKPT_EVERY, replicate=2)
+    job.script_args = titan_args(titan_assets, dump, HSDP_STEPS, CKPT_EVERY, **LAYOUTS_4[layout])
     job.env = {"TT_LIVE": "1", "TT_STEP_LOG": job.step_log}
     if fault == "sigkill":
         job.env.update(TT_KILL_RANK="3", TT_KILL_STEP="4", TT_KILL_MARKER=marker, TT_KILL_AFTER=go)
@@ -298,9 +313,13 @@ def test_live_hsdp_recovers_from_the_replica(local_job, titan_assets, torchrun_h
     assert plan is not None and plan["live"] and plan["replaced"] == {"c": holder}, (plan, job.logs_tail())
     survivor = ({"a", "b"} - {holder}).pop()
     assert codes[survivor] == 0 and codes["c"] == 0 and (codes[holder] != 0) == (fault == "sigkill"), job.logs_tail()
-    assert_same_state(final_state(dump, HSDP_STEPS), torchrun_hsdp_reference[0])
-    log = job.nodes["c"].log()
-    assert "from rank 0" in log and "from rank 1" in log and "snapshot" not in log.split("received")[-1], log[-3000:]
+    assert_same_state(final_state(dump, HSDP_STEPS), reference[0])
+    received = [line for line in job.nodes["c"].log().splitlines() if "] received" in line]
+    if layout == "hsdp":  # from the replicas, no snapshot
+        assert any("from rank 0" in line for line in received) and any("from rank 1" in line for line in received), received
+        assert not any("snapshot" in line for line in received), received
+    else:
+        assert sum("snapshot" in line for line in received) == 2, received  # ranks 2 and 3, each its own
 
     records = job.step_records()
     for rank in (0, 1):
@@ -309,7 +328,8 @@ def test_live_hsdp_recovers_from_the_replica(local_job, titan_assets, torchrun_h
         steps = [step for _, r, step, _, _ in sorted(records) if r == rank]
         assert set(steps) == set(range(1, HSDP_STEPS + 1)), (rank, steps)
         again = {s for s in steps if steps.count(s) > 1}
-        assert again <= ({5} if fault == "sigkill" else set()), f"rank {rank} ran {sorted(again)} more than once: {steps}"
+        allowed = set() if fault == "drain" else {5} if layout == "hsdp" else {4, 5}
+        assert again <= allowed, f"rank {rank} ran {sorted(again)} more than once: {steps}"
     if fault == "sigkill":
         assert not os.path.exists(os.path.join(dump, "checkpoint", "step-4", ".metadata")), os.listdir(os.path.join(dump, "checkpoint"))
-        print(f"\ntorchtitan live, HSDP, worker SIGKILL: {recovery(records, os.path.getmtime(marker))}")
+        print(f"\ntorchtitan live, {layout}, worker SIGKILL: {recovery(records, os.path.getmtime(marker))}")

@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 
 
-def titan_args(assets: dict[str, str], dump_folder: str, steps: int, ckpt_every: int, replicate: int = 1) -> list[str]:
+def titan_args(assets: dict[str, str], dump_folder: str, steps: int, ckpt_every: int, replicate: int = 1, tp: int = 1) -> list[str]:
     """torchtitan's command line, as a user gives it to ``torchtitan.train``: the tiny llama3,
-    FSDP over 2 ranks (HSDP with ``replicate`` > 1: that many replicas of those 2 shards), a DCP
-    checkpoint every ``ckpt_every`` steps, a fixed seed and deterministic kernels (so two runs can
-    be compared bitwise), fp32 parameters (bf16 is slow on CPU)."""
+    FSDP over 2 ranks (HSDP with ``replicate`` > 1: that many replicas of those 2 shards; with
+    ``tp`` > 1, each FSDP rank a tensor-parallel group of ``tp`` ranks), a DCP checkpoint every
+    ``ckpt_every`` steps, a fixed seed and deterministic kernels (so two runs can be compared
+    bitwise), fp32 parameters (bf16 is slow on CPU)."""
     return [
         "--module",
         "tiny_llama3",
@@ -41,6 +42,7 @@ def titan_args(assets: dict[str, str], dump_folder: str, steps: int, ckpt_every:
         "42",
         "--debug.deterministic",
         *(["--parallelism.data-parallel-replicate-degree", str(replicate)] if replicate > 1 else []),
+        *(["--parallelism.tensor-parallel-degree", str(tp)] if tp > 1 else []),
     ]
 
 

@@ -44,6 +44,7 @@ class LiveLoop:
         self._generation: int | None = None
         self.started: int | None = None  # the step whose first attempt began last
         self.running = False  # inside run(): between the framework's step count and its commit
+        self._join_at: int | None = None  # join_at(): the framework step the job's other loops are in
 
     def run(self, framework_step: int, body, on_new_generation=None, on_new_step=None, at_step=None):
         """One optimizer step of the framework, at its ``framework_step`` (its global step):
@@ -80,10 +81,20 @@ class LiveLoop:
                     on_new_generation()
                 self._generation = self.job.generation
                 result = body()
-                if self.job.commit() and step >= framework_step:
+                if self.job.commit() and step >= max(framework_step, self._join_at or 0):
+                    self._join_at = None
                     return result
         finally:
             self.running = False
+
+    def join_at(self, framework_step: int) -> None:
+        """A rank joining the job (inside ``run``): the others' loops are in ``framework_step``,
+        and so must this one's be when ``run`` returns to the framework, even if the job returned
+        to an earlier step (``at_step``): whatever the framework does between its steps
+        (torchtitan's checkpoint at an interval step) is then done by every rank at the same step.
+        A step this loop is already in or past is no news (a survivor restoring its own snapshot)."""
+        if self.started is None or framework_step > self.started:
+            self._join_at = self.started = framework_step
 
     def close(self) -> None:
         """The framework's loop ended: the last step's bookkeeping; the agent sees it finish."""

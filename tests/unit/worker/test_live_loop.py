@@ -88,6 +88,26 @@ def test_a_framework_that_follows_the_job_runs_the_jobs_steps(framework_step, se
     assert seen == ran and all(running) and not loop.running
 
 
+def test_a_joiner_returns_to_its_framework_in_the_step_the_others_are_in():
+    """The job returned to step 3 (a snapshot still on its way) while the survivors' loops were
+    in step 4; a spare that warmed up to step 2 joins: it runs 3 and 4 before its loop goes on,
+    as the survivors do, so whatever the framework does between steps happens at step 4 for all."""
+    job = SequenceJob([3, 4])
+    loop, seen = LiveLoop(job), []
+
+    def body():
+        if seen == [3]:
+            loop.join_at(4)  # as the state received on entering, inside the first next(), does
+        return len(seen)
+
+    loop.run(2, body, at_step=seen.append)
+    assert seen == [3, 4] and loop.started == 4
+    survivor = LiveLoop(SequenceJob([3, 4]))
+    survivor.started = 4
+    survivor.join_at(3)  # its own snapshot of step 3: no news
+    assert survivor.started == 4
+
+
 def test_a_process_group_started_before_init_is_one_clear_error(monkeypatch):
     import torch.distributed as dist
 
