@@ -23,7 +23,7 @@ import torch
 
 from tm_launch.local.localjob import REPO, downtime
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]': make test-all)")
+pytest.importorskip("torchtitan.trainer", reason="torchtitan is not installed (pip install -e '.[torchtitan]': make test-all)")
 
 HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
 sys.path.insert(0, os.path.dirname(HARNESS))  # offline_assets, tiny_llama3

@@ -1,5 +1,5 @@
 """The torchtitan job the e2e test (``tests/e2e/test_torchtitan.py``) and the benchmark
-(``bench/torchtitan.py``) both run, and how both read its last checkpoint: one definition, so
+(``bench/torchtitan_bench.py``) both run, and how both read its last checkpoint: one definition, so
 that the benchmark measures the job the test proves bitwise. No torchtitan import here (the
 test module imports it before it knows whether torchtitan is installed)."""
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]': make test-all)")
+pytest.importorskip("torchtitan.trainer", reason="torchtitan is not installed (pip install -e '.[torchtitan]': make test-all)")
 
 from tm_launch.torchtitan import Batches, CommittedCheckpoints, DataPosition, ModelTensors, not_live_reason  # noqa: E402
 

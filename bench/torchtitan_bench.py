@@ -2,9 +2,9 @@
 """torchtitan's own trainer after a worker SIGKILL: torchrun's restart against tm-launch's spare,
 side by side in one run on loopback.
 
-    .venv/bin/python bench/torchtitan.py                  # --repeat 3: ~3-6 minutes on 2 cores
-    .venv/bin/python bench/torchtitan.py --repeat 1 --no-check
-    .venv/bin/python bench/torchtitan.py --steady --launchers torchrun,tm-live --steps 40   # no fault: the live step's overhead
+    .venv/bin/python bench/torchtitan_bench.py                  # --repeat 3: ~3-6 minutes on 2 cores
+    .venv/bin/python bench/torchtitan_bench.py --repeat 1 --no-check
+    .venv/bin/python bench/torchtitan_bench.py --steady --launchers torchrun,tm-live --steps 40   # no fault: the live step's overhead
 
 The job is the e2e test's (``tests/e2e/test_torchtitan.py``): torchtitan 0.3.0's own trainer,
 unchanged, through the CPU harness ``tests/titan_cpu/cpu_train.py``, training the tiny llama3 of
@@ -78,8 +78,6 @@ import uuid
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
-# This file is named torchtitan.py: its folder must not shadow the real torchtitan package.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != BENCH]
 sys.path.insert(0, REPO)
 sys.path.append(BENCH)
 
