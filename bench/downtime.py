@@ -111,6 +111,17 @@ def say(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def record_failure(result: dict, label: str, job, e: Exception) -> None:
+    """A run that broke: its error, said once, and its agents' log tails (the other runs go on)."""
+    result["recovered"] = False
+    result["error"] = f"{type(e).__name__}: {e}"[:4000]
+    say(f"{label}: ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    try:
+        result["log_tail"] = job.logs_tail(40)
+    except OSError:
+        pass
+
+
 # -- process hygiene --------------------------------------------------------------------------------
 def tagged_pids() -> list[int]:
     needle = f"{TAG_VAR}={TAG}".encode()
@@ -435,13 +446,7 @@ class Bench:
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - one broken run must not lose the others
-            result["recovered"] = False
-            result["error"] = f"{type(e).__name__}: {e}"[:4000]
-            say(f"{spec.label}: ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            try:
-                result["log_tail"] = job.logs_tail(40)
-            except OSError:
-                pass
+            record_failure(result, spec.label, job, e)
         finally:
             self.finish(job, result, t0)
         return result

@@ -325,13 +325,7 @@ class Bench:
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - one broken run must not lose the others
-            result["recovered"] = False
-            result["error"] = f"{type(e).__name__}: {e}"[:4000]
-            say(f"{label}: ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            try:
-                result["log_tail"] = job.logs_tail(40)
-            except OSError:
-                pass
+            base.record_failure(result, label, job, e)
         finally:
             if tm:
                 result["events"] = [e for e in job.events() if e.get("kind") != "info"]

@@ -188,16 +188,18 @@ class ModelTensors:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
+        self._buffers = {  # the persistent ones, as state_dict() has them (read once: every step snapshots)
+            name
+            for name, _ in module.named_buffers()
+            if name.rpartition(".")[2] not in module.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
+        }
 
     def parts(self) -> list:
         return [self.module]  # its gradients are dropped with an interrupted step's
 
     def state_dict(self) -> dict:
         state = {name: p.detach() for name, p in self.module.named_parameters()}
-        for name, b in self.module.named_buffers():
-            owner, _, leaf = name.rpartition(".")
-            if leaf not in self.module.get_submodule(owner)._non_persistent_buffers_set:
-                state[name] = b.detach()
+        state.update((name, b.detach()) for name, b in self.module.named_buffers() if name in self._buffers)
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -111,10 +111,9 @@ class Generations:
     def build(self, ranks, global_rank: int, gen: int, d: Directive | None = None, key: str | None = None):
         """A communicator for ``ranks`` (None: the world) in generation ``gen``, via a fresh prefix,
         on the job's devices (``communicators.build``: the one place that builds them). ``key``:
-        the group's own name in that prefix (``LiveGroup.store_key``), for jobs with several
-        groups of the same ranks (torchtitan's flattened meshes), whose set-ups must not meet."""
+        a subgroup's own name in that prefix (``LiveGroup.store_key``)."""
         d = d or self.current
-        name = "world" if ranks is None else key or "sub-" + "-".join(map(str, ranks))
+        name = "world" if ranks is None else key
         store = dist.PrefixStore(f"tm/g{gen}/{name}/", self.store(d.store))
         rank, size = (global_rank, d.world_size) if ranks is None else (ranks.index(global_rank), len(ranks))
         return communicators.build(

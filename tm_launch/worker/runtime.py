@@ -362,7 +362,9 @@ class LiveJob:
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(sorted(int(r) for r in ranks))
         me = self.rank
         # Every rank creates every group in the same order (torch's rule for new_group), so the
-        # n-th group of the same ranks is the same group everywhere: its own key in the store.
+        # n-th group of the same ranks is the same group everywhere: its own key in the store
+        # (torchtitan's flattened meshes make several groups of the same ranks, whose set-ups
+        # must not meet).
         same = sum(1 for g in self.state.subgroups if g.member_ranks == ranks)
         sub = LiveGroup(
             ranks,
