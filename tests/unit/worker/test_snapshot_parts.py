@@ -127,3 +127,96 @@ def test_a_holder_that_is_gone_fails_the_send_at_once(refusing_port):
     with pytest.raises(LinkError):  # its connections closed with it: a put raises instead of waiting
         client.put_image(image)
     client.close()
+
+
+def _module_tensors(image, name="model"):
+    return list(image.states()[name].values())
+
+
+def test_a_kept_module_walk_reads_the_tensors_where_they_are_now_and_is_dropped_when_they_change():
+    """Captures reuse a module's walk (``plans``) while its state dict holds the same tensor
+    objects: the image equals a fresh walk's, a parameter whose data was swapped is read from
+    its new storage, a new parameter object or a new shape walks again, and a module whose state
+    has a non-tensor value (an extra state) is walked every time."""
+    model, opt, sched = _job()
+    _step(model, opt, sched, 0)
+    objects = {"model": model, "optimizer": opt, "scheduler": sched}
+    plans: dict = {}
+    first = Capture(1, objects, None, None, plans=plans).copy()
+    plan = plans["model"]
+    again = Capture(1, objects, None, None, plans=plans).copy()
+    fresh = Capture(1, objects, None, None).copy()
+    assert plans["model"] is plan and again.skeleton == fresh.skeleton == first.skeleton
+    assert all(torch.equal(a, b) for a, b in zip(again.tensors, fresh.tensors))
+    model[0].weight.data = torch.full_like(model[0].weight, 7.0)  # same Parameter object, new storage
+    swapped = Capture(2, objects, None, None, plans=plans).copy()
+    assert plans["model"] is plan and torch.equal(_module_tensors(swapped)[0], torch.full((16, 8), 7.0))
+    model[2].weight = torch.nn.Parameter(torch.zeros(4, 16))  # a new object: walked again
+    replaced = Capture(3, objects, None, None, plans=plans).copy()
+    assert plans["model"] is not plan and torch.equal(_module_tensors(replaced)[-2], torch.zeros(4, 16))
+    plan = plans["model"]
+    model[2].weight.data = torch.zeros(3, 16)  # same object, another shape: walked again
+    reshaped = Capture(4, objects, None, None, plans=plans).copy()
+    assert plans["model"] is not plan and _module_tensors(reshaped)[-2].shape == (3, 16)
+
+    class Counted(torch.nn.Linear):
+        calls = 0
+
+        def get_extra_state(self):
+            Counted.calls += 1
+            return {"calls": Counted.calls}
+
+        def set_extra_state(self, state):
+            pass
+
+    counted = Counted(2, 2)
+    for step in range(2):
+        image = Capture(step, {"m": counted}, None, None, plans=plans).copy()
+        assert image.states()["m"]["_extra_state"] == {"calls": step + 1}
+
+
+def test_an_image_travels_as_a_few_pieces_of_one_buffer_and_arrives_bitwise():
+    """An image's tensors are views of one host buffer at aligned offsets, in placeholder order:
+    the subset a holder keeps (objects that are not neighbours in that order) is sent as one
+    piece per run of adjacent tensors and arrives in one buffer, bitwise; a header that does
+    not match the bytes it announces is refused."""
+    from tm_launch.worker.snapshots import image as image_mod
+    from tm_launch.worker.snapshots.link import _image_header, _recv_image
+
+    model, opt, sched = _job()
+    _step(model, opt, sched, 0)
+    objects = {"a_model": model, "b_scheduler": sched, "c_optimizer": opt}
+    image = Capture(1, objects, None, None).copy()
+    assert all(t.untyped_storage().data_ptr() == image.flat.untyped_storage().data_ptr() for t in image.tensors)
+    assert all(offset % image_mod.ALIGN == 0 for offset, _ in image.spans)
+    sub = image.subset(["a_model", "c_optimizer"])  # the scheduler holds no tensor: the runs are adjacent
+    assert len(sub.wire_chunks()) == 1 and sum(len(c) for c in sub.wire_chunks()) == _image_header("x", 0, sub)["nbytes"]
+    only_opt = image.subset(["c_optimizer"])
+    server = SnapshotServer("127.0.0.1")
+    client = SnapshotClient(server.address, source=3)
+    try:
+        client.put_image(only_opt)
+        client.put_image(sub)
+        got = SnapshotClient(server.address, source=4).get_image(3, 1, ["c_optimizer"])
+        assert len(got.tensors) == len(only_opt.tensors) and all(torch.equal(a, b) for a, b in zip(got.tensors, only_opt.tensors))
+        assert got.flat is not None and got.skeleton == only_opt.skeleton
+    finally:
+        client.close()
+        server.close()
+
+    class Wire:  # a socket that hands out what was sent
+        def __init__(self, data):
+            self.data = memoryview(data)
+
+        def recv_into(self, view):
+            n = min(len(view), len(self.data))
+            view[:n] = self.data[:n]
+            self.data = self.data[n:]
+            return n
+
+    header = _image_header("put_image", 0, only_opt)
+    data = b"".join(bytes(c) for c in only_opt.wire_chunks())
+    back = _recv_image(Wire(data), header)
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors, only_opt.tensors))
+    with pytest.raises(LinkError, match="announces"):
+        _recv_image(Wire(data), {**header, "nbytes": header["nbytes"] + 64})

@@ -17,8 +17,16 @@ copying a tensor mid-change (``Capture``):
   (``Snapshots.ready_to_commit``), so the optimizer never changes a tensor the copy still reads.
 
 On CUDA the background copy runs on a side stream into pinned host buffers (no GPU memory is
-allocated for it); on the CPU it is a plain copy on the snapshot thread. Buffers are reused
-from the image two steps older when the layout is unchanged: a steady state allocates nothing.
+allocated for it); on the CPU it is a plain copy on the snapshot thread. Either way it is one
+call (``torch._foreach_copy_``): the snapshot thread takes the GIL back once per copy, not once
+per tensor, so it neither waits for the main thread's GIL switch interval nor makes the main
+thread wait for it dozens of times a step.
+
+An image's tensors are views of one host buffer (``host_tensors``), each at an ``ALIGN``-byte
+offset, in placeholder order: an object's tensors are one contiguous range of it, so an image
+or the subset of its objects a holder gets travels in a few ``sendall`` calls and arrives in one
+``recv_into`` (``wire_chunks``). Buffers are reused from the image two steps older when the
+layout is unchanged: a steady state allocates nothing.
 
 Loading (``load_into``) rebuilds each DTensor from its host shard on the receiver's own mesh
 and hands every object its state dict through ``load_state_dict``; objects other than modules
@@ -34,6 +42,30 @@ import torch
 from ..replicas import fingerprints
 from ..transfer import _is_dtensor, _own_layout, _placeholders, flatten, unflatten
 
+ALIGN = 64  # bytes: where each tensor of an image starts in its buffer (any dtype's view is aligned)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def host_tensors(specs, pin: bool = False) -> tuple[torch.Tensor, list, list]:
+    """One host buffer for tensors of ``specs`` [(shape, dtype)]: (the buffer, the tensors as
+    views of it in order, each one's (offset, padded size) span). Pinned for a CUDA source."""
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
+    flat = torch.zeros(sum(_padded(n) for n in sizes), dtype=torch.uint8, pin_memory=pin)  # padding sent as zeros
+    views, spans, offset = [], [], 0
+    for (shape, dtype), n in zip(specs, sizes):
+        views.append(flat[offset : offset + n].view(dtype).view(shape))
+        spans.append((offset, _padded(n)))
+        offset += _padded(n)
+    return flat, views, spans
+
+
+def wire_size(specs) -> int:
+    """Bytes an image of tensors ``specs`` takes on the wire (each tensor padded to ``ALIGN``)."""
+    return sum(_padded(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs)
+
 
 @dataclass
 class StateImage:
@@ -45,10 +77,38 @@ class StateImage:
     digests: dict = field(default_factory=dict)  # object name -> (structure, values): ``fingerprints()``
     per_rank: dict | None = None  # per-rank objects' states at ``step`` (already host copies), if any
     modules: frozenset = frozenset()  # the objects that are modules (their structure is fingerprinted)
+    flat: torch.Tensor | None = None  # the host buffer ``tensors`` are views of (``host_tensors``)
+    spans: list | None = None  # each tensor's (offset, padded size) in ``flat``
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def specs(self) -> list:
+        """[(shape, dtype)] of the tensors, in order."""
+        return [(tuple(t.shape), t.dtype) for t in self.tensors]
+
+    def wire_chunks(self) -> list:
+        """The tensors' bytes as the wire carries them (each padded to ``ALIGN``), as few
+        contiguous pieces of the buffer as the layout allows: one per run of adjacent tensors."""
+        if self.flat is None or self.spans is None:  # tensors of no common buffer: one piece each
+            out = []
+            for t in self.tensors:
+                n = t.numel() * t.element_size()
+                if n:
+                    out.append(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                if _padded(n) > n:
+                    out.append(bytes(_padded(n) - n))
+            return out
+        runs: list = []
+        for offset, size in self.spans:
+            if runs and runs[-1][1] == offset:
+                runs[-1][1] = offset + size
+            elif size:
+                runs.append([offset, offset + size])
+        data = self.flat.numpy()
+        return [memoryview(data[a:b]) for a, b in runs]
 
     def names(self) -> list[str]:
         return sorted(self.skeleton)
@@ -65,6 +125,8 @@ class StateImage:
             {n: self.digests[n] for n in keep if n in self.digests},
             self.per_rank,
             self.modules & set(keep),
+            self.flat,
+            None if self.spans is None else [self.spans[i] for i in order],
         )
 
     def fingerprints(self) -> dict:
@@ -124,27 +186,54 @@ def _renumber(obj, mapping: dict):
 
 
 class Capture:
-    """One snapshot being taken: ``begin`` at the step boundary, ``copy`` on the snapshot thread.
+    """One snapshot being taken: ``__init__`` at the step boundary, ``copy`` on the snapshot thread.
 
     Both run without autograd: a DTensor's ``to_local()`` is then its local tensor, not an
-    autograd function's output (half of the boundary's cost with FSDP2's parameters)."""
+    autograd function's output (half of the boundary's cost with FSDP2's parameters).
+
+    ``plans`` (kept by the caller from one capture to the next) holds what a module's walk found
+    (``ModulePlan``): while the module's state dict holds the same tensor objects with the same
+    layouts, its placeholders and which of its tensors change only in the optimizer step are
+    taken from there, and only the tensors themselves are read again (a parameter whose data was
+    swapped is read where it is now)."""
 
     @torch.no_grad()
-    def __init__(self, step: int, objects: dict, per_rank: dict | None, reuse: StateImage | None):
+    def __init__(self, step: int, objects: dict, per_rank: dict | None, reuse: StateImage | None, plans: dict | None = None):
         self.step = step
         self._modules = {name for name, obj in objects.items() if isinstance(obj, torch.nn.Module)}
-        states = {name: obj.state_dict() for name, obj in objects.items()}
+        plans = {} if plans is None else plans
         sources: list = []
-        skeleton = {name: flatten(state, sources) for name, state in sorted(states.items())}
+        skeleton: dict = {}
+        later: list[int] = []
+        for name in sorted(objects):
+            obj = objects[name]
+            base = len(sources)
+            if isinstance(obj, torch.nn.Module):
+                state = obj.state_dict(keep_vars=True)  # the tensors themselves: their identity says the walk still holds
+                plan = plans.get(name)
+                now = plan.sources(state, base) if plan is not None else None
+                if now is None:
+                    plan, now = ModulePlan.walk(obj, state, base)
+                    plans[name] = plan
+                skeleton[name] = plan.skeleton
+                sources.extend(now)
+                later.extend(base + i for i in plan.later)
+                continue
+            state = obj.state_dict()
+            skeleton[name] = flatten(state, sources)
+            if isinstance(obj, torch.optim.Optimizer):  # its state changes only when it steps
+                later.extend(range(base, len(sources)))
         self._sources = [t.to_local() if _is_dtensor(t) else t for t in sources]
-        self._sources = [t.detach() for t in self._sources]
-        buffers = _reuse(reuse, skeleton, self._sources)
-        self.image = StateImage(step, skeleton, buffers, per_rank=per_rank or None, modules=frozenset(self._modules))
-        later = _changes_only_in_optimizer_step(objects, states, skeleton)
-        self._later = [i for i in range(len(buffers)) if i in later]
-        for i in range(len(buffers)):
-            if i not in later:
-                buffers[i].copy_(self._sources[i])
+        flat, buffers, spans = _reuse(reuse, self._sources)
+        self.allocated = reuse is None or flat is not reuse.flat  # new host memory (the layout changed)
+        self.image = StateImage(
+            step, skeleton, buffers, per_rank=per_rank or None, modules=frozenset(self._modules), flat=flat, spans=spans
+        )
+        self._later = later
+        later_set = set(later)
+        now = [i for i in range(len(buffers)) if i not in later_set]
+        if now:
+            torch._foreach_copy_([buffers[i] for i in now], [self._sources[i] for i in now])
         self._stream = None
         if any(t.is_cuda for t in self._sources):
             self._stream = torch.cuda.Stream()
@@ -154,44 +243,81 @@ class Capture:
     def copy(self) -> StateImage:
         """Copy what may wait for the optimizer step; returns the finished image."""
         buffers, sources = self.image.tensors, self._sources
+        dst, src = [buffers[i] for i in self._later], [sources[i] for i in self._later]
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                for i in self._later:
-                    buffers[i].copy_(sources[i], non_blocking=True)
+                if dst:
+                    torch._foreach_copy_(dst, src, non_blocking=True)
             self._stream.synchronize()
-        else:
-            for i in self._later:
-                buffers[i].copy_(sources[i])
+        elif dst:
+            torch._foreach_copy_(dst, src)
         self._sources = []  # no reference to live tensors outlives the copy
         return self.image
 
 
-def _reuse(old: StateImage | None, skeleton: dict, sources: list) -> list:
-    """Host buffers for ``sources``: the old image's when every shape and dtype matches (a steady
-    state allocates nothing), else new ones (pinned for CUDA tensors)."""
+class ModulePlan:
+    """A module's state dict as a capture walked it: its placeholders (numbered from ``base``),
+    which of its tensors are parameters (they change only in the optimizer step: copied off the
+    main thread) and the tensor objects it found, held so that their identity stays meaningful."""
+
+    def __init__(self, base: int, skeleton: dict, keys: tuple, values: tuple, layouts: tuple, later: tuple):
+        self.base, self.skeleton, self.keys, self.values = base, skeleton, keys, values
+        self._layouts = layouts  # per value: (DTensor spec or None, local shape, dtype)
+        self.later = later  # positions (from base) of the parameters' tensors
+
+    @classmethod
+    def walk(cls, module: torch.nn.Module, state: dict, base: int) -> tuple[ModulePlan, list]:
+        """Walk ``state`` (the module's state dict, its tensors themselves): the plan, and the
+        tensors to copy now in placeholder order."""
+        found: list = [None] * base  # flatten numbers placeholders by list position
+        skeleton = flatten(state, found)
+        params = {_storage(p) for p in module.parameters() if p.numel()}
+        metas = _placeholders(skeleton, [])
+        later = tuple(m[1] - base for m, t in zip(metas, _leaf_tensors(state)) if t.numel() and _storage(t) in params)
+        values = tuple(state.values())
+        cacheable = all(isinstance(v, torch.Tensor) for v in values)  # an extra state may change without a new object
+        plan = cls(base, skeleton, tuple(state) if cacheable else (), values if cacheable else (), _layouts(values), later)
+        return plan, found[base:]
+
+    def sources(self, state: dict, base: int) -> list | None:
+        """The tensors to copy from ``state`` (this module's state dict now), in placeholder
+        order; None when this plan no longer describes it (new tensor objects, a changed layout)."""
+        if base != self.base or not self.keys or tuple(state) != self.keys:
+            return None
+        values = tuple(state.values())
+        if any(a is not b for a, b in zip(values, self.values)):
+            return None
+        for (spec, shape, dtype), v in zip(self._layouts, values):
+            local = v._local_tensor if spec is not None else v
+            if (spec is not None and v._spec is not spec) or local.shape != shape or local.dtype != dtype:
+                return None
+        return [v.to_local() if _is_dtensor(v) else v for v in values]
+
+
+def _layouts(values) -> tuple:
+    """Per tensor: (its DTensor spec or None, its local shape, dtype); None for other values."""
+    out = []
+    for v in values:
+        if _is_dtensor(v):
+            out.append((v._spec, v._local_tensor.shape, v._local_tensor.dtype))
+        elif isinstance(v, torch.Tensor):
+            out.append((None, v.shape, v.dtype))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _reuse(old: StateImage | None, sources: list) -> tuple[torch.Tensor, list, list]:
+    """Host buffer, tensors and spans for ``sources``: the old image's when every shape and
+    dtype matches (a steady state allocates nothing), else new ones (pinned for CUDA tensors)."""
     if (
         old is not None
+        and old.flat is not None
         and len(old.tensors) == len(sources)
         and all(b.shape == s.shape and b.dtype == s.dtype for b, s in zip(old.tensors, sources))
     ):
-        return old.tensors
-    return [torch.empty(s.shape, dtype=s.dtype, device="cpu", pin_memory=s.is_cuda) for s in sources]
-
-
-def _changes_only_in_optimizer_step(objects: dict, states: dict, skeleton: dict) -> set[int]:
-    """Placeholder indices whose tensors change only in the optimizer step: a module's
-    parameters and an optimizer's state. Everything else is copied at the boundary."""
-    out: set[int] = set()
-    for name, obj in objects.items():
-        metas = _placeholders(skeleton[name], [])
-        if isinstance(obj, torch.optim.Optimizer):
-            out.update(m[1] for m in metas)
-        elif isinstance(obj, torch.nn.Module):
-            params = {_storage(p) for p in obj.parameters() if p.numel()}
-            for meta, t in zip(metas, _leaf_tensors(states[name])):
-                if t.numel() and _storage(t) in params:
-                    out.add(meta[1])
-    return out
+        return old.flat, old.tensors, old.spans
+    return host_tensors([(s.shape, s.dtype) for s in sources], pin=any(s.is_cuda for s in sources))
 
 
 def _storage(t) -> int:

@@ -7,8 +7,10 @@ blocking gloo ``recv`` cannot give (a posted receive can be neither cancelled no
 Python). A plain socket per pair gives all three; its bytes go straight from the image's host
 tensors to the holder's (``recv_into`` a tensor's memory: no Python copy).
 
-Messages: an 8-byte length and a pickled header, then each tensor's raw bytes in placeholder
-order. Every put is acknowledged once stored, so a sender knows its snapshot is complete on the
+Messages: an 8-byte length and a pickled header, then the image's tensors' raw bytes in
+placeholder order, each padded to ``image.ALIGN`` (the layout of the image's host buffer, so the
+sender sends a few contiguous pieces of it and the receiver reads into one buffer with one
+``recv_into`` loop; the header says how many bytes follow). Every put is acknowledged once stored, so a sender knows its snapshot is complete on the
 holder (what the step's commit waits for), and the holder answers gets for the rank that
 replaces a lost one. The header is pickled, as the live transfer's is: peers of one job trust
 each other as they do through gloo and the TCPStore (bind to the node's own address).
@@ -24,7 +26,7 @@ import threading
 import torch
 
 from ..transfer import _placeholders
-from .image import StateImage
+from .image import StateImage, host_tensors, wire_size
 
 _LEN = struct.Struct("!Q")
 PUT_IMAGE, PUT_MIRROR, GET_IMAGE, GET_MIRROR, ACK, MISSING, IMAGE, MIRROR = (
@@ -44,12 +46,12 @@ class LinkError(RuntimeError):
     """The other end is gone or broke the protocol."""
 
 
-def _send_msg(sock: socket.socket, header: dict, tensors=()) -> None:
+def _send_msg(sock: socket.socket, header: dict, image: StateImage | None = None) -> None:
     data = pickle.dumps(header)
     sock.sendall(_LEN.pack(len(data)) + data)
-    for t in tensors:
-        if t.numel():
-            sock.sendall(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    if image is not None:
+        for chunk in image.wire_chunks():
+            sock.sendall(chunk)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -82,14 +84,17 @@ def _recv_msg(sock: socket.socket) -> dict:
 
 def _recv_image(sock: socket.socket, header: dict, reuse: StateImage | None = None) -> StateImage:
     metas = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
-    shapes = [(tuple(m[2]), getattr(torch, m[3])) for m in metas]
-    if reuse is not None and [(tuple(t.shape), t.dtype) for t in reuse.tensors] == shapes:
-        tensors = reuse.tensors
+    specs = [(tuple(m[2]), getattr(torch, m[3])) for m in metas]
+    if wire_size(specs) != header["nbytes"]:
+        raise LinkError(f"a snapshot's header announces {header['nbytes']} bytes for tensors of {wire_size(specs)}")
+    if reuse is not None and reuse.flat is not None and reuse.specs == specs:
+        flat, tensors, spans = reuse.flat, reuse.tensors, reuse.spans
     else:
-        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
-    for t in tensors:
-        _recv_into(sock, t)
-    return StateImage(header["step"], header["skeleton"], tensors, {}, header.get("per_rank"), frozenset(header.get("modules", ())))
+        flat, tensors, spans = host_tensors(specs)
+    _recv_into(sock, flat)
+    return StateImage(
+        header["step"], header["skeleton"], tensors, {}, header.get("per_rank"), frozenset(header.get("modules", ())), flat, spans
+    )
 
 
 def _image_header(kind: str, source: int, image: StateImage) -> dict:
@@ -100,6 +105,7 @@ def _image_header(kind: str, source: int, image: StateImage) -> dict:
         "skeleton": image.skeleton,
         "modules": sorted(image.modules),
         "per_rank": image.per_rank,
+        "nbytes": wire_size(image.specs),
     }
 
 
@@ -241,7 +247,7 @@ class SnapshotServer:
                         _send_msg(conn, {"kind": MISSING})
                     else:
                         image = image.subset(header["names"]) if header.get("names") is not None else image
-                        _send_msg(conn, _image_header(IMAGE, source, image), image.tensors)
+                        _send_msg(conn, _image_header(IMAGE, source, image), image)
                 elif kind == GET_MIRROR:
                     found = self.mirror(source, header["tag"])
                     _send_msg(conn, {"kind": MISSING} if found is None else {"kind": MIRROR, "exact": found[0], "record": found[1]})
@@ -273,16 +279,16 @@ class SnapshotClient:
         except OSError:
             pass
 
-    def _call(self, header: dict, tensors=()) -> dict:
+    def _call(self, header: dict, image: StateImage | None = None) -> dict:
         try:
-            _send_msg(self._sock, header, tensors)
+            _send_msg(self._sock, header, image)
             return _recv_msg(self._sock)
         except (OSError, EOFError, pickle.UnpicklingError) as e:
             raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
 
     def put_image(self, image: StateImage) -> None:
         """Send ``image`` and wait until the holder stored it."""
-        reply = self._call(_image_header(PUT_IMAGE, self.source, image), image.tensors)
+        reply = self._call(_image_header(PUT_IMAGE, self.source, image), image)
         if reply.get("kind") != ACK or reply.get("step") != image.step:
             raise LinkError(f"the snapshot holder answered {reply.get('kind')!r} to a snapshot")
 

@@ -42,6 +42,8 @@ class Snapshots:
         self._client_for: tuple | None = None  # (holder rank, address) the client is connected to
         self._sent: set[int] = set()  # steps whose image the current holder acknowledged
         self.bytes_sent = 0
+        self._checked_remote: frozenset | None = None  # ``remote`` when the memory limit was last checked
+        self._plans: dict = {}  # object name -> image.ModulePlan: a module's walk, kept while it holds
 
     @property
     def holder(self) -> int:
@@ -65,6 +67,7 @@ class Snapshots:
             self._local.clear()
             self._pending.clear()
             self._sent.clear()
+        self._plans.clear()  # they hold the old run's tensors
         self.remote, self.remote_generation = frozenset(), -1
 
     def enter(self, rank: int, world: int, endpoint_of: Callable[[int], tuple]) -> None:
@@ -121,8 +124,10 @@ class Snapshots:
             spare = None
             if len(self._local) >= 2:  # the older of two: the newest complete one must survive this capture
                 spare = self._local.pop(min(self._local))
-        capture = Capture(step, objects, per_rank, reuse=spare)
-        self._check_memory(capture.image)  # here, on the main thread: the job stops at once, in the open
+        capture = Capture(step, objects, per_rank, reuse=spare, plans=self._plans)
+        if capture.allocated or self._checked_remote != self.remote:  # a reused layout was checked when allocated
+            self._check_memory(capture.image)  # here, on the main thread: the job stops at once, in the open
+            self._checked_remote = self.remote
         self._pending[step] = self._thread.submit(self._finish, capture)
         for old in [s for s in self._pending if s < step and self._pending[s].done()]:
             del self._pending[old]
@@ -216,7 +221,7 @@ class Snapshots:
         with self._lock:
             image = self._local.get(step)
         if image is None:
-            image = Capture(step, objects, per_rank, reuse=None).copy()
+            image = Capture(step, objects, per_rank, reuse=None, plans=self._plans).copy()
             with self._lock:
                 self._local[step] = image
                 for old in sorted(self._local)[:-2]:
