@@ -77,24 +77,45 @@ class AgentClient:
         self._news = threading.Condition()
         self._heard = -1  # the newest generation the watch thread has heard of
         self._watcher: threading.Thread | None = None
+        self._status_lock = threading.Lock()  # one status write at a time: the newest is written last
+        self._pending_lock = threading.Lock()
+        self._pending_status: str | None = None  # a progress report the heartbeat thread writes next
+        self._wakeup = threading.Event()  # the heartbeat thread: a report is pending, or close()
+        self._gone = False  # the heartbeat thread's write failed: the agent's store is gone
         beat_store = self.store.clone()  # its own connection: a blocked main thread must not stop it
         self._beat = threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True)
         self._beat.start()
 
     def _heartbeat(self, store) -> None:
         """Tell the agent this process is alive, also while the main thread waits in a collective
-        (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it."""
+        (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it.
+        The same thread writes the progress reports handed to it (``report_status``)."""
+        beat_at = 0.0
         while not self._closing.is_set():
             try:
-                store.set(self.keys.beat, f"{time.time():.3f}")
+                if time.monotonic() - beat_at >= 0.5:
+                    store.set(self.keys.beat, f"{time.time():.3f}")
+                    beat_at = time.monotonic()
+                with self._status_lock:
+                    pending = self._take_pending()
+                    if pending is not None:
+                        store.set(self.keys.status, pending)
             except Exception:
+                self._gone = True  # the agent's store: later reports raise, as a write of their own would
                 return
-            self._closing.wait(0.5)  # close() ends the wait at once: a worker's exit waits for no beat
+            self._wakeup.wait(max(0.0, 0.5 - (time.monotonic() - beat_at)))  # close() ends the wait at once
+            self._wakeup.clear()
+
+    def _take_pending(self) -> str | None:
+        with self._pending_lock:
+            pending, self._pending_status = self._pending_status, None
+        return pending
 
     def close(self) -> None:
         """End the threads: the watcher is woken by a close of its own on its queue (a stale one,
         left by an earlier process of this local rank, names another pid and is ignored)."""
         self._closing.set()
+        self._wakeup.set()
         if self._watcher is not None:
             try:
                 self.store.queue_push(self.keys.directives, f"{CLOSE} {os.getpid()}")
@@ -151,8 +172,23 @@ class AgentClient:
         if wake:
             poke(self._wake)
 
-    def report_status(self, status: WorkerStatus, wake: bool = False) -> None:
-        self._put(self.keys.status, status.to_json(), wake)
+    def report_status(self, status: WorkerStatus, wake: bool = False, now: bool | None = None) -> None:
+        """Write this worker's status. ``now`` (default: ``wake``, the agent acts on it): on this
+        thread, before returning (a state change, a worker's end). Otherwise a progress report,
+        handed to the heartbeat thread, which writes the newest one it has: the main thread never
+        waits for the agent's process to be scheduled to answer (several ms on a busy machine,
+        every ``STATUS_INTERVAL``), and a report written now is never overwritten by an older one."""
+        value = status.to_json()
+        if now if now is not None else wake:
+            with self._status_lock:
+                self._take_pending()  # older than this one
+                self._put(self.keys.status, value, wake)
+            return
+        if self._gone:
+            raise ConnectionError("tm-launch: the agent's store is gone (its heartbeat could not be written)")
+        with self._pending_lock:
+            self._pending_status = value
+        self._wakeup.set()
 
     def mark_live(self) -> None:
         """This worker runs ``job.steps()``: the agent repairs the job in place from now on."""

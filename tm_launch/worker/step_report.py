@@ -183,7 +183,8 @@ class StepReporter:
                     pid=os.getpid(),
                     mode="restart",
                     **self.stats.report(step),
-                )
+                ),
+                now=force,  # a state change (finished, exiting) is written before the process goes on
             )
         except Exception:  # the agent is gone: reporting must never break the training loop
             self.agent_gone = True

@@ -137,3 +137,37 @@ def test_the_watch_ends_when_the_agent_is_gone():
     with pytest.raises(Exception):  # a wait fails at once (the store, or the ended watch), never spins
         channel.wait_directive(0)
     channel.close()
+
+
+def test_progress_reports_are_written_off_the_main_thread_and_never_over_a_newer_state(agent):
+    """A progress report returns before the agent's store answers (the heartbeat thread writes
+    the newest one); a state change is in the store when ``report_status`` returns, and a
+    progress report handed over before it is never written after it."""
+    from tm_launch.protocol import WorkerState, WorkerStatus
+
+    channel = channel_of(agent)
+    key = WorkerKeys(0).status
+    try:
+        for step in range(1, 50):
+            channel.report_status(WorkerStatus(state=WorkerState.RUNNING, step=step))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if agent.store.check([key]) and WorkerStatus.from_json(agent.store.get(key)).step == 49:
+                break
+            time.sleep(0.01)
+        assert WorkerStatus.from_json(agent.store.get(key)).step == 49  # the newest, written by the thread
+        channel._status_lock.acquire()  # the heartbeat thread cannot write while this is held
+        channel.report_status(WorkerStatus(state=WorkerState.RUNNING, step=50))
+        done = threading.Event()
+        threading.Thread(
+            target=lambda: (channel.report_status(WorkerStatus(state=WorkerState.FINISHED, step=50), wake=True), done.set()),
+            daemon=True,
+        ).start()
+        assert not done.wait(0.2)  # the state change waits for the write lock, then goes first
+        channel._status_lock.release()
+        assert done.wait(10)
+        assert WorkerStatus.from_json(agent.store.get(key)).state == WorkerState.FINISHED
+        time.sleep(0.7)  # the heartbeat thread ran since: the older progress report was dropped
+        assert WorkerStatus.from_json(agent.store.get(key)).state == WorkerState.FINISHED
+    finally:
+        channel.close()

@@ -41,8 +41,11 @@ def test_reports_are_rate_limited_and_carry_the_step_times(agent_store):
             reporter.step(step)
         assert status(agent_store)["step"] == 1  # no store write per step
         time.sleep(STATUS_INTERVAL)
-        reporter.step(8)  # one report for three steps
+        reporter.step(8)  # one report for three steps, written by the heartbeat thread
         elapsed = time.perf_counter() - t1
+        deadline = time.monotonic() + 10
+        while status(agent_store)["step"] != 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
         s = status(agent_store)
         assert (s["step"], s["steps_run"]) == (8, 5)
         assert all(t >= 0.009 for t in s["step_times"][:4]) and s["step_times"][4] >= STATUS_INTERVAL / 3
@@ -64,8 +67,11 @@ def test_a_report_never_breaks_the_loop_when_the_agent_is_gone():
     del store  # the agent's store goes away
     time.sleep(0.1)
     reporter.step(2)
-    time.sleep(STATUS_INTERVAL)
-    reporter.step(3)
+    for step in range(3, 40):  # the heartbeat thread's write fails; a later report learns it
+        time.sleep(STATUS_INTERVAL)
+        reporter.step(step)
+        if reporter.agent_gone:
+            break
     reporter.exiting()
     assert reporter.agent_gone
     channel.close()
