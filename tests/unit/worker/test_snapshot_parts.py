@@ -220,3 +220,38 @@ def test_an_image_travels_as_a_few_pieces_of_one_buffer_and_arrives_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(back.tensors, only_opt.tensors))
     with pytest.raises(LinkError, match="announces"):
         _recv_image(Wire(data), {**header, "nbytes": header["nbytes"] + 64})
+
+
+def test_a_stand_in_for_a_module_has_its_parameters_copied_off_the_main_thread():
+    """An object registered for a module (``parts()``: torchtitan's ``ModelTensors``) holding the
+    module's parameters: those are copied with the optimizer's state, after the boundary (on a
+    GPU the boundary's copy is synchronous); its other tensors (a buffer, a copy of a
+    parameter) at once. The image holds the start's values either way."""
+
+    class Tensors:
+        def __init__(self, module):
+            self.module = module
+
+        def parts(self):
+            return [self.module]
+
+        def state_dict(self):
+            state = {n: p.detach() for n, p in self.module.named_parameters()}
+            state["copy"] = self.module[0].weight.detach().clone()
+            state.update((n, b.detach()) for n, b in self.module.named_buffers())
+            return state
+
+        def load_state_dict(self, state):
+            pass
+
+    model, opt, sched = _job()
+    _step(model, opt, sched, 0)
+    stand_in = Tensors(model)
+    capture = Capture(1, {"model": stand_in, "optimizer": opt}, None, None)
+    names = list(stand_in.state_dict())
+    later_names = {names[i] for i in capture._later if i < len(names)}
+    assert later_names == {n for n, _ in model.named_parameters()}  # not the copy, not the buffers
+    want = {n: t.clone() for n, t in stand_in.state_dict().items()}
+    model(torch.randn(32, 8))  # the next forward moves BatchNorm's statistics
+    image = capture.copy()
+    assert all(torch.equal(image.states()["model"][n], t) for n, t in want.items())

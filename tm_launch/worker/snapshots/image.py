@@ -223,6 +223,9 @@ class Capture:
             skeleton[name] = flatten(state, sources)
             if isinstance(obj, torch.optim.Optimizer):  # its state changes only when it steps
                 later.extend(range(base, len(sources)))
+            else:  # a stand-in for modules or optimizers (its ``parts()``): their tensors, where it holds them
+                stepped = _stepped_storages(obj)
+                later.extend(i for i in range(base, len(sources)) if sources[i].numel() and _storage(sources[i]) in stepped)
         self._sources = [t.to_local() if _is_dtensor(t) else t for t in sources]
         flat, buffers, spans = _reuse(reuse, self._sources)
         self.allocated = reuse is None or flat is not reuse.flat  # new host memory (the layout changed)
@@ -292,6 +295,22 @@ class ModulePlan:
             if (spec is not None and v._spec is not spec) or local.shape != shape or local.dtype != dtype:
                 return None
         return [v.to_local() if _is_dtensor(v) else v for v in values]
+
+
+def _stepped_storages(obj) -> set:
+    """Storages that change only in an optimizer step, of the modules and optimizers an object
+    stands in for (``parts()``: torchtitan's ``ModelTensors``, Lightning's whole checkpoint):
+    their parameters and their optimizer state. Its tensors held there are copied off the main
+    thread (on a GPU: not a synchronous copy of the model at every step's start); a copy it
+    makes of them is not found here, and is copied at the boundary."""
+    parts = getattr(obj, "parts", None)
+    out: set = set()
+    for part in parts() if callable(parts) else ():
+        if isinstance(part, torch.nn.Module):
+            out.update(_storage(p) for p in part.parameters() if p.numel())
+        elif isinstance(part, torch.optim.Optimizer):
+            out.update(_storage(v) for s in part.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel())
+    return out
 
 
 def _layouts(values) -> tuple:
