@@ -53,6 +53,7 @@ class WorkerSupervisor:
         self.live_seen = False  # a local worker said it uses the live API (tm_launch.init)
         self.step_seen: tuple[dict, float] = ({}, time.time())  # local workers' steps, when they last moved
         self._statuses_cache: dict | None = None
+        self._parsed: dict[int, tuple[bytes, WorkerStatus]] = {}  # local rank -> (its status as read, parsed): parsed once
         self.directed_at: dict[int, float] = {}  # generation -> when it was first handed to the workers
 
     def close(self) -> None:
@@ -73,10 +74,16 @@ class WorkerSupervisor:
         for lr in self.workers.workers:
             key = WorkerKeys(lr).status
             if self.store.check([key]):
+                raw = self.store.get(key)
+                parsed = self._parsed.get(lr)
+                if parsed is not None and parsed[0] == raw:  # unchanged since the last iteration (most of them)
+                    out[lr] = parsed[1]
+                    continue
                 try:
-                    out[lr] = WorkerStatus.from_json(self.store.get(key))
+                    out[lr] = WorkerStatus.from_json(raw)
                 except (ValueError, TypeError):
                     continue
+                self._parsed[lr] = (raw, out[lr])
         self._statuses_cache = out
         return out
 

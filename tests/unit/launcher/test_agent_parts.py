@@ -162,6 +162,9 @@ def test_supervisor_reads_worker_reports(supervisor):
     supervisor.store.set(WorkerKeys(1).status, "not json")
     supervisor.new_iteration()
     assert supervisor.statuses() == {0: WorkerStatus(state=WorkerState.RUNNING, step=4)}
+    first = supervisor.statuses()[0]
+    supervisor.new_iteration()
+    assert supervisor.statuses()[0] is first  # the same report is parsed once
     recovering, stalled = supervisor.local_progress()
     assert not recovering and 0 <= stalled < 5
     supervisor.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RECOVERING, step=4).to_json())
