@@ -264,6 +264,52 @@ def test_live_fsdp2_worker_sigkill_recovers_from_snapshot(local_job, titan_asset
     print(f"\ntorchtitan live, FSDP2, victim rank {victim_rank} ({phase}): {recovery(records, os.path.getmtime(marker))}")
 
 
+@pytest.mark.slow
+def test_live_fsdp2_two_faults_in_a_row_each_recovered_from_snapshots(local_job, titan_assets, torchrun_reference):
+    """Two worker SIGKILLs in one torchtitan run, FSDP2 over 2 ranks, 2 nodes and 2 parked spares:
+    rank 1 after step 3 (a spare takes it), then rank 0 after step 7, whose snapshot is then
+    held by that spare, the process that joined at the first fault (it must hold rank 0's image of a
+    step after its own entry: the rank resends it to a new holder). The second spare warmed up as
+    rank 1 and runs torchtitan's set-up again for rank 0. Every survivor keeps its process through
+    both, at most the step before each interrupted one runs again, and the final checkpoint is
+    bitwise torchrun's fault-free one."""
+    job = local_job(nnodes="2", nproc=1, script=HARNESS, launcher_args=["--max-restarts", "3"])
+    dump = os.path.join(job.workdir, "titan")
+    markers = [os.path.join(job.workdir, f"killed{i}") for i in (1, 2)]
+    gos = [os.path.join(job.workdir, f"go{i}") for i in (1, 2)]
+    job.script_args = titan_args(titan_assets, dump, STEPS, CKPT_EVERY)
+    job.env = {"TT_LIVE": "1", "TT_STEP_LOG": job.step_log}
+    for kill, rank, step, marker, go in zip(("TT_KILL", "TT_KILL2"), (1, 0), (3, 7), markers, gos):
+        job.env.update({f"{kill}_RANK": str(rank), f"{kill}_STEP": str(step), f"{kill}_MARKER": marker, f"{kill}_AFTER": go})
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
+    job.start("d")
+    job.wait_parked("c", timeout=180)
+    job.wait_parked("d", timeout=180)
+    open(gos[0], "w").close()
+    job.wait_for(lambda s: (s["generation"] or 0) >= 1, 120, "generation 1")
+    open(gos[1], "w").close()
+    codes = job.wait(timeout=300)
+
+    plans = {e["generation"]: e for e in job.events() if e["kind"] == "plan" and e.get("generation") in (1, 2)}
+    assert set(plans) == {1, 2} and plans[1]["live"] and plans[2]["live"], job.logs_tail()
+    ((first, replaced1),), ((second, replaced2),) = plans[1]["replaced"].items(), plans[2]["replaced"].items()
+    assert (replaced1, replaced2) == ("b", "a") and {first, second} == {"c", "d"}, (plans, job.logs_tail())
+    assert codes["a"] != 0 and codes["b"] != 0 and codes["c"] == 0 and codes["d"] == 0, job.logs_tail()
+    assert_same_state(final_state(dump, STEPS), torchrun_reference[0])
+    records = job.step_records()
+    for rank in (0, 1):
+        assert len({pid for _, r, _, _, pid in records if r == rank}) == 2, f"one new process per rank: {records}"
+        steps = [step for _, r, step, _, _ in sorted(records) if r == rank]
+        assert set(steps) == set(range(1, STEPS + 1)), steps
+        again = {s for s in steps if steps.count(s) > 1}
+        assert again <= {3, 4, 7, 8}, f"rank {rank} ran {sorted(again)} more than once: {steps}"
+    assert "running the script again for rank 0" in job.nodes[second].log(), job.logs_tail()
+    for marker in markers:
+        print(f"\ntorchtitan live, FSDP2, two faults: {recovery(records, os.path.getmtime(marker))}")
+
+
 def recovery(records, kill_time: float) -> str:
     """From the kill to the first step every rank completed after it (the kill waits for the
     spare to park, so the step before it ended long before), and the steps run twice."""

@@ -16,6 +16,8 @@ Also, for the tests (inert unless the variables are set):
   at the start of that step's forward), and creates the marker
   file so that the restarted run does not kill again. With ``TT_KILL_AFTER`` (a path) it first
   waits for that file, so that a test can hold the kill until its spare has joined.
+- ``TT_KILL2_RANK`` / ``TT_KILL2_STEP`` / ``TT_KILL2_MARKER`` / ``TT_KILL2_AFTER``: a second kill
+  of the same kind, later in the same run (two faults in a row).
 - ``TT_HOLD_STEP`` / ``TT_HOLD_UNTIL``: every rank waits after that step until the file exists
   (a test's spare parks before the job goes on).
 - ``TT_LIVE=1``: ``tm_launch.torchtitan``'s entry (live mode) in place of ``torchtitan.train``'s.
@@ -147,13 +149,17 @@ def partial_dtensor_default() -> None:
     ConfigManager._load_config = _load_config
 
 
-def kill_point(rank: int, step: int, env: dict) -> bool:
-    """Whether this rank kills itself after ``step``: it is the configured rank and step and the
-    marker file does not exist yet (a restarted run passes the step again)."""
-    if not env.get("TT_KILL_STEP"):
+KILLS = ("TT_KILL", "TT_KILL2")  # the variables' prefixes of the first kill and of a second one
+
+
+def kill_point(rank: int, step: int, env: dict, kill: str = "TT_KILL") -> bool:
+    """Whether this rank kills itself after ``step`` (the kill whose variables start with
+    ``kill``): it is the configured rank and step and the marker file does not exist yet (a
+    restarted run passes the step again)."""
+    if not env.get(f"{kill}_STEP"):
         return False
-    marker = env.get("TT_KILL_MARKER")
-    return rank == int(env.get("TT_KILL_RANK", "0")) and step == int(env["TT_KILL_STEP"]) and not (marker and os.path.exists(marker))
+    marker = env.get(f"{kill}_MARKER")
+    return rank == int(env.get(f"{kill}_RANK", "0")) and step == int(env[f"{kill}_STEP"]) and not (marker and os.path.exists(marker))
 
 
 def wait_for_file(path: str | None, timeout: float) -> None:
@@ -170,10 +176,10 @@ def in_sandbox() -> bool:
     return tm_launch.init().in_sandbox
 
 
-def kill_now() -> None:
-    """The kill: once ``TT_KILL_AFTER`` exists, after creating the marker."""
-    wait_for_file(os.environ.get("TT_KILL_AFTER"), timeout=300)
-    marker = os.environ.get("TT_KILL_MARKER")
+def kill_now(kill: str = "TT_KILL") -> None:
+    """The kill: once ``<kill>_AFTER`` exists, after creating the marker."""
+    wait_for_file(os.environ.get(f"{kill}_AFTER"), timeout=300)
+    marker = os.environ.get(f"{kill}_MARKER")
     if marker:
         open(marker, "w").close()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -188,9 +194,10 @@ def install_test_hooks() -> None:
     real, real_forward = Trainer.train_step, Trainer.forward_backward_step
 
     def forward_backward_step(self, *args, **kwargs):
-        if os.environ.get("TT_KILL_PHASE") == "forward" and kill_point(dist.get_rank(), self.step, os.environ):
-            if not (os.environ.get("TT_LIVE") == "1" and in_sandbox()):
-                kill_now()
+        for kill in KILLS:
+            if os.environ.get("TT_KILL_PHASE") == "forward" and kill_point(dist.get_rank(), self.step, os.environ, kill):
+                if not (os.environ.get("TT_LIVE") == "1" and in_sandbox()):
+                    kill_now(kill)
         return real_forward(self, *args, **kwargs)
 
     def train_step(self, *args, **kwargs):
@@ -204,8 +211,9 @@ def install_test_hooks() -> None:
                 f.write(f"{time.time():.6f} {rank} {self.step} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {os.getpid()}\n")
         if os.environ.get("TT_HOLD_STEP") == str(self.step):
             wait_for_file(os.environ.get("TT_HOLD_UNTIL"), timeout=300)
-        if os.environ.get("TT_KILL_PHASE", "after-step") == "after-step" and kill_point(rank, self.step, os.environ):
-            kill_now()
+        for kill in KILLS:
+            if os.environ.get("TT_KILL_PHASE", "after-step") == "after-step" and kill_point(rank, self.step, os.environ, kill):
+                kill_now(kill)
         return out
 
     Trainer.train_step, Trainer.forward_backward_step = train_step, forward_backward_step

@@ -31,6 +31,8 @@ def test_the_kill_fires_once_at_its_rank_and_step(tmp_path, rank, step, env, mar
     if marker_exists:
         open(env["TT_KILL_MARKER"], "w").close()
     assert kill_point(rank, step, env) is fires
+    second = {k.replace("TT_KILL", "TT_KILL2"): v for k, v in env.items()}  # the second kill's variables: the same rules
+    assert kill_point(rank, step, second, "TT_KILL2") is fires and kill_point(rank, step, second) is False
 
 
 def test_the_offline_inputs_are_deterministic_and_fit_the_vocabulary(tmp_path):

@@ -146,13 +146,14 @@ class Snapshots:
             if client is None:
                 return True  # no other rank to hold it (a one-rank job)
             failpoints.reached("snapshot", self._rank, image.step)  # tests: a kill while the snapshot is on its way
-            client.put_image(image.subset(self.remote))
+            share = image.subset(self.remote)
+            client.put_image(share)
         except (LinkError, OSError, RuntimeError) as e:
             log(f"snapshot of step {image.step} not sent to its holder (rank {self._holder}): {first_line(e)}")
             self._drop_client()
             return False
         self._sent.add(image.step)
-        self.bytes_sent += image.subset(self.remote).nbytes
+        self.bytes_sent += share.nbytes
         return True
 
     def ready_to_commit(self, step: int, give_up: Callable[[], bool]) -> bool:
