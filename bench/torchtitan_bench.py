@@ -207,7 +207,9 @@ class Bench:
         else:
             job = LocalJob(endpoint=self.etcd_endpoint(), launcher_args=[*restarts, "--spares", "1"], **common)
         job.env["TT_STEP_LOG"] = job.step_log
-        job.script_args = titan_args(self.assets, os.path.join(workdir, "titan"), a.steps, a.ckpt_every)
+        job.script_args = titan_args(
+            self.assets, os.path.join(workdir, "titan"), a.steps, a.ckpt_every, seq_len=a.seq_len, local_batch_size=a.local_batch_size
+        )
         return job
 
     # -- fault-free runs: the reference, the steady state ---------------------------------------------
@@ -492,7 +494,8 @@ def steady_markdown(runs: list[dict], args, meta) -> str:
     lines += [
         "",
         f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']}, torchtitan {meta['torchtitan']} (CPU, gloo), loopback; "
-        f"the fault runs' job without a fault or a spare: tiny llama3, FSDP over 2 ranks (2 nodes x 1 worker), {args.steps} steps, "
+        f"the fault runs' job without a fault or a spare: tiny llama3, FSDP over 2 ranks (2 nodes x 1 worker), "
+        f"{args.local_batch_size} x {args.seq_len} tokens per rank and step, {args.steps} steps, "
         f"a DCP checkpoint every {args.ckpt_every} steps; step = time between consecutive steps completed by every rank, "
         f"steps 1-2 left out. {args.repeat} run(s) per launcher, alternating. Load average {meta['load_start']:.1f} at the "
         f"start, {load_range(runs)} per run, {meta['load_end']:.1f} at the end (the machine is shared).",
@@ -551,7 +554,7 @@ def markdown(rows: list[dict], runs: list[dict], reference: dict | None, args, m
         "",
         f"Setup: {meta['host_cpus']} CPU cores, torch {meta['torch']}, torchtitan {meta['torchtitan']} (CPU, gloo), loopback. "
         f"torchtitan's trainer via tests/titan_cpu/cpu_train.py, tiny llama3, FSDP over 2 ranks (2 nodes x 1 worker), "
-        f"{args.steps} steps, DCP checkpoint every {args.ckpt_every} steps, median step before the fault "
+        f"{args.local_batch_size} x {args.seq_len} tokens per rank and step, {args.steps} steps, DCP checkpoint every {args.ckpt_every} steps, median step before the fault "
         f"{f(statistics.median(steps) * 1000 if steps else None, '{:.0f}')} ms, first step "
         f"{f(statistics.median(firsts) if firsts else None, '{:.1f}')} s after the agents started{ref_text}. "
         f"Rank {args.victim_rank}'s worker SIGKILLed {args.fault_at:g} of a step after step {args.kill_after}; "
@@ -571,6 +574,8 @@ def parse(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="fault runs per launcher, alternating; the table shows medians")
     p.add_argument("--steps", type=int, default=20, help="torchtitan's --training.steps")
     p.add_argument("--ckpt-every", type=int, default=5, help="torchtitan's --checkpoint.interval, the same for both launchers")
+    p.add_argument("--seq-len", type=int, default=128, help="torchtitan's --training.seq-len (more: more compute per step)")
+    p.add_argument("--local-batch-size", type=int, default=2, help="torchtitan's --training.local-batch-size")
     p.add_argument("--kill-after", type=int, default=12, help="the kill comes after every rank completed this step")
     p.add_argument("--fault-at", type=float, default=0.5, help="where in the next step the kill strikes, as a fraction of the median step")
     p.add_argument("--victim-rank", type=int, default=1, choices=(0, 1), help="the rank whose worker is killed")

@@ -8,12 +8,22 @@ from __future__ import annotations
 import os
 
 
-def titan_args(assets: dict[str, str], dump_folder: str, steps: int, ckpt_every: int, replicate: int = 1, tp: int = 1) -> list[str]:
+def titan_args(
+    assets: dict[str, str],
+    dump_folder: str,
+    steps: int,
+    ckpt_every: int,
+    replicate: int = 1,
+    tp: int = 1,
+    seq_len: int = 128,
+    local_batch_size: int = 2,
+) -> list[str]:
     """torchtitan's command line, as a user gives it to ``torchtitan.train``: the tiny llama3,
     FSDP over 2 ranks (HSDP with ``replicate`` > 1: that many replicas of those 2 shards; with
     ``tp`` > 1, each FSDP rank a tensor-parallel group of ``tp`` ranks), a DCP checkpoint every
     ``ckpt_every`` steps, a fixed seed and deterministic kernels (so two runs can be compared
-    bitwise), fp32 parameters (bf16 is slow on CPU)."""
+    bitwise), fp32 parameters (bf16 is slow on CPU). ``seq_len`` x ``local_batch_size`` tokens per
+    rank and step set how much compute a step has (the benchmark's ``--seq-len``)."""
     return [
         "--module",
         "tiny_llama3",
@@ -28,9 +38,9 @@ def titan_args(assets: dict[str, str], dump_folder: str, steps: int, ckpt_every:
         "--training.steps",
         str(steps),
         "--training.seq-len",
-        "128",
+        str(seq_len),
         "--training.local-batch-size",
-        "2",
+        str(local_batch_size),
         "--training.mixed-precision-param",
         "float32",
         "--parallelism.data-parallel-shard-degree",
