@@ -293,28 +293,39 @@ class Spec:
         return f"{self.case}-{self.size}-{self.launcher}-r{self.repeat}"
 
 
+class EtcdOnDemand:
+    """One etcd server for a benchmark's tm-launch runs, started by the first run that needs it
+    (a torchrun-only benchmark starts none)."""
+
+    def __init__(self):
+        self._server = None
+
+    def endpoint(self) -> str:
+        if self._server is None:
+            from rendezvous.etcd_server import EtcdServer
+
+            self._server = EtcdServer().start()
+        return self._server.endpoint
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.etcd = None
+        self.etcd = EtcdOnDemand()
         self.logdir = os.path.join(args.out_dir, "logs")
         self.current: LocalJob | None = None
-
-    def etcd_endpoint(self) -> str:
-        if self.etcd is None:
-            from rendezvous.etcd_server import EtcdServer
-
-            self.etcd = EtcdServer().start()
-        return self.etcd.endpoint
 
     def close(self) -> None:
         if self.current is not None:
             self.current.stop()
             self.current = None
         reap()
-        if self.etcd is not None:
-            self.etcd.stop()
-            self.etcd = None
+        self.etcd.stop()
 
     # -- building jobs ----------------------------------------------------------------------------
     def make_job(self, spec: Spec, script_args: list[str], spare: bool) -> LocalJob:
@@ -345,7 +356,7 @@ class Bench:
                 launcher_args.append("--no-live")
             else:
                 launcher_args += ["--snapshot-every", str(self.args.snapshot_every)]
-            job = LocalJob(endpoint=self.etcd_endpoint(), launcher_args=launcher_args, **common)
+            job = LocalJob(endpoint=self.etcd.endpoint(), launcher_args=launcher_args, **common)
         if self.args.layout:
             job.script = HYBRID
             script_args = ["--layout", self.args.layout, *script_args]

@@ -169,22 +169,13 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.logdir = os.path.join(args.out_dir, "logs", "torchtitan")
-        self.etcd = None
+        self.etcd = base.EtcdOnDemand()
         self.assets: dict[str, str] = {}
         self.reference: dict | None = None
 
-    def etcd_endpoint(self) -> str:
-        if self.etcd is None:
-            from rendezvous.etcd_server import EtcdServer
-
-            self.etcd = EtcdServer().start()
-        return self.etcd.endpoint
-
     def close(self) -> None:
         base.reap()
-        if self.etcd is not None:
-            self.etcd.stop()
-            self.etcd = None
+        self.etcd.stop()
 
     def make_job(self, launcher: str, name: str, env: dict[str, str]) -> LocalJob:
         a = self.args
@@ -205,7 +196,7 @@ class Bench:
 
             job = base.TorchrunJob(endpoint=f"127.0.0.1:{free_ports(1)[0]}", launcher_args=restarts, **common)
         else:
-            job = LocalJob(endpoint=self.etcd_endpoint(), launcher_args=[*restarts, "--spares", "1"], **common)
+            job = LocalJob(endpoint=self.etcd.endpoint(), launcher_args=[*restarts, "--spares", "1"], **common)
         job.env["TT_STEP_LOG"] = job.step_log
         job.script_args = titan_args(
             self.assets, os.path.join(workdir, "titan"), a.steps, a.ckpt_every, seq_len=a.seq_len, local_batch_size=a.local_batch_size

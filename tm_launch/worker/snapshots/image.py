@@ -77,7 +77,7 @@ class StateImage:
     digests: dict = field(default_factory=dict)  # object name -> (structure, values): ``fingerprints()``
     per_rank: dict | None = None  # per-rank objects' states at ``step`` (already host copies), if any
     modules: frozenset = frozenset()  # the objects that are modules (their structure is fingerprinted)
-    flat: torch.Tensor | None = None  # the host buffer ``tensors`` are views of (``host_tensors``)
+    flat: torch.Tensor | None = None  # the host buffer ``tensors`` are views of (``host_tensors``): every image has one
     spans: list | None = None  # each tensor's (offset, padded size) in ``flat``
 
     @property
@@ -92,15 +92,6 @@ class StateImage:
     def wire_chunks(self) -> list:
         """The tensors' bytes as the wire carries them (each padded to ``ALIGN``), as few
         contiguous pieces of the buffer as the layout allows: one per run of adjacent tensors."""
-        if self.flat is None or self.spans is None:  # tensors of no common buffer: one piece each
-            out = []
-            for t in self.tensors:
-                n = t.numel() * t.element_size()
-                if n:
-                    out.append(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-                if _padded(n) > n:
-                    out.append(bytes(_padded(n) - n))
-            return out
         runs: list = []
         for offset, size in self.spans:
             if runs and runs[-1][1] == offset:
@@ -211,12 +202,12 @@ class Capture:
             if isinstance(obj, torch.nn.Module):
                 state = obj.state_dict(keep_vars=True)  # the tensors themselves: their identity says the walk still holds
                 plan = plans.get(name)
-                now = plan.sources(state, base) if plan is not None else None
-                if now is None:
-                    plan, now = ModulePlan.walk(obj, state, base)
+                tensors = plan.sources(state, base) if plan is not None else None
+                if tensors is None:
+                    plan, tensors = ModulePlan.walk(obj, state, base)
                     plans[name] = plan
                 skeleton[name] = plan.skeleton
-                sources.extend(now)
+                sources.extend(tensors)
                 later.extend(base + i for i in plan.later)
                 continue
             state = obj.state_dict()
