@@ -151,6 +151,21 @@ def _own_layout(states: dict) -> tuple[dict, torch.device]:
     return meshes, device
 
 
+def left_on_the_host(skeleton: dict, objects: dict) -> set:
+    """Placeholder indices of plain-tensor optimizer state, for optimizers that load with torch's
+    own ``Optimizer.load_state_dict``: handed over where they arrive (fresh memory), since that
+    load puts each tensor where the optimizer keeps it (its parameter's device; a ``step`` count
+    stays on the CPU unless the optimizer is capturable or fused), as when loading a checkpoint.
+    Moved to the rank's GPU by us, a CPU ``step`` became a GPU tensor that every later step
+    read back with a synchronisation. DTensors are rebuilt on the rank's own mesh as before."""
+    out: set = set()
+    for name, sk in skeleton.items():
+        obj = objects.get(name)
+        if isinstance(obj, torch.optim.Optimizer) and type(obj).load_state_dict is torch.optim.Optimizer.load_state_dict:
+            out.update(m[1] for m in _placeholders(sk, []) if m[4] is None)
+    return out
+
+
 def loads_in_place(obj) -> bool:
     """Whether ``obj`` may receive into its own tensors: only objects whose ``load_state_dict``
     is torch's own, which puts every entry back where the same entry of ``state_dict()`` came
@@ -288,15 +303,17 @@ def recv_state(pg, src: int, objects: dict) -> tuple[int | None, int]:
     ordered = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
     total = buf.numel() + sum(torch.Size(m[2]).numel() * getattr(torch, m[3]).itemsize for m in ordered)
     progress = _progress("receiving", f"from rank {src}", total)
-    _receive_tensors(pg, src, ordered, targets, nccl, device, meshes, tensors, progress)
+    host = left_on_the_host(header["skeleton"], objects)
+    _receive_tensors(pg, src, ordered, targets, nccl, device, meshes, tensors, progress, host)
     for name, skeleton in header["skeleton"].items():
         if name in objects:
             objects[name].load_state_dict(unflatten(skeleton, tensors))
     return header["step"], total
 
 
-def _receive_tensors(pg, src, ordered, targets, nccl, device, meshes, tensors, progress) -> None:
-    """Each tensor of ``ordered`` from ``src``, pipelined (``IN_FLIGHT``), into ``tensors``."""
+def _receive_tensors(pg, src, ordered, targets, nccl, device, meshes, tensors, progress, host) -> None:
+    """Each tensor of ``ordered`` from ``src``, pipelined (``IN_FLIGHT``), into ``tensors``;
+    those of ``host`` (``left_on_the_host``) stay where they arrived."""
     from torch.distributed.tensor import DTensor
 
     posted: collections.deque = collections.deque()  # (work, finish): finish() once received
@@ -327,7 +344,7 @@ def _receive_tensors(pg, src, ordered, targets, nccl, device, meshes, tensors, p
                     local.copy_(buffer)  # in place, through one tensor's worth of staging
                     t = target
                 else:
-                    t = buffer.to(device)
+                    t = buffer if index in host else buffer.to(device)
                     if layout is not None:
                         names, placements, global_shape, global_stride = layout
                         if names not in meshes:

@@ -255,3 +255,78 @@ def test_a_stand_in_for_a_module_has_its_parameters_copied_off_the_main_thread()
     model(torch.randn(32, 8))  # the next forward moves BatchNorm's statistics
     image = capture.copy()
     assert all(torch.equal(image.states()["model"][n], t) for n, t in want.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (docs/gpus.md says where this ran)")
+def test_a_cuda_image_is_copied_on_a_side_stream_into_pinned_memory_and_adds_no_gpu_memory():
+    """On a GPU the boundary queues the parameters' and optimizer state's copy on a side stream
+    that waits for the step's work so far, into pinned host buffers: the next forward, queued
+    on the main stream meanwhile, changes nothing the image holds; the copy allocates no GPU
+    memory; the image loads back bitwise, and training on from it gives what training on from
+    the original gives. A second image of the same layout reuses the first one's buffers."""
+    device = torch.device("cuda")
+    model, opt, sched = _job()
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    def step(seed):
+        g = torch.Generator().manual_seed(seed)
+        model(torch.randn(32, 8, generator=g).to(device)).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    for s in range(3):
+        step(s)
+    objects = {"model": model, "optimizer": opt, "scheduler": sched}
+    torch.cuda.synchronize()
+    want = _flat(model, opt, sched)
+    devices = [v.device.type for s in opt.state.values() for v in s.values()]
+    assert "cpu" in devices and "cuda" in devices  # AdamW counts its steps on the CPU, the moments on the GPU
+    x = torch.randn(4096, 8, device=device)
+    allocated = torch.cuda.memory_allocated()
+    capture = Capture(3, objects, per_rank=None, reuse=None)
+    assert capture._stream is not None and capture.image.flat.is_pinned()
+    model(x)  # queued on the main stream: BatchNorm's running statistics move
+    image = capture.copy()
+    assert all(t.device.type == "cpu" for t in image.tensors)
+    assert torch.cuda.memory_allocated() == allocated  # nothing of the copy stayed on the GPU
+    for s in range(3, 6):
+        step(s)
+    after_a = _flat(model, opt, sched)
+    image.load_into(objects)
+    got = _flat(model, opt, sched)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got[0], want[0])) and got[1:] == want[1:]
+    assert [v.device.type for s in opt.state.values() for v in s.values()] == devices  # where the optimizer kept them
+    model(x)
+    for s in range(3, 6):
+        step(s)
+    after_b = _flat(model, opt, sched)
+    assert all(torch.equal(a, b) for a, b in zip(after_a[0], after_b[0])) and after_a[1:] == after_b[1:]
+    image2 = Capture(3, objects, None, reuse=image).copy()
+    assert image2.flat is image.flat  # same layout: the pinned buffer is reused
+
+
+def test_plain_optimizer_state_is_left_where_it_arrives_for_torchs_own_load_to_place():
+    """Which tensors a load hands over as they arrived (``transfer.left_on_the_host``): an
+    optimizer's plain tensors when it loads with torch's own ``Optimizer.load_state_dict``
+    (which puts each where that optimizer keeps it: a GPU job's AdamW counts steps on the
+    CPU); not a module's, not those of an optimizer with a load of its own."""
+    from tm_launch.worker.transfer import flatten, left_on_the_host
+
+    model, opt, sched = _job()
+    _step(model, opt, sched, 0)
+
+    class OwnLoad(torch.optim.SGD):
+        def load_state_dict(self, state):
+            super().load_state_dict(state)
+
+    other = OwnLoad(model.parameters(), lr=0.1, momentum=0.9)
+    other.step()
+    objects = {"model": model, "opt": opt, "other": other, "sched": sched}
+    tensors: list = []
+    skeleton = {name: flatten(obj.state_dict(), tensors) for name, obj in objects.items()}
+    start = len(model.state_dict())  # the model's tensors come first, one placeholder each
+    n_opt = sum(len(s) for s in opt.state.values())
+    assert left_on_the_host(skeleton, objects) == set(range(start, start + n_opt))

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..replicas import fingerprints
-from ..transfer import _is_dtensor, _own_layout, _placeholders, flatten, unflatten
+from ..transfer import _is_dtensor, _own_layout, _placeholders, flatten, left_on_the_host, unflatten
 
 ALIGN = 64  # bytes: where each tensor of an image starts in its buffer (any dtype's view is aligned)
 
@@ -144,6 +144,7 @@ class StateImage:
         names = self.names() if names is None else sorted(names)
         own = {name: objects[name].state_dict() for name in names}
         meshes, device = _own_layout(own)
+        host = left_on_the_host({name: self.skeleton[name] for name in names}, objects)
         for name in names:
             obj = objects[name]
             fresh = not isinstance(obj, torch.nn.Module)  # an optimizer keeps the tensors it is given
@@ -151,7 +152,10 @@ class StateImage:
             for meta in _placeholders(self.skeleton[name], []):
                 _, index, _, _, layout, _ = meta
                 t = self.tensors[index]
-                t = t.to(device, copy=fresh) if device.type != "cpu" or fresh else t
+                if index in host:
+                    t = t.clone()  # its load puts it where the optimizer keeps it
+                elif device.type != "cpu" or fresh:
+                    t = t.to(device, copy=fresh)
                 if layout is not None:
                     names_, placements, global_shape, global_stride = layout
                     if names_ not in meshes:
