@@ -81,7 +81,10 @@ def test_an_image_loads_back_bitwise_and_the_copy_waits_for_nothing_but_the_opti
     assert image2.tensors is image.tensors  # same layout: the buffers are reused
 
 
-def test_a_holder_keeps_the_newest_two_images_and_answers_the_rank_that_replaces_its_source():
+def test_a_holder_keeps_the_images_its_source_may_return_to_and_answers_the_rank_that_replaces_it():
+    """Each put says from which step on the holder keeps what it holds (the oldest step the job
+    may return to, two before the newest with a snapshot every step); older images are dropped,
+    their buffers reused."""
     model, opt, sched = _job()
     objects = {"model": model, "optimizer": opt}
     server = SnapshotServer("127.0.0.1")
@@ -89,10 +92,10 @@ def test_a_holder_keeps_the_newest_two_images_and_answers_the_rank_that_replaces
     try:
         for step in range(4):
             _step(model, opt, sched, step)
-            client.put_image(Capture(step, objects, None, reuse=None).copy().subset(["optimizer"]))
+            client.put_image(Capture(step, objects, None, reuse=None).copy().subset(["optimizer"]), keep_from=step - 2)
         client.put_mirror(4, True, b"rng")
         held = server.held()
-        assert set(held) == {5} and sorted(held[5]["images"]) == [2, 3] and held[5]["images"][3] == ("optimizer",)
+        assert set(held) == {5} and sorted(held[5]["images"]) == [1, 2, 3] and held[5]["images"][3] == ("optimizer",)
         assert held[5]["mirrors"] == {4: True}
         joiner = SnapshotClient(server.address, source=9)
         image = joiner.get_image(5, 3, ["optimizer"])
@@ -106,7 +109,9 @@ def test_a_holder_keeps_the_newest_two_images_and_answers_the_rank_that_replaces
                 [v for s in Capture(3, objects, None, None).copy().states()["optimizer"]["state"].values() for v in s.values()],
             )
         )
-        assert joiner.get_image(5, 1, None) is None and joiner.get_mirror(5, 4) == (True, b"rng")
+        assert joiner.get_image(5, 0, None) is None and joiner.get_mirror(5, 4) == (True, b"rng")
+        client.put_image(Capture(4, objects, None, reuse=None).copy().subset(["optimizer"]), keep_from=4)  # a resend after a change
+        assert sorted(server.held()[5]["images"]) == [4]
         server.keep_only([])
         assert server.held() == {} and server.nbytes == 0
         joiner.close()
@@ -125,7 +130,7 @@ def test_a_holder_that_is_gone_fails_the_send_at_once(refusing_port):
     _step(model, opt, sched, 0)
     image = Capture(1, {"model": model}, None, None).copy()
     with pytest.raises(LinkError):  # its connections closed with it: a put raises instead of waiting
-        client.put_image(image)
+        client.put_image(image, keep_from=1)
     client.close()
 
 
@@ -195,8 +200,8 @@ def test_an_image_travels_as_a_few_pieces_of_one_buffer_and_arrives_bitwise():
     server = SnapshotServer("127.0.0.1")
     client = SnapshotClient(server.address, source=3)
     try:
-        client.put_image(only_opt)
-        client.put_image(sub)
+        client.put_image(only_opt, keep_from=1)
+        client.put_image(sub, keep_from=1)
         got = SnapshotClient(server.address, source=4).get_image(3, 1, ["c_optimizer"])
         assert len(got.tensors) == len(only_opt.tensors) and all(torch.equal(a, b) for a, b in zip(got.tensors, only_opt.tensors))
         assert got.flat is not None and got.skeleton == only_opt.skeleton
@@ -330,3 +335,50 @@ def test_plain_optimizer_state_is_left_where_it_arrives_for_torchs_own_load_to_p
     start = len(model.state_dict())  # the model's tensors come first, one placeholder each
     n_opt = sum(len(s) for s in opt.state.values())
     assert left_on_the_host(skeleton, objects) == set(range(start, start + n_opt))
+
+
+def test_a_step_commits_once_its_copy_is_done_and_the_snapshot_before_it_is_on_the_holder(monkeypatch):
+    """The send of a step's snapshot overlaps the next step: ``ready_to_commit(s)`` waits for
+    the local copy of ``s`` and for every earlier snapshot on the holder, not for ``s``'s own
+    send. Held back at the holder, the send of step 0 lets step 0 commit and holds step 1's
+    commit until it arrives. Every rank and its holder keep the images the job may return to
+    (the one before the last commit on): three with a snapshot every step."""
+    import threading
+
+    from tm_launch.worker.snapshots import link
+    from tm_launch.worker.snapshots.service import Snapshots
+
+    arrive = threading.Event()
+    real = link._recv_image
+
+    def held_back(sock, header, reuse=None):
+        assert arrive.wait(30)
+        return real(sock, header, reuse)
+
+    monkeypatch.setattr(link, "_recv_image", held_back)
+    model, opt, sched = _job()
+    objects = {"model": model, "optimizer": opt}
+    holder = SnapshotServer("127.0.0.1")
+    holder.keep_only([0])
+    snaps = Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1)
+    try:
+        snaps.set_remote(["model", "optimizer"], generation=0)
+        snaps.enter(0, 2, lambda r: holder.address)
+        snaps.boundary(0, objects, None)
+        assert snaps.ready_to_commit(0, give_up=lambda: False)  # its own send is still held back
+        _step(model, opt, sched, 0)
+        snaps.boundary(1, objects, None)
+        asked = []
+        assert not snaps.ready_to_commit(1, give_up=lambda: asked.append(1) or len(asked) > 3)  # waits for step 0's send
+        arrive.set()
+        assert snaps.ready_to_commit(1, give_up=lambda: False)
+        for step in range(1, 6):
+            _step(model, opt, sched, step)
+            snaps.boundary(step + 1, objects, None)
+            assert snaps.ready_to_commit(step + 1, give_up=lambda: False)
+        snaps.wait_idle()
+        assert sorted(snaps.local_digests()) == [4, 5, 6] and sorted(holder.held()[0]["images"]) == [4, 5, 6]
+        assert snaps.kept_images == 3
+    finally:
+        snaps.close()
+        holder.close()

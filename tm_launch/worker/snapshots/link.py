@@ -10,9 +10,10 @@ tensors to the holder's (``recv_into`` a tensor's memory: no Python copy).
 Messages: an 8-byte length and a pickled header, then the image's tensors' raw bytes in
 placeholder order, each padded to ``image.ALIGN`` (the layout of the image's host buffer, so the
 sender sends a few contiguous pieces of it and the receiver reads into one buffer with one
-``recv_into`` loop; the header says how many bytes follow). Every put is acknowledged once stored, so a sender knows its snapshot is complete on the
-holder (what the step's commit waits for), and the holder answers gets for the rank that
-replaces a lost one. The header is pickled, as the live transfer's is: peers of one job trust
+``recv_into`` loop; the header says how many bytes follow). Every put is acknowledged once
+stored, so a sender knows its snapshot is complete on the holder (what the next step's commit
+waits for), and says from which step on the holder must keep what it holds (the oldest the job
+may return to); the holder answers gets for the rank that replaces a lost one. The header is pickled, as the live transfer's is: peers of one job trust
 each other as they do through gloo and the TCPStore (bind to the node's own address).
 """
 
@@ -39,7 +40,7 @@ PUT_IMAGE, PUT_MIRROR, GET_IMAGE, GET_MIRROR, ACK, MISSING, IMAGE, MIRROR = (
     "image",
     "mirror",
 )
-KEEP_MIRRORS = 3  # per-rank mirrors kept per source: the tags around any step the job can return to
+KEEP_MIRRORS = 4  # per-rank mirrors kept per source: the tags from the oldest step the job can return to on
 
 
 class LinkError(RuntimeError):
@@ -110,22 +111,24 @@ def _image_header(kind: str, source: int, image: StateImage) -> dict:
 
 
 class Held:
-    """What a holder keeps of one source rank: its newest complete images (at most two: the one
-    the job can roll back to and the one arriving) and its newest per-rank mirrors."""
+    """What a holder keeps of one source rank: its complete images from the oldest step the job
+    may return to (the sender says which: three images with a snapshot every step, two with a
+    longer interval) and its newest per-rank mirrors."""
 
     def __init__(self):
         self.images: dict[int, StateImage] = {}
         self.mirrors: dict[int, tuple[bool, bytes]] = {}  # tag -> (exact, record)
 
-    def spare_image(self) -> StateImage | None:
-        """An image whose buffers the next one may take (not the newest complete)."""
-        if len(self.images) < 2:
-            return None
-        return self.images[min(self.images)]
+    def take_spare(self, keep_from: int) -> StateImage | None:
+        """An image from before ``keep_from``, taken out: the arriving one may use its buffers."""
+        older = sorted(s for s in self.images if s < keep_from)
+        for s in older[:-1]:
+            del self.images[s]
+        return self.images.pop(older[-1]) if older else None
 
-    def keep_image(self, image: StateImage) -> None:
+    def keep_image(self, image: StateImage, keep_from: int) -> None:
         self.images[image.step] = image
-        for old in sorted(self.images)[:-2]:
+        for old in [s for s in self.images if s < min(keep_from, image.step)]:
             del self.images[old]
 
     def keep_mirror(self, tag: int, exact: bool, record: bytes) -> None:
@@ -228,14 +231,12 @@ class SnapshotServer:
                 header = _recv_msg(conn)
                 kind, source = header["kind"], header["source"]
                 if kind == PUT_IMAGE:
+                    keep_from = header.get("keep_from", header["step"])
                     with self._lock:
-                        held = self._held.setdefault(source, Held())
-                        spare = held.spare_image()
-                        if spare is not None:
-                            del held.images[spare.step]  # its buffers are about to be overwritten
+                        spare = self._held.setdefault(source, Held()).take_spare(keep_from)
                     image = _recv_image(conn, header, reuse=spare)
                     with self._lock:
-                        self._held.setdefault(source, Held()).keep_image(image)
+                        self._held.setdefault(source, Held()).keep_image(image, keep_from)
                     _send_msg(conn, {"kind": ACK, "step": image.step})
                 elif kind == PUT_MIRROR:
                     with self._lock:
@@ -286,9 +287,10 @@ class SnapshotClient:
         except (OSError, EOFError, pickle.UnpicklingError) as e:
             raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
 
-    def put_image(self, image: StateImage) -> None:
-        """Send ``image`` and wait until the holder stored it."""
-        reply = self._call(_image_header(PUT_IMAGE, self.source, image), image)
+    def put_image(self, image: StateImage, keep_from: int) -> None:
+        """Send ``image`` and wait until the holder stored it; the holder keeps what it holds of
+        this source from step ``keep_from`` on."""
+        reply = self._call({**_image_header(PUT_IMAGE, self.source, image), "keep_from": keep_from}, image)
         if reply.get("kind") != ACK or reply.get("step") != image.step:
             raise LinkError(f"the snapshot holder answered {reply.get('kind')!r} to a snapshot")
 

@@ -1,9 +1,17 @@
 """One worker's snapshots: the local copies it keeps, the stream to its holder, what it holds.
 
 ``Snapshots`` is what the live job (``runtime``) and the generation protocol (``generations``)
-use; the package docstring says why it exists. It runs one background thread, the snapshot
-thread, which finishes each capture and sends it; everything the step waits for is a wait on
-that thread's result for the step (``ready_to_commit``).
+use; the package docstring says why it exists. It runs two background threads: the snapshot
+thread finishes each capture (the copy the step's commit waits for) and the sender thread sends
+each finished image to the holder (what the next snapshot step's commit waits for), so that a
+send overlaps a whole step instead of sitting between the step's compute and its commit.
+
+What that costs and buys: the holders are sure to have the snapshot before the newest one, not
+the newest, so every rank keeps the local images from that one on (three with a snapshot every
+step, two with a longer interval; the holder alike), and a fault while a send is on its way
+returns the job two steps instead of one. docs/design.md has the measurements
+(``bench/snapshot_copy.py``): a send waited for at the commit adds all of itself that the
+forward and backward do not cover.
 """
 
 from __future__ import annotations
@@ -30,16 +38,22 @@ class Snapshots:
         self.memory_limit = memory_limit  # bytes per node (0: no limit); each worker gets its share
         self.local_world = max(1, local_world)
         self.server = SnapshotServer(host)
+        self._closed = False
         self.remote: frozenset = frozenset()  # registered objects no live rank replicates: sent to the holder
         self.remote_generation = -1  # the generation ``remote`` was worked out in
-        self._local: dict[int, StateImage] = {}  # step -> complete local image (at most the newest two)
-        self._pending: dict[int, concurrent.futures.Future] = {}  # step -> capture (and send) under way
+        self._local: dict[int, StateImage] = {}  # step -> complete local image (from ``_floor`` on)
+        self._floor = -1  # the newest snapshot step every holder is sure to have: older images are not needed
+        self._copies: dict[int, concurrent.futures.Future] = {}  # step -> local copy under way (its commit waits)
+        self._sends: dict[int, concurrent.futures.Future] = {}  # step -> send under way (the next step's commit waits)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-snapshot")
+        self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-snapshot-send")
         self._lock = threading.Lock()
         self._rank = self._holder = -1
         self._endpoint_of: Callable[[int], tuple] | None = None
-        self._client: SnapshotClient | None = None
-        self._client_for: tuple | None = None  # (holder rank, address) the client is connected to
+        # One connection for images (the sender thread's), one for per-rank mirrors (the voter's):
+        # a mirror never waits behind an image on its way.
+        self._clients: dict[str, SnapshotClient] = {}
+        self._client_for: tuple | None = None  # (holder rank, address) the clients are connected to
         self._sent: set[int] = set()  # steps whose image the current holder acknowledged
         self.bytes_sent = 0
         self._checked_remote: frozenset | None = None  # ``remote`` when the memory limit was last checked
@@ -65,8 +79,10 @@ class Snapshots:
         self.wait_idle()
         with self._lock:
             self._local.clear()
-            self._pending.clear()
+            self._copies.clear()
+            self._sends.clear()
             self._sent.clear()
+            self._floor = -1
         self._plans.clear()  # they hold the old run's tensors
         self.remote, self.remote_generation = frozenset(), -1
 
@@ -89,89 +105,126 @@ class Snapshots:
         Snapshots under way are dropped too: the step is captured afresh when it runs again."""
         self.wait_idle()
         with self._lock:
-            self._pending.clear()
+            self._copies.clear()
+            self._sends.clear()
             for later in [s for s in self._local if s > step]:
                 del self._local[later]
             self._sent = {s for s in self._sent if s <= step}
+            self._floor = step  # ``resend`` puts ``step`` on the holder before the job goes on
         self.server.drop_after(step)
 
     def _drop_client(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        self._client, self._client_for = None, None
-        self._sent.clear()
+        with self._lock:
+            clients, self._clients, self._client_for = list(self._clients.values()), {}, None
+            self._sent.clear()
+        for client in clients:
+            client.close()
 
-    def _holder_client(self) -> SnapshotClient | None:
-        """The connection to this rank's holder (the snapshot thread's, or the entering thread's)."""
+    def _holder_client(self, kind: str) -> SnapshotClient | None:
+        """The connection to this rank's holder for ``kind`` ("image": the sender thread's, or
+        the entering thread's while the sender is idle; "mirror": the voter's)."""
         with self._lock:
             holder, endpoint_of = self._holder, self._endpoint_of
         if holder < 0 or endpoint_of is None:
             return None
         address = tuple(endpoint_of(holder))
-        if self._client is None or self._client_for != (holder, address):
+        with self._lock:
+            stale = self._client_for != (holder, address)
+        if stale:
             self._drop_client()
-            self._client = SnapshotClient(address, source=self._rank)
+        with self._lock:
             self._client_for = (holder, address)
-        return self._client
+            client = self._clients.get(kind)
+        if client is None:
+            client = SnapshotClient(address, source=self._rank)
+            with self._lock:
+                self._clients[kind] = client
+        return client
 
     # -- each step ------------------------------------------------------------------------------------
     def boundary(self, step: int, objects: dict, per_rank: dict | None) -> None:
         """The start of step ``step``: take its snapshot if it is a snapshot step (the buffers now,
         the rest on the snapshot thread, then the send to the holder)."""
-        if not self.enabled or step % self.every or step in self._pending:
-            return
         with self._lock:
-            spare = None
-            if len(self._local) >= 2:  # the older of two: the newest complete one must survive this capture
-                spare = self._local.pop(min(self._local))
+            if not self.enabled or step % self.every or step in self._copies:
+                return
+            # The previous step committed: every snapshot before it is on its holder, so the
+            # newest local image before it is the oldest the job may return to.
+            self._floor = max([s for s in self._local if s < step - 1], default=self._floor)
+            older = sorted(s for s in self._local if s < self._floor)
+            spare = self._local.pop(older[-1]) if older else None  # its buffers take this capture
+            for s in older[:-1]:
+                del self._local[s]
+            floor = self._floor
         capture = Capture(step, objects, per_rank, reuse=spare, plans=self._plans)
         if capture.allocated or self._checked_remote != self.remote:  # a reused layout was checked when allocated
             self._check_memory(capture.image)  # here, on the main thread: the job stops at once, in the open
             self._checked_remote = self.remote
-        self._pending[step] = self._thread.submit(self._finish, capture)
-        for old in [s for s in self._pending if s < step and self._pending[s].done()]:
-            del self._pending[old]
+        copied = self._thread.submit(self._finish, capture)
+        sent = self._sender.submit(self._send_when_copied, copied, floor)
+        with self._lock:
+            self._copies[step], self._sends[step] = copied, sent
 
-    def _finish(self, capture: Capture) -> bool:
+    def _finish(self, capture: Capture) -> StateImage:
         image = capture.copy()
         with self._lock:
             self._local[image.step] = image
-            for old in sorted(self._local)[:-2]:
-                del self._local[old]
-        return self._send(image)
+        return image
 
-    def _send(self, image: StateImage) -> bool:
+    def _send_when_copied(self, copied: concurrent.futures.Future, floor: int) -> bool:
         try:
-            client = self._holder_client()
+            image = copied.result()
+        except Exception:  # noqa: BLE001 -- the step's own commit reports the failed copy
+            return False
+        return self._send(image, floor)
+
+    def _send(self, image: StateImage, keep_from: int) -> bool:
+        """Put ``image``'s share on the holder, which may then drop what it holds from before
+        ``keep_from`` (the oldest step the job may return to)."""
+        try:
+            client = self._holder_client("image")
             if client is None:
                 return True  # no other rank to hold it (a one-rank job)
             failpoints.reached("snapshot", self._rank, image.step)  # tests: a kill while the snapshot is on its way
             share = image.subset(self.remote)
-            client.put_image(share)
+            client.put_image(share, keep_from)
         except (LinkError, OSError, RuntimeError) as e:
-            log(f"snapshot of step {image.step} not sent to its holder (rank {self._holder}): {first_line(e)}")
+            if not self._closed:
+                log(f"snapshot of step {image.step} not sent to its holder (rank {self._holder}): {first_line(e)}")
             self._drop_client()
             return False
-        self._sent.add(image.step)
-        self.bytes_sent += share.nbytes
+        with self._lock:
+            self._sent.add(image.step)
+            self.bytes_sent += share.nbytes
         return True
 
     def ready_to_commit(self, step: int, give_up: Callable[[], bool]) -> bool:
-        """Before step ``step`` commits: its snapshot (if it takes one) is complete locally and on
-        the holder. False when it could not be sent (the holder is gone: a peer failed) or
-        ``give_up()`` says a newer generation is on its way."""
-        pending = self._pending.get(step)
-        if pending is None:
-            return True
-        while True:
-            try:
-                return bool(pending.result(timeout=0.05))
-            except concurrent.futures.TimeoutError:
-                if give_up():
+        """Before step ``step`` commits: its snapshot (if it takes one) is complete locally, and
+        every earlier one is on the holder. False when a copy failed, a send could not be made
+        (the holder is gone: a peer failed) or ``give_up()`` says a newer generation is on its
+        way. A step that commits thus tells every rank that the holders have every snapshot
+        before it (the floor of the next ``boundary``)."""
+        with self._lock:
+            waits = [(s, f, "copied") for s, f in self._copies.items() if s == step]
+            waits += [(s, f, "sent") for s, f in sorted(self._sends.items()) if s < step]
+        for s, future, what in waits:
+            while True:
+                try:
+                    if not future.result(timeout=0.05):
+                        return False  # the send said why
+                    break
+                except concurrent.futures.TimeoutError:
+                    if give_up():
+                        return False
+                except Exception as e:  # noqa: BLE001 -- a capture that failed is a step that must not commit
+                    log(f"snapshot of step {s} failed: {first_line(e)}")
                     return False
-            except Exception as e:  # noqa: BLE001 -- a capture that failed is a step that must not commit
-                log(f"snapshot of step {step} failed: {first_line(e)}")
-                return False
+        with self._lock:
+            for s in [s for s in self._copies if s <= step and self._copies[s].done()]:
+                del self._copies[s]
+            for s in [s for s in self._sends if s < step and self._sends[s].done()]:
+                del self._sends[s]
+        return True
 
     def publish_mirror(self, tag: int, exact: bool, record: bytes) -> bool:
         """Per-rank state of step ``tag`` to the holder, acknowledged (the commit vote's part)."""
@@ -179,7 +232,7 @@ class Snapshots:
             if self._holder < 0:
                 return True
         try:
-            client = self._holder_client()
+            client = self._holder_client("mirror")
             if client is not None:
                 client.put_mirror(tag, exact, record)
             return True
@@ -190,7 +243,9 @@ class Snapshots:
 
     def wait_idle(self) -> None:
         """Let the snapshot thread finish what it started (entering a generation needs a settled state)."""
-        for future in list(self._pending.values()):
+        with self._lock:
+            futures = [*self._copies.values(), *self._sends.values()]
+        for future in futures:
             try:
                 future.result()
             except Exception:  # noqa: BLE001 -- reported where the step waited for it
@@ -225,9 +280,9 @@ class Snapshots:
             image = Capture(step, objects, per_rank, reuse=None, plans=self._plans).copy()
             with self._lock:
                 self._local[step] = image
-                for old in sorted(self._local)[:-2]:
+                for old in [s for s in self._local if s < step]:
                     del self._local[old]
-        if not self._send(image):
+        if not self._send(image, keep_from=step):
             raise LinkError(f"rank {self._holder} did not take this rank's snapshot of step {step}")
 
     def fetch(self, holder: int, of_rank: int, step: int, names) -> StateImage:
@@ -257,11 +312,14 @@ class Snapshots:
         return own + self.server.nbytes
 
     def _check_memory(self, image: StateImage) -> None:
-        """Refuse snapshots that would not fit: two local images of everything and, on the holder,
-        two of what no replica holds, for every worker of the node (each gets its share)."""
+        """Refuse snapshots that would not fit: the local images of everything and, on the holder,
+        as many of what no replica holds (three of each with a snapshot every step: the one the
+        job may return to, the newest and the one being taken; two with a longer interval), for
+        every worker of the node (each gets its share)."""
         if not self.memory_limit:
             return
-        need = 2 * image.nbytes + 2 * image.subset(self.remote).nbytes
+        copies = self.kept_images
+        need = copies * image.nbytes + copies * image.subset(self.remote).nbytes
         share = self.memory_limit // self.local_world
         if need > share:
             raise SnapshotRefused(
@@ -270,7 +328,14 @@ class Snapshots:
                 f"run without snapshots (--snapshot-every 0: a lost shard then restarts the job from its checkpoint)"
             )
 
+    @property
+    def kept_images(self) -> int:
+        """Images of a rank kept at once, locally and on its holder (``_check_memory``)."""
+        return 3 if self.every == 1 else 2
+
     def close(self) -> None:
+        self._closed = True  # a send cut short by closing is no news
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self._sender.shutdown(wait=False, cancel_futures=True)
         self._drop_client()
         self.server.close()
