@@ -10,6 +10,7 @@ the fault-free run on the same GPU. Skipped without CUDA (the CPU suite covers t
 
 import pytest
 import test_live_layouts as layouts
+import test_snapshots as snapshots
 import torch
 from test_live import PAUSE, assert_bitwise, fault_free_reference, run_job
 
@@ -83,3 +84,28 @@ def test_cuda_joiner_receives_its_own_shard_bitwise(local_job, layout, rank, pha
     layouts.assert_live(job, codes, rank)
     assert layouts.received(job), job.logs_tail()
     layouts.assert_bitwise(got, layout_reference(layout, HYBRID_CUDA))
+
+
+# Layouts no live rank replicates, on the GPU: the lost shard comes back from its in-memory
+# snapshot, copied off the GPU on a side stream into pinned host memory (test_snapshots.py is
+# the CPU suite of the same cases).
+@pytest.fixture(scope="module")
+def snapshot_reference(tmp_path_factory):
+    return snapshots.torchrun_reference(tmp_path_factory)
+
+
+@pytest.mark.parametrize(
+    "layout, rank, phase",
+    [
+        ("fsdp", 2, "vote"),  # pure FSDP2 shards on the GPU
+        ("fsdp-tp", 1, "backward"),  # FSDP2 x DTensor TP
+        ("zero", 0, "logging"),  # ZeroRedundancyOptimizer: the optimizer partition from the snapshot
+        ("fsdp", 1, "snapshot"),  # killed before its holder had the step: every rank returns one step
+    ],
+)
+def test_cuda_shard_without_a_replica_comes_back_from_its_snapshot_bitwise(local_job, snapshot_reference, layout, rank, phase):
+    job, codes, got = snapshots.run(local_job, layout, kill=(rank, phase), extra=HYBRID_CUDA)
+    snapshots.assert_live(job, codes)
+    layouts.assert_bitwise(got, snapshot_reference(layout, 4, HYBRID_CUDA))
+    text = snapshots.logs(job)
+    assert "received this rank's snapshot of step" in text, text[-3000:]

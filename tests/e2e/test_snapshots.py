@@ -26,6 +26,10 @@ KILL = 14  # the kill happens at the first step >= KILL once released (checkpoin
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    return torchrun_reference(tmp_path_factory)
+
+
+def torchrun_reference(tmp_path_factory):
     """``get(layout, world, extra) -> {rank: state}``: plain torchrun's fault-free run, cached."""
     cache = {}
 
