@@ -127,14 +127,15 @@ class Snapshots:
             holder, endpoint_of = self._holder, self._endpoint_of
         if holder < 0 or endpoint_of is None:
             return None
-        address = tuple(endpoint_of(holder))
+        address = tuple(endpoint_of(holder))  # may read the generation's store: not under the lock
+        stale: list = []
         with self._lock:
-            stale = self._client_for != (holder, address)
-        if stale:
-            self._drop_client()
-        with self._lock:
-            self._client_for = (holder, address)
+            if self._client_for != (holder, address):  # a new holder: the old connections go
+                stale, self._clients, self._client_for = list(self._clients.values()), {}, (holder, address)
+                self._sent.clear()
             client = self._clients.get(kind)
+        for old in stale:
+            old.close()
         if client is None:
             client = SnapshotClient(address, source=self._rank)
             with self._lock:
@@ -205,9 +206,9 @@ class Snapshots:
         way. A step that commits thus tells every rank that the holders have every snapshot
         before it (the floor of the next ``boundary``)."""
         with self._lock:
-            waits = [(s, f, "copied") for s, f in self._copies.items() if s == step]
-            waits += [(s, f, "sent") for s, f in sorted(self._sends.items()) if s < step]
-        for s, future, what in waits:
+            waits = [(s, f) for s, f in self._copies.items() if s == step]
+            waits += [(s, f) for s, f in sorted(self._sends.items()) if s < step]
+        for s, future in waits:
             while True:
                 try:
                     if not future.result(timeout=0.05):
