@@ -17,8 +17,10 @@ For each state size, runs alternate between modes (median step time of each):
 * ``off``: no snapshots (the baseline);
 * ``local``: the copy alone (no holder: a one-rank job), on CUDA a side stream into pinned host
   memory overlapping the forward and backward;
-* ``sent``: the copy and the send to the holder over loopback TCP, which overlaps the next
-  step (the next step's commit waits for it).
+* ``sent``: the copy and the send to the holder over loopback TCP, which the step's own commit
+  waits for (``--snapshot-send commit``, the default);
+* ``overlap``: the same send overlapping the next step, whose commit waits for it
+  (``--snapshot-send overlap``).
 
 Also reported: the peak GPU memory of each mode (the design says the snapshot adds none), and
 the copy's and the send's throughput. Results: bench/results/snapshot-copy-<time>.md/.json.
@@ -41,7 +43,7 @@ import torch  # noqa: E402
 from tm_launch.worker.snapshots.link import SnapshotServer  # noqa: E402
 from tm_launch.worker.snapshots.service import Snapshots  # noqa: E402
 
-MODES = ("off", "local", "sent")
+MODES = ("off", "local", "sent", "overlap")
 
 
 def say(msg: str) -> None:
@@ -67,9 +69,9 @@ def run(mode: str, model, opt, x, steps: int, warmup: int, holder: SnapshotServe
     device = x.device
     snaps = None
     if mode != "off":
-        snaps = Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1)
+        snaps = Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, overlap_send=mode == "overlap")
         snaps.set_remote(["model", "optimizer"], generation=0)
-        world = 2 if mode == "sent" else 1
+        world = 1 if mode == "local" else 2
         snaps.enter(0, world, lambda r: holder.address)
     objects = {"model": model, "optimizer": opt}
     if device.type == "cuda":
@@ -168,7 +170,7 @@ def main() -> None:
             for mode in MODES:
                 row[mode] = {k: statistics.median(r[k] for r in results[mode]) for k in results[mode][0]}
             base = row["off"]["step_s"]
-            for mode in ("local", "sent"):
+            for mode in MODES[1:]:
                 row[mode]["overhead"] = row[mode]["step_s"] / base - 1
             rows.append(row)
             del model, opt, x
@@ -182,16 +184,19 @@ def main() -> None:
         "",
         f"`{' '.join(['python3', *sys.argv])}` (median of {args.pairs} runs of {args.steps} steps per mode)",
         "",
-        "| state | step, off | local copy | + sent to holder | commit wait: local / sent | peak GPU memory: off / local / sent |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| state | step, off | local copy | + sent, before the commit | + sent, overlapping the next step "
+        "| commit wait: local / sent / overlap | peak GPU memory: off / local / sent / overlap |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         gpu = " / ".join(f"{r[m]['peak_gpu_bytes'] / 2**20:.0f}" for m in MODES) + " MiB"
+        waits = " / ".join(f"{r[m]['commit_wait_s'] * 1e3:.1f}" for m in MODES[1:])
         lines.append(
             f"| {r['state_bytes'] / 2**30:.2f} GiB | {r['off']['step_s'] * 1e3:.1f} ms "
             f"| {r['local']['step_s'] * 1e3:.1f} ms ({r['local']['overhead']:+.1%}) "
             f"| {r['sent']['step_s'] * 1e3:.1f} ms ({r['sent']['overhead']:+.1%}) "
-            f"| {r['local']['commit_wait_s'] * 1e3:.1f} / {r['sent']['commit_wait_s'] * 1e3:.1f} ms | {gpu} |"
+            f"| {r['overlap']['step_s'] * 1e3:.1f} ms ({r['overlap']['overhead']:+.1%}) "
+            f"| {waits} ms | {gpu} |"
         )
     text = "\n".join(lines)
     print(text)

@@ -240,6 +240,7 @@ def _launch(args) -> int:
             metrics_port=args.metrics_port,
             snapshot_every=args.snapshot_every,
             snapshot_memory_limit=_snapshot_memory_limit(args),
+            snapshot_send=args.snapshot_send,
         )
         try:
             return Agent(cfg, kv).run()

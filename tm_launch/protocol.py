@@ -59,6 +59,13 @@ def nccl_error_handling(live: bool, user_value: str | None) -> str:
     return user_value or NCCL_TEAR_DOWN
 
 
+# When a rank's snapshot must be on its holder (``--snapshot-send``): before the snapshot's step
+# commits ("commit": a fault returns the job to the interrupted step's start), or while the next
+# step runs ("overlap": the send costs nothing where it outlasts a step's compute; a fault while
+# it is on its way returns the job one step further).
+SNAPSHOT_SENDS = ("commit", "overlap")
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """What the agent tells a worker at its start, read once from the environment.
@@ -79,6 +86,7 @@ class WorkerEnv:
     straggler_window: int = 20
     snapshot_every: int = 1  # snapshot the state no live rank replicates every N committed steps (0: never)
     snapshot_memory_limit: int = 0  # bytes of host memory per node snapshots may take (0: no limit)
+    snapshot_send: str = "commit"  # one of SNAPSHOT_SENDS: when a snapshot must be on its holder
     # torchrun's variables, as torchrun sets them
     local_rank: int = 0
     rank: int = 0
@@ -100,6 +108,7 @@ class WorkerEnv:
         "straggler_window": "TM_STRAGGLER_WINDOW",
         "snapshot_every": "TM_SNAPSHOT_EVERY",
         "snapshot_memory_limit": "TM_SNAPSHOT_MEMORY_LIMIT",
+        "snapshot_send": "TM_SNAPSHOT_SEND",
         "local_rank": "LOCAL_RANK",
         "rank": "RANK",
         "world_size": "WORLD_SIZE",

@@ -11,6 +11,7 @@ and the step.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -104,6 +105,7 @@ def node_of(job, rank: int) -> str:
         ("fsdp-tp", 4, 0, "backward", ()),
         pytest.param("zero", 4, 1, "backward", (), marks=pytest.mark.slow),
         pytest.param("fsdp", 4, 2, "vote", (), marks=pytest.mark.slow),
+        pytest.param("fsdp", 4, 2, "vote", ("--snapshot-send", "overlap"), marks=pytest.mark.slow),
         pytest.param("fsdp", 4, 3, "logging", (), marks=pytest.mark.slow),
         pytest.param("fsdp", 4, 0, "forward", (), marks=pytest.mark.slow),
         pytest.param("fsdp-tp", 4, 1, "forward", (), marks=pytest.mark.slow),
@@ -129,22 +131,27 @@ def test_a_lost_shard_comes_back_from_its_snapshot(local_job, reference, layout,
 
 
 @pytest.mark.parametrize(
-    "layout, rank, phase",
+    "layout, rank, phase, launcher",
     [
-        ("fsdp", 1, "snapshot"),
-        pytest.param("fsdp-tp", 2, "snapshot-node", marks=pytest.mark.slow),
-        pytest.param("zero", 0, "snapshot", marks=pytest.mark.slow),
+        ("fsdp", 1, "snapshot", ()),
+        pytest.param("fsdp-tp", 2, "snapshot-node", (), marks=pytest.mark.slow),
+        pytest.param("zero", 0, "snapshot", (), marks=pytest.mark.slow),
+        pytest.param("fsdp", 1, "snapshot", ("--snapshot-send", "overlap"), marks=pytest.mark.slow),
+        pytest.param("fsdp-tp", 2, "snapshot-node", ("--snapshot-send", "overlap"), marks=pytest.mark.slow),
     ],
 )
-def test_a_kill_while_the_snapshot_is_on_its_way_returns_every_rank_one_step(local_job, reference, layout, rank, phase):
+def test_a_kill_while_the_snapshot_is_on_its_way_returns_every_rank_one_step(local_job, reference, layout, rank, phase, launcher):
     """The victim dies (``snapshot-node``: its whole node) after taking the step's snapshot and
     before its holder got it: the newest snapshot of that rank is the step before. Every
     survivor returns to that step from its own snapshot, the joiner receives the victim's, and
-    the job runs one step again: still bitwise."""
-    job, codes, got = run(local_job, layout, kill=(rank, phase))
+    the job runs one step again (with ``--snapshot-send overlap``, where the send overlaps the
+    next step, two): still bitwise."""
+    job, codes, got = run(local_job, layout, kill=(rank, phase), launcher=launcher)
     assert_live(job, codes)
     assert_bitwise(got, reference(layout))
     text = logs(job)
+    when = "overlapping the next step" if "overlap" in launcher else "before each step commits"
+    assert re.search(rf"snapshots every 1 step\(s\): .* sent to rank \d+ {when}", text), text[-3000:]
     assert "returned to step" in text and "from this rank's own snapshot" in text, text[-3000:]
     assert "step(s) run again" in text, text[-3000:]
 

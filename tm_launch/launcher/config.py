@@ -33,6 +33,7 @@ class AgentConfig:
     sandbox_steps: int = 2
     snapshot_every: int = 1  # live mode: snapshot what no replica holds every N steps (0: never)
     snapshot_memory_limit: int = 0  # bytes per node for snapshots (0: no limit)
+    snapshot_send: str = "commit"  # protocol.SNAPSHOT_SENDS: when a snapshot must be on its holder
     output: OutputSpec | None = None
     health: HealthConfig | None = None
     event_log: str | None = None

@@ -22,6 +22,8 @@ import yaml
 from health.config import HealthConfig
 from rendezvous.rdzv_conf import RUN_ID, UsageError  # one user-mistake type for every option, --rdzv-conf included
 
+from ..protocol import SNAPSHOT_SENDS
+
 LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2")
 # Options a config file may not set: they name the script, not the job.
 NOT_IN_YAML = {"help", "config", "training_script", "training_script_args"}
@@ -106,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Live mode: every N committed steps, each rank copies the state no other live rank replicates (FSDP/ZeRO/TP shards, "
         "pipeline stages without data-parallel peers) to host memory and to a rank on the next node, so that such layouts "
         "recover live too (default 1; 0: never, a lost shard then restarts the job from its checkpoint).",
+    )
+    own.add_argument(
+        "--snapshot-send",
+        choices=SNAPSHOT_SENDS,
+        default="commit",
+        help="Live mode: when a snapshot must be on its holder. commit (default): before its step commits, so a fault runs "
+        "only the interrupted step again; overlap: while the next step runs (cheaper where the send outlasts a step's "
+        "compute: a slow link, short steps), so a fault during a send also runs the step before again, and each rank and "
+        "its holder keep three images instead of two.",
     )
     own.add_argument(
         "--snapshot-memory-limit",

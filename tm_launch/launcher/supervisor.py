@@ -292,6 +292,7 @@ class WorkerSupervisor:
                 straggler_window=cfg.health.straggler_window if cfg.health else 20,
                 snapshot_every=cfg.snapshot_every,
                 snapshot_memory_limit=cfg.snapshot_memory_limit,
+                snapshot_send=cfg.snapshot_send,
             ).tm_variables()
         )
         return env

@@ -240,7 +240,9 @@ class LiveJob:
         poison = StepPoison()
         world_group = LiveGroup(None, rank, world, poison, name=c10d_glue.unique_name(None), backend=self._c10d_names)
         self.state = TrainingState(world=world_group, poison=poison, commit=StepCommit(), stats=StepStats(env.straggler_window))
-        self.snapshots = Snapshots(env.local_addr, env.snapshot_every, env.snapshot_memory_limit, env.local_world_size)
+        self.snapshots = Snapshots(
+            env.local_addr, env.snapshot_every, env.snapshot_memory_limit, env.local_world_size, overlap_send=env.snapshot_send == "overlap"
+        )
         self.status = LiveStatus(
             self.agent,
             self.state.stats,

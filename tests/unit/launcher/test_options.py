@@ -178,6 +178,7 @@ YAML = [
     pytest.param("max_restarts: 2.0\nlease_ttl: 3\n", {"max_restarts": 2, "lease_ttl": 3.0}, id="whole float for an int, int for a float"),
     pytest.param("max_restarts: '5'\n", {"max_restarts": 5}, id="quoted number for an int"),
     pytest.param("no_live: true\nstandalone: true\n", {"no_live": True, "standalone": True}, id="flags"),
+    pytest.param("snapshot_send: overlap\n", {"snapshot_send": "overlap"}, id="a choice"),
     pytest.param(
         "node_id: gpu-node-3\nevent_log: /tmp/ev.jsonl\n", {"node_id": "gpu-node-3", "event_log": "/tmp/ev.jsonl"}, id="free text options"
     ),
@@ -283,6 +284,7 @@ YAML_ERRORS = [
     pytest.param("health:\n  poll_interval: 0\n", ["health.poll_interval: must be > 0"], id="health out of range"),
     pytest.param("nnodes: 3:2\n", ["MIN (3) is larger than MAX (2)"], id="nnodes 3:2 from YAML"),
     pytest.param("spares: -1\n", ["--spares -1: must be 0 or more"], id="negative spares from YAML"),
+    pytest.param("snapshot_send: later\n", ["'snapshot_send' must be one of commit, overlap, not 'later'"], id="not a choice"),
 ]
 
 

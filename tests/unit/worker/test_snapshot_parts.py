@@ -1,6 +1,9 @@
 """Snapshot parts in one process: the ring's placement (table), an image taken and loaded back
 bitwise, the stream to a holder (a real socket) and what a holder keeps."""
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
@@ -337,14 +340,10 @@ def test_plain_optimizer_state_is_left_where_it_arrives_for_torchs_own_load_to_p
     assert left_on_the_host(skeleton, objects) == set(range(start, start + n_opt))
 
 
-def test_a_step_commits_once_its_copy_is_done_and_the_snapshot_before_it_is_on_the_holder(monkeypatch):
-    """The send of a step's snapshot overlaps the next step: ``ready_to_commit(s)`` waits for
-    the local copy of ``s`` and for every earlier snapshot on the holder, not for ``s``'s own
-    send. Held back at the holder, the send of step 0 lets step 0 commit and holds step 1's
-    commit until it arrives. Every rank and its holder keep the images the job may return to
-    (the one before the last commit on): three with a snapshot every step."""
-    import threading
-
+@contextlib.contextmanager
+def _a_rank_whose_holder_holds_back(monkeypatch, overlap: bool):
+    """One rank's ``Snapshots`` (``overlap``: ``--snapshot-send overlap``) and a real holder
+    over loopback that takes no image until the yielded event is set."""
     from tm_launch.worker.snapshots import link
     from tm_launch.worker.snapshots.service import Snapshots
 
@@ -356,20 +355,59 @@ def test_a_step_commits_once_its_copy_is_done_and_the_snapshot_before_it_is_on_t
         return real(sock, header, reuse)
 
     monkeypatch.setattr(link, "_recv_image", held_back)
-    model, opt, sched = _job()
-    objects = {"model": model, "optimizer": opt}
     holder = SnapshotServer("127.0.0.1")
     holder.keep_only([0])
-    snaps = Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1)
+    snaps = Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, overlap_send=overlap)
     try:
         snaps.set_remote(["model", "optimizer"], generation=0)
         snaps.enter(0, 2, lambda r: holder.address)
+        yield snaps, holder, arrive
+    finally:
+        snaps.close()
+        holder.close()
+
+
+def _gives_up_after(tries: int):
+    asked = []
+    return lambda: asked.append(1) or len(asked) > tries
+
+
+def test_with_snapshot_send_commit_a_step_commits_once_its_own_snapshot_is_on_the_holder(monkeypatch):
+    """``--snapshot-send commit`` (the default): ``ready_to_commit(s)`` waits for the local copy
+    of ``s`` and for ``s`` on the holder. Held back at the holder, the send of step 0 holds step
+    0's commit until it arrives. Every rank and its holder keep two images: the one the job may
+    return to (the last committed step's) and the newest."""
+    model, opt, sched = _job()
+    objects = {"model": model, "optimizer": opt}
+    with _a_rank_whose_holder_holds_back(monkeypatch, overlap=False) as (snaps, holder, arrive):
+        snaps.boundary(0, objects, None)
+        assert not snaps.ready_to_commit(0, give_up=_gives_up_after(3))  # waits for its own send
+        arrive.set()
+        assert snaps.ready_to_commit(0, give_up=lambda: False) and snaps.holds_own(0)
+        for step in range(6):
+            _step(model, opt, sched, step)
+            snaps.boundary(step + 1, objects, None)
+            assert snaps.ready_to_commit(step + 1, give_up=lambda: False) and snaps.holds_own(step + 1)
+        snaps.wait_idle()
+        assert sorted(snaps.local_digests()) == [5, 6] and sorted(holder.held()[0]["images"]) == [5, 6]
+        assert snaps.kept_images == 2
+
+
+def test_with_snapshot_send_overlap_a_step_commits_once_its_copy_is_done_and_the_snapshot_before_it_is_on_the_holder(monkeypatch):
+    """``--snapshot-send overlap``: the send of a step's snapshot overlaps the next step:
+    ``ready_to_commit(s)`` waits for the local copy of ``s`` and for every earlier snapshot on
+    the holder, not for ``s``'s own send. Held back at the holder, the send of step 0 lets step
+    0 commit and holds step 1's commit until it arrives. Every rank and its holder keep the
+    images the job may return to (the one before the last commit on): three with a snapshot
+    every step."""
+    model, opt, sched = _job()
+    objects = {"model": model, "optimizer": opt}
+    with _a_rank_whose_holder_holds_back(monkeypatch, overlap=True) as (snaps, holder, arrive):
         snaps.boundary(0, objects, None)
         assert snaps.ready_to_commit(0, give_up=lambda: False)  # its own send is still held back
         _step(model, opt, sched, 0)
         snaps.boundary(1, objects, None)
-        asked = []
-        assert not snaps.ready_to_commit(1, give_up=lambda: asked.append(1) or len(asked) > 3)  # waits for step 0's send
+        assert not snaps.ready_to_commit(1, give_up=_gives_up_after(3))  # waits for step 0's send
         arrive.set()
         assert snaps.ready_to_commit(1, give_up=lambda: False)
         for step in range(1, 6):
@@ -379,6 +417,3 @@ def test_a_step_commits_once_its_copy_is_done_and_the_snapshot_before_it_is_on_t
         snaps.wait_idle()
         assert sorted(snaps.local_digests()) == [4, 5, 6] and sorted(holder.held()[0]["images"]) == [4, 5, 6]
         assert snaps.kept_images == 3
-    finally:
-        snaps.close()
-        holder.close()

@@ -112,8 +112,8 @@ def _image_header(kind: str, source: int, image: StateImage) -> dict:
 
 class Held:
     """What a holder keeps of one source rank: its complete images from the oldest step the job
-    may return to (the sender says which: three images with a snapshot every step, two with a
-    longer interval) and its newest per-rank mirrors."""
+    may return to (the sender says which: ``Snapshots.kept_images``) and its newest per-rank
+    mirrors."""
 
     def __init__(self):
         self.images: dict[int, StateImage] = {}

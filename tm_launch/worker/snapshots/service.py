@@ -3,15 +3,17 @@
 ``Snapshots`` is what the live job (``runtime``) and the generation protocol (``generations``)
 use; the package docstring says why it exists. It runs two background threads: the snapshot
 thread finishes each capture (the copy the step's commit waits for) and the sender thread sends
-each finished image to the holder (what the next snapshot step's commit waits for), so that a
-send overlaps a whole step instead of sitting between the step's compute and its commit.
+each finished image to the holder. When the send must be done is ``--snapshot-send``:
 
-What that costs and buys: the holders are sure to have the snapshot before the newest one, not
-the newest, so every rank keeps the local images from that one on (three with a snapshot every
-step, two with a longer interval; the holder alike), and a fault while a send is on its way
-returns the job two steps instead of one. docs/design.md has the measurements
-(``bench/snapshot_copy.py``): a send waited for at the commit adds all of itself that the
-forward and backward do not cover.
+* ``commit`` (default): before the snapshot's own step commits, so a committed step's snapshot
+  (of its start) is on its holder and a fault returns the job at most one step before the
+  interrupted one; the send overlaps the step's forward and backward, and what of it they do
+  not cover is step time.
+* ``overlap``: before the next snapshot step commits, so a send overlaps a whole step. The
+  holders are then sure to have the snapshot before the newest one, not the newest: every rank
+  keeps the local images from that one on (three with a snapshot every step, two with a longer
+  interval; the holder alike), and a fault while a send is on its way returns the job one step
+  further. docs/benchmarks.md has the measurements (``bench/snapshot_copy.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class SnapshotRefused(Exception):
 
 
 class Snapshots:
-    def __init__(self, host: str | None, every: int, memory_limit: int, local_world: int):
+    def __init__(self, host: str | None, every: int, memory_limit: int, local_world: int, overlap_send: bool = False):
         self.every = max(0, every)  # 0: no snapshots (layouts without a replica fall back to the checkpoint)
+        self.overlap_send = overlap_send  # ``--snapshot-send overlap``: a step's commit does not wait for its own send
         self.memory_limit = memory_limit  # bytes per node (0: no limit); each worker gets its share
         self.local_world = max(1, local_world)
         self.server = SnapshotServer(host)
@@ -44,7 +47,7 @@ class Snapshots:
         self._local: dict[int, StateImage] = {}  # step -> complete local image (from ``_floor`` on)
         self._floor = -1  # the newest snapshot step every holder is sure to have: older images are not needed
         self._copies: dict[int, concurrent.futures.Future] = {}  # step -> local copy under way (its commit waits)
-        self._sends: dict[int, concurrent.futures.Future] = {}  # step -> send under way (the next step's commit waits)
+        self._sends: dict[int, concurrent.futures.Future] = {}  # step -> send under way (a commit waits: ``_sent_by``)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-snapshot")
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-snapshot-send")
         self._lock = threading.Lock()
@@ -149,9 +152,9 @@ class Snapshots:
         with self._lock:
             if not self.enabled or step % self.every or step in self._copies:
                 return
-            # The previous step committed: every snapshot before it is on its holder, so the
-            # newest local image before it is the oldest the job may return to.
-            self._floor = max([s for s in self._local if s < step - 1], default=self._floor)
+            # The previous step committed: every snapshot its commit waited for is on its holder,
+            # so the newest of those is the oldest the job may return to.
+            self._floor = max([s for s in self._local if s < self._sent_by(step - 1)], default=self._floor)
             older = sorted(s for s in self._local if s < self._floor)
             spare = self._local.pop(older[-1]) if older else None  # its buffers take this capture
             for s in older[:-1]:
@@ -160,11 +163,21 @@ class Snapshots:
         capture = Capture(step, objects, per_rank, reuse=spare, plans=self._plans)
         if capture.allocated or self._checked_remote != self.remote:  # a reused layout was checked when allocated
             self._check_memory(capture.image)  # here, on the main thread: the job stops at once, in the open
+            if self._checked_remote != self.remote:
+                self._say_what(capture.image)
             self._checked_remote = self.remote
         copied = self._thread.submit(self._finish, capture)
         sent = self._sender.submit(self._send_when_copied, copied, floor)
         with self._lock:
             self._copies[step], self._sends[step] = copied, sent
+
+    def _say_what(self, image: StateImage) -> None:
+        """One line per worker when what it sends changes: how much, to whom, and when."""
+        when = "overlapping the next step" if self.overlap_send else "before each step commits"
+        sent = f"{human_size(image.subset(self.remote).nbytes)} sent to rank {self._holder} {when}"
+        log(
+            f"snapshots every {self.every} step(s): {human_size(image.nbytes)} kept here, {sent if self._holder >= 0 else 'no other rank to hold them'}"
+        )
 
     def _finish(self, capture: Capture) -> StateImage:
         image = capture.copy()
@@ -199,15 +212,21 @@ class Snapshots:
             self.bytes_sent += share.nbytes
         return True
 
+    def _sent_by(self, step: int) -> int:
+        """The snapshots on their holders once ``step`` commits: every one before the step this
+        returns (with ``commit``, the step's own too; with ``overlap``, the ones before it)."""
+        return step if self.overlap_send else step + 1
+
     def ready_to_commit(self, step: int, give_up: Callable[[], bool]) -> bool:
         """Before step ``step`` commits: its snapshot (if it takes one) is complete locally, and
-        every earlier one is on the holder. False when a copy failed, a send could not be made
-        (the holder is gone: a peer failed) or ``give_up()`` says a newer generation is on its
-        way. A step that commits thus tells every rank that the holders have every snapshot
-        before it (the floor of the next ``boundary``)."""
+        every one before ``_sent_by(step)`` is on the holder. False when a copy failed, a send
+        could not be made (the holder is gone: a peer failed) or ``give_up()`` says a newer
+        generation is on its way. A step that commits thus tells every rank which snapshots
+        the holders have (the floor of the next ``boundary``)."""
+        sent_by = self._sent_by(step)
         with self._lock:
             waits = [(s, f) for s, f in self._copies.items() if s == step]
-            waits += [(s, f) for s, f in sorted(self._sends.items()) if s < step]
+            waits += [(s, f) for s, f in sorted(self._sends.items()) if s < sent_by]
         for s, future in waits:
             while True:
                 try:
@@ -223,7 +242,7 @@ class Snapshots:
         with self._lock:
             for s in [s for s in self._copies if s <= step and self._copies[s].done()]:
                 del self._copies[s]
-            for s in [s for s in self._sends if s < step and self._sends[s].done()]:
+            for s in [s for s in self._sends if s < sent_by and self._sends[s].done()]:
                 del self._sends[s]
         return True
 
@@ -314,9 +333,8 @@ class Snapshots:
 
     def _check_memory(self, image: StateImage) -> None:
         """Refuse snapshots that would not fit: the local images of everything and, on the holder,
-        as many of what no replica holds (three of each with a snapshot every step: the one the
-        job may return to, the newest and the one being taken; two with a longer interval), for
-        every worker of the node (each gets its share)."""
+        as many of what no replica holds (``kept_images`` of each), for every worker of the node
+        (each gets its share)."""
         if not self.memory_limit:
             return
         copies = self.kept_images
@@ -331,8 +349,10 @@ class Snapshots:
 
     @property
     def kept_images(self) -> int:
-        """Images of a rank kept at once, locally and on its holder (``_check_memory``)."""
-        return 3 if self.every == 1 else 2
+        """Images of a rank kept at once, locally and on its holder (``_check_memory``): the one
+        the job may return to and the one being taken; with ``overlap`` and a snapshot every step,
+        the one on its way to the holder as well."""
+        return 3 if self.overlap_send and self.every == 1 else 2
 
     def close(self) -> None:
         self._closed = True  # a send cut short by closing is no news
