@@ -547,9 +547,10 @@ class LiveJob:
             first = snapshots.remote_generation < 0
             snapshots.set_remote(self.gens.unreplicated(self.rank, self.world_size), self.generation)
             if first and snapshots.enabled:
+                when = "overlapping the next step" if snapshots.overlap_send else "before each step commits"
                 log(
                     f"snapshots every {snapshots.every} step(s): {'+'.join(sorted(snapshots.remote))} (held by no other rank) "
-                    f"to rank {snapshots.holder}, everything registered kept locally"
+                    f"to rank {snapshots.holder} {when}, everything registered kept locally"
                 )
         snapshots.boundary(state.step, state.objects, state.per_rank.at_step_start)
 

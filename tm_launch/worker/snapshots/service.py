@@ -163,21 +163,11 @@ class Snapshots:
         capture = Capture(step, objects, per_rank, reuse=spare, plans=self._plans)
         if capture.allocated or self._checked_remote != self.remote:  # a reused layout was checked when allocated
             self._check_memory(capture.image)  # here, on the main thread: the job stops at once, in the open
-            if self._checked_remote != self.remote:
-                self._say_what(capture.image)
             self._checked_remote = self.remote
         copied = self._thread.submit(self._finish, capture)
         sent = self._sender.submit(self._send_when_copied, copied, floor)
         with self._lock:
             self._copies[step], self._sends[step] = copied, sent
-
-    def _say_what(self, image: StateImage) -> None:
-        """One line per worker when what it sends changes: how much, to whom, and when."""
-        when = "overlapping the next step" if self.overlap_send else "before each step commits"
-        sent = f"{human_size(image.subset(self.remote).nbytes)} sent to rank {self._holder} {when}"
-        log(
-            f"snapshots every {self.every} step(s): {human_size(image.nbytes)} kept here, {sent if self._holder >= 0 else 'no other rank to hold them'}"
-        )
 
     def _finish(self, capture: Capture) -> StateImage:
         image = capture.copy()
