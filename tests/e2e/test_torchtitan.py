@@ -283,6 +283,7 @@ def test_live_fsdp2_two_faults_in_a_row_each_recovered_from_snapshots(local_job,
         job.env.update({f"{kill}_RANK": str(rank), f"{kill}_STEP": str(step), f"{kill}_MARKER": marker, f"{kill}_AFTER": go})
     job.start_all(["a", "b"])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    node_of = {n["ranks"][0]: n["id"] for n in job.status()["nodes"] if n["ranks"]}  # join order decides them
     job.start("c")
     job.start("d")
     job.wait_parked("c", timeout=180)
@@ -295,7 +296,7 @@ def test_live_fsdp2_two_faults_in_a_row_each_recovered_from_snapshots(local_job,
     plans = {e["generation"]: e for e in job.events() if e["kind"] == "plan" and e.get("generation") in (1, 2)}
     assert set(plans) == {1, 2} and plans[1]["live"] and plans[2]["live"], job.logs_tail()
     ((first, replaced1),), ((second, replaced2),) = plans[1]["replaced"].items(), plans[2]["replaced"].items()
-    assert (replaced1, replaced2) == ("b", "a") and {first, second} == {"c", "d"}, (plans, job.logs_tail())
+    assert (replaced1, replaced2) == (node_of[1], node_of[0]) and {first, second} == {"c", "d"}, (plans, job.logs_tail())
     assert codes["a"] != 0 and codes["b"] != 0 and codes["c"] == 0 and codes["d"] == 0, job.logs_tail()
     assert_same_state(final_state(dump, STEPS), torchrun_reference[0])
     records = job.step_records()
