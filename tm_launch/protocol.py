@@ -87,6 +87,7 @@ class WorkerEnv:
     snapshot_every: int = 1  # snapshot the state no live rank replicates every N committed steps (0: never)
     snapshot_memory_limit: int = 0  # bytes of host memory per node snapshots may take (0: no limit)
     snapshot_send: str = "commit"  # one of SNAPSHOT_SENDS: when a snapshot must be on its holder
+    exit_notice: int = -1  # the inherited descriptor of the worker's exit page (tm_launch.exit_page; -1: none)
     # torchrun's variables, as torchrun sets them
     local_rank: int = 0
     rank: int = 0
@@ -109,6 +110,7 @@ class WorkerEnv:
         "snapshot_every": "TM_SNAPSHOT_EVERY",
         "snapshot_memory_limit": "TM_SNAPSHOT_MEMORY_LIMIT",
         "snapshot_send": "TM_SNAPSHOT_SEND",
+        "exit_notice": "TM_EXIT_NOTICE",
         "local_rank": "LOCAL_RANK",
         "rank": "RANK",
         "world_size": "WORLD_SIZE",
@@ -148,6 +150,8 @@ class WorkerEnv:
             out[var] = ("1" if value else "0") if isinstance(value, bool) else str(value)
         if not self.no_live:
             out.pop("TM_NO_LIVE")  # unset: the worker may go live
+        if self.exit_notice < 0:
+            out.pop("TM_EXIT_NOTICE")  # set by the worker's start (processes.Worker), where it has a page
         return out
 
     @property

@@ -18,6 +18,7 @@ from rendezvous.planner import View, finished_without
 
 from ..protocol import WorkerState
 from .config import AgentConfig
+from .exit_notice import counts_as_failure
 from .peer_link import probe_targets
 from .processes import describe_exit
 from .session import EtcdSession
@@ -47,7 +48,7 @@ class FailureWatch:
         if sup.note_live():
             self.session.members.set_live()
         me = self.cfg.node_id
-        failed = sup.workers.failed()
+        failed = sup.workers.failed() or self._dying_in_steps()
         active = me in plan.nodes and not plan.finished
         if failed and failed[0] in sup.statuses() and sup.statuses()[failed[0]].state == WorkerState.FINISHED:
             # Training finished in that process; a crash on the way out (interpreter teardown)
@@ -85,10 +86,14 @@ class FailureWatch:
                 )
                 self.session.report_failure(plan.generation, me, why, kind="state")
                 return
-            why = f"worker {local_rank} (pid {sup.workers.pids()[local_rank]}) {describe_exit(code)}"
-            cause = sup.root_cause(plan.ranks(me))
-            if cause:
-                why += f": {cause}"
+            dying = sup.workers.workers[local_rank] if code is None else None
+            if dying is not None:
+                why = f"worker {local_rank} (pid {dying.pid}) killed (its exit began without the interpreter's own)"
+            else:
+                why = f"worker {local_rank} (pid {sup.workers.pids()[local_rank]}) {describe_exit(code)}"
+                cause = sup.root_cause(plan.ranks(me))
+                if cause:
+                    why += f": {cause}"
             if not active:
                 sup.workers.stop(grace=0)
                 self.say(f"spare: sandbox {why}; it will be started again", kind="spare_failed")
@@ -103,12 +108,17 @@ class FailureWatch:
                     local_rank=local_rank,
                     exit_code=code,
                 )
-                self.session.report_failure(plan.generation, me, why, kind="signal" if code < 0 else "exit")
+                self.session.report_failure(plan.generation, me, why, kind="signal" if code is None or code < 0 else "exit")
             finally:
                 # After the report, not before: stopping and reaping this node's other workers
                 # took 32-35 ms with one other worker on a loaded 2-core machine, and the whole
                 # recovery waited for it. They are in a generation that is over either way.
                 sup.workers.stop(grace=0)
+            if dying is not None and dying.poll() is not None:  # reaped by the stop: how it ended, for the log
+                self.say(
+                    f"generation {plan.generation}: worker {local_rank} (pid {dying.pid}) {describe_exit(dying.poll())}, "
+                    f"{(time.time() - dying.notice.began_at) * 1000:.0f} ms after its exit began"
+                )
             return
         if active and self.done_gen != plan.generation and sup.workers.all_succeeded():
             self.done_gen = plan.generation
@@ -126,6 +136,17 @@ class FailureWatch:
             )
         if active:
             sup.watch_hangs(plan)
+
+    def _dying_in_steps(self) -> tuple[int, None] | None:
+        """(local rank, None) of a worker whose exit began while it was in the job's steps and
+        that the interpreter did not end (``exit_notice.counts_as_failure``): reported before the
+        kernel has freed its memory and told ``waitid``."""
+        for lr, worker in sorted(self.supervisor.workers.workers.items()):
+            if worker.began_to_exit():
+                status = self.supervisor.status_now(lr)
+                if counts_as_failure(status.state if status else None, worker.notice.on_its_own):
+                    return lr, None
+        return None
 
     def report_workers_gone(self, plan: Plan, previous: Plan) -> None:
         """This node's workers died in the previous generation, but ``plan`` was made before

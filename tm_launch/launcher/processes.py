@@ -32,6 +32,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import exit_page
+from ..protocol import WorkerEnv
+from .exit_notice import ExitNotice
 from .wakeup import watch_exit
 
 PR_SET_PDEATHSIG = 1
@@ -70,6 +73,7 @@ class Worker:
         out: OutputSpec,
         attempt_dir: str | None,
         on_exit: Callable[[], None] | None = None,
+        exit_notice: bool = False,
     ):
         self.local_rank = local_rank
         self.started = time.time()
@@ -95,7 +99,17 @@ class Worker:
                 streams[name] = fh
             else:
                 streams[name] = subprocess.DEVNULL if hidden else None
-        self.proc = subprocess.Popen(cmd, env=env, stdout=streams["stdout"], stderr=streams["stderr"], preexec_fn=_child_setup)
+        # A live worker's exit is known as it begins, before the kernel frees its memory (exit_page).
+        self.notice = ExitNotice(on_exit or (lambda: None)) if exit_notice and exit_page.supported() else None
+        fds = []
+        if self.notice is not None:
+            env = {**env, WorkerEnv.VARIABLES["exit_notice"]: str(self.notice.fd)}
+            fds.append(self.notice.fd)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=streams["stdout"], stderr=streams["stderr"], preexec_fn=_child_setup, pass_fds=fds
+        )
+        if self.notice is not None:
+            self.notice.watch()
         if on_exit is not None:
             watch_exit(self.proc.pid, on_exit)  # the agent hears of the exit at once, not at its next tick
         for name, spec in pipes.items():
@@ -121,10 +135,22 @@ class Worker:
         for t in self._threads:
             t.join(timeout=1)
 
+    def began_to_exit(self) -> bool:
+        """Its exit began (the notice came) and it has not been reaped yet."""
+        return self.notice is not None and self.notice.began_at is not None and self.poll() is None
+
     def close(self) -> None:
         self.flush_output()
         for fh in self._files:
             fh.close()
+        if self.notice is not None:
+            self.notice.close()
+
+
+def runs_live_wrapper(cmd: list[str]) -> bool:
+    """``cmd`` runs a Python worker through live mode's wrapper (``python -u -m tm_launch.worker
+    SCRIPT``, see cli), which arms the worker's exit notice."""
+    return cmd[2:4] == ["-m", "tm_launch.worker"]
 
 
 def _error_file_ok(path: str) -> bool:
@@ -227,7 +253,7 @@ class WorkerSet:
             except FileNotFoundError:
                 pass
             cmd = macros.substitute(list(self.cmd), str(local_rank))
-            self.workers[local_rank] = Worker(local_rank, cmd, env, self.out, attempt_dir, self.on_exit)
+            self.workers[local_rank] = Worker(local_rank, cmd, env, self.out, attempt_dir, self.on_exit, runs_live_wrapper(self.cmd))
         self.generation = generation
         self.kind = kind
 
@@ -250,7 +276,7 @@ class WorkerSet:
         if not failures:
             return "", ""
         args = list(self.cmd[1:])
-        if args[1:3] == ["-m", "tm_launch.worker"]:  # live mode's wrapper (cli): name the script, as torchrun
+        if runs_live_wrapper(self.cmd):  # name the script, as torchrun
             del args[1:3]
         error = ChildFailedError(name=_get_entrypoint_name(self.cmd[0], args), failures=failures)
         _, root = error.get_first_failure()

@@ -87,6 +87,15 @@ class WorkerSupervisor:
         self._statuses_cache = out
         return out
 
+    def status_now(self, local_rank: int) -> WorkerStatus | None:
+        """One worker's last report, read now (not this iteration's copy): what it said just
+        before it began to exit."""
+        key = WorkerKeys(local_rank).status
+        try:
+            return WorkerStatus.from_json(self.store.get(key)) if self.store.check([key]) else None
+        except (ValueError, TypeError):
+            return None
+
     def recovering(self) -> bool:
         """A local worker saw a collective fail (or could not enter its generation) and waits
         for a new generation."""

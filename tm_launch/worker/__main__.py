@@ -100,10 +100,11 @@ def main(argv: list[str]) -> None:
     global _AS_MODULE
     if not argv:
         raise SystemExit("usage: python -m tm_launch.worker SCRIPT [ARGS] | -m MODULE [ARGS]")
-    from tm_launch.worker import optimizer_steps
+    from tm_launch.worker import exit_notice, optimizer_steps
     from tm_launch.worker.runtime import RankChanged, report_counted_step
 
     _show_as_python_does()
+    exit_notice.arm()  # the agent learns of this process's death as it begins
     optimizer_steps.install(report_counted_step)  # steps of a script that never reports them
     as_module = argv[0] == "-m"
     target, args = (argv[1], argv[2:]) if as_module else (argv[0], argv[1:])

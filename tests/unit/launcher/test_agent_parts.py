@@ -374,3 +374,39 @@ def test_root_cause_from_stderr_is_this_workers_own_uncaught_exception(tmp_path)
     ws.stop()
     [log] = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == "stderr.log"]
     assert open(log).read().count("Traceback") == 2  # all three wrote to one file
+
+
+def test_a_worker_killed_while_training_is_reported_as_its_exit_begins(members, tmp_path):
+    """A live worker (started through live mode's wrapper) that trains is SIGKILLed: the failure
+    is reported from its exit notice, before the kernel has freed its memory, and the exit
+    status follows in the log once the worker is reaped."""
+    ready = tmp_path / "ready"
+    script = tmp_path / "worker.py"
+    script.write_text(f"import time\nheld = bytearray(300 * 2**20)\nopen({str(ready)!r}, 'w').close()\ntime.sleep(120)\n")
+    cmd = [sys.executable, "-u", "-m", "tm_launch.worker", str(script)]
+    cfg = AgentConfig(node_id="n1", addr="127.0.0.1", nproc=1, limits=Limits(1, 2, 1, 0), cmd=cmd, run_id="r")
+    said = Said()
+    sup = WorkerSupervisor(cfg, said)
+    try:
+        members.register(node("n1"), ttl=10)
+        plan = Plan(generation=0, nodes=("n1",), nproc=1)
+        assert members.publish(plan, None)
+        watch = FailureWatch(cfg, session_for(members, said), sup, said)
+        sup.start(plan, sandbox=False, master=None)
+        deadline = time.time() + 60
+        while not ready.exists():
+            assert time.time() < deadline
+            time.sleep(0.01)
+        sup.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=5).to_json())
+        worker = sup.workers.workers[0]
+        os.kill(worker.pid, 9)
+        while worker.notice.began_at is None:
+            assert time.time() < deadline
+            time.sleep(0.001)
+        watch.watch_workers(plan, members.snapshot().view)
+        report = members.snapshot().view.reports["n1"]
+        assert report.startswith(f"worker 0 (pid {worker.pid}) killed (its exit began"), report
+        assert said.kinds()[:1] == ["worker_failed"]
+        assert any("killed by SIGKILL" in message and "after its exit began" in message for message, _ in said), said
+    finally:
+        sup.close()

@@ -1,0 +1,57 @@
+"""The worker's side of its exit notice (``tm_launch.exit_page``): sentinel threads whose exit
+the kernel announces on the page the agent watches, and an ``atexit`` mark that tells an exit
+of the interpreter's own from a death by a signal. Armed by ``python -m tm_launch.worker``
+(live mode) before the script runs.
+
+Two sentinels, both clearing the same word: the kernel writes a thread's word only while
+another thread of the process still holds its memory, so the last thread to exit writes
+nothing; with two, at least one of them is not the last.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import threading
+
+from .. import exit_page
+from ..protocol import WorkerEnv
+
+SENTINELS = 2
+_armed: list = []  # the page and its words, kept for the life of the process
+
+
+def arm() -> bool:
+    """Arm the page the agent handed over (``TM_EXIT_NOTICE``, an inherited descriptor); False
+    where there is none (plain torchrun, restart mode) or the platform has no such hook."""
+    variable = WorkerEnv.VARIABLES["exit_notice"]
+    fd = os.environ.pop(variable, "")  # the script's own child processes have no page of theirs
+    if not fd or not exit_page.supported():
+        return False
+    fd = int(fd)
+    page = mmap.mmap(fd, exit_page.SIZE)
+    os.close(fd)
+    words = exit_page.words(page)
+    _armed.extend((page, words))
+    atexit.register(_on_its_own, words)
+    words[exit_page.TID] = threading.get_native_id()
+    for i in range(SENTINELS):
+        ready = threading.Event()
+        threading.Thread(target=_sentinel, args=(words, ready), daemon=True, name=f"tm-exit-sentinel-{i}").start()
+        ready.wait(5)
+    exit_page.wake(words, exit_page.TID)  # the agent's watch sleeps on the unarmed value
+    return True
+
+
+def _on_its_own(words) -> None:
+    words[exit_page.ON_ITS_OWN] = 1
+
+
+def _sentinel(words, ready: threading.Event) -> None:
+    """Lives as long as the process; its exit, whatever ends the process, clears the page's TID
+    word and wakes the agent. (Its ``pthread`` entry is never joined: CPython's threads are
+    detached, and this one never returns.)"""
+    exit_page.clear_on_exit(words, exit_page.TID)
+    ready.set()
+    threading.Event().wait()
