@@ -34,7 +34,7 @@ def arm() -> bool:
     os.close(fd)
     words = exit_page.words(page)
     _armed.extend((page, words))
-    atexit.register(_on_its_own, words)
+    atexit.register(_on_its_own, words, os.getpid())
     words[exit_page.TID] = threading.get_native_id()
     for i in range(SENTINELS):
         ready = threading.Event()
@@ -44,8 +44,11 @@ def arm() -> bool:
     return True
 
 
-def _on_its_own(words) -> None:
-    words[exit_page.ON_ITS_OWN] = 1
+def _on_its_own(words, pid: int) -> None:
+    """The interpreter exits on its own. Not in a child the script forked (a data-loader
+    worker): it shares the page, and its exit is not this process's."""
+    if os.getpid() == pid:
+        words[exit_page.ON_ITS_OWN] = 1
 
 
 def _sentinel(words, ready: threading.Event) -> None:

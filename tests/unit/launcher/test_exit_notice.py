@@ -99,3 +99,19 @@ def test_a_worker_started_without_the_live_wrapper_has_no_page(tmp_path):
         assert "TM_EXIT_NOTICE" not in (tmp_path / "env").read_text()
     finally:
         workers.stop(grace=0)
+
+
+def test_a_forked_childs_own_exit_is_not_its_parents(tmp_path):
+    """A child the script forked (a data-loader worker) shares the page; its interpreter's exit
+    must not mark the worker's, which is then SIGKILLed and seen as killed."""
+    ready = tmp_path / "ready"
+    body = f"pid = os.fork()\nif pid == 0:\n    sys.exit(0)\nos.waitpid(pid, 0)\nopen({str(ready)!r}, 'w').close()\ntime.sleep(120)\n"
+    workers = _start(tmp_path, body)
+    try:
+        worker = workers.workers[0]
+        _until(ready.exists)
+        os.kill(worker.pid, signal.SIGKILL)
+        _until(lambda: worker.notice.began_at is not None)
+        assert not worker.notice.on_its_own
+    finally:
+        workers.stop(grace=0)
