@@ -382,7 +382,8 @@ def test_a_worker_killed_while_training_is_reported_as_its_exit_begins(members, 
     status follows in the log once the worker is reaped."""
     ready = tmp_path / "ready"
     script = tmp_path / "worker.py"
-    script.write_text(f"import time\nheld = bytearray(300 * 2**20)\nopen({str(ready)!r}, 'w').close()\ntime.sleep(120)\n")
+    # 1 GiB written (resident): the kernel takes ~80 ms per GiB to free it, the test's window
+    script.write_text(f"import time\nheld = b'x' * 2**30\nopen({str(ready)!r}, 'w').close()\ntime.sleep(120)\n")
     cmd = [sys.executable, "-u", "-m", "tm_launch.worker", str(script)]
     cfg = AgentConfig(node_id="n1", addr="127.0.0.1", nproc=1, limits=Limits(1, 2, 1, 0), cmd=cmd, run_id="r")
     said = Said()
