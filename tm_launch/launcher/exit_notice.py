@@ -17,13 +17,16 @@ from .. import exit_page
 from ..protocol import WorkerState
 
 
-def counts_as_failure(state: WorkerState | None, on_its_own: bool) -> bool:
-    """A worker whose exit began is a failure before its status is known when it was in the
+def counts_as_failure(state: WorkerState | None, mode: str, on_its_own: bool) -> bool:
+    """A worker whose exit began is a failure before its status is known when it was in a live
     job's steps (training, entering, waiting to recover) and its interpreter did not exit on its
-    own: killed by a signal (SIGKILL, SIGSEGV, the OOM killer) or ``os._exit``. A worker that
-    finished or left, a spare, and an interpreter's own exit (an exception's traceback has the
-    root cause, which ``waitid``'s path reads) are left to the exit status."""
-    return not on_its_own and state in (WorkerState.RUNNING, WorkerState.ENTERING, WorkerState.RECOVERING)
+    own: killed by a signal (SIGKILL, SIGSEGV, the OOM killer) or ``os._exit`` (a live worker's
+    steps cannot end without its state saying so). A worker that finished or left, a spare, a
+    loop of its own that reports steps (``mode`` "restart": it may end with ``os._exit(0)``), and
+    an interpreter's own exit (an exception's traceback has the root cause, which ``waitid``'s
+    path reads) are left to the exit status."""
+    live_steps = (WorkerState.RUNNING, WorkerState.ENTERING, WorkerState.RECOVERING)
+    return not on_its_own and mode == "live" and state in live_steps
 
 
 class ExitNotice:

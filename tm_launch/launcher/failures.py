@@ -144,7 +144,7 @@ class FailureWatch:
         for lr, worker in sorted(self.supervisor.workers.workers.items()):
             if worker.began_to_exit():
                 status = self.supervisor.status_now(lr)
-                if counts_as_failure(status.state if status else None, worker.notice.on_its_own):
+                if status is not None and counts_as_failure(status.state, status.mode, worker.notice.on_its_own):
                     return lr, None
         return None
 

@@ -376,10 +376,12 @@ def test_root_cause_from_stderr_is_this_workers_own_uncaught_exception(tmp_path)
     assert open(log).read().count("Traceback") == 2  # all three wrote to one file
 
 
-def test_a_worker_killed_while_training_is_reported_as_its_exit_begins(members, tmp_path):
-    """A live worker (started through live mode's wrapper) that trains is SIGKILLed: the failure
-    is reported from its exit notice, before the kernel has freed its memory, and the exit
-    status follows in the log once the worker is reaped."""
+@pytest.mark.parametrize("mode", ["live", "restart"])
+def test_a_worker_killed_while_training_is_reported_as_its_exit_begins(members, tmp_path, mode):
+    """A worker started through live mode's wrapper is SIGKILLed while it trains. In a live
+    loop the failure is reported from its exit notice, before the kernel has freed its memory,
+    and the exit status follows in the log once the worker is reaped; a loop of its own that
+    reports steps (``mode`` restart) is reported from its exit status, as before."""
     ready = tmp_path / "ready"
     script = tmp_path / "worker.py"
     # 1 GiB written (resident): the kernel takes ~80 ms per GiB to free it, the test's window
@@ -398,16 +400,23 @@ def test_a_worker_killed_while_training_is_reported_as_its_exit_begins(members, 
         while not ready.exists():
             assert time.time() < deadline
             time.sleep(0.01)
-        sup.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=5).to_json())
+        sup.store.set(WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=5, mode=mode).to_json())
         worker = sup.workers.workers[0]
         os.kill(worker.pid, 9)
         while worker.notice.began_at is None:
             assert time.time() < deadline
             time.sleep(0.001)
         watch.watch_workers(plan, members.snapshot().view)
+        while "n1" not in members.snapshot().view.reports:  # restart: once waitid has the status
+            assert time.time() < deadline
+            time.sleep(0.01)
+            watch.watch_workers(plan, members.snapshot().view)
         report = members.snapshot().view.reports["n1"]
-        assert report.startswith(f"worker 0 (pid {worker.pid}) killed (its exit began"), report
         assert said.kinds()[:1] == ["worker_failed"]
-        assert any("killed by SIGKILL" in message and "after its exit began" in message for message, _ in said), said
+        if mode == "live":
+            assert report.startswith(f"worker 0 (pid {worker.pid}) killed (its exit began"), report
+            assert any("killed by SIGKILL" in message and "after its exit began" in message for message, _ in said), said
+        else:
+            assert report == f"worker 0 (pid {worker.pid}) killed by SIGKILL", report
     finally:
         sup.close()

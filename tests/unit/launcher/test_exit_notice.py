@@ -22,23 +22,24 @@ WRAPPER = [sys.executable, "-u", "-m", "tm_launch.worker"]
 
 S = WorkerState
 COUNTS = [
-    (S.RUNNING, False, True),  # killed while training: the failure, at once
-    (S.ENTERING, False, True),
-    (S.RECOVERING, False, True),
-    (S.RUNNING, True, False),  # the interpreter's own exit (an exception, sys.exit): its status says why
-    (S.FINISHED, False, False),  # done, then os._exit or a crash in teardown
-    (S.LEFT, False, False),
-    (S.PARKED, False, False),  # a spare: not on the job's path
-    (S.SANDBOX, False, False),
-    (S.WARMUP, False, False),
-    (S.STARTED, False, False),  # restart mode
-    (None, False, False),  # no status yet
+    (S.RUNNING, "live", False, True),  # killed while training: the failure, at once
+    (S.ENTERING, "live", False, True),
+    (S.RECOVERING, "live", False, True),
+    (S.RUNNING, "live", True, False),  # the interpreter's own exit (an exception, sys.exit): its status says why
+    (S.RUNNING, "restart", False, False),  # a loop of its own reporting steps may end with os._exit(0)
+    (S.FINISHED, "live", False, False),  # done, then os._exit or a crash in teardown
+    (S.LEFT, "live", False, False),
+    (S.PARKED, "live", False, False),  # a spare: not on the job's path
+    (S.SANDBOX, "live", False, False),
+    (S.WARMUP, "live", False, False),
+    (S.STARTED, "restart", False, False),  # restart mode before its first step report
+    (None, "live", False, False),  # no state read
 ]
 
 
-@pytest.mark.parametrize("state, on_its_own, failure", COUNTS)
-def test_which_beginnings_of_an_exit_count_as_a_failure(state, on_its_own, failure):
-    assert counts_as_failure(state, on_its_own) is failure
+@pytest.mark.parametrize("state, mode, on_its_own, failure", COUNTS)
+def test_which_beginnings_of_an_exit_count_as_a_failure(state, mode, on_its_own, failure):
+    assert counts_as_failure(state, mode, on_its_own) is failure
 
 
 def _start(tmp_path, body: str, cmd_prefix=WRAPPER) -> WorkerSet:
