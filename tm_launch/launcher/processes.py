@@ -77,6 +77,7 @@ class Worker:
     ):
         self.local_rank = local_rank
         self.started = time.time()
+        self.killed = False  # the agent killed it (a hang): it is on its way out
         self._threads: list[threading.Thread] = []
         self._files = []
         self.stderr_log: tuple[str, int] | None = None  # (stderr.log, its size before this worker wrote to it)
@@ -316,6 +317,7 @@ class WorkerSet:
 
     def kill(self, local_rank: int, sig: int = signal.SIGKILL) -> None:
         if local_rank in self.workers:
+            self.workers[local_rank].killed = True
             self.workers[local_rank].signal(sig)
 
     def stop(self, grace: float = 5.0) -> None:

@@ -191,7 +191,10 @@ class WorkerSupervisor:
             silent = now - float(self.store.get(key))
             recent = status.step_times or ([status.step_time] if status.step_time else [])
             limit = hang_timeout(cfg, recent, status.steps_run or 0, False)
-            if silent > limit and self.workers.poll().get(lr) is None:
+            worker = self.workers.workers[lr]
+            # Killed already, or dying: its exit notice wakes this loop while the kernel still
+            # frees its memory (the process is not reaped yet); one kill, one hang event.
+            if silent > limit and worker.poll() is None and not worker.killed and not worker.began_to_exit():
                 self.say(
                     f"generation {plan.generation}: worker {lr} (pid {self.workers.pids()[lr]}) silent for {silent:.1f}s "
                     f"(hang limit {limit:.1f}s): killing it",

@@ -207,8 +207,14 @@ def test_no_live_workers_report_to_the_agent_but_never_go_live(tmp_path):
 def test_hang_watchdog_watches_restart_mode_workers_once_they_reported_a_step(tmp_path):
     """No worker here said it is live. Worker 0 reported a step (restart mode) and stopped
     beating: killed. Worker 1 never reported a step (its script may not report): left alone,
-    however silent."""
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    however silent. The loop running again before the killed worker is reaped (its exit notice
+    wakes it) kills it no second time: each holds 1 GiB, which the kernel takes a while to free."""
+    ready = tmp_path / "ready"
+    sleeper = [
+        sys.executable,
+        "-c",
+        f"import os, time\nheld = b'x' * 2**30\nopen('{ready}' + os.environ['LOCAL_RANK'], 'w')\ntime.sleep(60)",
+    ]
     health = HealthConfig(hang_timeout=1, hang_warmup_steps=0)
     cfg = AgentConfig(node_id="n2", addr="127.0.0.1", nproc=2, limits=Limits(1, 2, 2, 0), cmd=sleeper, run_id="r", health=health)
     said = Said()
@@ -220,8 +226,13 @@ def test_hang_watchdog_watches_restart_mode_workers_once_they_reported_a_step(tm
             WorkerKeys(0).status, WorkerStatus(state=WorkerState.RUNNING, step=5, mode="restart", step_times=[0.1], steps_run=4).to_json()
         )
         sup.store.set(WorkerKeys(1).status, WorkerStatus(state=WorkerState.STARTED, step=None).to_json())
+        deadline = time.time() + 30
+        while not all(os.path.exists(f"{ready}{lr}") for lr in (0, 1)):
+            assert time.time() < deadline
+            time.sleep(0.01)
         for lr in (0, 1):
             sup.store.set(WorkerKeys(lr).beat, f"{time.time() - 5:.3f}")
+        sup.watch_hangs(plan)
         sup.watch_hangs(plan)
         assert said.kinds() == ["hang"] and "worker 0" in said[0][0]
         deadline = time.time() + 10
