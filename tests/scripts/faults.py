@@ -142,8 +142,11 @@ class ChaosDir:
         path = self._file(f"kill.{job.rank}")
         fired = f"{path}.fired.{os.getpid()}"
         try:
+            # Its mtime (when the fault happened) before the rename, not after: the soak's driver
+            # renames a fired trigger as soon as it sees it, and a utime after the rename then
+            # failed and read as "another process fired it": the worker lived on (seen once).
+            os.utime(path)
             os.rename(path, fired)
-            os.utime(fired)  # its mtime: when the fault happened
         except OSError:
             return  # another process of this rank fired it
         print(f"[{self.name}] rank {job.rank}: chaos SIGKILL at step {step} ({phase})", flush=True)
