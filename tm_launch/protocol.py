@@ -60,8 +60,8 @@ def nccl_error_handling(live: bool, user_value: str | None) -> str:
 
 
 # When a rank's snapshot must be on its holder (``--snapshot-send``): before the snapshot's step
-# commits ("commit": a fault returns the job to the interrupted step's start), or while the next
-# step runs ("overlap": the send costs nothing where it outlasts a step's compute; a fault while
+# commits ("commit": a fault runs at most one step before the interrupted one again), or while
+# the next step runs ("overlap": cheaper where the send outlasts a step's compute; a fault while
 # it is on its way returns the job one step further).
 SNAPSHOT_SENDS = ("commit", "overlap")
 

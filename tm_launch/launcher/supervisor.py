@@ -72,29 +72,28 @@ class WorkerSupervisor:
             return self._statuses_cache
         out = {}
         for lr in self.workers.workers:
-            key = WorkerKeys(lr).status
-            if self.store.check([key]):
-                raw = self.store.get(key)
-                parsed = self._parsed.get(lr)
-                if parsed is not None and parsed[0] == raw:  # unchanged since the last iteration (most of them)
-                    out[lr] = parsed[1]
-                    continue
-                try:
-                    out[lr] = WorkerStatus.from_json(raw)
-                except (ValueError, TypeError):
-                    continue
-                self._parsed[lr] = (raw, out[lr])
+            status = self.status_now(lr)
+            if status is not None:
+                out[lr] = status
         self._statuses_cache = out
         return out
 
     def status_now(self, local_rank: int) -> WorkerStatus | None:
-        """One worker's last report, read now (not this iteration's copy): what it said just
-        before it began to exit."""
+        """One worker's last report, read now (not this iteration's copy, ``statuses``): e.g.
+        what it said just before it began to exit. None without a readable one."""
         key = WorkerKeys(local_rank).status
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        parsed = self._parsed.get(local_rank)
+        if parsed is not None and parsed[0] == raw:  # unchanged since the last read (most of them)
+            return parsed[1]
         try:
-            return WorkerStatus.from_json(self.store.get(key)) if self.store.check([key]) else None
+            status = WorkerStatus.from_json(raw)
         except (ValueError, TypeError):
             return None
+        self._parsed[local_rank] = (raw, status)
+        return status
 
     def recovering(self) -> bool:
         """A local worker saw a collective fail (or could not enter its generation) and waits
