@@ -241,6 +241,7 @@ def _launch(args) -> int:
             snapshot_every=args.snapshot_every,
             snapshot_memory_limit=_snapshot_memory_limit(args),
             snapshot_send=args.snapshot_send,
+            snapshot_parity=args.snapshot_parity,
         )
         try:
             return Agent(cfg, kv).run()

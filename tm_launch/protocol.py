@@ -87,6 +87,7 @@ class WorkerEnv:
     snapshot_every: int = 1  # snapshot the state no live rank replicates every N committed steps (0: never)
     snapshot_memory_limit: int = 0  # bytes of host memory per node snapshots may take (0: no limit)
     snapshot_send: str = "commit"  # one of SNAPSHOT_SENDS: when a snapshot must be on its holder
+    snapshot_parity: int = 0  # XOR parity over groups of K nodes instead of a whole copy on the next node (0: a copy)
     exit_notice: int = -1  # the inherited descriptor of the worker's exit page (tm_launch.exit_page; -1: none)
     # torchrun's variables, as torchrun sets them
     local_rank: int = 0
@@ -110,6 +111,7 @@ class WorkerEnv:
         "snapshot_every": "TM_SNAPSHOT_EVERY",
         "snapshot_memory_limit": "TM_SNAPSHOT_MEMORY_LIMIT",
         "snapshot_send": "TM_SNAPSHOT_SEND",
+        "snapshot_parity": "TM_SNAPSHOT_PARITY",
         "exit_notice": "TM_EXIT_NOTICE",
         "local_rank": "LOCAL_RANK",
         "rank": "RANK",
@@ -342,6 +344,7 @@ class WorkerStatus(_Record):
     windows: dict = field(default_factory=dict)  # completed straggler windows: {index: summed compute seconds}
     snapshot_bytes: int = 0  # host memory its snapshots take (its own and what it holds for another rank)
     snapshot_sent: int = 0  # bytes of snapshots it sent to its holder so far
+    snapshot_held: int = 0  # of snapshot_bytes, what it keeps for other ranks (a copy, or stripes of a parity)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerStatus:

@@ -23,6 +23,7 @@ from tm_launch.local.localjob import REPO
 STEPS = 24
 PAUSE = 10  # every rank holds at this step until the spares are parked
 KILL = 14  # the kill happens at the first step >= KILL once released (checkpoints every 10 steps)
+PARITY = ("--snapshot-parity", "2")  # 4 nodes: groups {0, 1} and {2, 3}, each one's parity in stripes on the other
 
 
 @pytest.fixture(scope="module")
@@ -221,17 +222,20 @@ def test_two_faults_in_a_row(local_job, reference):
 
 
 @pytest.mark.slow
-def test_a_drain_hands_an_unreplicated_shard_to_the_spare(local_job, reference):
+@pytest.mark.parametrize("launcher", [(), PARITY], ids=["copy", "parity"])
+def test_a_drain_hands_an_unreplicated_shard_to_the_spare(local_job, reference, launcher):
     """``ctl drain`` of the node holding rank 1 of a pure FSDP2 job: at the switch step the
-    leaving rank's snapshot reaches its holder, the spare receives it from there; nothing runs
-    again, every node exits 0."""
+    leaving rank's snapshot reaches its holder (with parity too: a whole copy on the ring's
+    holder, as the switch step is in nobody's parity yet), the spare receives it from there;
+    nothing runs again, every node exits 0."""
 
     def drain(job):
         assert job.ctl("drain", node_of(job, 1)).returncode == 0
         job.wait_for(lambda s: s["generation"] == 1, 60, "the drain plan")
 
-    job, codes, got = run(local_job, "fsdp", fault=drain, extra=("--step-sleep", "0.05"))
+    job, codes, got = run(local_job, "fsdp", fault=drain, extra=("--step-sleep", "0.05"), launcher=launcher)
     assert all(c == 0 for c in codes.values()), job.logs_tail()
+    assert "step(s) run again" not in logs(job), logs(job)[-3000:]
     assert_bitwise(got, reference("fsdp"))
     assert "received this rank's snapshot of step" in logs(job), logs(job)[-3000:]
 
@@ -282,3 +286,76 @@ def test_a_zero_rank_lost_inside_the_parameter_broadcast_recovers_bitwise_but_la
     job, codes, got = run(local_job, "zero", kill=(3, "optimizer"), launcher=("--collective-timeout", "15"))
     assert_bitwise(got, reference("zero"))
     assert not [e for e in job.events() if e["kind"] == "state_lost"]
+
+
+@pytest.mark.parametrize(
+    "rank, phase",
+    [
+        (1, "backward"),
+        pytest.param(2, "vote", marks=pytest.mark.slow),
+        pytest.param(0, "snapshot", marks=pytest.mark.slow),
+    ],
+)
+def test_with_parity_a_lost_shard_is_rebuilt_from_its_groups_parity(local_job, reference, rank, phase):
+    """``--snapshot-parity 2``: no rank keeps a whole copy of another's snapshot; the group of
+    ranks 0 and 1 keeps its parity in two stripes on ranks 2 and 3, and the other way round.
+    The worker holding ``rank`` is SIGKILLed at ``phase``; the spare rebuilds its snapshot from
+    both stripes and the other member's own snapshot (``snapshot``: the stripe was on its way,
+    every rank returns one step), the survivors keep their processes, every rank bitwise."""
+    job, codes, got = run(local_job, "fsdp", kill=(rank, phase), launcher=PARITY)
+    assert_live(job, codes)
+    assert_bitwise(got, reference("fsdp"))
+    text = logs(job)
+    group, holders = ([0, 1], [2, 3]) if rank < 2 else ([2, 3], [0, 1])
+    assert f"into the parity of ranks {group}, in 2 stripe(s) kept by rank(s) {holders}" in text, text[-3000:]
+    other = [m for m in group if m != rank]
+    assert f"from its group's parity on rank(s) {holders} and the snapshots of rank(s) {other}" in text, text[-3000:]
+    assert "received this rank's snapshot" not in text
+
+
+@pytest.mark.slow
+def test_with_parity_a_node_loss_then_a_kill_in_the_group_it_kept_a_stripe_for(local_job, reference):
+    """Rank 2's node is lost (its agent SIGKILLed): rank 2 is rebuilt from the parity on ranks 0
+    and 1, and the stripe of group {0, 1} it kept is gone; the members send their snapshot
+    again to the new process. Once the job trains again rank 0's worker dies: it is rebuilt from
+    that new stripe, the other one and rank 1's snapshot. Bitwise at the end."""
+
+    def second_fault(job):
+        job.wait_for(lambda s: s["generation"] == 1, 120, "the first failover")
+        job.wait_step(KILL + 4)
+        job.kill_worker(node_of(job, 0))
+
+    import threading
+
+    box = {}
+
+    def fault(job):
+        job.kill_agent(node_of(job, 2))
+        box["thread"] = threading.Thread(target=second_fault, args=(job,), daemon=True)
+        box["thread"].start()
+
+    extra = ("--step-sleep", "0.1", "--ckpt-every", "1000")
+    job, codes, got = run(local_job, "fsdp", spares=2, fault=fault, extra=extra, launcher=PARITY)
+    box["thread"].join(timeout=10)
+    assert_live(job, codes, changes=2)
+    assert_bitwise(got, reference("fsdp", extra=("--ckpt-every", "1000")))
+    text = logs(job)
+    assert "from its group's parity on rank(s) [0, 1] and the snapshots of rank(s) [3]" in text, text[-3000:]
+    assert "from its group's parity on rank(s) [2, 3] and the snapshots of rank(s) [1]" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_with_parity_two_members_of_one_group_lost_at_once_fall_back_to_the_checkpoint_loudly(local_job, reference):
+    """Ranks 0 and 1 lose their nodes together: one parity rebuilds one member, not two. The
+    job restarts from its checkpoint and names both ranks."""
+
+    def lose_two(job):
+        a, b = node_of(job, 0), node_of(job, 1)
+        job.kill_agent(a)
+        job.kill_agent(b)
+
+    job, codes, got = run(local_job, "fsdp", spares=2, fault=lose_two, launcher=PARITY)
+    assert_bitwise(got, reference("fsdp"))
+    lost = [e for e in job.events() if e["kind"] == "state_lost"]
+    assert lost and lost[0]["lost_ranks"] == [0, 1], [e.get("cause") for e in plans(job)]
+    assert "resumed from the checkpoint of step" in logs(job)

@@ -34,6 +34,7 @@ class AgentConfig:
     snapshot_every: int = 1  # live mode: snapshot what no replica holds every N steps (0: never)
     snapshot_memory_limit: int = 0  # bytes per node for snapshots (0: no limit)
     snapshot_send: str = "commit"  # protocol.SNAPSHOT_SENDS: when a snapshot must be on its holder
+    snapshot_parity: int = 0  # live mode: parity over groups of K nodes instead of a copy (0: a copy)
     output: OutputSpec | None = None
     health: HealthConfig | None = None
     event_log: str | None = None

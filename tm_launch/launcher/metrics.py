@@ -54,6 +54,11 @@ class AgentMetrics:
         self.snapshot_sent = Gauge(
             "tm_launch_snapshot_sent_bytes", "Bytes of snapshots this node's workers sent to their holders so far.", registry=r
         )
+        self.snapshot_held = Gauge(
+            "tm_launch_snapshot_held_bytes",
+            "Of tm_launch_snapshot_bytes, what this node's workers keep for ranks of other nodes (copies, or parity stripes).",
+            registry=r,
+        )
         self.spares = Gauge(
             "tm_launch_spares_available", "Spare nodes alive and ready to take over ranks, as this agent last read them.", registry=r
         )
@@ -102,6 +107,7 @@ class AgentMetrics:
             self.step.set(max(steps))
         self.snapshot_bytes.set(sum(s.snapshot_bytes for s in statuses.values()))
         self.snapshot_sent.set(sum(s.snapshot_sent for s in statuses.values()))
+        self.snapshot_held.set(sum(s.snapshot_held for s in statuses.values()))
 
     def on_event(self, kind: str, fields: dict) -> None:
         """Count what the agent logs: alarms and failures (see ``Agent.say``)."""

@@ -249,6 +249,7 @@ class ProgressPublisher:
                     "windows": s.windows,
                     "snapshot_bytes": s.snapshot_bytes,
                     "snapshot_sent": s.snapshot_sent,
+                    "snapshot_held": s.snapshot_held,
                 }
                 for lr, s in statuses.items()
             },

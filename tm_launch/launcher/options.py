@@ -119,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
         "its holder keep three images instead of two.",
     )
     own.add_argument(
+        "--snapshot-parity",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Live mode: keep, instead of a whole copy of each rank's snapshot on the next node, the XOR parity of the "
+        "snapshots of K neighbouring nodes, cut in stripes kept on the nodes after them: each node keeps about 1/K of a "
+        "snapshot for others instead of one; a lost rank's snapshot is rebuilt from the parity and the other K-1 ranks' own "
+        "(K times the bytes to the joiner). Needs at least K+1 nodes (fewer: K shrinks to the nodes minus one). Default 0: a copy.",
+    )
+    own.add_argument(
         "--snapshot-memory-limit",
         type=_size,
         default=None,
@@ -319,6 +329,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--sandbox-steps {args.sandbox_steps}: must be at least 1")
     if args.snapshot_every < 0:
         raise UsageError(f"--snapshot-every {args.snapshot_every}: must be 0 (never) or more")
+    if args.snapshot_parity < 0 or args.snapshot_parity == 1:
+        raise UsageError(f"--snapshot-parity {args.snapshot_parity}: must be 0 (a whole copy) or a group of 2 nodes or more")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port {args.metrics_port}: must be a TCP port number (0-65535; 0 picks a free one)")
     if args.max_restarts < 0:

@@ -304,6 +304,7 @@ class WorkerSupervisor:
                 snapshot_every=cfg.snapshot_every,
                 snapshot_memory_limit=cfg.snapshot_memory_limit,
                 snapshot_send=cfg.snapshot_send,
+                snapshot_parity=cfg.snapshot_parity,
             ).tm_variables()
         )
         return env

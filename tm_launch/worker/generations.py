@@ -216,7 +216,7 @@ class Generations:
             # between steps; a shard no replica holds comes from this rank's snapshot).
             state.per_rank.begin_step(state.step, self.snapshots.publish_mirror)
             try:
-                self.snapshots.resend(state.step, state.objects, state.per_rank.states_now())
+                self.snapshots.resend(state.step, state.objects, state.per_rank.states_now(), leaving=True)
             except (RuntimeError, OSError) as e:
                 log(f"leaving at step {state.step}: its snapshot did not reach its holder ({first_line(e)})")
             self._leave()
@@ -390,6 +390,7 @@ class Generations:
             per_rank=bool(state.per_rank),
             local=snapshots.local_digests(),
             held=snapshots.server.held(),
+            stripes=snapshots.server.stripes_held(),
         )
         holdings = allgather_objects(pg, world, mine)
         plan = plan_recovery(holdings)
@@ -433,10 +434,10 @@ class Generations:
         finally:
             sender.join()
         snapshots.settle(plan.step)  # every rank: nothing of a later step may ever be returned to
+        if snapshots.needs_resend(plan.step, holdings):
+            snapshots.resend(plan.step, state.objects, state.per_rank.states_now())
         holder = next((h.rank for h in holdings if rank in h.held), None)
         ours = holdings[holder].held.get(rank, {}) if holder is not None else {}
-        if plan.step not in (ours.get("images") or {}):
-            snapshots.resend(plan.step, state.objects, state.per_rank.states_now())
         if state.per_rank and not (ours.get("mirrors") or {}).get(plan.step):
             tag, exact, record = state.per_rank.record_now(plan.step)
             snapshots.publish_mirror(tag, exact, record)
@@ -479,6 +480,20 @@ class Generations:
             log(
                 f"received this rank's snapshot of step {plan.step} ({'+'.join(names)}, {human_size(image.nbytes)}) "
                 f"from rank {holder} in {(time.perf_counter() - t0) * 1000:.0f} ms"
+            )
+        if rank in plan.parity:
+            group, holders, members, names = plan.parity[rank]
+            t0 = time.perf_counter()
+            image, moved = snapshots.rebuild(holders, group, rank, plan.step, members)
+            if names:
+                image.load_into(state.objects, names)
+            if image.per_rank is not None and state.per_rank:
+                state.per_rank.load(image.per_rank)
+                per_rank_done = True
+            log(
+                f"rebuilt this rank's snapshot of step {plan.step} ({'+'.join(names) or 'per-rank state'}, {human_size(image.nbytes)}; "
+                f"{human_size(moved)} received) from its group's parity on rank(s) {holders} and the snapshots of rank(s) {sorted(members)} "
+                f"in {(time.perf_counter() - t0) * 1000:.0f} ms"
             )
         if rank in plan.mirrors and not per_rank_done:
             holder = plan.mirrors[rank]

@@ -10,6 +10,8 @@ behind) must assemble each registered object from one of:
   module shapes), spread over the candidates so several joiners receive in parallel;
 * its **snapshot** at that step, kept by the rank that holds its snapshots (the lost rank's
   buddy, ``snapshots.placement``): the objects no live rank replicates;
+* or, with ``--snapshot-parity``, its snapshot **rebuilt** from its group's parity at that step
+  (every stripe on a live rank) and the own snapshots of the other members that went into it;
 
 and its per-rank state (RNG, data position) from its snapshot or from an exact per-rank mirror
 at that step. The first step at which every rank can be served wins: with per-step snapshots
@@ -45,6 +47,7 @@ class Holding:
     per_rank: bool = False  # it registered per-rank state (RNG, data position)
     local: dict = field(default_factory=dict)  # step -> {name: (structure, values)}: its own snapshots
     held: dict = field(default_factory=dict)  # source rank -> {"images": {step: names}, "mirrors": {tag: exact}}
+    stripes: dict = field(default_factory=dict)  # (group, stripe, stripes) -> {step: {member rank: names}}: parity kept
 
 
 @dataclass
@@ -53,6 +56,7 @@ class RecoveryPlan:
     restore: list = field(default_factory=list)  # ranks that return to ``step`` from their own snapshot
     live: dict = field(default_factory=dict)  # receiver -> {sender: [object names]} from live replicas
     images: dict = field(default_factory=dict)  # receiver -> (holder, [object names]) from its snapshot
+    parity: dict = field(default_factory=dict)  # receiver -> (group, [stripe holders], {member: names}, [names]): rebuilt
     mirrors: dict = field(default_factory=dict)  # receiver -> holder of its per-rank state at ``step``
     missing: list = field(default_factory=list)  # ranks that cannot be served at ``step``
     conflicts: list = field(default_factory=list)  # replicas whose state differs (a wrong declaration)
@@ -61,7 +65,7 @@ class RecoveryPlan:
 
     @property
     def receivers(self) -> set:
-        return set(self.live) | set(self.images) | set(self.mirrors)
+        return set(self.live) | set(self.images) | set(self.parity) | set(self.mirrors)
 
 
 def plan_recovery(holdings: list[Holding]) -> RecoveryPlan:
@@ -118,22 +122,47 @@ def _plan_at(step: int, holdings: list[Holding], by_rank: dict, holder: dict) ->
         if h.step > step:  # it cannot return to this step (no snapshot of it): the step is not an option
             plan.missing.append(h.rank)
             continue
-        served = _serve(h, step, at, by_rank, holder.get(h.rank), load, plan)
+        served = _serve(h, step, at, by_rank, holder.get(h.rank), load, plan, holdings)
         if not served:
             plan.missing.append(h.rank)
     for r in plan.missing:  # a partial plan for a rank that cannot be served is no plan
         plan.live.pop(r, None)
         plan.images.pop(r, None)
+        plan.parity.pop(r, None)
         plan.mirrors.pop(r, None)
     return plan
 
 
-def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, load: dict, plan: RecoveryPlan) -> bool:
+def _parity_source(rank: int, step: int, holdings: list[Holding], by_rank: dict) -> tuple | None:
+    """(group, [stripe holders], {other member: names}, [names]) when ``rank``'s snapshot of
+    ``step`` can be rebuilt: every stripe of its group's parity of that step is on a live rank
+    and says ``rank`` went into it, the stripes agree on who else did, and each of those holds
+    its own snapshot of the step (the same bytes it sent)."""
+    found: dict = {}  # (group, stripes) -> {stripe: (holder, members)}
+    for p in holdings:
+        for (group, j, count), steps in p.stripes.items():
+            members = steps.get(step) or {}
+            if rank in members:
+                found.setdefault((group, count), {})[j] = (p.rank, members)
+    for (group, count), by_stripe in sorted(found.items()):
+        if set(by_stripe) != set(range(count)) or len({tuple(sorted(m.items())) for _, m in by_stripe.values()}) != 1:
+            continue
+        members = by_stripe[0][1]
+        others = {c: names for c, names in members.items() if c != rank}
+        if all(c in by_rank and set(names) <= set(by_rank[c].local.get(step, ())) for c, names in others.items()):
+            return group, [by_stripe[j][0] for j in range(count)], others, sorted(members[rank])
+    return None
+
+
+def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, load: dict, plan: RecoveryPlan, holdings=()) -> bool:
     """Find a source for each of ``h``'s objects and its per-rank state at ``step``."""
     held = by_rank[holder].held.get(h.rank, {}) if holder is not None else {}
     image_names = set((held.get("images") or {}).get(step, ()))
+    parity = None if image_names else _parity_source(h.rank, step, list(holdings), by_rank)
+    parity_names = set(parity[3]) if parity else set()
     live: dict = {}
     from_image: list = []
+    from_parity: list = []
     for name, mine in sorted(h.objects.items()):
         sources = [
             r
@@ -151,12 +180,16 @@ def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, l
             live.setdefault(src, []).append(name)
         elif name in image_names:
             from_image.append(name)
+        elif name in parity_names:
+            from_parity.append(name)
         else:
             return False
     per_rank_from = None
     if h.per_rank:
         if image_names and step in (held.get("images") or {}):
             per_rank_from = holder  # an image carries the per-rank state of its step
+        elif parity:
+            per_rank_from = "parity"  # so does a rebuilt one
         elif (held.get("mirrors") or {}).get(step):
             per_rank_from = holder  # an exact per-rank mirror of that step
         else:
@@ -165,6 +198,9 @@ def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, l
         plan.live[h.rank] = live
     if from_image:
         plan.images[h.rank] = (holder, from_image)
-    if per_rank_from is not None:
+    if parity and (from_parity or per_rank_from == "parity"):
+        group, holders, others, _ = parity
+        plan.parity[h.rank] = (group, holders, others, from_parity)
+    if per_rank_from is not None and per_rank_from != "parity":
         plan.mirrors[h.rank] = per_rank_from
     return True

@@ -241,13 +241,22 @@ class LiveJob:
         world_group = LiveGroup(None, rank, world, poison, name=c10d_glue.unique_name(None), backend=self._c10d_names)
         self.state = TrainingState(world=world_group, poison=poison, commit=StepCommit(), stats=StepStats(env.straggler_window))
         self.snapshots = Snapshots(
-            env.local_addr, env.snapshot_every, env.snapshot_memory_limit, env.local_world_size, overlap_send=env.snapshot_send == "overlap"
+            env.local_addr,
+            env.snapshot_every,
+            env.snapshot_memory_limit,
+            env.local_world_size,
+            overlap_send=env.snapshot_send == "overlap",
+            parity=env.snapshot_parity,
         )
         self.status = LiveStatus(
             self.agent,
             self.state.stats,
             lambda: (self.rank, self.generation, self.state.step),
-            extra=lambda: {"snapshot_bytes": self.snapshots.nbytes, "snapshot_sent": self.snapshots.bytes_sent},
+            extra=lambda: {
+                "snapshot_bytes": self.snapshots.nbytes,
+                "snapshot_sent": self.snapshots.bytes_sent,
+                "snapshot_held": self.snapshots.server.nbytes,
+            },
         )
         self.state.commit.on_slow_vote = self.status.slow_vote
         self._in_step = False
@@ -550,7 +559,7 @@ class LiveJob:
                 when = "overlapping the next step" if snapshots.overlap_send else "before each step commits"
                 log(
                     f"snapshots every {snapshots.every} step(s): {'+'.join(sorted(snapshots.remote))} (held by no other rank) "
-                    f"to rank {snapshots.holder} {when}, everything registered kept locally"
+                    f"{snapshots.describe_placement()} {when}, everything registered kept locally"
                 )
         snapshots.boundary(state.step, state.objects, state.per_rank.at_step_start)
 

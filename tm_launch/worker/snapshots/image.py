@@ -62,6 +62,12 @@ def host_tensors(specs, pin: bool = False) -> tuple[torch.Tensor, list, list]:
     return flat, views, spans
 
 
+def specs_of(skeleton: dict) -> list:
+    """[(shape, dtype)] of an image's tensors in placeholder order, from its skeleton."""
+    metas = sorted(_placeholders(skeleton, []), key=lambda m: m[1])
+    return [(tuple(m[2]), getattr(torch, m[3])) for m in metas]
+
+
 def wire_size(specs) -> int:
     """Bytes an image of tensors ``specs`` takes on the wire (each tensor padded to ``ALIGN``)."""
     return sum(_padded(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs)
@@ -79,6 +85,20 @@ class StateImage:
     modules: frozenset = frozenset()  # the objects that are modules (their structure is fingerprinted)
     flat: torch.Tensor | None = None  # the host buffer ``tensors`` are views of (``host_tensors``): every image has one
     spans: list | None = None  # each tensor's (offset, padded size) in ``flat``
+
+    @classmethod
+    def from_wire(cls, step: int, skeleton: dict, data: torch.Tensor, per_rank, modules) -> StateImage:
+        """The image whose wire bytes (``wire_chunks``) are ``data`` (uint8): its tensors are views of it."""
+        specs = specs_of(skeleton)
+        if wire_size(specs) != data.numel():
+            raise ValueError(f"{data.numel()} bytes for a snapshot whose tensors take {wire_size(specs)}")
+        views, spans, offset = [], [], 0
+        for shape, dtype in specs:
+            n = torch.Size(shape).numel() * dtype.itemsize
+            views.append(data[offset : offset + n].view(dtype).view(shape))
+            spans.append((offset, _padded(n)))
+            offset += _padded(n)
+        return cls(step, skeleton, views, {}, per_rank, frozenset(modules), data, spans)
 
     @property
     def nbytes(self) -> int:

@@ -26,8 +26,8 @@ import threading
 
 import torch
 
-from ..transfer import _placeholders
-from .image import StateImage, host_tensors, wire_size
+from .image import StateImage, host_tensors, specs_of, wire_size
+from .parity import xor_into
 
 _LEN = struct.Struct("!Q")
 PUT_IMAGE, PUT_MIRROR, GET_IMAGE, GET_MIRROR, ACK, MISSING, IMAGE, MIRROR = (
@@ -40,6 +40,7 @@ PUT_IMAGE, PUT_MIRROR, GET_IMAGE, GET_MIRROR, ACK, MISSING, IMAGE, MIRROR = (
     "image",
     "mirror",
 )
+PUT_STRIPE, GET_STRIPE, GET_OWN, STRIPE = "put_stripe", "get_stripe", "get_own", "stripe"  # ``--snapshot-parity``
 KEEP_MIRRORS = 4  # per-rank mirrors kept per source: the tags from the oldest step the job can return to on
 
 
@@ -84,8 +85,7 @@ def _recv_msg(sock: socket.socket) -> dict:
 
 
 def _recv_image(sock: socket.socket, header: dict, reuse: StateImage | None = None) -> StateImage:
-    metas = sorted(_placeholders(header["skeleton"], []), key=lambda m: m[1])
-    specs = [(tuple(m[2]), getattr(torch, m[3])) for m in metas]
+    specs = specs_of(header["skeleton"])
     if wire_size(specs) != header["nbytes"]:
         raise LinkError(f"a snapshot's header announces {header['nbytes']} bytes for tensors of {wire_size(specs)}")
     if reuse is not None and reuse.flat is not None and reuse.specs == specs:
@@ -141,6 +141,46 @@ class Held:
         return sum(i.nbytes for i in self.images.values()) + sum(len(r) for _, r in self.mirrors.values())
 
 
+class ParityHeld:
+    """One stripe of a group's parity (``--snapshot-parity``), per step: the XOR of the members'
+    stripes that arrived, and each such member's description (its objects, its per-rank state,
+    its share's size: what the rank replacing it needs besides the bytes). A member's stripe
+    goes in once per step: a second one (the same step sent again after a recovery) is the
+    same bytes and is not XORed again."""
+
+    def __init__(self, stripe: int, stripes: int):
+        self.stripe, self.stripes = stripe, stripes
+        self.parity: dict[int, torch.Tensor] = {}  # step -> XOR of the members' stripes (uint8)
+        self.members: dict[int, dict[int, dict]] = {}  # step -> member rank -> its description
+
+    def has(self, step: int, source: int) -> bool:
+        return source in self.members.get(step, {})
+
+    def add(self, step: int, source: int, meta: dict, data: torch.Tensor, keep_from: int) -> None:
+        spare = None
+        for old in [s for s in self.parity if s < min(keep_from, step)]:
+            spare = self.parity.pop(old)
+            del self.members[old]
+        buf = self.parity.get(step)
+        if buf is None and spare is not None and spare.numel() == data.numel():
+            buf = self.parity[step] = spare.zero_()  # a steady state allocates nothing
+        if buf is None or buf.numel() < data.numel():
+            grown = torch.zeros(max(data.numel(), 0 if buf is None else buf.numel()), dtype=torch.uint8)
+            if buf is not None:
+                grown[: buf.numel()] = buf
+            buf = self.parity[step] = grown
+        xor_into(buf, data)
+        self.members.setdefault(step, {})[source] = meta
+
+    def drop_after(self, step: int) -> None:
+        for later in [s for s in self.parity if s > step]:
+            del self.parity[later], self.members[later]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.parity.values())
+
+
 class SnapshotServer:
     """A worker's holder side: keeps the snapshots its source rank sends, answers the rank that
     replaces a lost one. One listening socket per worker process, a thread per connection."""
@@ -154,6 +194,8 @@ class SnapshotServer:
         self.address = (host or "127.0.0.1", self._sock.getsockname()[1])
         self._lock = threading.Lock()
         self._held: dict[int, Held] = {}
+        self._stripes: dict[int, ParityHeld] = {}  # group (its first rank) -> the stripe of its parity kept here
+        self.own_image = lambda step: None  # step -> this worker's own local image (``Snapshots`` sets it): ``GET_OWN``
         self._conns: set[socket.socket] = set()
         self._closed = False
         threading.Thread(target=self._accept, name="tm-snapshot-server", daemon=True).start()
@@ -181,11 +223,33 @@ class SnapshotServer:
                 for src, h in self._held.items()
             }
 
-    def keep_only(self, sources) -> None:
-        """Drop what this worker holds for ranks that no longer send to it."""
+    def stripes_held(self) -> dict[tuple, dict]:
+        """(group, stripe, stripes) -> {step: {member rank: its object names}}: the parity kept here."""
+        with self._lock:
+            return {
+                (g, p.stripe, p.stripes): {s: {src: tuple(m["names"]) for src, m in ms.items()} for s, ms in p.members.items()}
+                for g, p in self._stripes.items()
+            }
+
+    def keep_only(self, sources, stripes=()) -> None:
+        """Drop what this worker holds for ranks that no longer send to it, and the parity of
+        groups (``stripes``: (group, stripe, stripes)) it no longer keeps."""
         with self._lock:
             for src in [s for s in self._held if s not in set(sources)]:
                 del self._held[src]
+            keep = {g: (j, h) for g, j, h in stripes}
+            for g in [g for g, p in self._stripes.items() if keep.get(g) != (p.stripe, p.stripes)]:
+                del self._stripes[g]
+            for g, (j, h) in keep.items():
+                self._stripes.setdefault(g, ParityHeld(j, h))
+
+    def drop_images_before(self, step: int) -> None:
+        """Forget whole images of steps before ``step`` (with parity, the copy a drained rank
+        handed over, once the job is past it)."""
+        with self._lock:
+            for held in self._held.values():
+                for old in [s for s in held.images if s < step]:
+                    del held.images[old]
 
     def drop_after(self, step: int) -> None:
         """Forget images and mirrors of steps after ``step`` (the job returned to ``step``)."""
@@ -195,11 +259,13 @@ class SnapshotServer:
                     del held.images[later]
                 for later in [t for t in held.mirrors if t > step]:
                     del held.mirrors[later]
+            for parity in self._stripes.values():
+                parity.drop_after(step)
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(h.nbytes for h in self._held.values())
+            return sum(h.nbytes for h in self._held.values()) + sum(p.nbytes for p in self._stripes.values())
 
     def image(self, source: int, step: int) -> StateImage | None:
         with self._lock:
@@ -225,7 +291,48 @@ class SnapshotServer:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="tm-snapshot-conn", daemon=True).start()
 
+    def _put_stripe(self, conn: socket.socket, header: dict, scratch: list) -> dict:
+        """A member's stripe of a step: XORed into the parity once (a second copy is drained)."""
+        length = header["length"]
+        if length % 8:
+            raise LinkError(f"a parity stripe of {length} bytes (not whole 8-byte words)")
+        if scratch[0] is None or scratch[0].numel() < length:
+            scratch[0] = torch.empty(length, dtype=torch.uint8)
+        data = scratch[0][:length]
+        _recv_into(conn, data)
+        group, step, source = header["group"], header["step"], header["source"]
+        with self._lock:
+            parity = self._stripes.get(group)
+            if parity is None or (parity.stripe, parity.stripes) != (header["stripe"], header["stripes"]):
+                return {"kind": MISSING, "step": step}  # not (any more) this group's holder of that stripe
+            if not parity.has(step, source):
+                parity.add(step, source, header["meta"], data, header["keep_from"])
+        return {"kind": ACK, "step": step}
+
+    def _get_stripe(self, conn: socket.socket, header: dict) -> None:
+        with self._lock:
+            parity = self._stripes.get(header["group"])
+            members = {} if parity is None else parity.members.get(header["step"], {})
+            if header["source"] not in members:
+                data = None
+            else:
+                data = parity.parity[header["step"]].clone()  # a copy: the holder may go on XORing
+                reply = {
+                    "kind": STRIPE,
+                    "stripe": parity.stripe,
+                    "stripes": parity.stripes,
+                    "meta": members[header["source"]],
+                    "members": {src: tuple(m["names"]) for src, m in members.items()},
+                    "length": data.numel(),
+                }
+        if data is None:
+            _send_msg(conn, {"kind": MISSING})
+            return
+        _send_msg(conn, reply)
+        conn.sendall(memoryview(data.numpy()))
+
     def _serve(self, conn: socket.socket) -> None:
+        scratch: list = [None]  # this connection's buffer for arriving stripes
         try:
             while not self._closed:
                 header = _recv_msg(conn)
@@ -249,6 +356,17 @@ class SnapshotServer:
                     else:
                         image = image.subset(header["names"]) if header.get("names") is not None else image
                         _send_msg(conn, _image_header(IMAGE, source, image), image)
+                elif kind == PUT_STRIPE:
+                    _send_msg(conn, self._put_stripe(conn, header, scratch))
+                elif kind == GET_STRIPE:
+                    self._get_stripe(conn, header)
+                elif kind == GET_OWN:
+                    own = self.own_image(header["step"])
+                    if own is None or not set(header["names"]) <= set(own.skeleton):
+                        _send_msg(conn, {"kind": MISSING})
+                    else:
+                        own = own.subset(header["names"])
+                        _send_msg(conn, _image_header(IMAGE, source, own), own)
                 elif kind == GET_MIRROR:
                     found = self.mirror(source, header["tag"])
                     _send_msg(conn, {"kind": MISSING} if found is None else {"kind": MIRROR, "exact": found[0], "record": found[1]})
@@ -302,6 +420,57 @@ class SnapshotClient:
     def get_image(self, of_rank: int, step: int, names=None) -> StateImage | None:
         try:
             _send_msg(self._sock, {"kind": GET_IMAGE, "source": of_rank, "step": step, "names": names})
+            header = _recv_msg(self._sock)
+            if header.get("kind") == MISSING:
+                return None
+            return _recv_image(self._sock, header)
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
+
+    def put_stripe(self, group: int, stripe: int, stripes: int, step: int, meta: dict, pieces: list, keep_from: int) -> bool:
+        """Send stripe ``stripe`` of this rank's share of ``step`` (``pieces``: memoryviews) into
+        ``group``'s parity; False when the holder does not keep that stripe (a stale placement)."""
+        header = {
+            "kind": PUT_STRIPE,
+            "source": self.source,
+            "group": group,
+            "stripe": stripe,
+            "stripes": stripes,
+            "step": step,
+            "meta": meta,
+            "keep_from": keep_from,
+            "length": sum(len(p) for p in pieces),
+        }
+        try:
+            _send_msg(self._sock, header)
+            for piece in pieces:
+                self._sock.sendall(piece)
+            reply = _recv_msg(self._sock)
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
+        if reply.get("kind") not in (ACK, MISSING) or reply.get("step") != step:
+            raise LinkError(f"the parity holder answered {reply.get('kind')!r} to a stripe")
+        return reply["kind"] == ACK
+
+    def get_stripe(self, group: int, of_rank: int, step: int) -> tuple[dict, torch.Tensor] | None:
+        """The stripe of ``group``'s parity of ``step`` kept there, if ``of_rank`` went into it:
+        (the reply's header: stripe, stripes, ``of_rank``'s description, every member's names;
+        the parity bytes)."""
+        try:
+            _send_msg(self._sock, {"kind": GET_STRIPE, "source": of_rank, "group": group, "step": step})
+            reply = _recv_msg(self._sock)
+            if reply.get("kind") == MISSING:
+                return None
+            data = torch.empty(reply["length"], dtype=torch.uint8)
+            _recv_into(self._sock, data)
+            return reply, data
+        except (OSError, EOFError, pickle.UnpicklingError) as e:
+            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
+
+    def get_own(self, step: int, names) -> StateImage | None:
+        """The rank's own local image of ``step`` (objects ``names``): a parity member's share."""
+        try:
+            _send_msg(self._sock, {"kind": GET_OWN, "source": self.source, "step": step, "names": sorted(names)})
             header = _recv_msg(self._sock)
             if header.get("kind") == MISSING:
                 return None

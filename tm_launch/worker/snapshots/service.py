@@ -27,7 +27,8 @@ from ..agent_client import first_line, log
 from ..transfer import human_size
 from .image import Capture, StateImage
 from .link import LinkError, SnapshotClient, SnapshotServer
-from .placement import holder_of, source_of
+from .parity import stripe, unstripe, xor_into
+from .placement import holder_of, parity_group, parity_holders, source_of, stripes_held
 
 
 class SnapshotRefused(Exception):
@@ -35,12 +36,14 @@ class SnapshotRefused(Exception):
 
 
 class Snapshots:
-    def __init__(self, host: str | None, every: int, memory_limit: int, local_world: int, overlap_send: bool = False):
+    def __init__(self, host: str | None, every: int, memory_limit: int, local_world: int, overlap_send: bool = False, parity: int = 0):
         self.every = max(0, every)  # 0: no snapshots (layouts without a replica fall back to the checkpoint)
         self.overlap_send = overlap_send  # ``--snapshot-send overlap``: a step's commit does not wait for its own send
+        self.parity = max(0, parity)  # ``--snapshot-parity K``: XOR parity over groups of K nodes instead of a copy (0: a copy)
         self.memory_limit = memory_limit  # bytes per node (0: no limit); each worker gets its share
         self.local_world = max(1, local_world)
         self.server = SnapshotServer(host)
+        self.server.own_image = self._own_image  # a parity member's share, for the rank rebuilding a lost one
         self._closed = False
         self.remote: frozenset = frozenset()  # registered objects no live rank replicates: sent to the holder
         self.remote_generation = -1  # the generation ``remote`` was worked out in
@@ -52,11 +55,13 @@ class Snapshots:
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tm-snapshot-send")
         self._lock = threading.Lock()
         self._rank = self._holder = -1
+        self._group: list[int] = []  # with parity: the ranks whose snapshots share this rank's parity
+        self._stripe_holders: list[int] = []  # with parity: the rank keeping each stripe of it
         self._endpoint_of: Callable[[int], tuple] | None = None
-        # One connection for images (the sender thread's), one for per-rank mirrors (the voter's):
-        # a mirror never waits behind an image on its way.
+        # One connection for images (the sender thread's; with parity one per stripe holder), one
+        # for per-rank mirrors (the voter's): a mirror never waits behind an image on its way.
         self._clients: dict[str, SnapshotClient] = {}
-        self._client_for: tuple | None = None  # (holder rank, address) the clients are connected to
+        self._client_for: dict[str, tuple] = {}  # kind -> (rank, address) its client is connected to
         self._sent: set[int] = set()  # steps whose image the current holder acknowledged
         self.bytes_sent = 0
         self._checked_remote: frozenset | None = None  # ``remote`` when the memory limit was last checked
@@ -64,8 +69,16 @@ class Snapshots:
 
     @property
     def holder(self) -> int:
-        """The rank that keeps this rank's snapshots (-1: none)."""
+        """The rank that keeps this rank's snapshots (-1: none); with parity, its per-rank mirrors."""
         return self._holder
+
+    def describe_placement(self) -> str:
+        """Where this rank's snapshots go, for the log."""
+        if self.parity:
+            return (
+                f"into the parity of ranks {self._group}, in {len(self._stripe_holders)} stripe(s) kept by rank(s) {self._stripe_holders}"
+            )
+        return f"to rank {self._holder}"
 
     @property
     def enabled(self) -> bool:
@@ -100,7 +113,11 @@ class Snapshots:
             self._rank, self._endpoint_of = rank, endpoint_of
             self._holder = -1 if holder is None else holder
             source = source_of(rank, world, self.local_world)
-            self.server.keep_only([] if source is None else [source])
+            if self.parity:
+                self._group = parity_group(rank, world, self.local_world, self.parity)
+                self._stripe_holders = parity_holders(rank, world, self.local_world, self.parity)
+            stripes = stripes_held(rank, world, self.local_world, self.parity) if self.parity else ()
+            self.server.keep_only([] if source is None else [source], stripes)
 
     def settle(self, step: int) -> None:
         """The job continues from ``step``: snapshots of later steps (of this rank, and of the
@@ -118,27 +135,29 @@ class Snapshots:
 
     def _drop_client(self) -> None:
         with self._lock:
-            clients, self._clients, self._client_for = list(self._clients.values()), {}, None
+            clients, self._clients, self._client_for = list(self._clients.values()), {}, {}
             self._sent.clear()
         for client in clients:
             client.close()
 
-    def _holder_client(self, kind: str) -> SnapshotClient | None:
-        """The connection to this rank's holder for ``kind`` ("image": the sender thread's, or
-        the entering thread's while the sender is idle; "mirror": the voter's)."""
+    def _holder_client(self, kind: str, rank: int | None = None) -> SnapshotClient | None:
+        """The connection for ``kind`` ("image": the sender thread's, or the entering thread's
+        while the sender is idle; "stripe<j>": the same, to a parity stripe's holder; "mirror":
+        the voter's) to ``rank`` (default: this rank's holder)."""
         with self._lock:
-            holder, endpoint_of = self._holder, self._endpoint_of
-        if holder < 0 or endpoint_of is None:
+            rank, endpoint_of = self._holder if rank is None else rank, self._endpoint_of
+        if rank < 0 or endpoint_of is None:
             return None
-        address = tuple(endpoint_of(holder))  # may read the generation's store: not under the lock
-        stale: list = []
+        address = tuple(endpoint_of(rank))  # may read the generation's store: not under the lock
+        stale = None
         with self._lock:
-            if self._client_for != (holder, address):  # a new holder: the old connections go
-                stale, self._clients, self._client_for = list(self._clients.values()), {}, (holder, address)
-                self._sent.clear()
+            if self._client_for.get(kind) != (rank, address):  # a new holder: the old connection goes
+                stale, self._client_for[kind] = self._clients.pop(kind, None), (rank, address)
+                if kind != "mirror":
+                    self._sent.clear()  # what the old one acknowledged is not on the new one
             client = self._clients.get(kind)
-        for old in stale:
-            old.close()
+        if stale is not None:
+            stale.close()
         if client is None:
             client = SnapshotClient(address, source=self._rank)
             with self._lock:
@@ -160,6 +179,8 @@ class Snapshots:
             for s in older[:-1]:
                 del self._local[s]
             floor = self._floor
+        if self.parity:
+            self.server.drop_images_before(floor)  # a drained rank's whole copy, once the job is past it
         capture = Capture(step, objects, per_rank, reuse=spare, plans=self._plans)
         if capture.allocated or self._checked_remote != self.remote:  # a reused layout was checked when allocated
             self._check_memory(capture.image)  # here, on the main thread: the job stops at once, in the open
@@ -182,16 +203,21 @@ class Snapshots:
             return False
         return self._send(image, floor)
 
-    def _send(self, image: StateImage, keep_from: int) -> bool:
+    def _send(self, image: StateImage, keep_from: int, whole: bool = False) -> bool:
         """Put ``image``'s share on the holder, which may then drop what it holds from before
-        ``keep_from`` (the oldest step the job may return to)."""
+        ``keep_from`` (the oldest step the job may return to); with parity, into its group's
+        parity unless ``whole`` (a whole copy on the ring's holder, as without parity)."""
         try:
-            client = self._holder_client("image")
-            if client is None:
-                return True  # no other rank to hold it (a one-rank job)
-            failpoints.reached("snapshot", self._rank, image.step)  # tests: a kill while the snapshot is on its way
             share = image.subset(self.remote)
-            client.put_image(share, keep_from)
+            if self.parity and not whole:
+                if not self._send_stripes(share, keep_from):
+                    return True  # no other rank to hold it (a one-rank job)
+            else:
+                client = self._holder_client("image")
+                if client is None:
+                    return True  # no other rank to hold it (a one-rank job)
+                failpoints.reached("snapshot", self._rank, image.step)  # tests: a kill while the snapshot is on its way
+                client.put_image(share, keep_from)
         except (LinkError, OSError, RuntimeError) as e:
             if not self._closed:
                 log(f"snapshot of step {image.step} not sent to its holder (rank {self._holder}): {first_line(e)}")
@@ -200,6 +226,32 @@ class Snapshots:
         with self._lock:
             self._sent.add(image.step)
             self.bytes_sent += share.nbytes
+        return True
+
+    def _send_stripes(self, share: StateImage, keep_from: int) -> bool:
+        """Send each stripe of ``share`` into its holder's parity (``--snapshot-parity``); False
+        when there is no holder. The description travels with every stripe: the rank rebuilding
+        this one needs it (its objects, per-rank state, size) and the fingerprints to check the
+        rebuilt bytes against."""
+        with self._lock:
+            holders, group = list(self._stripe_holders), self._group[0] if self._group else -1
+        if not holders:
+            return False
+        meta = {
+            "names": tuple(share.names()),
+            "skeleton": share.skeleton,
+            "modules": sorted(share.modules),
+            "per_rank": share.per_rank,
+            "nbytes": sum(size for _, size in share.spans),
+            "digests": dict(share.fingerprints()),
+        }
+        chunks = share.wire_chunks()
+        for j, holder in enumerate(holders):
+            client = self._holder_client(f"stripe{j}", holder)
+            if j == 0:
+                failpoints.reached("snapshot", self._rank, share.step)  # tests: a kill while the snapshot is on its way
+            if not client.put_stripe(group, j, len(holders), share.step, meta, stripe(chunks, j, len(holders)), keep_from):
+                raise LinkError(f"rank {holder} does not keep stripe {j} of the parity of ranks {self._group}")
         return True
 
     def _sent_by(self, step: int) -> int:
@@ -279,10 +331,14 @@ class Snapshots:
         if image.per_rank is not None:
             per_rank.load(image.per_rank)
 
-    def resend(self, step: int, objects: dict, per_rank: dict | None) -> None:
+    def resend(self, step: int, objects: dict, per_rank: dict | None, leaving: bool = False) -> None:
         """After a change: make sure the holder (maybe a new process) holds this rank's ``step``,
-        so that a second failure right after the first still finds it. Synchronous."""
-        if not self.enabled or self.holds_own(step):
+        so that a second failure right after the first still finds it. Synchronous.
+        ``leaving`` (a drained rank at its switch step): a whole copy goes to the ring's holder
+        even with parity, since the rank taking over starts from that very step, and the group's
+        other members keep no snapshot of it unless it is a snapshot step."""
+        whole = leaving and bool(self.parity)
+        if not self.enabled or (self.holds_own(step) and not whole):
             return
         with self._lock:
             image = self._local.get(step)
@@ -292,7 +348,7 @@ class Snapshots:
                 self._local[step] = image
                 for old in [s for s in self._local if s < step]:
                     del self._local[old]
-        if not self._send(image, keep_from=step):
+        if not self._send(image, keep_from=step, whole=whole):
             raise LinkError(f"rank {self._holder} did not take this rank's snapshot of step {step}")
 
     def fetch(self, holder: int, of_rank: int, step: int, names) -> StateImage:
@@ -305,6 +361,61 @@ class Snapshots:
         if image is None:
             raise LinkError(f"rank {holder} no longer holds rank {of_rank}'s snapshot of step {step}")
         return image
+
+    def _own_image(self, step: int) -> StateImage | None:
+        with self._lock:
+            return self._local.get(step)
+
+    def rebuild(self, holders: list, group: int, of_rank: int, step: int, members: dict) -> tuple[StateImage, int]:
+        """``of_rank``'s snapshot of ``step``, rebuilt from its group's parity (stripe ``j`` from
+        ``holders[j]``) and the share of every other member that went into it (``members``:
+        rank -> object names, from that rank's own local image). Checked against the
+        fingerprints the lost rank sent with it: a wrong byte is an error, never a state.
+        Returns the image and the bytes received for it."""
+        parts, meta, moved = [], None, 0
+        for j, holder in enumerate(holders):
+            client = SnapshotClient(tuple(self._endpoint_of(holder)), source=self._rank)
+            try:
+                got = client.get_stripe(group, of_rank, step)
+            finally:
+                client.close()
+            if got is None:
+                raise LinkError(f"rank {holder} no longer keeps stripe {j} of the parity of rank {of_rank}'s group at step {step}")
+            reply, data = got
+            if (reply["stripe"], reply["stripes"]) != (j, len(holders)) or set(reply["members"]) != set(members) | {of_rank}:
+                raise LinkError(f"rank {holder}'s parity stripe of step {step} is not the one the plan counted on")
+            parts.append(data)
+            meta, moved = reply["meta"], moved + data.numel()
+        share = unstripe(parts, meta["nbytes"])
+        for member, names in sorted(members.items()):
+            client = SnapshotClient(tuple(self._endpoint_of(member)), source=member)
+            try:
+                own = client.get_own(step, names)
+            finally:
+                client.close()
+            if own is None:
+                raise LinkError(f"rank {member} no longer holds its own snapshot of step {step}")
+            xor_into(share, own.flat[: min(own.flat.numel(), share.numel())])
+            moved += own.flat.numel()
+        image = StateImage.from_wire(step, meta["skeleton"], share, meta["per_rank"], meta["modules"])
+        rebuilt = image.fingerprints()
+        if any(rebuilt[name] != want for name, want in meta["digests"].items()):
+            raise LinkError(f"rank {of_rank}'s snapshot of step {step} rebuilt from parity does not match its fingerprints")
+        return image, moved
+
+    def needs_resend(self, step: int, holdings: list) -> bool:
+        """True when one of this rank's holders (``holdings``: every rank's ``recovery.Holding``,
+        by rank) lacks this rank's snapshot of ``step``: the holder is new, or its copy was lost."""
+        if self.parity:
+            with self._lock:
+                holders, group = list(self._stripe_holders), self._group[0] if self._group else -1
+            return any(
+                self._rank not in next((steps.get(step, {}) for (g, _, _), steps in holdings[h].stripes.items() if g == group), {})
+                for h in holders
+            )
+        holder = next((h.rank for h in holdings if self._rank in h.held), None)
+        ours = holdings[holder].held.get(self._rank, {}) if holder is not None else {}
+        return step not in (ours.get("images") or {})
 
     def fetch_mirror(self, holder: int, of_rank: int, tag: int) -> tuple[bool, bytes] | None:
         client = SnapshotClient(tuple(self._endpoint_of(holder)), source=self._rank)
@@ -328,7 +439,10 @@ class Snapshots:
         if not self.memory_limit:
             return
         copies = self.kept_images
-        need = copies * image.nbytes + copies * image.subset(self.remote).nbytes
+        held = image.subset(self.remote).nbytes  # a copy of another rank's share, as big as this rank's
+        if self.parity:  # the stripes of the groups' parities this rank keeps
+            held = sum(held // stripes for _, _, stripes in self.server.stripes_held())
+        need = copies * image.nbytes + copies * held
         share = self.memory_limit // self.local_world
         if need > share:
             raise SnapshotRefused(
