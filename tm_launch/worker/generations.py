@@ -309,7 +309,6 @@ class Generations:
         ``snap/<rank>``), and point this rank's snapshots at its holder in the new world; the
         other ranks' addresses are read when first needed (``endpoint_of``, cached)."""
         host, port = self.snapshots.server.address
-        self.state.commit.store.set(f"snap/{rank}", f"{host}:{port}")
         found: dict = {}
         lock = threading.Lock()
         # A connection of its own (a wait here must not hold up the vote), taken now, inside the
@@ -326,7 +325,10 @@ class Generations:
                     found[r] = (addr, int(p))
                 return found[r]
 
+        # Ready for what this rank holds in the new world (with parity: the stripes it keeps)
+        # before its address is published: a peer's first snapshot may follow at once.
         self.snapshots.enter(rank, world, endpoint_of)
+        self.state.commit.store.set(f"snap/{rank}", f"{host}:{port}")
 
     def _rebuild_subgroups(self, d: Directive, rank: int, old_rank: int) -> int:
         """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by
