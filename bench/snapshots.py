@@ -129,7 +129,7 @@ class Bench:
                     return 0.0, 0.0
                 workers = [w for n in nodes for w in (n["progress"] or {}).values()]
                 steps = min((int(w.get("step") or 0) for w in workers), default=0)
-                held = max(sum(int(w.get("snapshot_held") or 0) for w in (n["progress"] or {}).values()) for n in nodes)
+                held = max((sum(int(w.get("snapshot_held") or 0) for w in (n["progress"] or {}).values()) for n in nodes), default=0)
                 return (sum(int(w.get("snapshot_sent") or 0) for w in workers) / len(nodes) / steps if steps else 0.0), held
             time.sleep(0.2)
         return 0.0, 0.0

@@ -475,10 +475,7 @@ class Generations:
             holder, names = plan.images[rank]
             t0 = time.perf_counter()
             image = snapshots.fetch(holder, rank, plan.step, names)
-            image.load_into(state.objects, names)
-            if image.per_rank is not None and state.per_rank:
-                state.per_rank.load(image.per_rank)
-                per_rank_done = True
+            per_rank_done = self._load_snapshot(image, names)
             log(
                 f"received this rank's snapshot of step {plan.step} ({'+'.join(names)}, {human_size(image.nbytes)}) "
                 f"from rank {holder} in {(time.perf_counter() - t0) * 1000:.0f} ms"
@@ -487,11 +484,7 @@ class Generations:
             group, holders, members, names = plan.parity[rank]
             t0 = time.perf_counter()
             image, moved = snapshots.rebuild(holders, group, rank, plan.step, members)
-            if names:
-                image.load_into(state.objects, names)
-            if image.per_rank is not None and state.per_rank:
-                state.per_rank.load(image.per_rank)
-                per_rank_done = True
+            per_rank_done = self._load_snapshot(image, names)
             log(
                 f"rebuilt this rank's snapshot of step {plan.step} ({'+'.join(names) or 'per-rank state'}, {human_size(image.nbytes)}; "
                 f"{human_size(moved)} received) from its group's parity on rank(s) {holders} and the snapshots of rank(s) {sorted(members)} "
@@ -503,6 +496,17 @@ class Generations:
             if lost:
                 raise StateLost(f"{lost}: its RNG or data position exists nowhere else", plan.step, [rank])
         state.step = plan.step
+
+    def _load_snapshot(self, image, names) -> bool:
+        """Load ``names`` of a received snapshot and the per-rank state it carries; True if it
+        carried per-rank state this rank registered."""
+        state = self.state
+        if names:
+            image.load_into(state.objects, names)
+        if image.per_rank is not None and state.per_rank:
+            state.per_rank.load(image.per_rank)
+            return True
+        return False
 
 
 class _Background:

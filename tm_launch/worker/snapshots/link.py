@@ -19,6 +19,7 @@ each other as they do through gloo and the TCPStore (bind to the node's own addr
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import socket
 import struct
@@ -398,12 +399,18 @@ class SnapshotClient:
         except OSError:
             pass
 
-    def _call(self, header: dict, image: StateImage | None = None) -> dict:
+    @contextlib.contextmanager
+    def _talking(self):
+        """A broken connection or message is the holder gone (``LinkError``)."""
         try:
-            _send_msg(self._sock, header, image)
-            return _recv_msg(self._sock)
+            yield
         except (OSError, EOFError, pickle.UnpicklingError) as e:
             raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
+
+    def _call(self, header: dict, image: StateImage | None = None) -> dict:
+        with self._talking():
+            _send_msg(self._sock, header, image)
+            return _recv_msg(self._sock)
 
     def put_image(self, image: StateImage, keep_from: int) -> None:
         """Send ``image`` and wait until the holder stored it; the holder keeps what it holds of
@@ -418,14 +425,12 @@ class SnapshotClient:
             raise LinkError(f"the snapshot holder answered {reply.get('kind')!r} to a per-rank mirror")
 
     def get_image(self, of_rank: int, step: int, names=None) -> StateImage | None:
-        try:
+        with self._talking():
             _send_msg(self._sock, {"kind": GET_IMAGE, "source": of_rank, "step": step, "names": names})
             header = _recv_msg(self._sock)
             if header.get("kind") == MISSING:
                 return None
             return _recv_image(self._sock, header)
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
-            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
 
     def put_stripe(self, group: int, stripe: int, stripes: int, step: int, meta: dict, pieces: list, keep_from: int) -> bool:
         """Send stripe ``stripe`` of this rank's share of ``step`` (``pieces``: memoryviews) into
@@ -441,13 +446,11 @@ class SnapshotClient:
             "keep_from": keep_from,
             "length": sum(len(p) for p in pieces),
         }
-        try:
+        with self._talking():
             _send_msg(self._sock, header)
             for piece in pieces:
                 self._sock.sendall(piece)
             reply = _recv_msg(self._sock)
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
-            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
         if reply.get("kind") not in (ACK, MISSING) or reply.get("step") != step:
             raise LinkError(f"the parity holder answered {reply.get('kind')!r} to a stripe")
         return reply["kind"] == ACK
@@ -456,7 +459,7 @@ class SnapshotClient:
         """The stripe of ``group``'s parity of ``step`` kept there, if ``of_rank`` went into it:
         (the reply's header: stripe, stripes, ``of_rank``'s description, every member's names;
         the parity bytes)."""
-        try:
+        with self._talking():
             _send_msg(self._sock, {"kind": GET_STRIPE, "source": of_rank, "group": group, "step": step})
             reply = _recv_msg(self._sock)
             if reply.get("kind") == MISSING:
@@ -464,19 +467,15 @@ class SnapshotClient:
             data = torch.empty(reply["length"], dtype=torch.uint8)
             _recv_into(self._sock, data)
             return reply, data
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
-            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
 
     def get_own(self, step: int, names) -> StateImage | None:
         """The rank's own local image of ``step`` (objects ``names``): a parity member's share."""
-        try:
+        with self._talking():
             _send_msg(self._sock, {"kind": GET_OWN, "source": self.source, "step": step, "names": sorted(names)})
             header = _recv_msg(self._sock)
             if header.get("kind") == MISSING:
                 return None
             return _recv_image(self._sock, header)
-        except (OSError, EOFError, pickle.UnpicklingError) as e:
-            raise LinkError(f"the snapshot holder at {self.address[0]}:{self.address[1]} is gone ({e})") from None
 
     def get_mirror(self, of_rank: int, tag: int) -> tuple[bool, bytes] | None:
         reply = self._call({"kind": GET_MIRROR, "source": of_rank, "tag": tag})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 1 << 20  # bytes of a share dealt to one stripe holder before the next (a multiple of 64)
+CHUNK = 1 << 16  # bytes of a share dealt to one stripe holder before the next (a multiple of 64): small, so stripes stay even
 
 
 def _total(chunks) -> int:
