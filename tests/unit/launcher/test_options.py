@@ -317,7 +317,9 @@ CLI_ERRORS = [
     pytest.param(["--spares", "-1", "SCRIPT"], ["--spares -1: must be 0 or more"], id="negative spares"),
     pytest.param(["--lease-ttl", "0", "SCRIPT"], ["--lease-ttl 0.0: must be positive"], id="zero lease ttl"),
     pytest.param(["--sandbox-steps", "0", "SCRIPT"], ["--sandbox-steps 0: must be at least 1"], id="zero sandbox steps"),
-    pytest.param(["--snapshot-parity", "1", "SCRIPT"], ["--snapshot-parity 1: must be 0 (a whole copy) or a group of 2"], id="parity of one"),
+    pytest.param(
+        ["--snapshot-parity", "1", "SCRIPT"], ["--snapshot-parity 1: must be 0 (a whole copy) or a group of 2"], id="parity of one"
+    ),
     pytest.param(["--max-restarts", "-1", "SCRIPT"], ["--max-restarts -1: must be 0 or more"], id="negative restarts"),
     pytest.param(["--health-hang-timeout", "-1", "SCRIPT"], ["health.hang_timeout: must be >= 0"], id="health flag range"),
     pytest.param(["--health-nvml", "maybe", "SCRIPT"], ["health.nvml: expected true or false"], id="health flag type"),
