@@ -142,6 +142,31 @@ def test_a_lost_ranks_snapshot_is_rebuilt_bitwise_from_the_parity_and_its_group(
             s.close()
 
 
+def test_a_step_the_job_returned_to_keeps_the_image_that_went_into_the_parity():
+    """After a recovery to step 5 the step's boundary comes again: with parity the member keeps
+    the image whose bytes it XORed in (a rebuild reads it), and sends nothing new."""
+    from tm_launch.worker.snapshots.service import Snapshots
+
+    snaps = [Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, parity=2) for _ in range(4)]
+    endpoint = lambda r: snaps[r].server.address  # noqa: E731
+    try:
+        objects = [_model(0) for _ in range(4)]
+        for r, s in enumerate(snaps):
+            s.enter(r, 4, endpoint)  # every holder ready before any stripe is sent, as in a generation
+            s.set_remote(["model", "optimizer"], generation=0)
+        for r, s in enumerate(snaps):
+            s.boundary(5, objects[r], None)
+        assert all(s.ready_to_commit(5, give_up=lambda: False) for s in snaps)
+        kept, sent = snaps[1]._own_image(5), snaps[1].bytes_sent
+        snaps[1].settle(5)
+        snaps[1].boundary(5, objects[1], None)
+        assert snaps[1].ready_to_commit(5, give_up=lambda: False)
+        assert snaps[1]._own_image(5) is kept and snaps[1].bytes_sent == sent
+    finally:
+        for s in snaps:
+            s.close()
+
+
 def test_a_rebuilt_snapshot_that_does_not_match_its_fingerprints_is_an_error():
     """Rank 1's own snapshot changed after it went into the parity (it never does: a stand-in
     for any wrong byte): the rebuild is refused, not loaded."""
@@ -153,8 +178,9 @@ def test_a_rebuilt_snapshot_that_does_not_match_its_fingerprints_is_an_error():
     try:
         objects = [_model(0) for _ in range(4)]
         for r, s in enumerate(snaps):
-            s.enter(r, 4, endpoint)
+            s.enter(r, 4, endpoint)  # every holder ready before any stripe is sent, as in a generation
             s.set_remote(["model", "optimizer"], generation=0)
+        for r, s in enumerate(snaps):
             s.boundary(5, objects[r], None)
         assert all(s.ready_to_commit(5, give_up=lambda: False) for s in snaps)
         snaps[1]._own_image(5).flat.add_(1)

@@ -171,6 +171,11 @@ class Snapshots:
         with self._lock:
             if not self.enabled or step % self.every or step in self._copies:
                 return
+            if self.parity and step in self._local:
+                # The job returned to a step it holds: those are the bytes that went into the
+                # parity (or go in again, ``resend``), and a member's image must stay the bytes
+                # it XORed in: a rebuild reads it. A new capture would be the same bytes.
+                return
             # The previous step committed: every snapshot its commit waited for is on its holder,
             # so the newest of those is the oldest the job may return to.
             self._floor = max([s for s in self._local if s < self._sent_by(step - 1)], default=self._floor)
