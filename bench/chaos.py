@@ -190,7 +190,17 @@ class SoakError(RuntimeError):
 
 class Chaos:
     def __init__(
-        self, endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_sleep: float, log=print, kinds=None, layout=None
+        self,
+        endpoint: str,
+        workdir: str,
+        seed: int,
+        faults: int,
+        steps: int,
+        step_sleep: float,
+        log=print,
+        kinds=None,
+        layout=None,
+        launcher_extra=(),
     ):
         self.seed, self.rng = seed, random.Random(seed * 7919 + 1)
         self.layout = layout
@@ -226,6 +236,7 @@ class Chaos:
                 "3",
                 "--health-straggler-of",
                 "5",
+                *launcher_extra,  # e.g. --snapshot-parity 2
             ],
         )
         common = ["--steps", str(steps), "--step-sleep", str(step_sleep), "--step-log", self.job.step_log, "--chaos-dir", self.chaos]
@@ -604,12 +615,22 @@ def generations(events: list[dict], results: list[dict]) -> dict:
 
 
 def soak(
-    endpoint: str, workdir: str, seed: int, faults: int, steps: int, step_sleep: float, log=print, kinds=None, layout: str | None = None
+    endpoint: str,
+    workdir: str,
+    seed: int,
+    faults: int,
+    steps: int,
+    step_sleep: float,
+    log=print,
+    kinds=None,
+    layout: str | None = None,
+    launcher_extra=(),
 ) -> dict:
-    """Run the soak and the reference; the report (``table``, ``results``, ``bitwise_equal``...)."""
+    """Run the soak and the reference; the report (``table``, ``results``, ``bitwise_equal``...).
+    ``launcher_extra``: more tm-launch options for every agent (``--snapshot-parity 2``)."""
     import torch
 
-    chaos = Chaos(endpoint, workdir, seed, faults, steps, step_sleep, log=log, kinds=kinds, layout=layout)
+    chaos = Chaos(endpoint, workdir, seed, faults, steps, step_sleep, log=log, kinds=kinds, layout=layout, launcher_extra=launcher_extra)
     try:
         run = chaos.run()
     except BaseException:
