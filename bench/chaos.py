@@ -113,23 +113,24 @@ HYBRID = os.path.join(REPO, "tests", "scripts", "hybrid.py")
 ZERO_STALLS = ("kill-optimizer", "kill-vote")
 
 
-def kinds_of(layout: str | None) -> tuple[str, ...]:
-    """The fault kinds of a soak: the DDP job's, or a layout's."""
+def kinds_of(layout: str | None, parity: int = 0) -> tuple[str, ...]:
+    """The fault kinds of a soak: the DDP job's, or a layout's. With ``--snapshot-parity``
+    (``parity``) no double failure: on 4 nodes ranks r and r + 2 are a member of one group and
+    a stripe holder of its parity, which parity does not cover (a copy on the next node does)."""
     if layout is None:
         return KINDS
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    if layout == "zero":
-        return tuple(k for k in LAYOUT_KINDS if k not in ZERO_STALLS)
-    return LAYOUT_KINDS
+    kinds = LAYOUT_KINDS if layout != "zero" else tuple(k for k in LAYOUT_KINDS if k not in ZERO_STALLS)
+    return tuple(k for k in kinds if not (parity and k == "double-failure"))
 
 
 CKPT_EVERY = 10
 
 
-def schedule(seed: int, faults: int, layout: str | None = None) -> list[str]:
+def schedule(seed: int, faults: int, layout: str | None = None, parity: int = 0) -> list[str]:
     """Every kind (of ``layout``'s soak) once, the rest drawn at random, in a seeded random order (pure)."""
-    every = kinds_of(layout)
+    every = kinds_of(layout, parity)
     if faults < len(every):
         raise ValueError(f"--faults must be at least {len(every)} (one of each kind), got {faults}")
     rng = random.Random(seed)
@@ -200,12 +201,12 @@ class Chaos:
         log=print,
         kinds=None,
         layout=None,
-        launcher_extra=(),
+        parity: int = 0,
     ):
         self.seed, self.rng = seed, random.Random(seed * 7919 + 1)
         self.layout = layout
         self.active = LAYOUT_ACTIVE if layout else ACTIVE
-        self.kinds = list(kinds) if kinds else schedule(seed, faults, layout)
+        self.kinds = list(kinds) if kinds else schedule(seed, faults, layout, parity)
         self.steps = steps
         self.log = log
         self.workdir = workdir
@@ -236,7 +237,7 @@ class Chaos:
                 "3",
                 "--health-straggler-of",
                 "5",
-                *launcher_extra,  # e.g. --snapshot-parity 2
+                *(["--snapshot-parity", str(parity)] if parity else []),
             ],
         )
         common = ["--steps", str(steps), "--step-sleep", str(step_sleep), "--step-log", self.job.step_log, "--chaos-dir", self.chaos]
@@ -624,13 +625,13 @@ def soak(
     log=print,
     kinds=None,
     layout: str | None = None,
-    launcher_extra=(),
+    parity: int = 0,
 ) -> dict:
-    """Run the soak and the reference; the report (``table``, ``results``, ``bitwise_equal``...).
-    ``launcher_extra``: more tm-launch options for every agent (``--snapshot-parity 2``)."""
+    """Run the soak and the reference; the report (``table``, ``results``, ``bitwise_equal``...);
+    ``parity``: the agents' ``--snapshot-parity``."""
     import torch
 
-    chaos = Chaos(endpoint, workdir, seed, faults, steps, step_sleep, log=log, kinds=kinds, layout=layout, launcher_extra=launcher_extra)
+    chaos = Chaos(endpoint, workdir, seed, faults, steps, step_sleep, log=log, kinds=kinds, layout=layout, parity=parity)
     try:
         run = chaos.run()
     except BaseException:
@@ -681,16 +682,19 @@ def main() -> int:
         choices=LAYOUTS,
         help="soak tests/scripts/hybrid.py in this layout (4 nodes x 1 worker, live from snapshots) instead of the DDP job",
     )
+    p.add_argument(
+        "--snapshot-parity", type=int, default=0, metavar="K", help="with --layout: the agents' --snapshot-parity (no double failure)"
+    )
     args = p.parse_args()
     kinds = args.kinds.split(",") if args.kinds else None
-    known = kinds_of(args.layout)
+    known = kinds_of(args.layout, args.snapshot_parity)
     unknown = [k for k in kinds or () if k not in known]
     if unknown:
         print(f"chaos: error: unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     try:
         if not kinds:
-            schedule(args.seed, args.faults, args.layout)
+            schedule(args.seed, args.faults, args.layout, args.snapshot_parity)
     except ValueError as e:
         print(f"chaos: error: {e}", file=sys.stderr)
         return 2
@@ -704,7 +708,15 @@ def main() -> int:
         server = EtcdServer().start()
     try:
         report = soak(
-            args.etcd or server.endpoint, workdir, args.seed, args.faults, args.steps, args.step_sleep, kinds=kinds, layout=args.layout
+            args.etcd or server.endpoint,
+            workdir,
+            args.seed,
+            args.faults,
+            args.steps,
+            args.step_sleep,
+            kinds=kinds,
+            layout=args.layout,
+            parity=args.snapshot_parity,
         )
     except SoakError as e:
         print(f"chaos: error: {e}", file=sys.stderr)

@@ -179,12 +179,8 @@ SHORT_LAYOUT_KINDS = ("kill-backward", "kill-vote", "kill-snapshot", "agent-kill
 
 @pytest.mark.slow  # ~2-4 min each here, with the machine shared
 @pytest.mark.timeout(600)  # spares warm up slowly on a loaded machine: the soak holds training for them
-@pytest.mark.parametrize(
-    "layout, extra",
-    [*((layout, ()) for layout in chaos.LAYOUTS), ("fsdp", ("--snapshot-parity", "2"))],
-    ids=[*chaos.LAYOUTS, "fsdp-parity"],
-)
-def test_chaos_soak_per_layout_recovers_every_fault_live(etcd_endpoint, tmp_path, layout, extra):
+@pytest.mark.parametrize("layout, parity", [*((layout, 0) for layout in chaos.LAYOUTS), ("fsdp", 2)], ids=[*chaos.LAYOUTS, "fsdp-parity"])
+def test_chaos_soak_per_layout_recovers_every_fault_live(etcd_endpoint, tmp_path, layout, parity):
     """A short soak of a layout no live rank replicates (tests/scripts/hybrid.py, 4 nodes): every
     fault recovered live from the in-memory snapshots (no generation in restart mode, no state
     lost, no generation no fault explains), every rank's state bitwise equal to plain torchrun's.
@@ -192,8 +188,7 @@ def test_chaos_soak_per_layout_recovers_every_fault_live(etcd_endpoint, tmp_path
     ranks r and r + 2 lost at once take a rank and a stripe of its own group's parity: not a
     fault parity covers, so that soak leaves out the double failure."""
     seed = int(os.environ.get("TM_CHAOS_SEED", "1"))
-    mine = [k for k in SHORT_LAYOUT_KINDS if k in chaos.kinds_of(layout)]  # zero: no kill-vote (chaos.ZERO_STALLS)
-    mine = [k for k in mine if not (extra and k == "double-failure")]
+    mine = [k for k in SHORT_LAYOUT_KINDS if k in chaos.kinds_of(layout, parity)]  # zero: no kill-vote (chaos.ZERO_STALLS)
     kinds = random.Random(seed).sample(mine, len(mine))
     report = chaos.soak(
         etcd_endpoint,
@@ -204,7 +199,7 @@ def test_chaos_soak_per_layout_recovers_every_fault_live(etcd_endpoint, tmp_path
         step_sleep=0.05,
         kinds=kinds,
         layout=layout,
-        launcher_extra=extra,
+        parity=parity,
     )
     print(chaos.markdown(report["table"]))
     failed = [r for r in report["results"] if not r["recovered"]]
