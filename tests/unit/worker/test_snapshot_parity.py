@@ -2,6 +2,7 @@
 parity over a real socket, a lost rank's snapshot rebuilt by real ``Snapshots`` bitwise, and
 the recovery planner's parity cases."""
 
+import contextlib
 import random
 
 import pytest
@@ -108,26 +109,38 @@ def _flat(objects):
     ]
 
 
+@contextlib.contextmanager
+def _four_ranks_at_step_5(objects, per_rank=lambda r: None):
+    """Four ranks' real ``Snapshots`` (one per node, ``--snapshot-parity 2``) that took and
+    sent their snapshot of step 5 (rank r's objects: ``objects[r]``), and a fresh one (a
+    joiner). Every holder is ready before any stripe is sent, as in a generation."""
+    from tm_launch.worker.snapshots.service import Snapshots
+
+    snaps = [Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, parity=2) for _ in range(5)]
+    endpoint = lambda r: snaps[r].server.address  # noqa: E731
+    try:
+        for r, s in enumerate(snaps[:4]):
+            s.enter(r, 4, endpoint)
+            s.set_remote(["model", "optimizer"], generation=0)
+        for r, s in enumerate(snaps[:4]):
+            s.boundary(5, objects[r], per_rank(r))
+        assert all(s.ready_to_commit(5, give_up=lambda: False) for s in snaps[:4])
+        yield snaps, endpoint
+    finally:
+        for s in snaps:
+            s.close()
+
+
 def test_a_lost_ranks_snapshot_is_rebuilt_bitwise_from_the_parity_and_its_group():
     """Four ranks, one per node, groups of 2: ranks 0 and 1 (models of different sizes) send
     their snapshots of step 5 into the parity kept in stripes by ranks 2 and 3. A new process
     for rank 0 rebuilds rank 0's snapshot from both stripes and rank 1's own snapshot: bitwise
     the state rank 0 had, its per-rank state with it."""
-    from tm_launch.worker.snapshots.service import Snapshots
-
-    snaps = [Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, parity=2) for _ in range(4)]
-    joiner = Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, parity=2)
-    endpoint = lambda r: snaps[r].server.address  # noqa: E731
-    try:
-        objects = [_model(r) for r in range(4)]
-        for r, s in enumerate(snaps):
-            s.enter(r, 4, endpoint)
-            s.set_remote(["model", "optimizer"], generation=0)
-        for r, s in enumerate(snaps):
-            s.boundary(5, objects[r], {"rng": {"rank": r}})
-        assert all(s.ready_to_commit(5, give_up=lambda: False) for s in snaps)
+    objects = [_model(r) for r in range(4)]
+    with _four_ranks_at_step_5(objects, per_rank=lambda r: {"rng": {"rank": r}}) as (snaps, endpoint):
         assert snaps[2].server.stripes_held() == {(0, 0, 2): {5: {0: ("model", "optimizer"), 1: ("model", "optimizer")}}}
         assert "into the parity of ranks [0, 1], in 2 stripe(s) kept by rank(s) [2, 3]" == snaps[0].describe_placement()
+        joiner = snaps[4]
         joiner.enter(0, 4, endpoint)
         image, moved = joiner.rebuild([2, 3], 0, 0, 5, {1: ("model", "optimizer")})
         assert moved >= 2 * image.nbytes  # the parity's stripes and rank 1's share (bigger than rank 0's)
@@ -137,58 +150,29 @@ def test_a_lost_ranks_snapshot_is_rebuilt_bitwise_from_the_parity_and_its_group(
         image.load_into(fresh)
         assert all(torch.equal(a, b) for a, b in zip(_flat(fresh), _flat(objects[0])))
         assert image.per_rank == {"rng": {"rank": 0}}
-    finally:
-        for s in [*snaps, joiner]:
-            s.close()
 
 
 def test_a_step_the_job_returned_to_keeps_the_image_that_went_into_the_parity():
     """After a recovery to step 5 the step's boundary comes again: with parity the member keeps
     the image whose bytes it XORed in (a rebuild reads it), and sends nothing new."""
-    from tm_launch.worker.snapshots.service import Snapshots
-
-    snaps = [Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, parity=2) for _ in range(4)]
-    endpoint = lambda r: snaps[r].server.address  # noqa: E731
-    try:
-        objects = [_model(0) for _ in range(4)]
-        for r, s in enumerate(snaps):
-            s.enter(r, 4, endpoint)  # every holder ready before any stripe is sent, as in a generation
-            s.set_remote(["model", "optimizer"], generation=0)
-        for r, s in enumerate(snaps):
-            s.boundary(5, objects[r], None)
-        assert all(s.ready_to_commit(5, give_up=lambda: False) for s in snaps)
+    objects = [_model(0) for _ in range(4)]
+    with _four_ranks_at_step_5(objects) as (snaps, _):
         kept, sent = snaps[1]._own_image(5), snaps[1].bytes_sent
         snaps[1].settle(5)
         snaps[1].boundary(5, objects[1], None)
         assert snaps[1].ready_to_commit(5, give_up=lambda: False)
         assert snaps[1]._own_image(5) is kept and snaps[1].bytes_sent == sent
-    finally:
-        for s in snaps:
-            s.close()
 
 
 def test_a_rebuilt_snapshot_that_does_not_match_its_fingerprints_is_an_error():
     """Rank 1's own snapshot changed after it went into the parity (it never does: a stand-in
     for any wrong byte): the rebuild is refused, not loaded."""
     from tm_launch.worker.snapshots.link import LinkError
-    from tm_launch.worker.snapshots.service import Snapshots
 
-    snaps = [Snapshots("127.0.0.1", every=1, memory_limit=0, local_world=1, parity=2) for _ in range(4)]
-    endpoint = lambda r: snaps[r].server.address  # noqa: E731
-    try:
-        objects = [_model(0) for _ in range(4)]
-        for r, s in enumerate(snaps):
-            s.enter(r, 4, endpoint)  # every holder ready before any stripe is sent, as in a generation
-            s.set_remote(["model", "optimizer"], generation=0)
-        for r, s in enumerate(snaps):
-            s.boundary(5, objects[r], None)
-        assert all(s.ready_to_commit(5, give_up=lambda: False) for s in snaps)
+    with _four_ranks_at_step_5([_model(0) for _ in range(4)]) as (snaps, _):
         snaps[1]._own_image(5).flat.add_(1)
         with pytest.raises(LinkError, match="does not match its fingerprints"):
             snaps[3].rebuild([2, 3], 0, 0, 5, {1: ("model", "optimizer")})
-    finally:
-        for s in snaps:
-            s.close()
 
 
 def P(rank, step, local=(), stripes=None):
