@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 from test_live_layouts import HYBRID, assert_bitwise, load, script
@@ -98,6 +99,19 @@ def logs(job) -> str:
 
 def node_of(job, rank: int) -> str:
     return next(n["id"] for n in job.status()["nodes"] if rank in n["ranks"])
+
+
+def later(job, box: dict, second_fault) -> None:
+    """``second_fault(job)`` on a thread beside the job, once the first failover trains again
+    (generation 1 at step KILL + 4); ``box["thread"]`` is the thread to join."""
+
+    def wait_then_fault():
+        job.wait_for(lambda s: s["generation"] == 1, 120, "the first failover")
+        job.wait_step(KILL + 4)
+        second_fault(job)
+
+    box["thread"] = threading.Thread(target=wait_then_fault, daemon=True)
+    box["thread"].start()
 
 
 @pytest.mark.parametrize(
@@ -199,18 +213,10 @@ def test_two_faults_in_a_row(local_job, reference):
     """Rank 1's worker dies at step KILL and a spare takes it; once the job trains again, rank
     2's worker dies (its holder, rank 3, kept its snapshot) and the second spare takes it."""
 
-    def second_fault(job):
-        job.wait_for(lambda s: s["generation"] == 1, 120, "the first failover")
-        job.wait_step(KILL + 4)
-        job.kill_worker(node_of(job, 2))
-
-    import threading
-
-    box = {}
+    box: dict = {}
 
     def fault(job):
-        box["thread"] = threading.Thread(target=second_fault, args=(job,), daemon=True)
-        box["thread"].start()
+        later(job, box, lambda job: job.kill_worker(node_of(job, 2)))
 
     # 100 ms steps: the second kill, seen from outside, must land before the last step; no DCP
     # checkpoint in the way (a kill inside its collectives is another test's subject).
@@ -320,19 +326,11 @@ def test_with_parity_a_node_loss_then_a_kill_in_the_group_it_kept_a_stripe_for(l
     again to the new process. Once the job trains again rank 0's worker dies: it is rebuilt from
     that new stripe, the other one and rank 1's snapshot. Bitwise at the end."""
 
-    def second_fault(job):
-        job.wait_for(lambda s: s["generation"] == 1, 120, "the first failover")
-        job.wait_step(KILL + 4)
-        job.kill_worker(node_of(job, 0))
-
-    import threading
-
-    box = {}
+    box: dict = {}
 
     def fault(job):
         job.kill_agent(node_of(job, 2))
-        box["thread"] = threading.Thread(target=second_fault, args=(job,), daemon=True)
-        box["thread"].start()
+        later(job, box, lambda job: job.kill_worker(node_of(job, 0)))
 
     extra = ("--step-sleep", "0.1", "--ckpt-every", "1000")
     job, codes, got = run(local_job, "fsdp", spares=2, fault=fault, extra=extra, launcher=PARITY)

@@ -184,12 +184,12 @@ def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, l
             from_parity.append(name)
         else:
             return False
-    per_rank_from = None
+    per_rank_from, per_rank_rebuilt = None, False
     if h.per_rank:
         if image_names and step in (held.get("images") or {}):
             per_rank_from = holder  # an image carries the per-rank state of its step
         elif parity:
-            per_rank_from = "parity"  # so does a rebuilt one
+            per_rank_rebuilt = True  # so does a rebuilt one
         elif (held.get("mirrors") or {}).get(step):
             per_rank_from = holder  # an exact per-rank mirror of that step
         else:
@@ -198,9 +198,9 @@ def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, l
         plan.live[h.rank] = live
     if from_image:
         plan.images[h.rank] = (holder, from_image)
-    if parity and (from_parity or per_rank_from == "parity"):
+    if parity and (from_parity or per_rank_rebuilt):
         group, holders, others, _ = parity
         plan.parity[h.rank] = (group, holders, others, from_parity)
-    if per_rank_from is not None and per_rank_from != "parity":
+    if per_rank_from is not None:
         plan.mirrors[h.rank] = per_rank_from
     return True

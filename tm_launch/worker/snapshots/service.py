@@ -25,7 +25,7 @@ from collections.abc import Callable
 from .. import failpoints
 from ..agent_client import first_line, log
 from ..transfer import human_size
-from .image import Capture, StateImage
+from .image import Capture, StateImage, wire_size
 from .link import LinkError, SnapshotClient, SnapshotServer
 from .parity import stripe, unstripe, xor_into
 from .placement import holder_of, parity_group, parity_holders, source_of, stripes_held
@@ -247,7 +247,7 @@ class Snapshots:
             "skeleton": share.skeleton,
             "modules": sorted(share.modules),
             "per_rank": share.per_rank,
-            "nbytes": sum(size for _, size in share.spans),
+            "nbytes": wire_size(share.specs),
             "digests": dict(share.fingerprints()),
         }
         chunks = share.wire_chunks()
