@@ -358,14 +358,18 @@ class Snapshots:
 
     def fetch(self, holder: int, of_rank: int, step: int, names) -> StateImage:
         """``of_rank``'s snapshot of ``step`` (objects ``names``) from ``holder`` (the rank that replaces it)."""
-        client = SnapshotClient(tuple(self._endpoint_of(holder)), source=self._rank)
-        try:
-            image = client.get_image(of_rank, step, list(names))
-        finally:
-            client.close()
+        image = self._ask(holder, lambda client: client.get_image(of_rank, step, list(names)))
         if image is None:
             raise LinkError(f"rank {holder} no longer holds rank {of_rank}'s snapshot of step {step}")
         return image
+
+    def _ask(self, rank: int, call):
+        """``call(client)`` over a connection of its own to ``rank``'s snapshot server."""
+        client = SnapshotClient(tuple(self._endpoint_of(rank)), source=self._rank)
+        try:
+            return call(client)
+        finally:
+            client.close()
 
     def _own_image(self, step: int) -> StateImage | None:
         with self._lock:
@@ -379,11 +383,7 @@ class Snapshots:
         Returns the image and the bytes received for it."""
         parts, meta, moved = [], None, 0
         for j, holder in enumerate(holders):
-            client = SnapshotClient(tuple(self._endpoint_of(holder)), source=self._rank)
-            try:
-                got = client.get_stripe(group, of_rank, step)
-            finally:
-                client.close()
+            got = self._ask(holder, lambda client: client.get_stripe(group, of_rank, step))
             if got is None:
                 raise LinkError(f"rank {holder} no longer keeps stripe {j} of the parity of rank {of_rank}'s group at step {step}")
             reply, data = got
@@ -393,11 +393,7 @@ class Snapshots:
             meta, moved = reply["meta"], moved + data.numel()
         share = unstripe(parts, meta["nbytes"])
         for member, names in sorted(members.items()):
-            client = SnapshotClient(tuple(self._endpoint_of(member)), source=member)
-            try:
-                own = client.get_own(step, names)
-            finally:
-                client.close()
+            own = self._ask(member, lambda client: client.get_own(step, names))
             if own is None:
                 raise LinkError(f"rank {member} no longer holds its own snapshot of step {step}")
             xor_into(share, own.flat[: min(own.flat.numel(), share.numel())])
@@ -423,11 +419,7 @@ class Snapshots:
         return step not in (ours.get("images") or {})
 
     def fetch_mirror(self, holder: int, of_rank: int, tag: int) -> tuple[bool, bytes] | None:
-        client = SnapshotClient(tuple(self._endpoint_of(holder)), source=self._rank)
-        try:
-            return client.get_mirror(of_rank, tag)
-        finally:
-            client.close()
+        return self._ask(holder, lambda client: client.get_mirror(of_rank, tag))
 
     # -- memory ---------------------------------------------------------------------------------------
     @property
