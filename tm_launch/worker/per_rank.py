@@ -27,7 +27,7 @@ import random
 
 import torch
 
-from .transfer import cpu_copy
+from .transfer import cpu_copy, only_immutable
 
 
 class RNGState:
@@ -144,7 +144,11 @@ def _same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        if not (isinstance(b, (list, tuple)) and len(a) == len(b)):
+            return False
+        if only_immutable(a) and only_immutable(b):  # Python's RNG state: 625 ints, compared at once
+            return tuple(a) == tuple(b)
+        return all(_same(x, y) for x, y in zip(a, b))
     if type(a).__module__ == "numpy":
         import numpy
 

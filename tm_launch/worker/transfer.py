@@ -48,14 +48,28 @@ def human_size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+# Values that hold no reference to anything mutable: a copy may be the value itself.
+IMMUTABLE_LEAVES = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def only_immutable(values) -> bool:
+    """Every item of ``values`` (a list or tuple) is an ``IMMUTABLE_LEAVES`` value."""
+    return set(map(type, values)) <= IMMUTABLE_LEAVES
+
+
 def cpu_copy(obj):
-    """A deep copy with every tensor detached and on the CPU (per-rank snapshots and mirrors)."""
+    """A deep copy with every tensor detached and on the CPU (per-rank snapshots and mirrors).
+
+    Runs twice per step on every rank's per-rank state (``per_rank``): a sequence of plain
+    numbers (Python's RNG state holds 625 ints) is copied in one call, not item by item."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
+    if type(obj) in IMMUTABLE_LEAVES:
+        return obj
     if isinstance(obj, dict):
         return {k: cpu_copy(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
+        return type(obj)(obj) if only_immutable(obj) else type(obj)(cpu_copy(v) for v in obj)
     return copy.deepcopy(obj)
 
 

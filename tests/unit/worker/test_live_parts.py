@@ -760,6 +760,51 @@ def test_rng_state_round_trips():
     assert torch.equal(torch.rand(3), first[0]) and random.random() == first[1]
 
 
+def test_a_python_random_draw_after_the_vote_is_a_change():
+    """The per-rank comparison takes Python's RNG state (625 ints) as one sequence: one draw
+    between a vote and the next step's start must still count as a change."""
+    import random
+
+    from tm_launch.worker.per_rank import RNGState, _same
+    from tm_launch.worker.transfer import cpu_copy
+
+    rng = RNGState()
+    voted = cpu_copy(rng.state_dict())
+    assert _same(cpu_copy(rng.state_dict()), voted)
+    random.random()
+    assert not _same(cpu_copy(rng.state_dict()), voted)
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        ((3, (1, 2, 3), None), (3, (1, 2, 3), None), True),
+        ((3, (1, 2, 3), None), (3, (1, 2, 4), None), False),
+        ([1, 2.5, "x"], (1, 2.5, "x"), True),  # a list and a tuple of the same values, as before
+        ([1, 2], [1, 2, 3], False),
+        ([1, torch.tensor([2])], [1, torch.tensor([2])], True),  # a tensor among numbers: by value
+        ([1, torch.tensor([2])], [1, torch.tensor([3])], False),
+        ([1, 2], [1, torch.tensor(2)], False),  # a number against a tensor is never the same
+    ],
+)
+def test_per_rank_states_compare_by_value(a, b, same):
+    from tm_launch.worker.per_rank import _same
+
+    assert _same(a, b) is same
+
+
+def test_cpu_copy_shares_nothing_mutable():
+    from tm_launch.worker.transfer import cpu_copy
+
+    ints, tensor = [1, 2, 3], torch.zeros(2)
+    state = {"ints": ints, "nested": [ints, tensor], "rng": (3, (1, 2), None)}
+    copied = cpu_copy(state)
+    ints.append(4)
+    tensor += 1
+    assert copied == {"ints": [1, 2, 3], "nested": [[1, 2, 3], copied["nested"][1]], "rng": (3, (1, 2), None)}
+    assert torch.equal(copied["nested"][1], torch.zeros(2))
+
+
 SANDBOX_DCP = r"""
 import os, sys
 import torch, torch.distributed as dist
