@@ -1,5 +1,7 @@
-"""How many TCP connections this process opened across a span of its life (Linux ``/proc``).
+"""This process's TCP connections (Linux ``/proc``): how many it opened across a span of its
+life, which ones it holds, and closing those whose other end belongs to a process that is gone.
 
+**Counted.**
 A substitution should connect only what changed (``tm_launch.worker.communicators``: gloo
 pairs on first use); this is how a worker counts what it actually opened while entering a
 generation, so that the count is reported per change (``EnteredRecord.tcp_opened``) and tested,
@@ -10,12 +12,23 @@ connections and are not counted, nor are connections accepted by a listener that
 open at ``Mark``: those belong to an older group another process is still using (a dying
 worker's last collective of the old generation connecting to a survivor's old world group
 counted one more, now and then). Elsewhere than Linux the count is None.
+
+**Named, and closed when their peer is gone.** A worker's connections are named by their two
+endpoints (``"local>remote"``, ``tcp_connections``). A lost worker's agent passes on those its
+worker last reported (``ConnectionsRecord``), and each survivor shuts down its own end of each
+one (``shut_mirrored``): its end is the same connection seen from the other side. Why: a gloo
+collective waiting on a dead peer ends only when that peer's sockets close, and they close at
+the very end of the peer's exit, once the kernel has freed its memory (tens of milliseconds for
+a small process, seconds for one holding tens of GiB; never while a child process it forked
+still holds them). gloo offers no way to end the wait; a shut-down socket ends it at once, with
+the error a closed peer gives. Only connections that match exactly are touched.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterable
 
 _FD_DIR = "/proc/self/fd"
 
@@ -36,6 +49,86 @@ def open_sockets() -> dict[int, int] | None:
         if target.startswith("socket:["):
             found[int(target[8:-1])] = int(fd)
     return found
+
+
+def _address(sockaddr) -> str:
+    """``host:port`` of a socket address; an IPv4 address mapped into IPv6 (a dual-stack
+    listener's peer) is written as IPv4, as the other side sees it."""
+    host, port = sockaddr[0], sockaddr[1]
+    if host.startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def mirrored(connection: str) -> str:
+    """The same connection named from its other end: ``"a>b"`` is ``"b>a"``."""
+    local, _, remote = connection.partition(">")
+    return f"{remote}>{local}"
+
+
+def _connected(fd: int) -> str | None:
+    """``"local>remote"`` of ``fd`` when it is a connected TCP socket, else None."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:  # closed since it was listed
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return None
+        return f"{_address(sock.getsockname())}>{_address(sock.getpeername())}"
+    except OSError:  # not connected (a listener), or no longer open
+        return None
+    finally:
+        sock.close()
+
+
+def tcp_connections(sockets: dict[int, int] | None = None) -> tuple[str, ...]:
+    """This process's connected TCP sockets, each as ``"local>remote"`` (sorted); ``sockets``:
+    ``open_sockets()``'s answer, when the caller has it already. Empty where ``/proc`` is not there."""
+    sockets = open_sockets() if sockets is None else sockets
+    return tuple(sorted(c for c in (_connected(fd) for fd in (sockets or {}).values()) if c is not None))
+
+
+def shut_mirrored(lost: Iterable[str]) -> int:
+    """Shut down this process's end of every connection in ``lost`` (named from the other end,
+    a process that is gone): a thread blocked on one (a gloo collective) gets the error a
+    closed peer gives, now. The descriptors stay open for their owner to close. Returns how
+    many were shut down."""
+    wanted = {mirrored(c) for c in lost}
+    if not wanted:
+        return 0
+    shut = 0
+    for fd in (open_sockets() or {}).values():
+        if _connected(fd) not in wanted:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # the socket itself, whichever descriptor names it
+            shut += 1
+        except OSError:  # closed meanwhile
+            pass
+        finally:
+            sock.close()
+    return shut
+
+
+class ConnectionList:
+    """``tcp_connections`` listed again only when the set of open sockets changed (a directory
+    listing per call otherwise: the heartbeat thread asks every half second)."""
+
+    def __init__(self):
+        self._sockets: frozenset | None = None
+
+    def changed(self) -> tuple[str, ...] | None:
+        """The connections now, if the sockets changed since the last call; else None."""
+        sockets = open_sockets()
+        if sockets is None or frozenset(sockets) == self._sockets:
+            return None
+        self._sockets = frozenset(sockets)
+        return tcp_connections(sockets)
 
 
 def tcp_endpoint(fd: int) -> tuple[int, bool] | None:

@@ -110,3 +110,79 @@ def test_a_connection_an_older_listener_accepts_is_not_counted():
     assert mark.opened() == 3
     for s in (client, accepted, old, client2, accepted2, new):
         s.close()
+
+
+# -- connections named, and shut down when their other end is lost ---------------------------
+
+
+@pytest.mark.parametrize(
+    "sockaddr, want",
+    [
+        (("127.0.0.1", 80), "127.0.0.1:80"),
+        (("::ffff:10.0.0.2", 29500, 0, 0), "10.0.0.2:29500"),  # a dual-stack listener's IPv4 peer, as that peer names itself
+        (("fe80::1", 443, 0, 2), "[fe80::1]:443"),
+        (("::1", 9, 0, 0), "[::1]:9"),
+    ],
+)
+def test_addresses_are_named_as_the_other_side_names_them(sockaddr, want):
+    assert connections._address(sockaddr) == want
+
+
+def test_a_connection_mirrored_is_the_other_sides_name():
+    assert connections.mirrored("10.0.0.1:5>10.0.0.2:6") == "10.0.0.2:6>10.0.0.1:5"
+    assert connections.mirrored(connections.mirrored("[::1]:5>[::1]:6")) == "[::1]:5>[::1]:6"
+
+
+def _pair():
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    return listener, a, b
+
+
+def _name(sock: socket.socket) -> str:
+    (lh, lp), (rh, rp) = sock.getsockname(), sock.getpeername()
+    return f"{lh}:{lp}>{rh}:{rp}"
+
+
+def test_this_process_lists_its_connections_not_its_listeners():
+    listener, a, b = _pair()
+    try:
+        listed = connections.tcp_connections()
+        assert {_name(a), _name(b)} <= set(listed)
+        port = listener.getsockname()[1]
+        assert [n for n in listed if n.startswith(f"127.0.0.1:{port}>")] == [_name(b)]  # the listener itself is no connection
+        changes = connections.ConnectionList()
+        assert set(changes.changed()) >= {_name(a), _name(b)}
+        assert changes.changed() is None  # nothing opened or closed since
+        c = socket.create_connection(listener.getsockname())
+        assert _name(c) in changes.changed()
+        c.close()
+    finally:
+        for s in (listener, a, b):
+            s.close()
+
+
+def test_shutting_down_a_lost_peers_connections_ends_a_wait_on_them_now():
+    """``a`` stands for the lost process's end (its name as that process listed it); ``b`` is
+    this process's end, on which a thread waits as a gloo collective does. Only ``b`` is shut
+    down: another connection, even to the same listener, is left alone."""
+    import threading
+
+    listener, a, b = _pair()
+    other = socket.create_connection(listener.getsockname())
+    other_end, _ = listener.accept()
+    try:
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(b.recv(1)))
+        waiter.start()
+        assert connections.shut_mirrored([_name(a), "10.9.9.9:1>10.9.9.9:2"]) == 1
+        waiter.join(timeout=5)
+        assert got == [b""]  # the end of the stream, as when the peer's socket closes
+        other.sendall(b"x")
+        assert other_end.recv(1) == b"x"
+        assert b.fileno() >= 0  # shut down, not closed: its owner closes its descriptor
+        assert connections.shut_mirrored([]) == 0
+    finally:
+        for s in (listener, a, b, other, other_end):
+            s.close()
