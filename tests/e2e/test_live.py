@@ -128,6 +128,7 @@ MOST_CONNECTIONS = 4  # per worker entering a generation: 2 ring neighbours + th
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_a_lost_worker_whose_sockets_outlive_it_holds_no_survivor(local_job, reference):
     """Rank 2 dies inside the gradient allreduce while a process it forked keeps its sockets
     open (as a data-loader worker that inherited them does): its peers' gloo collective would
