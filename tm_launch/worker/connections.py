@@ -26,6 +26,7 @@ the error a closed peer gives. Only connections that match exactly are touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterable
@@ -66,27 +67,41 @@ def mirrored(connection: str) -> str:
     return f"{remote}>{local}"
 
 
-def _connected(fd: int) -> str | None:
-    """``"local>remote"`` of ``fd`` when it is a connected TCP socket, else None."""
+@contextlib.contextmanager
+def _tcp_socket(fd: int):
+    """``fd`` as a socket object (a duplicate, closed on exit) when it is a TCP socket (IPv4 or
+    IPv6; not UDP or a Unix socket), else None. Asked of the socket itself: reading the kernel's
+    TCP table (``/proc/net/tcp``) took 8 ms with a few hundred sockets on the machine, too long
+    for a recovery's path."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
-    except OSError:  # closed since it was listed
-        return None
+    except OSError:  # closed since it was listed, or not a socket
+        yield None
+        return
     try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-            return None
-        return f"{_address(sock.getsockname())}>{_address(sock.getpeername())}"
-    except OSError:  # not connected (a listener), or no longer open
-        return None
+        yield sock if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM else None
     finally:
         sock.close()
+
+
+def _name(sock: socket.socket) -> str | None:
+    """``"local>remote"`` of a TCP socket; None when it is not connected (a listener) or closed."""
+    try:
+        return f"{_address(sock.getsockname())}>{_address(sock.getpeername())}"
+    except OSError:
+        return None
 
 
 def tcp_connections(sockets: dict[int, int] | None = None) -> tuple[str, ...]:
     """This process's connected TCP sockets, each as ``"local>remote"`` (sorted); ``sockets``:
     ``open_sockets()``'s answer, when the caller has it already. Empty where ``/proc`` is not there."""
-    sockets = open_sockets() if sockets is None else sockets
-    return tuple(sorted(c for c in (_connected(fd) for fd in (sockets or {}).values()) if c is not None))
+    names = []
+    for fd in (open_sockets() if sockets is None else sockets or {}).values():
+        with _tcp_socket(fd) as sock:
+            name = _name(sock) if sock is not None else None
+        if name is not None:
+            names.append(name)
+    return tuple(sorted(names))
 
 
 def shut_mirrored(lost: Iterable[str]) -> int:
@@ -95,23 +110,16 @@ def shut_mirrored(lost: Iterable[str]) -> int:
     closed peer gives, now. The descriptors stay open for their owner to close. Returns how
     many were shut down."""
     wanted = {mirrored(c) for c in lost}
-    if not wanted:
-        return 0
     shut = 0
-    for fd in (open_sockets() or {}).values():
-        if _connected(fd) not in wanted:
-            continue
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)  # the socket itself, whichever descriptor names it
-            shut += 1
-        except OSError:  # closed meanwhile
-            pass
-        finally:
-            sock.close()
+    for fd in (open_sockets() or {}).values() if wanted else ():
+        with _tcp_socket(fd) as sock:
+            if sock is None or _name(sock) not in wanted:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the socket itself, whichever descriptor names it
+                shut += 1
+            except OSError:  # closed meanwhile
+                pass
     return shut
 
 
@@ -132,27 +140,15 @@ class ConnectionList:
 
 
 def tcp_endpoint(fd: int) -> tuple[int, bool] | None:
-    """(local port, connected) of ``fd`` when it is a TCP socket (IPv4 or IPv6; not UDP or a
-    Unix socket), else None. Asked of the socket itself, through a duplicate: reading the
-    kernel's TCP table (``/proc/net/tcp``) took 8 ms with a few hundred sockets on the machine,
-    too long for a recovery's path."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:  # closed since it was listed
-        return None
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+    """(local port, connected) of ``fd`` when it is a TCP socket, else None."""
+    with _tcp_socket(fd) as sock:
+        if sock is None:
             return None
-        port = sock.getsockname()[1]
         try:
-            sock.getpeername()
-        except OSError:  # not connected: a listener, or a socket not yet connected
-            return port, False
-        return port, True
-    except OSError:  # no longer open
-        return None
-    finally:
-        sock.close()
+            port = sock.getsockname()[1]
+        except OSError:  # no longer open
+            return None
+        return port, _name(sock) is not None
 
 
 class Mark:
