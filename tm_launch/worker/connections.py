@@ -26,9 +26,10 @@ the error a closed peer gives. Only connections that match exactly are touched.
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import os
 import socket
+import sys
 from collections.abc import Iterable
 
 _FD_DIR = "/proc/self/fd"
@@ -67,41 +68,51 @@ def mirrored(connection: str) -> str:
     return f"{remote}>{local}"
 
 
-@contextlib.contextmanager
-def _tcp_socket(fd: int):
-    """``fd`` as a socket object (a duplicate, closed on exit) when it is a TCP socket (IPv4 or
-    IPv6; not UDP or a Unix socket), else None. Asked of the socket itself: reading the kernel's
-    TCP table (``/proc/net/tcp``) took 8 ms with a few hundred sockets on the machine, too long
-    for a recovery's path."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:  # closed since it was listed, or not a socket
-        yield None
-        return
-    try:
-        yield sock if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM else None
-    finally:
-        sock.close()
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _name(sock: socket.socket) -> str | None:
-    """``"local>remote"`` of a TCP socket; None when it is not connected (a listener) or closed."""
-    try:
-        return f"{_address(sock.getsockname())}>{_address(sock.getpeername())}"
-    except OSError:
+def _endpoint(call, fd: int) -> tuple[str, int] | None:
+    """(host, port) that ``getsockname``/``getpeername`` (``call``) gives for ``fd`` when it is an
+    IPv4 or IPv6 socket; None otherwise (not connected, closed, another family)."""
+    buf, size = ctypes.create_string_buffer(128), ctypes.c_uint32(128)
+    if call(fd, buf, ctypes.byref(size)) != 0:
         return None
+    family = int.from_bytes(buf.raw[:2], sys.byteorder)
+    port = int.from_bytes(buf.raw[2:4], "big")
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, buf.raw[4:8]), port
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, buf.raw[8:24]), port
+    return None
+
+
+def _is_tcp(fd: int) -> bool:
+    kind, size = ctypes.c_int(0), ctypes.c_uint32(ctypes.sizeof(ctypes.c_int))
+    return (
+        _libc.getsockopt(fd, socket.SOL_SOCKET, socket.SO_TYPE, ctypes.byref(kind), ctypes.byref(size)) == 0
+        and kind.value == socket.SOCK_STREAM
+    )
+
+
+def _name(fd: int) -> str | None:
+    """``"local>remote"`` of ``fd`` when it is a connected TCP socket (IPv4 or IPv6), else None.
+
+    Asked of the descriptor itself through libc, not through a Python socket object: building
+    one sets the descriptor non-blocking when a script set ``socket.setdefaulttimeout``, and the
+    flag is shared with gloo's and the stores' own use of the socket. (Reading the kernel's TCP
+    table, ``/proc/net/tcp``, took 8 ms with a few hundred sockets: too long for a recovery.)"""
+    local = _endpoint(_libc.getsockname, fd)
+    if local is None or not _is_tcp(fd):
+        return None
+    remote = _endpoint(_libc.getpeername, fd)
+    return None if remote is None else f"{_address(local)}>{_address(remote)}"
 
 
 def tcp_connections(sockets: dict[int, int] | None = None) -> tuple[str, ...]:
     """This process's connected TCP sockets, each as ``"local>remote"`` (sorted); ``sockets``:
     ``open_sockets()``'s answer, when the caller has it already. Empty where ``/proc`` is not there."""
-    names = []
-    for fd in (open_sockets() if sockets is None else sockets or {}).values():
-        with _tcp_socket(fd) as sock:
-            name = _name(sock) if sock is not None else None
-        if name is not None:
-            names.append(name)
-    return tuple(sorted(names))
+    names = (_name(fd) for fd in (open_sockets() if sockets is None else sockets or {}).values())
+    return tuple(sorted(n for n in names if n is not None))
 
 
 def shut_mirrored(lost: Iterable[str]) -> int:
@@ -112,14 +123,8 @@ def shut_mirrored(lost: Iterable[str]) -> int:
     wanted = {mirrored(c) for c in lost}
     shut = 0
     for fd in (open_sockets() or {}).values() if wanted else ():
-        with _tcp_socket(fd) as sock:
-            if sock is None or _name(sock) not in wanted:
-                continue
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # the socket itself, whichever descriptor names it
-                shut += 1
-            except OSError:  # closed meanwhile
-                pass
+        if _name(fd) in wanted and _libc.shutdown(fd, socket.SHUT_RDWR) == 0:
+            shut += 1
     return shut
 
 
@@ -141,14 +146,10 @@ class ConnectionList:
 
 def tcp_endpoint(fd: int) -> tuple[int, bool] | None:
     """(local port, connected) of ``fd`` when it is a TCP socket, else None."""
-    with _tcp_socket(fd) as sock:
-        if sock is None:
-            return None
-        try:
-            port = sock.getsockname()[1]
-        except OSError:  # no longer open
-            return None
-        return port, _name(sock) is not None
+    local = _endpoint(_libc.getsockname, fd)
+    if local is None or not _is_tcp(fd):
+        return None
+    return local[1], _endpoint(_libc.getpeername, fd) is not None
 
 
 class Mark:

@@ -186,3 +186,24 @@ def test_shutting_down_a_lost_peers_connections_ends_a_wait_on_them_now():
     finally:
         for s in (listener, a, b, other, other_end):
             s.close()
+
+
+def test_listing_and_shutting_leave_every_socket_blocking_as_it_was():
+    """A script may set ``socket.setdefaulttimeout``: a Python socket object built on a duplicate
+    of gloo's or a store's descriptor would then make that socket non-blocking under them (the
+    flag belongs to the socket, not the descriptor). The descriptors are asked through libc."""
+    import fcntl
+
+    listener, a, b = _pair()
+    socket.setdefaulttimeout(5)
+    try:
+        b.settimeout(None)  # blocking, as a store client's socket is
+        flags = fcntl.fcntl(b.fileno(), fcntl.F_GETFL)
+        assert connections.tcp_connections() and connections.ConnectionList().changed()
+        assert connections.shut_mirrored(["10.9.9.9:1>10.9.9.9:2"]) == 0
+        connections.Mark().opened()
+        assert fcntl.fcntl(b.fileno(), fcntl.F_GETFL) == flags
+    finally:
+        socket.setdefaulttimeout(None)
+        for s in (listener, a, b):
+            s.close()
