@@ -95,7 +95,8 @@ class AgentClient:
     def _heartbeat(self, store) -> None:
         """Tell the agent this process is alive, also while the main thread waits in a collective
         (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it.
-        The same thread writes the progress reports handed to it (``report_status``)."""
+        The same thread writes the progress reports handed to it (``report_status``) and, in live
+        mode, this worker's connections whenever its sockets changed (``ConnectionsRecord``)."""
         beat_at = 0.0
         while not self._closing.is_set():
             try:
