@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from . import marker_watch
 from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
-from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, connection_names, fresh_nodes, plan_delta, plan_digest
+from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, fresh_nodes, plan_delta, plan_digest
 from .planner import PLANNERS, View, follows_only, planners, spares
 from .state_mirror import StateMirror
 
@@ -163,7 +163,7 @@ class Membership:
                 raise
             plan, plan_error = None, str(e)
         alive, failed, drains, reports, done = {}, {}, {}, {}, set()
-        kinds, times, connections = {}, {}, {}
+        kinds, times = {}, {}
         gen = plan.generation if plan else -1
         for key, entry in entries.items():
             parts = key.split("/")
@@ -180,10 +180,8 @@ class Membership:
                 elif kind in ("reports", "done", "stores") and not parts[2].isdigit():
                     raise ValueError("the generation in the key is not a number")
                 elif kind == "reports" and parts[2] == str(gen):
-                    reason, report_kind, when, lost = _report(entry.value)
+                    reason, report_kind, when = _report(entry.value)
                     reports[parts[3]], kinds[parts[3]], times[parts[3]] = reason, report_kind, when
-                    if lost:
-                        connections[parts[3]] = lost
                 elif kind == "done" and parts[2] == str(gen):
                     _object(entry.value)
                     done.add(parts[3])
@@ -204,7 +202,6 @@ class Membership:
             live=getattr(entries.get("state/live"), "value", None) == "1",
             report_kinds=kinds,
             report_times=times,
-            report_connections=connections,
             now=time.time(),
         )
         return Snapshot(
@@ -367,7 +364,6 @@ class Membership:
             reports=before.reports if same_gen else {},
             report_kinds=before.report_kinds if same_gen else {},
             report_times=before.report_times if same_gen else {},
-            report_connections=before.report_connections if same_gen else {},
             done=before.done if same_gen else frozenset(),
         )
 
@@ -463,14 +459,9 @@ class Membership:
         return ok
 
     @_writes_state
-    def report_failure(self, generation: int, node: str, reason: str, kind: str = "lost", connections: Iterable[str] = ()) -> None:
-        """``kind``: "exit" (a worker exited non-zero), "signal", "lost" or "alarm" (see planner);
-        ``connections``: the TCP connections of the node's workers, which its peers shut down
-        (``Plan.lost_connections``)."""
-        record = {"reason": reason, "kind": kind, "time": time.time()}
-        if connections:
-            record["connections"] = list(connections)
-        self.kv.put(f"state/reports/{generation}/{node}", json.dumps(record))
+    def report_failure(self, generation: int, node: str, reason: str, kind: str = "lost") -> None:
+        """``kind``: "exit" (a worker exited non-zero), "signal", "lost" or "alarm" (see planner)."""
+        self.kv.put(f"state/reports/{generation}/{node}", json.dumps({"reason": reason, "kind": kind, "time": time.time()}))
 
     @_writes_state
     def publish_store(self, generation: int, addr: str, port: int) -> None:
@@ -648,18 +639,14 @@ def _reason(text: str, default: str) -> str:
     return reason
 
 
-def _report(text: str) -> tuple[str, str, float, tuple[str, ...]]:
+def _report(text: str) -> tuple[str, str, float]:
     d = _object(text)
     reason, kind, when = d["reason"], d.get("kind", "lost"), d.get("time", 0.0)
     if not isinstance(reason, str) or kind not in _REPORT_KINDS:
         raise ValueError("'reason' is not a string or 'kind' is unknown")
     if isinstance(when, bool) or not isinstance(when, (int, float)):
         raise ValueError("'time' is not a number")
-    try:
-        connections = connection_names(d.get("connections", ()), "'connections'")
-    except ValueError:  # the failure still counts; only its connections are left out
-        connections = ()
-    return reason, kind, float(when), connections
+    return reason, kind, float(when)
 
 
 def _store(text: str) -> dict:

@@ -108,21 +108,6 @@ class NodeInfo:
         return info
 
 
-MAX_CONNECTIONS = 4096  # per worker in a ConnectionsRecord, and per plan in Plan.lost_connections
-MAX_CONNECTION_NAME = 110  # "[v6 address]:port>[v6 address]:port" fits
-
-
-def connection_names(value, what: str) -> tuple[str, ...]:
-    """``value`` checked as a list of connection names (``"local>remote"``: a worker's TCP
-    connections, named from its side): it comes from another process, or from etcd."""
-    if not isinstance(value, (list, tuple)) or len(value) > MAX_CONNECTIONS:
-        raise ValueError(f"{what} must be a list of at most {MAX_CONNECTIONS} connections")
-    for name in value:
-        if not isinstance(name, str) or len(name) > MAX_CONNECTION_NAME or name.count(">") != 1:
-            raise ValueError(f"{what} holds something that is not a connection ('local>remote')")
-    return tuple(value)
-
-
 @dataclass(frozen=True)
 class Plan:
     """One generation: the active nodes in group-rank order and how we got here."""
@@ -139,9 +124,6 @@ class Plan:
     live: bool = False  # survivors keep their processes (in-place substitution)
     restart_why: str = ""  # a generation after the first that is not live: why every worker starts afresh
     planned: bool = False  # a two-phase migration (drain): switch at a step boundary
-    # The TCP connections the lost nodes' workers last listed (live plans): each survivor
-    # shuts its own end down, so that nothing waits for the lost processes' exits to end.
-    lost_connections: tuple[str, ...] = ()
     state: str = RUNNING
     reason: str = ""
     created: float = 0.0
@@ -183,7 +165,6 @@ class Plan:
             if not isinstance(d.get(key, ()), (list, tuple)) or not all(isinstance(n, str) for n in d.get(key, ())):
                 raise ValueError(f"plan field '{key}' must be a list of node ids")
             d[key] = tuple(d.get(key, ()))
-        d["lost_connections"] = connection_names(d.get("lost_connections", ()), "plan field 'lost_connections'")
         plan = Plan(**d)
         # etcd content is input: every field an agent acts on is type-checked, so that a bad
         # plan is refused here, in one place, rather than crashing an agent later.
@@ -226,7 +207,6 @@ class Plan:
             live=self.live,
             restart_why="",
             planned=False,
-            lost_connections=(),
             state=RUNNING,
             reason="",
             created=time.time(),

@@ -28,10 +28,9 @@ training state); otherwise every worker restarts from the script's own start or 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .plan import FAILED, MAX_CONNECTIONS, SUCCEEDED, NodeInfo, Plan
+from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,6 @@ class View:
     # "refused": a worker refused to run as configured (the job fails: no restart would help).
     report_kinds: dict[str, str] = field(default_factory=dict)
     report_times: dict[str, float] = field(default_factory=dict)
-    report_connections: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node -> its workers' connections, as reported
     now: float = 0.0
     live: bool = False  # the job's workers use the live API
     last_call_passed: bool = False  # MIN <= alive < MAX and the join window has closed
@@ -258,17 +256,8 @@ def _replace_lost(view: View, limits: Limits, lost: dict[str, str], collateral: 
         cause=cause,
         live=live,
         restart_why=why,
-        lost_connections=lost_connections(view, lost) if live else (),
         store=_store_for(nodes_t, joiners_t, view.alive, plan.store),
     )
-
-
-def lost_connections(view: View, lost: Mapping[str, str]) -> tuple[str, ...]:
-    """The connections the lost nodes' workers reported with their failure (a node lost with
-    its agent reports none: its peers' collectives end when its sockets time out or the
-    collective timeout passes), at most ``MAX_CONNECTIONS`` of them."""
-    found = sorted({c for node in lost for c in view.report_connections.get(node, ())})
-    return tuple(found[:MAX_CONNECTIONS])
 
 
 NOT_LIVE_YET = (

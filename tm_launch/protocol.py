@@ -216,11 +216,6 @@ class WorkerKeys:
     def refused(self) -> str:
         return self._key("refused")
 
-    @property
-    def connections(self) -> str:
-        """Its TCP connections, as it last listed them (``ConnectionsRecord``)."""
-        return self._key("connections")
-
     def entered(self, generation: int) -> str:
         return self._key(f"entered/{generation}")
 
@@ -230,7 +225,7 @@ class WorkerKeys:
     def restarted(self) -> tuple[str, ...]:
         """What a new process of this local rank must not inherit from the one before it (the
         hang watchdog would read the old heartbeat as the new process's)."""
-        return self.status, self.beat, self.state_lost, self.refused, self.connections
+        return self.status, self.beat, self.state_lost, self.refused
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -280,9 +275,6 @@ class Directive:
     planned: bool = False  # a drain or migration: switch at an agreed step
     live: bool = True
     stop: bool = False  # the job is over
-    # The connections of workers lost since the last generation, named from their side
-    # (``ConnectionsRecord``): a survivor shuts its own end of each (``shut_mirrored``).
-    lost_connections: tuple[str, ...] = ()
 
     def rank_of(self, local_rank: int) -> int:
         """The global rank of ``local_rank`` in this generation; -1 when this node holds none."""
@@ -297,7 +289,6 @@ class Directive:
         data = json.loads(text)
         data["ranks"] = tuple(data.get("ranks") or ())
         data["joiner_ranks"] = tuple(data.get("joiner_ranks") or ())
-        data["lost_connections"] = tuple(str(c) for c in data.get("lost_connections") or ())  # from the plan, checked there
         for where in ("store", "standby"):
             entry = data.get(where)
             data[where] = StoreAddress(**entry) if entry else None
@@ -394,15 +385,6 @@ class StateLostRecord(_Record):
     step: int
     ranks: list
     why: str
-
-
-@dataclass(frozen=True)
-class ConnectionsRecord(_Record):
-    """A live worker's TCP connections, each ``"local>remote"``, listed again whenever its set of
-    sockets changed. If it dies, its agent hands them on (the failure report, the plan, each
-    survivor's ``Directive.lost_connections``) and every survivor shuts its own end down."""
-
-    tcp: list = field(default_factory=list)  # the agent checks it before it goes to etcd (rendezvous.plan.connection_names)
 
 
 @dataclass(frozen=True)

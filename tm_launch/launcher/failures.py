@@ -108,8 +108,7 @@ class FailureWatch:
                     local_rank=local_rank,
                     exit_code=code,
                 )
-                kind = "signal" if code is None or code < 0 else "exit"
-                self.session.report_failure(plan.generation, me, why, kind=kind, connections=sup.connections())
+                self.session.report_failure(plan.generation, me, why, kind="signal" if code is None or code < 0 else "exit")
             finally:
                 # After the report, not before: stopping and reaping this node's other workers
                 # took 32-35 ms with one other worker on a loaded 2-core machine, and the whole

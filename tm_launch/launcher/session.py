@@ -239,8 +239,8 @@ class EtcdSession:
             self.members.unmark_planner(self.node_id)
             self.planner_marked = None
 
-    def report_failure(self, generation: int, node: str, why: str, kind: str, connections: tuple[str, ...] = ()) -> None:
-        self.members.report_failure(generation, node, why, kind=kind, connections=connections)
+    def report_failure(self, generation: int, node: str, why: str, kind: str) -> None:
+        self.members.report_failure(generation, node, why, kind=kind)
         self.reported = True
 
     def cordon(self, node: str, why: str) -> None:

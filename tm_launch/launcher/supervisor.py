@@ -16,11 +16,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from rendezvous.plan import Plan, connection_names
+from rendezvous.plan import Plan
 
 from ..protocol import (
     LATEST,
-    ConnectionsRecord,
     Directive,
     EnteredRecord,
     FirstStepRecord,
@@ -138,18 +137,6 @@ class WorkerSupervisor:
         """What a worker said before it ended because no live rank holds some rank's state."""
         return self._last_word(WorkerKeys(local_rank).state_lost, StateLostRecord)
 
-    def connections(self) -> tuple[str, ...]:
-        """The TCP connections this node's live workers listed last (``ConnectionsRecord``):
-        what their peers shut down when these workers are lost."""
-        found = set()
-        for lr in self.workers.workers:
-            record = self._last_word(WorkerKeys(lr).connections, ConnectionsRecord)
-            try:
-                found.update(connection_names(record.tcp, "a worker's connections") if record is not None else ())
-            except ValueError:  # a worker's record is input: a bad one is left out, never sent on
-                continue
-        return tuple(sorted(found))
-
     def refused(self, local_rank: int) -> RefusedRecord | None:
         """Why a worker refused to run (the job cannot run as configured), if it said so."""
         return self._last_word(WorkerKeys(local_rank).refused, RefusedRecord)
@@ -242,7 +229,6 @@ class WorkerSupervisor:
             planned=plan.planned,
             live=plan.live,
             stop=plan.finished,
-            lost_connections=plan.lost_connections,
         )
         self.store.set(directive_key(plan.generation), directive.to_json())
         current = self.store.add(LATEST, 0)

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from ..protocol import (
     CLOSE,
     LATEST,
-    ConnectionsRecord,
     Directive,
     EnteredRecord,
     FirstStepRecord,
@@ -37,7 +36,6 @@ from ..protocol import (
     directive_key,
 )
 from ..waits import Every
-from .connections import ConnectionList
 
 
 def log(msg: str) -> None:
@@ -84,10 +82,6 @@ class AgentClient:
         self._pending_status: str | None = None  # a progress report the heartbeat thread writes next
         self._wakeup = threading.Event()  # the heartbeat thread: a report is pending, or close()
         self._gone = False  # the heartbeat thread's write failed: the agent's store is gone
-        # A live worker lists its TCP connections for its agent (``ConnectionsRecord``): if it
-        # dies, its peers shut their ends down instead of waiting for its exit to end.
-        self._connections = ConnectionList() if env.live else None
-        self._list_now = False  # list the connections at the next wake, not the next beat
         beat_store = self.store.clone()  # its own connection: a blocked main thread must not stop it
         self._beat = threading.Thread(target=self._heartbeat, args=(beat_store,), daemon=True)
         self._beat.start()
@@ -95,20 +89,13 @@ class AgentClient:
     def _heartbeat(self, store) -> None:
         """Tell the agent this process is alive, also while the main thread waits in a collective
         (gloo releases the GIL). A stopped or wedged process stops beating: the agent kills it.
-        The same thread writes the progress reports handed to it (``report_status``) and, in live
-        mode, this worker's connections whenever its sockets changed (``ConnectionsRecord``)."""
+        The same thread writes the progress reports handed to it (``report_status``)."""
         beat_at = 0.0
         while not self._closing.is_set():
             try:
-                listing, self._list_now = self._list_now, False
                 if time.monotonic() - beat_at >= 0.5:
                     store.set(self.keys.beat, f"{time.time():.3f}")
                     beat_at = time.monotonic()
-                    listing = True
-                if listing and self._connections is not None:
-                    tcp = self._connections.changed()
-                    if tcp is not None:
-                        store.set(self.keys.connections, ConnectionsRecord(tcp=list(tcp)).to_json())
                 with self._status_lock:
                     pending = self._take_pending()
                     if pending is not None:
@@ -212,12 +199,6 @@ class AgentClient:
 
     def report_first_step(self, generation: int, record: FirstStepRecord) -> None:
         self._put(self.keys.first_step(generation), record.to_json(), wake=True)
-        self.list_connections_soon()  # a generation's pairs are connected by its first step
-
-    def list_connections_soon(self) -> None:
-        """Have the heartbeat thread list this worker's connections now, not at its next beat."""
-        self._list_now = True
-        self._wakeup.set()
 
     def report_state_lost(self, record: StateLostRecord) -> None:
         self._put(self.keys.state_lost, record.to_json(), wake=True)

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..protocol import EXIT_REFUSED, EXIT_STATE_LOST, Directive, FirstStepRecord, RefusedRecord, StateLostRecord, WorkerEnv, WorkerState
-from . import c10d_glue, communicators, connections, cuda_warmup, ddp_rebuild, optimizer_steps
+from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_steps
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
@@ -665,18 +665,12 @@ class LiveJob:
         return None
 
     def _on_directive(self, d: Directive) -> None:
-        """Watcher thread: an unplanned generation means a peer is gone. This rank's end of every
-        connection the lost workers had is shut down (a gloo collective waiting on one fails now,
-        not when the lost process's exit ends: ``connections``), a vote waiting for it is
-        settled as aborted at once, and the NCCL communicators it changes are aborted (their GPU
-        work fails now rather than at the collective timeout). A planned one switches at an
+        """Watcher thread: an unplanned generation means a peer is gone; a vote waiting for it
+        is settled as aborted at once, and the NCCL communicators it changes are aborted (their
+        GPU work fails now rather than at the collective timeout). A planned one switches at an
         agreed step instead; a finished job ends its collectives as they are."""
         if d.planned:  # a drained rank hands over at the switch step instead
             return
-        if d.lost_connections:
-            shut = connections.shut_mirrored(d.lost_connections)
-            if shut:
-                log(f"generation {d.generation}: shut down {shut} connection(s) to lost workers (a collective waiting on them ends now)")
         self.state.commit.abort(d.generation)
         if not d.stop:
             try:

@@ -343,37 +343,7 @@ def test_garbage_values_are_ignored(kv_factory):
     lease.revoke()
 
 
-@pytest.mark.parametrize(
-    "connections, kept",
-    [
-        (["127.0.0.1:5>127.0.0.1:6"], ("127.0.0.1:5>127.0.0.1:6",)),
-        ("127.0.0.1:5>127.0.0.1:6", ()),  # not a list
-        ([5], ()),
-        (["no arrow"], ()),
-        (["a>b>c"], ()),
-        (["x" * 200 + ">y"], ()),
-        (["1:1>2:2"] * 5000, ()),  # more than a plan carries
-    ],
-)
-def test_a_failure_reports_its_workers_connections(kv_factory, connections, kept):
-    """A report's connections reach the planner's view; a bad list (etcd content is input) is
-    dropped, never the failure it came with."""
-    kv = kv_factory("job")
-    m = Membership(kv)
-    lease = m.register(info("a", 1.0), ttl=10)
-    assert m.publish(Plan(generation=0, nodes=("a",), nproc=1), None)
-    kv.put("state/reports/0/a", json.dumps({"reason": "worker 0 killed", "kind": "signal", "time": 1.0, "connections": connections}))
-    v = m.snapshot().view
-    assert v.reports == {"a": "worker 0 killed"} and v.report_connections == ({"a": kept} if kept else {})
-    m.report_failure(0, "a", "again", kind="signal", connections=("10.0.0.1:1>10.0.0.2:2",))
-    assert m.snapshot().view.report_connections == {"a": ("10.0.0.1:1>10.0.0.2:2",)}
-    lease.revoke()
-
-
-@pytest.mark.parametrize(
-    "value",
-    ["garbage", "{}", '{"generation": "x", "nodes": 5, "nproc": 1}', '{"generation": 1, "nodes": [], "nproc": 1, "lost_connections": [7]}'],
-)
+@pytest.mark.parametrize("value", ["garbage", "{}", '{"generation": "x", "nodes": 5, "nproc": 1}'])
 def test_garbage_plan_does_not_crash_snapshot(kv_factory, value):
     from rendezvous.kv import KVError
 

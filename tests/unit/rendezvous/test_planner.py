@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from rendezvous.plan import FAILED, MAX_CONNECTIONS, RUNNING, SUCCEEDED, NodeInfo, Plan
+from rendezvous.plan import FAILED, RUNNING, SUCCEEDED, NodeInfo, Plan
 from rendezvous.planner import Limits, View, finished_without, next_plan, spares, why_restart
 
 NPROC = 2
@@ -600,8 +600,6 @@ def test_plan_json_round_trip():
     back = Plan.from_json(p.to_json())
     assert back == p
     assert isinstance(back.nodes, tuple) and isinstance(back.joiners, tuple) and isinstance(back.removed, tuple)
-    lost = dataclasses.replace(p, lost_connections=("10.0.0.9:40000>10.0.0.1:29500",))
-    assert Plan.from_json(lost.to_json()) == lost and lost.next().lost_connections == ()
     assert back.world_size == 12 and back.ranks("n0") == [4, 5, 6, 7] and back.group_rank("n9") is None
     assert Plan.from_json(back.to_json()).to_json() == p.to_json()
 
@@ -663,23 +661,6 @@ def blame_view(reports: dict, kinds: dict, times: dict | None = None, now: float
 )
 def test_blame(v, want):
     check(next_plan(v, limits("2")), want, v)
-
-
-def test_a_live_replacement_names_the_lost_workers_connections():
-    """A live plan carries the connections the lost node's workers listed (its survivors shut
-    their ends down); a restart plan carries none (nobody survives), nor does a node lost with
-    its agent (nobody listed them)."""
-    conns = {"a": ("127.0.0.1:5>127.0.0.1:6", "127.0.0.1:5>127.0.0.1:7"), "b": ("127.0.0.1:6>127.0.0.1:5",)}
-    v = dataclasses.replace(blame_view({"a": "worker killed by SIGKILL"}, {"a": "signal"}, live=True), report_connections=conns)
-    got = next_plan(v, limits("2"))
-    assert got.live and got.replaced == {"c": "a"} and got.lost_connections == conns["a"]
-    restart = dataclasses.replace(v, live=False)
-    assert next_plan(restart, limits("2")).lost_connections == ()
-    lost_node = dataclasses.replace(view(plan(0, "ab"), alive="bc", live=True), report_connections={"b": conns["b"]})
-    got = next_plan(lost_node, limits("2"))
-    assert got.live and got.replaced == {"c": "a"} and got.lost_connections == ()  # a's agent is gone: no report; b survives
-    many = {"a": tuple(f"1.1.1.1:{i}>2.2.2.2:1" for i in range(MAX_CONNECTIONS + 10))}
-    assert len(next_plan(dataclasses.replace(v, report_connections=many), limits("2")).lost_connections) == MAX_CONNECTIONS
 
 
 def test_live_needs_a_surviving_holder_of_the_state():
