@@ -9,9 +9,13 @@ joiner holds a different shard (as in a DP x TP job where a whole TP group is re
 runtime's recovery plan (``recovery.plan_recovery``) gives each joiner its own source and the
 J transfers run at the same time, through the runtime's own wire format
 (``transfer.send_state`` / ``recv_state``: a pickled header, then every tensor point-to-point).
-The state is a model's parameters plus AdamW's two moments (3 x the parameter bytes), the
-shape of real optimizer state. Reported: the slowest joiner's time from the first byte to the
-last, and the aggregate throughput.
+The state is a model's parameters plus AdamW's two moments (3 x the parameter bytes) and its
+step counters, the shape of real optimizer state: ``--params N`` splits it as a transformer's is
+split, every third parameter a matrix holding the bytes and the others norm weights and biases
+of 256 values (1 KiB), 4 tensors per parameter. Reported: the slowest joiner's time from the
+first byte to the last, and the aggregate throughput.
+
+    .venv/bin/python bench/transfer.py --mib 4,64 --joiners 1 --params 1,300   # the cost of many small tensors
 """
 
 from __future__ import annotations
@@ -29,13 +33,24 @@ sys.path.insert(0, REPO)
 
 
 class Shard:
-    """A registered object: parameters and AdamW moments of ``mib`` MiB in all."""
+    """A registered object: ``params`` parameters with AdamW's moments and step, ``mib`` MiB in all."""
 
-    def __init__(self, mib: float, fill: float):
+    SMALL = 256  # values in a norm weight or bias
+
+    def __init__(self, mib: float, fill: float, params: int = 1):
         import torch
 
-        n = int(mib * 2**20 / 4 / 3)
-        self.tensors = {k: torch.full((n,), fill) for k in ("param", "exp_avg", "exp_avg_sq")}
+        matrices = -(-params // 3)
+        n = max(1, int((mib * 2**20 / 4 / 3 - (params - matrices) * self.SMALL) / matrices))
+        self.tensors = {}
+        for i in range(params):
+            size = n if i % 3 == 0 else self.SMALL
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                self.tensors[f"{i}.{k}"] = torch.full((size,), fill)
+            self.tensors[f"{i}.step"] = torch.tensor(fill)
+
+    def holds(self, fill: float) -> bool:
+        return all(bool((t == fill).all()) for t in self.tensors.values())
 
     def state_dict(self):
         return dict(self.tensors)
@@ -45,7 +60,7 @@ class Shard:
             self.tensors[k].copy_(v)
 
 
-def worker(rank: int, world: int, port: int, mib: float, out) -> None:
+def worker(rank: int, world: int, port: int, mib: float, params: int, out) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.tensor  # noqa: F401  (a live worker has it loaded: tm_launch.worker.runtime)
@@ -60,7 +75,7 @@ def worker(rank: int, world: int, port: int, mib: float, out) -> None:
     joiners = world // 2
     holder = rank < joiners
     shard = rank % joiners  # rank r and r + J hold the same shard
-    objects = {"state": Shard(mib, float(shard) if holder else -1.0)}
+    objects = {"state": Shard(mib, float(shard) if holder else -1.0, params)}
     holdings = [
         Holding(r, 10 if r < joiners else -1, {"state": ObjectState(frozenset({r % joiners, r % joiners + joiners}), "s", "v")})
         for r in range(world)
@@ -75,12 +90,12 @@ def worker(rank: int, world: int, port: int, mib: float, out) -> None:
         out.put((rank, "sent", sent, time.perf_counter() - t0))
     else:
         step, got = recv_state(pg, sources[rank], objects)
-        ok = bool((objects["state"].tensors["param"] == float(shard)).all())
+        ok = objects["state"].holds(float(shard))
         out.put((rank, "received", got, time.perf_counter() - t0, ok))
     pg.allreduce([barrier]).wait()
 
 
-def run(joiners: int, mib: float) -> dict:
+def run(joiners: int, mib: float, params: int = 1) -> dict:
     import torch.multiprocessing as mp
 
     from rendezvous.etcd_server import free_ports
@@ -88,7 +103,7 @@ def run(joiners: int, mib: float) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_ports(1)[0]
-    procs = [ctx.Process(target=worker, args=(r, 2 * joiners, port, mib, out)) for r in range(2 * joiners)]
+    procs = [ctx.Process(target=worker, args=(r, 2 * joiners, port, mib, params, out)) for r in range(2 * joiners)]
     for p in procs:
         p.start()
     import queue
@@ -112,6 +127,7 @@ def run(joiners: int, mib: float) -> dict:
     return {
         "joiners": joiners,
         "mib": mib,
+        "params": params,
         "bytes_per_joiner": received[0][2],
         "slowest_s": slowest,
         "per_joiner_s": sorted(r[3] for r in received),
@@ -123,23 +139,30 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", default="64", help="state per rank in MiB (comma list)")
     p.add_argument("--joiners", default="1,2,4", help="joiners receiving at once (comma list)")
+    p.add_argument("--params", default="1", help="parameters the state is split into (comma list; 4 tensors each)")
     p.add_argument("--repeat", type=int, default=3, help="runs per row; the table shows medians")
     args = p.parse_args()
     rows = []
-    for mib in [float(m) for m in args.mib.split(",")]:
-        for j in [int(x) for x in args.joiners.split(",")]:
-            runs = [run(j, mib) for _ in range(args.repeat)]
-            slow = statistics.median(r["slowest_s"] for r in runs)
-            agg = statistics.median(r["aggregate_mib_s"] for r in runs)
-            rows.append((mib, j, runs[0]["bytes_per_joiner"], slow, agg))
-            print(
-                f"[bench] {mib:g} MiB x {j} joiner(s): slowest {slow * 1000:.0f} ms, aggregate {agg:.0f} MiB/s", file=sys.stderr, flush=True
-            )
-    base = {mib: slow for mib, j, _, slow, _ in rows if j == min(int(x) for x in args.joiners.split(","))}
-    print("| state per joiner | joiners at once | bytes per joiner | slowest joiner s | vs 1 joiner | aggregate MiB/s |")
-    print("|---|---|---|---|---|---|")
-    for mib, j, nbytes, slow, agg in rows:
-        print(f"| {mib:g} MiB | {j} | {nbytes / 2**20:.1f} MiB | {slow:.3f} | {slow / base[mib]:.2f}x | {agg:.0f} |")
+    fewest = min(int(x) for x in args.joiners.split(","))
+    for params in [int(n) for n in args.params.split(",")]:
+        for mib in [float(m) for m in args.mib.split(",")]:
+            for j in [int(x) for x in args.joiners.split(",")]:
+                runs = [run(j, mib, params) for _ in range(args.repeat)]
+                slow = statistics.median(r["slowest_s"] for r in runs)
+                agg = statistics.median(r["aggregate_mib_s"] for r in runs)
+                rows.append((params, mib, j, runs[0]["bytes_per_joiner"], slow, agg))
+                print(
+                    f"[bench] {mib:g} MiB in {4 * params} tensors x {j} joiner(s): slowest {slow * 1000:.0f} ms, aggregate {agg:.0f} MiB/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    base = {(params, mib): slow for params, mib, j, _, slow, _ in rows if j == fewest}
+    print("| state per joiner | tensors | joiners at once | bytes per joiner | slowest joiner s | vs 1 joiner | aggregate MiB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for params, mib, j, nbytes, slow, agg in rows:
+        print(
+            f"| {mib:g} MiB | {4 * params} | {j} | {nbytes / 2**20:.1f} MiB | {slow:.3f} | {slow / base[(params, mib)]:.2f}x | {agg:.0f} |"
+        )
     print(
         f"\n{os.cpu_count()} CPU cores, gloo over loopback, median of {args.repeat} run(s). "
         f"Command: `.venv/bin/python bench/transfer.py {' '.join(sys.argv[1:])}`".rstrip()

@@ -239,6 +239,36 @@ def test_wire_for(device, nccl, want):
     assert wire_for(torch.device(device), None if nccl is None else torch.device(nccl)) == want
 
 
+def _meta(index, shape, dtype="float32", wire="cpu"):
+    from tm_launch.worker.transfer import TENSOR
+
+    return (TENSOR, index, shape, dtype, None, wire)
+
+
+@pytest.mark.parametrize(
+    "metas, want",
+    [
+        # a model's small tensors: one message, each at a 64-byte offset (a 0-dim step counter too)
+        ([_meta(0, (3,)), _meta(1, ()), _meta(2, (5,), "bfloat16")], [("pack", [(0, 0), (1, 64), (2, 128)], 138)]),
+        # a large tensor travels alone; the small ones around it share one pack, sent when it closes
+        (
+            [_meta(0, (4,)), _meta(1, (65537,)), _meta(2, (2,), "int64")],
+            [("alone", [(1, 0)], 262148), ("pack", [(0, 0), (2, 64)], 80)],
+        ),
+        ([_meta(0, (65536,))], [("pack", [(0, 0)], 262144)]),  # PACK_TENSOR_MAX itself is packed
+        # GPU to GPU through NCCL, and a dtype a pack does not hold: alone
+        ([_meta(0, (4,), wire="cuda"), _meta(1, (4,), "float8_e4m3fn")], [("alone", [(0, 0)], 16), ("alone", [(1, 0)], 4)]),
+        # a pack is closed at PACK_BYTES: 16 tensors of 256 KiB make 4 MiB
+        ([_meta(i, (65536,)) for i in range(17)], [("pack", [(i, i * 262144) for i in range(16)], 4 * 2**20), ("pack", [(16, 0)], 262144)]),
+        ([], []),
+    ],
+)
+def test_wire_units(metas, want):
+    from tm_launch.worker.transfer import wire_units
+
+    assert wire_units(metas) == want
+
+
 def _ph(index, t, layout=None):
     """The sender's placeholder for ``t``."""
     from tm_launch.worker.transfer import TENSOR
@@ -361,7 +391,7 @@ def test_dtensors_receive_in_place_only_with_the_same_layout(fake_world, sender,
 
 
 TRANSFER = r"""
-import json, sys, datetime
+import hashlib, json, sys, datetime
 import torch, torch.distributed as dist
 import torch.distributed.tensor  # as in a live worker
 from tm_launch.worker import communicators
@@ -374,8 +404,25 @@ dev = torch.device("cpu" if device == "cpu" else f"cuda:{rank}")
 pg = communicators.build(dist.PrefixStore("t/", store), rank, 2, devices=devices, timeout_s=60, setup_timeout_s=60)
 
 torch.manual_seed(rank)  # the receiver's own state differs from the sender's everywhere
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dev)
+# 8 x 16 ... 16 x 4: small tensors, which travel in packs; 16 x 4096 (256 KiB): one of its own
+model = torch.nn.Sequential(
+    torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 4)
+).to(dev)
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+class Extra:  # state that is no module or optimizer (fresh memory), of every kind of tensor a pack holds
+    def __init__(self, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.state = {
+            "scalar": torch.tensor(seed, dtype=torch.int64), "empty": torch.zeros(0, 3), "mask": torch.rand(7, generator=g) > 0.5,
+            "half": torch.randn(3, 5, generator=g).half(), "bf16": torch.randn(9, generator=g).bfloat16(),
+            "bytes": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g), "f64": torch.randn(2, 2, dtype=torch.float64, generator=g),
+            "big": torch.randn(70000, generator=g), "n": seed,
+        }
+    def state_dict(self):
+        return self.state
+    def load_state_dict(self, sd):
+        self.state = sd
 
 def step(seed):
     g = torch.Generator().manual_seed(seed)
@@ -384,14 +431,19 @@ def step(seed):
     opt.step()
     opt.zero_grad(set_to_none=True)
 
+def digest(t):  # dtype, shape and every byte (a whole state printed would fill the test's pipe)
+    t = t.detach().cpu().contiguous()
+    return [str(t.dtype), list(t.shape), hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+
 def state():
-    return [p.detach().cpu().tolist() for p in model.parameters()] + [
-        [v.detach().cpu().tolist() for _, v in sorted(s.items())] for s in opt.state.values()]
+    return [digest(p) for p in model.parameters()] + [[digest(v) for _, v in sorted(s.items())] for s in opt.state.values()] + [
+        digest(v) if torch.is_tensor(v) else v for _, v in sorted(others.state.items())]
 
 def storage():
     return [p.data_ptr() for p in model.parameters()] + [v.data_ptr() for s in opt.state.values() for _, v in sorted(s.items())]
 
-objects = {"model": model, "optimizer": opt}
+others = Extra(rank)
+objects = {"model": model, "optimizer": opt, "extra": others}
 if rank == 0:
     for s in range(3):
         step(100 + s)
