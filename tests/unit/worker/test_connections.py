@@ -32,6 +32,8 @@ RANK = textwrap.dedent(
     pg = communicators.build(dist.PrefixStore("g1/", store), rank, size, devices=["cpu"], timeout_s=30,
                              setup_timeout_s=60, hostname="127.0.0.1")
     assert allgather_objects(pg, size, {"rank": rank}) == [{"rank": r} for r in range(size)]
+    # objects longer than the first round's bytes, of different lengths (a second round)
+    assert allgather_objects(pg, size, "x" * 5000 * rank) == ["x" * 5000 * r for r in range(size)]
     t = torch.full((4,), float(rank))
     if rank == 0:
         pg.send([t], size // 2, 0).wait()
