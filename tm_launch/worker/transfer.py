@@ -14,10 +14,10 @@ so both ends drive the same backend in the same order.
 
 Small tensors travel together: host-wire tensors of at most ``PACK_TENSOR_MAX`` bytes go as one
 message (a *pack*, each at a 64-byte offset, up to ``PACK_BYTES``), larger ones as their own
-message (``wire_units``, computed from the header on both ends). A message
-costs the receiver a wake-up whatever its size: a model's biases, norms and Adam step counters
-sent one by one made a 54 KiB model with its Adam state 15 messages, 5-7 ms of a recovery on a
-2-core machine; copying them into a pack and out again costs microseconds.
+message (``wire_units``, computed from the header on both ends). A message costs the receiver
+a wake-up whatever its size, and a transformer's norm weights, biases and Adam step counters are
+hundreds of tensors: 4 MiB in 1,200 tensors took 76-131 ms one message each and 29-32 ms in
+packs on a 2-core machine (``bench/transfer.py --params 300``).
 
 Messages are pipelined: up to ``IN_FLIGHT`` sends (and receives) are posted before the oldest
 is waited for, in the same order on both ends (a pair's messages with one tag arrive in the
