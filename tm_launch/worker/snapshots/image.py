@@ -40,18 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..replicas import fingerprints
-from ..transfer import (
-    _is_dtensor,
-    _local,
-    _own_layout,
-    _placeholders,
-    flatten,
-    left_on_the_host,
-    load_state,
-    loads_in_place,
-    receive_targets,
-    unflatten,
-)
+from ..transfer import _is_dtensor, _own_layout, _placeholders, flatten, left_on_the_host, unflatten
 
 ALIGN = 64  # bytes: where each tensor of an image starts in its buffer (any dtype's view is aligned)
 
@@ -179,17 +168,10 @@ class StateImage:
         for name in names:
             obj = objects[name]
             fresh = not isinstance(obj, torch.nn.Module)  # an optimizer keeps the tensors it is given
-            # A module's values go straight into its own tensors where they fit (its storage, and
-            # what refers to it, stay valid; ``transfer.load_state`` may then skip its loader).
-            targets = receive_targets({name: self.skeleton[name]}, {name: own[name]}) if not fresh and loads_in_place(obj) else {}
             values = {}
             for meta in _placeholders(self.skeleton[name], []):
                 _, index, _, _, layout, _ = meta
                 t = self.tensors[index]
-                if index in targets:
-                    _local(targets[index]).copy_(t)
-                    values[index] = targets[index]
-                    continue
                 if index in host:
                     t = t.clone()  # its load puts it where the optimizer keeps it
                 elif device.type != "cpu" or fresh:
@@ -205,7 +187,7 @@ class StateImage:
                         t, meshes[names_], placements, run_check=False, shape=torch.Size(global_shape), stride=global_stride
                     )
                 values[index] = t
-            load_state(obj, self.skeleton[name], values, own[name], set(targets))
+            obj.load_state_dict(unflatten(self.skeleton[name], values))
 
 
 def _renumber(obj, mapping: dict):
