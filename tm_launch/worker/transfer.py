@@ -53,7 +53,7 @@ GPU_WIRE, HOST_WIRE = "cuda", "cpu"  # NCCL, straight from GPU memory / gloo, th
 IN_FLIGHT = 16  # messages posted and not yet waited for, per transfer (bounds the staging memory too)
 PACK_TENSOR_MAX = 256 * 2**10  # a host-wire tensor this small travels in a pack with its neighbours
 PACK_BYTES = 4 * 2**20  # a pack is closed once it holds this many bytes
-_PACK_ALIGN = 64  # each packed tensor's offset: any dtype can view its bytes
+ALIGN = 64  # bytes: where each tensor starts in a buffer of several (a pack, a snapshot image): any dtype's view is aligned
 # dtypes whose bytes a pack can hold and give back with ``Tensor.view(dtype)``
 _PACKABLE = frozenset(
     {"float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16", "int8", "uint8", "bool"}
@@ -174,6 +174,11 @@ def _nbytes(meta: tuple) -> int:
     return math.prod(meta[2]) * _dtype(meta[3]).itemsize
 
 
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to ``ALIGN``: where the next tensor of a buffer of several starts."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def wire_units(ordered: list) -> list[tuple[str, list]]:
     """The messages a transfer's tensors travel in, in order (pure; both ends compute it from
     the header's placeholders, ``ordered`` by index): ``("alone", [(index, 0)], size)`` for a
@@ -192,7 +197,7 @@ def wire_units(ordered: list) -> list[tuple[str, list]]:
     for meta in ordered:
         nbytes = _nbytes(meta)
         if meta[5] == HOST_WIRE and meta[3] in _PACKABLE and nbytes <= PACK_TENSOR_MAX:
-            offset = -(-size // _PACK_ALIGN) * _PACK_ALIGN
+            offset = padded(size)
             pack.append((meta[1], offset))
             size = offset + nbytes
             if size >= PACK_BYTES:

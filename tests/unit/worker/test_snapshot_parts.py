@@ -188,7 +188,7 @@ def test_an_image_travels_as_a_few_pieces_of_one_buffer_and_arrives_bitwise():
     the subset a holder keeps (objects that are not neighbours in that order) is sent as one
     piece per run of adjacent tensors and arrives in one buffer, bitwise; a header that does
     not match the bytes it announces is refused."""
-    from tm_launch.worker.snapshots import image as image_mod
+    from tm_launch.worker import transfer
     from tm_launch.worker.snapshots.link import _image_header, _recv_image
 
     model, opt, sched = _job()
@@ -196,7 +196,7 @@ def test_an_image_travels_as_a_few_pieces_of_one_buffer_and_arrives_bitwise():
     objects = {"a_model": model, "b_scheduler": sched, "c_optimizer": opt}
     image = Capture(1, objects, None, None).copy()
     assert all(t.untyped_storage().data_ptr() == image.flat.untyped_storage().data_ptr() for t in image.tensors)
-    assert all(offset % image_mod.ALIGN == 0 for offset, _ in image.spans)
+    assert all(offset % transfer.ALIGN == 0 for offset, _ in image.spans)
     sub = image.subset(["a_model", "c_optimizer"])  # the scheduler holds no tensor: the runs are adjacent
     assert len(sub.wire_chunks()) == 1 and sum(len(c) for c in sub.wire_chunks()) == _image_header("x", 0, sub)["nbytes"]
     only_opt = image.subset(["c_optimizer"])

@@ -22,7 +22,7 @@ call (``torch._foreach_copy_``): the snapshot thread takes the GIL back once per
 per tensor, so it neither waits for the main thread's GIL switch interval nor makes the main
 thread wait for it dozens of times a step.
 
-An image's tensors are views of one host buffer (``host_tensors``), each at an ``ALIGN``-byte
+An image's tensors are views of one host buffer (``host_tensors``), each at a ``transfer.ALIGN``-byte
 offset, in placeholder order: an object's tensors are one contiguous range of it, so an image
 or the subset of its objects a holder gets travels in a few ``sendall`` calls and arrives in one
 ``recv_into`` (``wire_chunks``). Buffers are reused from the image two steps older when the
@@ -40,25 +40,19 @@ from dataclasses import dataclass, field
 import torch
 
 from ..replicas import fingerprints
-from ..transfer import _is_dtensor, _own_layout, _placeholders, flatten, left_on_the_host, unflatten
-
-ALIGN = 64  # bytes: where each tensor of an image starts in its buffer (any dtype's view is aligned)
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+from ..transfer import _is_dtensor, _own_layout, _placeholders, flatten, left_on_the_host, padded, unflatten
 
 
 def host_tensors(specs, pin: bool = False) -> tuple[torch.Tensor, list, list]:
     """One host buffer for tensors of ``specs`` [(shape, dtype)]: (the buffer, the tensors as
     views of it in order, each one's (offset, padded size) span). Pinned for a CUDA source."""
     sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
-    flat = torch.zeros(sum(_padded(n) for n in sizes), dtype=torch.uint8, pin_memory=pin)  # padding sent as zeros
+    flat = torch.zeros(sum(padded(n) for n in sizes), dtype=torch.uint8, pin_memory=pin)  # padding sent as zeros
     views, spans, offset = [], [], 0
     for (shape, dtype), n in zip(specs, sizes):
         views.append(flat[offset : offset + n].view(dtype).view(shape))
-        spans.append((offset, _padded(n)))
-        offset += _padded(n)
+        spans.append((offset, padded(n)))
+        offset += padded(n)
     return flat, views, spans
 
 
@@ -69,8 +63,8 @@ def specs_of(skeleton: dict) -> list:
 
 
 def wire_size(specs) -> int:
-    """Bytes an image of tensors ``specs`` takes on the wire (each tensor padded to ``ALIGN``)."""
-    return sum(_padded(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs)
+    """Bytes an image of tensors ``specs`` takes on the wire (each tensor padded to ``transfer.ALIGN``)."""
+    return sum(padded(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs)
 
 
 @dataclass
@@ -96,8 +90,8 @@ class StateImage:
         for shape, dtype in specs:
             n = torch.Size(shape).numel() * dtype.itemsize
             views.append(data[offset : offset + n].view(dtype).view(shape))
-            spans.append((offset, _padded(n)))
-            offset += _padded(n)
+            spans.append((offset, padded(n)))
+            offset += padded(n)
         return cls(step, skeleton, views, {}, per_rank, frozenset(modules), data, spans)
 
     @property
@@ -110,7 +104,7 @@ class StateImage:
         return [(tuple(t.shape), t.dtype) for t in self.tensors]
 
     def wire_chunks(self) -> list:
-        """The tensors' bytes as the wire carries them (each padded to ``ALIGN``), as few
+        """The tensors' bytes as the wire carries them (each padded to ``transfer.ALIGN``), as few
         contiguous pieces of the buffer as the layout allows: one per run of adjacent tensors."""
         runs: list = []
         for offset, size in self.spans:

@@ -8,7 +8,7 @@ Python). A plain socket per pair gives all three; its bytes go straight from the
 tensors to the holder's (``recv_into`` a tensor's memory: no Python copy).
 
 Messages: an 8-byte length and a pickled header, then the image's tensors' raw bytes in
-placeholder order, each padded to ``image.ALIGN`` (the layout of the image's host buffer, so the
+placeholder order, each padded to ``transfer.ALIGN`` (the layout of the image's host buffer, so the
 sender sends a few contiguous pieces of it and the receiver reads into one buffer with one
 ``recv_into`` loop; the header says how many bytes follow). Every put is acknowledged once
 stored, so a sender knows its snapshot is complete on the holder (what the next step's commit

@@ -1,13 +1,13 @@
 """XOR parity of snapshots, cut in stripes (pure byte arithmetic, table-tested).
 
 A snapshot's share travels as bytes (``StateImage.wire_chunks``: its tensors, each padded to
-``image.ALIGN``). Its bytes are cut in chunks of ``CHUNK`` dealt round-robin over the group's
+``transfer.ALIGN``). Its bytes are cut in chunks of ``CHUNK`` dealt round-robin over the group's
 stripe holders: stripe ``j`` is chunks ``j, j + h, j + 2h, ...`` (``stripe``). A holder keeps,
 per step, the XOR of every member's stripe (shorter ones count as zeros past their end) and
 which members went into it. A lost member's bytes are the XOR of the parity and every other
 member that went into it (``rebuild``): the order does not matter, the set does.
 
-Every length here is a multiple of ``image.ALIGN`` (64 bytes), so XOR runs on 8-byte words.
+Every length here is a multiple of ``transfer.ALIGN`` (64 bytes), so XOR runs on 8-byte words.
 """
 
 from __future__ import annotations
