@@ -145,6 +145,22 @@ def test_a_lost_shard_comes_back_from_its_snapshot(local_job, reference, layout,
     assert "received this rank's snapshot of step" in text and f"from rank {holder} in" in text, text[-3000:]
 
 
+@pytest.mark.parametrize("layout", ["fsdp-tp", pytest.param("hsdp", marks=pytest.mark.slow)])
+def test_a_rank_late_to_its_boundary_frees_the_peers_already_in_the_next_step(local_job, reference, layout):
+    """Rank 2 is still finishing step KILL - 1 (after its commit) when rank 3 dies at the start
+    of step KILL; ranks 0 and 1 are already in step KILL, rank 0 waiting for rank 2 in their
+    data-parallel group, which the substitution does not change. Rank 2 sees the new
+    generation at its boundary and enters it without running step KILL: it closes its
+    communicators as it goes (rank 0's wait fails now, not at the collective timeout), and
+    every member of a group that any member closed builds it again (had rank 0 rebuilt it
+    alone, it would wait for rank 2 in that setup)."""
+    lag = ("--lag-rank", "2", "--lag-step", str(KILL - 1), "--lag-seconds", "1.5")
+    job, codes, got = run(local_job, layout, kill=(3, "forward"), extra=lag, launcher=("--collective-timeout", "30"))
+    assert_live(job, codes)
+    assert_bitwise(got, reference(layout))
+    assert "entering generation" not in logs(job), logs(job)[-3000:]
+
+
 @pytest.mark.parametrize(
     "layout, rank, phase, launcher",
     [

@@ -11,7 +11,8 @@ the snapshot is on its way), ``optimizer`` (after the commit, before the update)
 update, before the loss all-reduce) or ``logged`` (after it); a script may add points of its own
 (``tests/scripts/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
-whichever process holds rank R by then.
+whichever process holds rank R by then. ``--lag-rank R --lag-step S --lag-seconds T``: rank R
+sleeps T seconds at the end of step S (after ``logged``), late to its step boundary.
 
 ``ChaosDir`` is the chaos soak's protocol (``bench/chaos.py``), the same in every script that
 takes ``--chaos-dir DIR``: repeatable triggers, each fired once whichever process holds the rank.
@@ -57,6 +58,11 @@ class Faults:
         p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
         p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
         p.add_argument("--pause-file", default=None)
+        p.add_argument(
+            "--lag-rank", type=int, default=-1, help="this rank sleeps --lag-seconds after step --lag-step (a rank late to its boundary)"
+        )
+        p.add_argument("--lag-step", type=int, default=-1)
+        p.add_argument("--lag-seconds", type=float, default=0.0)
 
     def __init__(self, args, chaos: ChaosDir | None = None):
         """``chaos``: the chaos soak's triggers (``--chaos-dir``), fired at the same points."""
@@ -77,6 +83,8 @@ class Faults:
         if phase == "forward" and step == a.pause_step and a.pause_file:
             while not os.path.exists(a.pause_file):
                 time.sleep(0.02)
+        if phase == "logged" and step == a.lag_step and job.rank == a.lag_rank:
+            time.sleep(a.lag_seconds)  # its peers start the next step without it
         if job.rank != a.kill_rank or phase != a.kill_phase:
             return
         if a.kill_trigger:

@@ -1,11 +1,12 @@
 """The generation protocol inside a worker: entering a generation, and planned switches.
 
 Entering generation N: build the world communicator on a fresh ``tm/g<N>/`` prefix of the
-generation's store (the plan names the node hosting it), rebuild only the subgroups whose
-membership changed (``membership_changed``; delta setup: a group none of whose ranks is served
-by a new process keeps its communicator), point the commit vote at the new store, then agree
-and transfer: every rank says which step it holds and which ranks hold the same state, and
-``recovery.plan_recovery`` decides which step and who sends what to whom. Ranks behind receive their own state from a replica of the same shard; a
+generation's store (the plan names the node hosting it), point the commit vote at the new
+store, then agree: every rank says which step it holds, which ranks hold the same state and
+which subgroups it cannot keep (``subgroups_to_rebuild``: their membership changed, or it closed
+their communicator). Every member of such a group rebuilds it; any other group keeps its
+communicator (delta setup). ``recovery.plan_recovery`` then decides which step and who sends
+what to whom. Ranks behind receive their own state from a replica of the same shard; a
 shard that no live rank holds at the newest step stops the job with one clear line, never a
 silent restart from the script's start state.
 
@@ -74,6 +75,19 @@ def membership_changed(ranks, d: Directive, rank: int, old_rank: int) -> bool:
     if ranks is None or d.all_fresh or rank != old_rank:
         return True
     return bool(set(d.joiner_ranks).intersection(ranks))
+
+
+def subgroups_to_rebuild(memberships: list, d: Directive, rank: int, old_rank: int, unusable: set) -> frozenset:
+    """The subgroups (indices in creation order; ``memberships[i]``: the group's global ranks)
+    that this process, taking ``rank`` in ``d`` after ``old_rank``, cannot keep: those it is a
+    member of whose membership changed for it, or whose communicator it no longer has
+    (``unusable``: closed after a failed collective, closed on entering late, the sandbox's local
+    stand-in). Each member decides this from what it alone knows, yet a group is built by all
+    of its members or by none (a setup waits for every member): the ranks gather these sets
+    (``Holding.rebuild``) and every member rebuilds the union."""
+    return frozenset(
+        i for i, ranks in enumerate(memberships) if rank in ranks and (i in unusable or membership_changed(ranks, d, rank, old_rank))
+    )
 
 
 class Generations:
@@ -187,7 +201,9 @@ class Generations:
         if not d.active:
             self._leave()
         self.pending = None
-        self.enter(d)
+        # After a step that committed, a peer may already be inside the next step, waiting for
+        # this rank in a collective of a group that ``d`` does not change (``_enter_once``).
+        self.enter(d, late=not interrupted)
 
     def _leave(self) -> None:
         """This node left the job (drained or replaced): end the script without error."""
@@ -225,19 +241,20 @@ class Generations:
         return True
 
     # -- entering ------------------------------------------------------------------------------
-    def enter(self, d: Directive, prebuilt=None, agree: bool = True) -> None:
+    def enter(self, d: Directive, prebuilt=None, agree: bool = True, late: bool = False) -> None:
         """Enter generation ``d``; when a peer dies on the way in, enter the generation after it.
 
         A joiner can die while the others wait for it in the communicator setup (which may wait
         up to the join timeout: joiners can start cold) or fail the agreement/transfer. Either way
         the generation can never complete; the agents publish a newer one (the dead node's
         lease, or this node's report after a while), and this process follows it instead of
-        waiting out the setup timeout or crashing with the training state that only it holds."""
+        waiting out the setup timeout or crashing with the training state that only it holds.
+        ``late``: this rank follows ``d`` from the boundary after a committed step."""
         while True:
             ahead = self._take_ahead(d.generation)
             prebuilt = prebuilt if prebuilt is not None else ahead
             try:
-                self._enter_once(d, prebuilt, agree)
+                self._enter_once(d, prebuilt, agree, late)
                 return
             except Superseded as newer:
                 log(f"generation {d.generation} was superseded by {newer.directive.generation} while entering it")
@@ -249,7 +266,7 @@ class Generations:
                 self.status.recovering(why)
                 log(f"{why}; waiting for the next generation")
                 d = self.agent.wait_directive(d.generation)
-            prebuilt, agree = None, True
+            prebuilt, agree, late = None, True, False
             if d.stop:
                 self._leave()
             if not d.active:
@@ -257,7 +274,7 @@ class Generations:
                     raise Superseded(d)  # a spare that is no longer promoted parks again
                 self._leave()
 
-    def _enter_once(self, d: Directive, prebuilt=None, agree: bool = True) -> None:
+    def _enter_once(self, d: Directive, prebuilt=None, agree: bool = True, late: bool = False) -> None:
         state = self.state
         t0, began = time.perf_counter(), time.time()
         connects_before = self.clients.opened_on_demand
@@ -275,21 +292,34 @@ class Generations:
             # mid-step); closing it here makes that peer fail now instead of both sides waiting
             # for each other, the peer in the old collective and this rank in the new setup.
             state.world.release()
+            if late:
+                # Its peers may have begun the next step (this rank's commit of the last one
+                # let them) and wait for it in a subgroup that ``d`` keeps: closed here, their
+                # wait fails now rather than at the collective timeout, and the gathered
+                # ``rebuild`` sets make every member of such a group build it again.
+                for sub in state.subgroups:
+                    sub.release()
         inner = prebuilt or self._build_watching(None, rank, gen, d)
         state.world.swap(inner, rank, world, gen)
         c10d_glue.register(state.world, range(world))
-        rebuilt = 1 + self._rebuild_subgroups(d, rank, old_rank)
         state.commit.use(commit_store(self.store(d.store), gen), rank, world, gen, abort_store=commit_store(self.store(d.store), gen))
         self._meet_snapshot_holders(d, rank, world)
+        t_world = time.perf_counter()
+        rebuild = self._subgroups_to_rebuild(d, rank, old_rank)
+        holdings = self._gather_holdings(inner, rank, world, rebuild) if agree else None
+        t_gathered = time.perf_counter()
+        if holdings is not None:
+            rebuild = frozenset().union(*(h.rebuild for h in holdings))
+        rebuilt = 1 + self._rebuild_subgroups(d, rank, rebuild)
         t_comm = time.perf_counter()
-        received = self._agree_and_transfer(inner, rank, world) if agree else False
+        received = self._recover(inner, rank, holdings) if agree else False
         state.in_sandbox = False
         t_done = time.perf_counter()
         self.agent.report_entered(
             gen,
             EnteredRecord(
-                communicator=t_comm - t0,
-                state=t_done - t_comm,
+                communicator=(t_world - t0) + (t_comm - t_gathered),
+                state=(t_gathered - t_world) + (t_done - t_comm),
                 received=received,
                 step=state.step,
                 began=began,
@@ -330,23 +360,34 @@ class Generations:
         self.snapshots.enter(rank, world, endpoint_of)
         self.state.commit.store.set(f"snap/{rank}", f"{host}:{port}")
 
-    def _rebuild_subgroups(self, d: Directive, rank: int, old_rank: int) -> int:
-        """Delta communicator setup: a subgroup is rebuilt only when one of its ranks is served by
-        a new process (a joiner), when it failed, or when this process took a new rank; the
-        others keep their communicator object and its connections. Groups are built in the
-        order the script created them, the same order on every rank (each setup waits for all
-        of its members, so two ranks building in different orders would wait for each other).
+    def _subgroups_to_rebuild(self, d: Directive, rank: int, old_rank: int) -> frozenset:
+        """``subgroups_to_rebuild`` from this process's own view of its subgroups."""
+        subs = self.state.subgroups
+        unusable = {i for i, sub in enumerate(subs) if sub.inner is None or isinstance(sub.inner, LocalBackend)}
+        return subgroups_to_rebuild([sub.member_ranks for sub in subs], d, rank, old_rank, unusable)
+
+    def _rebuild_subgroups(self, d: Directive, rank: int, rebuild: frozenset) -> int:
+        """Delta communicator setup: the subgroups of ``rebuild`` (agreed by every rank,
+        ``subgroups_to_rebuild``) are built again; the others keep their communicator object and
+        its connections. Groups are built in the order the script created them, the same order
+        on every rank (each setup waits for all of its members, so two ranks building in
+        different orders would wait for each other). A build that fails leaves its group
+        without a communicator, so that the next generation rebuilds it on every member.
         Returns how many it rebuilt."""
         rebuilt = 0
-        for sub in self.state.subgroups:
+        for i, sub in enumerate(self.state.subgroups):
             ranks = sub.member_ranks
             if rank not in ranks:
                 if sub.inner is not None:
                     sub.swap(None, -1, len(ranks), d.generation)  # not a member (any more)
                 continue
-            fresh = membership_changed(ranks, d, rank, old_rank) or sub.inner is None or isinstance(sub.inner, LocalBackend)
-            if fresh:
-                sub.swap(self._build_watching(ranks, rank, d.generation, d, key=sub.store_key), ranks.index(rank), len(ranks), d.generation)
+            if i in rebuild:
+                try:
+                    built = self._build_watching(ranks, rank, d.generation, d, key=sub.store_key)
+                except BaseException:
+                    sub.release()
+                    raise
+                sub.swap(built, ranks.index(rank), len(ranks), d.generation)
                 rebuilt += 1
         return rebuilt
 
@@ -376,11 +417,9 @@ class Generations:
             tensors.append([p for group in obj.param_groups for p in group["params"]])
         return replica_set({name: tensors}, self.state.declared, rank, world)
 
-    def _agree_and_transfer(self, pg, rank: int, world: int) -> bool:
-        """Every rank says what it holds (``recovery.Holding``); every rank computes the same
-        ``recovery.plan_recovery`` from all of it. Ranks that can return to the chosen step from
-        their own snapshot do; the others receive each object from a live replica or from
-        their snapshot's holder, and their per-rank state with it."""
+    def _gather_holdings(self, pg, rank: int, world: int, rebuild: frozenset) -> list:
+        """Every rank says what it holds (``recovery.Holding``) and which subgroups it cannot
+        keep, in one all-gather over the new world."""
         state, snapshots = self.state, self.snapshots
         snapshots.wait_idle()
         objects = self.object_states(rank, world)
@@ -393,8 +432,16 @@ class Generations:
             local=snapshots.local_digests(),
             held=snapshots.server.held(),
             stripes=snapshots.server.stripes_held(),
+            rebuild=rebuild,
         )
-        holdings = allgather_objects(pg, world, mine)
+        return allgather_objects(pg, world, mine)
+
+    def _recover(self, pg, rank: int, holdings: list) -> bool:
+        """Every rank computes the same ``recovery.plan_recovery`` from the holdings. Ranks that
+        can return to the chosen step from their own snapshot do; the others receive each
+        object from a live replica or from their snapshot's holder, and their per-rank state
+        with it."""
+        state, snapshots = self.state, self.snapshots
         plan = plan_recovery(holdings)
         if plan.tried:
             log(f"steps the job cannot continue from: {'; '.join(f'{s}: {why}' for s, why in plan.tried.items())}")
@@ -408,7 +455,9 @@ class Generations:
                 [a, b],
             )
         if plan.step < 0:
-            raise StateLost("no live rank holds any training state (every process of this generation is new)", -1, list(range(world)))
+            raise StateLost(
+                "no live rank holds any training state (every process of this generation is new)", -1, list(range(len(holdings)))
+            )
         if plan.missing:
             raise StateLost(
                 f"no live rank and no snapshot holds the state of rank(s) {plan.missing} at step {plan.step} (every replica "

@@ -48,6 +48,7 @@ class Holding:
     local: dict = field(default_factory=dict)  # step -> {name: (structure, values)}: its own snapshots
     held: dict = field(default_factory=dict)  # source rank -> {"images": {step: names}, "mirrors": {tag: exact}}
     stripes: dict = field(default_factory=dict)  # (group, stripe, stripes) -> {step: {member rank: names}}: parity kept
+    rebuild: frozenset = frozenset()  # subgroups (creation order) it cannot keep: every member rebuilds them
 
 
 @dataclass

@@ -187,6 +187,29 @@ def test_membership_changed(ranks, d, rank, old_rank, want):
     assert membership_changed(ranks, d, rank, old_rank) is want
 
 
+# FSDP2 x TP on 4 ranks: dp groups {0, 2} and {1, 3}, tp groups {0, 1} and {2, 3}
+MESH_2x2 = [(0, 2), (1, 3), (0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize(
+    "rank, old_rank, d, unusable, want",
+    [
+        pytest.param(0, 0, D(joiners=[3]), set(), set(), id="groups without the joiner are kept"),
+        pytest.param(2, 2, D(joiners=[3]), set(), {3}, id="its group with the joiner"),
+        pytest.param(0, 0, D(joiners=[3]), {0}, {0}, id="a group it closed (a failed collective, entering late)"),
+        pytest.param(0, 0, D(joiners=[3]), {1, 3}, set(), id="closed groups it is not a member of"),
+        pytest.param(3, 3, D(joiners=[3]), {1, 3}, {1, 3}, id="the joiner: every group of its rank"),
+        pytest.param(1, 3, D(), set(), {1, 2}, id="a process that changed rank"),
+        pytest.param(0, 0, D(all_fresh=True), set(), {0, 2}, id="every process new"),
+    ],
+)
+def test_subgroups_to_rebuild(rank, old_rank, d, unusable, want):
+    """What one member cannot keep (the ranks gather it and every member rebuilds the union)."""
+    from tm_launch.worker.generations import subgroups_to_rebuild
+
+    assert subgroups_to_rebuild(MESH_2x2, d, rank, old_rank, unusable) == frozenset(want)
+
+
 class _Agent:
     """What ``Generations`` asks of its agent while it builds a communicator: the newest generation."""
 
