@@ -109,6 +109,84 @@ def test_replica_set_of_real_layouts(fake_world, layout, want):
         assert replica_set(states, decl, rank, 4) == frozenset(want[rank]), (layout, rank)
 
 
+class _WithExtraState(torch.nn.Linear):
+    def get_extra_state(self):
+        return {"seen": 1}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def _hooked() -> torch.nn.Module:
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    net[0].register_load_state_dict_post_hook(lambda module, keys: None)
+    return net
+
+
+@pytest.mark.parametrize(
+    "make, want",
+    [
+        pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh()), True, id="plain modules"),
+        pytest.param(lambda: torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)), False, id="a loader of its own"),
+        pytest.param(lambda: torch.nn.Sequential(_WithExtraState(2, 2)), False, id="extra state"),
+        pytest.param(_hooked, False, id="a load hook of the script's"),
+    ],
+)
+def test_copy_is_the_load(make, want):
+    from tm_launch.worker.transfer import copy_is_the_load
+
+    assert copy_is_the_load(make()) is want
+
+
+def test_a_state_dict_of_copies_is_loaded_by_the_modules_own_loader():
+    """Values written into a state dict whose tensors are copies (a wrapper's state-dict hook)
+    never reached the module: its loader runs."""
+    from tm_launch.worker.transfer import TENSOR, load_state
+
+    net = torch.nn.Linear(2, 2)
+    net._register_state_dict_hook(lambda module, sd, prefix, local: {k: v.clone() for k, v in sd.items()})
+    own = net.state_dict()
+    skeleton = {k: (TENSOR, i, tuple(v.shape), "float32", None, "cpu") for i, (k, v) in enumerate(own.items())}
+    new = [torch.full_like(v, 7.0) for v in own.values()]
+    load_state(net, skeleton, new, own, written=set(range(len(new))))
+    assert all(bool((p == 7.0).all()) for p in net.parameters())
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp-tp", "hsdp", "ddp-tp"])
+def test_copy_is_the_load_of_real_layouts(fake_world, layout):
+    """fully_shard's own load hooks do nothing a copy into the local shards has not done."""
+    from tm_launch.worker.transfer import copy_is_the_load
+
+    fake_world(0, 4)
+    net, _, _ = _layout(layout)
+    assert copy_is_the_load(net)
+
+
+def test_an_fsdp_tp_image_loads_back_into_the_shards_without_torchs_loader(fake_world, monkeypatch):
+    """A rank restoring its snapshot (or a joiner loading one) writes each value into its own
+    local shard; the modules' ``load_state_dict`` (a DTensor ``copy_`` per parameter, whose
+    sharding decision is slow the first time in a process) is not called, and the parameters
+    and the optimizer's state end bitwise as they were, in the same storage."""
+    from tm_launch.worker.snapshots.image import Capture
+
+    fake_world(1, 4)
+    net, opt, _ = _layout("fsdp-tp")
+    objects = {"model": net, "optimizer": opt}
+    image = Capture(1, objects, None, reuse=None).copy()
+    want = [p.to_local().clone() for p in net.parameters()] + [v.clone() for s in opt.state.values() for v in s.values()]
+    storage = [p.to_local().data_ptr() for p in net.parameters()]
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()  # the job moved on
+    loads = []
+    original = torch.nn.Module.load_state_dict
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", lambda self, *a, **k: loads.append(self) or original(self, *a, **k))
+    image.load_into(objects)
+    got = [p.to_local() for p in net.parameters()] + [v for s in opt.state.values() for v in s.values()]
+    assert not loads
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+    assert [p.to_local().data_ptr() for p in net.parameters()] == storage
+
+
 @pytest.mark.parametrize(
     "device",
     [

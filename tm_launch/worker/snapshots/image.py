@@ -40,7 +40,19 @@ from dataclasses import dataclass, field
 import torch
 
 from ..replicas import fingerprints
-from ..transfer import _is_dtensor, _own_layout, _placeholders, flatten, left_on_the_host, padded, unflatten
+from ..transfer import (
+    _is_dtensor,
+    _local,
+    _own_layout,
+    _placeholders,
+    flatten,
+    left_on_the_host,
+    load_state,
+    loads_in_place,
+    padded,
+    receive_targets,
+    unflatten,
+)
 
 
 def host_tensors(specs, pin: bool = False) -> tuple[torch.Tensor, list, list]:
@@ -162,10 +174,17 @@ class StateImage:
         for name in names:
             obj = objects[name]
             fresh = not isinstance(obj, torch.nn.Module)  # an optimizer keeps the tensors it is given
+            # A module's values go straight into its own tensors where they fit (its storage, and
+            # what refers to it, stay valid; ``transfer.load_state`` may then skip its loader).
+            targets = receive_targets({name: self.skeleton[name]}, {name: own[name]}) if not fresh and loads_in_place(obj) else {}
             values = {}
             for meta in _placeholders(self.skeleton[name], []):
                 _, index, _, _, layout, _ = meta
                 t = self.tensors[index]
+                if index in targets:
+                    _local(targets[index]).copy_(t)
+                    values[index] = targets[index]
+                    continue
                 if index in host:
                     t = t.clone()  # its load puts it where the optimizer keeps it
                 elif device.type != "cpu" or fresh:
@@ -181,7 +200,7 @@ class StateImage:
                         t, meshes[names_], placements, run_check=False, shape=torch.Size(global_shape), stride=global_stride
                     )
                 values[index] = t
-            obj.load_state_dict(unflatten(self.skeleton[name], values))
+            load_state(obj, self.skeleton[name], values, own[name], set(targets))
 
 
 def _renumber(obj, mapping: dict):
