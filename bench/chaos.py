@@ -28,7 +28,10 @@ Kinds (every one appears at least once; the rest are drawn at random):
 ``--layout fsdp|fsdp-tp|zero``: the job is ``tests/scripts/hybrid.py`` in that layout instead (4
 active nodes x 1 worker; fsdp-tp: dp 2 x tp 2), where no live rank replicates a rank's state
 (ZeRO: its optimizer partition): every recovery is live from the in-memory snapshots, whose
-holder of rank r is rank r + 1 (mod 4). Its kinds (``LAYOUT_KINDS``):
+holder of rank r is rank r + 1 (mod 4). ``--layout hsdp|ddp-tp`` (2 x 2): each shard's replica
+is rank r ^ 2, every recovery is live from it, and the subgroups without the victim are kept
+(their members must stay in step with a peer that enters a generation before them). Its kinds
+(``LAYOUT_KINDS``; the replica layouts send no snapshot, so no kill-snapshot):
   kill-forward / kill-backward / kill-optimizer / kill-logging
                        the worker SIGKILLs itself at that phase of a step (--chaos-dir trigger)
   kill-vote / kill-snapshot
@@ -36,7 +39,8 @@ holder of rank r is rank r + 1 (mod 4). Its kinds (``LAYOUT_KINDS``):
                        step's snapshot taken and on its way to its holder (TM_FAILPOINT)
   double-failure       two workers of non-neighbouring ranks (r and r + 2) in the same step: each
                        one's holder survives (two neighbours lose a snapshot's both copies, which
-                       falls back to the checkpoint by design: tests/e2e/test_snapshots.py)
+                       falls back to the checkpoint by design: tests/e2e/test_snapshots.py);
+                       hsdp, ddp-tp: ranks r and r + 1, whose replicas survive
 and agent-kill, hang, xid, drain, spare-killed-parked and spare-killed-promotion as above;
 ``zero`` leaves out kill-optimizer and kill-vote (``ZERO_STALLS``): a rank killed once its step
 committed (in the vote, its vote counted, or inside ZeroRedundancyOptimizer's step) leaves the
@@ -87,7 +91,11 @@ KINDS = (
     "spare-killed-promotion",
     "double-failure",
 )
-LAYOUTS = ("fsdp", "fsdp-tp", "zero")  # tests/scripts/hybrid.py's layouts that no live rank replicates
+SNAPSHOT_LAYOUTS = ("fsdp", "fsdp-tp", "zero")  # tests/scripts/hybrid.py's layouts that no live rank replicates
+# ... and those where a data-parallel peer holds each shard: the substitution keeps the subgroups
+# without the victim, whose members must stay in step with a peer that enters a generation early
+REPLICA_LAYOUTS = ("hsdp", "ddp-tp")
+LAYOUTS = SNAPSHOT_LAYOUTS + REPLICA_LAYOUTS
 LAYOUT_KINDS = (
     "kill-forward",
     "kill-backward",
@@ -122,6 +130,8 @@ def kinds_of(layout: str | None, parity: int = 0) -> tuple[str, ...]:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
     kinds = LAYOUT_KINDS if layout != "zero" else tuple(k for k in LAYOUT_KINDS if k not in ZERO_STALLS)
+    if layout in REPLICA_LAYOUTS:  # every shard has a live replica: no snapshot is sent
+        kinds = tuple(k for k in kinds if k != "kill-snapshot")
     return tuple(k for k in kinds if not (parity and k == "double-failure"))
 
 
@@ -454,7 +464,9 @@ class Chaos:
             self.job.kill_agent(joiners[0])
             info["promoted_and_killed"] = joiners[0]
         elif kind == "double-failure":
-            if self.layout:  # not the victim's holder (rank + 1) nor the rank it holds for (rank - 1)
+            if self.layout in REPLICA_LAYOUTS:  # not its replica (rank ^ 2): the next rank, a shard replicated elsewhere
+                other = next(n for n in actives if n["ranks"][0] == (rank + 1) % self.active)
+            elif self.layout:  # not the victim's holder (rank + 1) nor the rank it holds for (rank - 1)
                 other = next(n for n in actives if n["ranks"][0] == (rank + 2) % self.active)
             else:
                 other = self.rng.choice([n for n in actives if n["id"] != victim["id"]])
@@ -680,7 +692,8 @@ def main() -> int:
         "--layout",
         default=None,
         choices=LAYOUTS,
-        help="soak tests/scripts/hybrid.py in this layout (4 nodes x 1 worker, live from snapshots) instead of the DDP job",
+        help="soak tests/scripts/hybrid.py in this layout (4 nodes x 1 worker; live from snapshots, or from replicas: hsdp, ddp-tp) "
+        "instead of the DDP job",
     )
     p.add_argument(
         "--snapshot-parity", type=int, default=0, metavar="K", help="with --layout: the agents' --snapshot-parity (no double failure)"

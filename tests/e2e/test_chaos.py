@@ -33,7 +33,8 @@ def test_a_layout_schedule_covers_its_kinds_and_is_seeded(layout, seed, faults):
     kinds = chaos.schedule(seed, faults, layout)
     assert len(kinds) == faults and set(kinds) == set(chaos.kinds_of(layout))
     assert kinds == chaos.schedule(seed, faults, layout) and kinds != chaos.schedule(seed + 1, faults, layout)
-    assert {"kill-backward", "kill-snapshot", "agent-kill", "spare-killed-promotion", "double-failure"} <= set(kinds)
+    assert {"kill-backward", "agent-kill", "spare-killed-promotion", "double-failure"} <= set(kinds)
+    assert ("kill-snapshot" in kinds) == (layout in chaos.SNAPSHOT_LAYOUTS)  # a replica layout sends no snapshot
     assert "kill-allreduce" not in kinds and "kill-checkpoint" not in kinds  # train.py's points
     for stall in ("kill-optimizer", "kill-vote"):  # zero: survivors would wait out --collective-timeout
         assert (stall in kinds) == (layout != "zero")
@@ -45,7 +46,7 @@ def test_schedule_refuses_too_few_faults():
     with pytest.raises(ValueError, match=f"at least {len(chaos.LAYOUT_KINDS)}"):
         chaos.schedule(1, 5, "fsdp")
     with pytest.raises(ValueError, match="unknown layout"):
-        chaos.schedule(1, 30, "hsdp")
+        chaos.schedule(1, 30, "pp")
 
 
 def test_summary_counts_per_kind():
@@ -181,9 +182,10 @@ SHORT_LAYOUT_KINDS = ("kill-backward", "kill-vote", "kill-snapshot", "agent-kill
 @pytest.mark.timeout(600)  # spares warm up slowly on a loaded machine: the soak holds training for them
 @pytest.mark.parametrize("layout, parity", [*((layout, 0) for layout in chaos.LAYOUTS), ("fsdp", 2)], ids=[*chaos.LAYOUTS, "fsdp-parity"])
 def test_chaos_soak_per_layout_recovers_every_fault_live(etcd_endpoint, tmp_path, layout, parity):
-    """A short soak of a layout no live rank replicates (tests/scripts/hybrid.py, 4 nodes): every
-    fault recovered live from the in-memory snapshots (no generation in restart mode, no state
-    lost, no generation no fault explains), every rank's state bitwise equal to plain torchrun's.
+    """A short soak of a layout (tests/scripts/hybrid.py, 4 nodes): every fault recovered live,
+    from the in-memory snapshots where no live rank replicates a rank's state, from the replica
+    in hsdp and ddp-tp (no generation in restart mode, no state lost, no generation no fault
+    explains), every rank's state bitwise equal to plain torchrun's.
     With ``--snapshot-parity 2`` (groups {0, 1} and {2, 3}, each one's stripes on the other) two
     ranks r and r + 2 lost at once take a rank and a stripe of its own group's parity: not a
     fault parity covers, so that soak leaves out the double failure."""
