@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -294,6 +295,36 @@ class _Agent:
     @staticmethod
     def latest():
         return 0
+
+
+def test_subgroups_rebuilt_are_the_agreed_ones_and_a_failed_build_leaves_its_group_closed():
+    """``_rebuild_subgroups``: a group outside the agreed set keeps its communicator object; one
+    inside it gets a new one; a group of which this rank is not a member is dropped; and a build
+    that fails leaves its group without a communicator, so that this rank names it in its next
+    ``Holding.rebuild`` (it must not keep the old one while another member built a new one)."""
+    from tm_launch.protocol import Directive, StoreAddress, WorkerEnv
+    from tm_launch.worker.generations import Generations
+    from tm_launch.worker.groups import LiveGroup, LocalBackend, StepPoison
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    poison = StepPoison()
+    kept, rebuilt, other = (LiveGroup((0,), 0, 1, poison, store_key=f"sub-{k}") for k in ("kept", "rebuilt", "other"))
+    for g in (kept, rebuilt, other):
+        g.swap(LocalBackend(0, 1), 0, 1, 0)
+    other.member_ranks = (1,)  # a group of another rank
+    state = types.SimpleNamespace(subgroups=[kept, rebuilt, other])
+    gens = Generations(state=state, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",), snapshots=None)
+    d = Directive(generation=1, active=True, ranks=(0,), world_size=1, store=StoreAddress("127.0.0.1", server.port))
+    before = kept.inner
+    assert gens._rebuild_subgroups(d, 0, frozenset({1})) == 1
+    assert kept.inner is before and not isinstance(rebuilt.inner, LocalBackend) and rebuilt.inner is not None
+    assert other.inner is None
+    unreachable = dataclasses.replace(d, generation=2, store=StoreAddress("127.0.0.1", 1))  # nothing listens there
+    with pytest.raises(RuntimeError):
+        gens._rebuild_subgroups(unreachable, 0, frozenset({0}))
+    assert kept.inner is None  # closed: named in the next generation's rebuild set
+    assert gens._subgroups_to_rebuild(dataclasses.replace(d, generation=3), 0, 0) == frozenset({0})
+    gens.close()
 
 
 def test_a_world_built_ahead_is_used_by_its_generation_only():
