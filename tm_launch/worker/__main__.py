@@ -123,6 +123,7 @@ def main(argv: list[str]) -> None:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
                 _run_script(target)
+            _free_what_the_script_left()
             return
         except RankChanged as changed:
             old_globals = _script_globals(changed.__traceback__)
@@ -131,6 +132,17 @@ def main(argv: list[str]) -> None:
         # optimizer and groups are freed before the new ones are built (on a GPU, before they
         # would need the memory twice).
         _forget(old_globals)
+
+
+def _free_what_the_script_left() -> None:
+    """The script returned: collect the cycles its run left (a DDP's reducer holds its process
+    group), while the interpreter is still whole. Left to the interpreter's teardown, a gloo
+    group freed there has its worker thread reach for the GIL after finalization began, which
+    Python 3.11 ends with a forced unwind that C++ turns into SIGABRT ("terminate called without
+    an active exception", docs/development.md), even when the script destroyed its default
+    group first (``examples/restart_mode.py``: DDP still held it). The script's globals and
+    its ``atexit`` handlers are left as Python leaves them."""
+    gc.collect()
 
 
 def _script_globals(tb) -> list[dict]:
