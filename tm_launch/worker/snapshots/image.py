@@ -58,14 +58,20 @@ from ..transfer import (
 def host_tensors(specs, pin: bool = False) -> tuple[torch.Tensor, list, list]:
     """One host buffer for tensors of ``specs`` [(shape, dtype)]: (the buffer, the tensors as
     views of it in order, each one's (offset, padded size) span). Pinned for a CUDA source."""
-    sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
-    flat = torch.zeros(sum(padded(n) for n in sizes), dtype=torch.uint8, pin_memory=pin)  # padding sent as zeros
+    flat = torch.zeros(wire_size(specs), dtype=torch.uint8, pin_memory=pin)  # padding sent as zeros
+    return (flat, *_views(flat, specs))
+
+
+def _views(flat: torch.Tensor, specs) -> tuple[list, list]:
+    """The tensors of ``specs`` as views of the uint8 buffer ``flat``, each at a ``transfer.ALIGN``
+    offset, in order, and each one's (offset, padded size) span."""
     views, spans, offset = [], [], 0
-    for (shape, dtype), n in zip(specs, sizes):
+    for shape, dtype in specs:
+        n = torch.Size(shape).numel() * dtype.itemsize
         views.append(flat[offset : offset + n].view(dtype).view(shape))
         spans.append((offset, padded(n)))
         offset += padded(n)
-    return flat, views, spans
+    return views, spans
 
 
 def specs_of(skeleton: dict) -> list:
@@ -98,12 +104,7 @@ class StateImage:
         specs = specs_of(skeleton)
         if wire_size(specs) != data.numel():
             raise ValueError(f"{data.numel()} bytes for a snapshot whose tensors take {wire_size(specs)}")
-        views, spans, offset = [], [], 0
-        for shape, dtype in specs:
-            n = torch.Size(shape).numel() * dtype.itemsize
-            views.append(data[offset : offset + n].view(dtype).view(shape))
-            spans.append((offset, padded(n)))
-            offset += padded(n)
+        views, spans = _views(data, specs)
         return cls(step, skeleton, views, {}, per_rank, frozenset(modules), data, spans)
 
     @property
