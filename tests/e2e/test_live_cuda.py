@@ -73,7 +73,7 @@ def layout_reference(tmp_path_factory):
     "layout, rank, phase",
     [
         # The spare runs the script again for another TP shard. Its sandbox's backward ran on
-        # autograd's GPU thread, whose DTensor caches must be dropped too (c10d_glue.forget_layouts).
+        # autograd's GPU thread, whose DTensor caches hold the old meshes (sharding_decisions corrects them).
         ("ddp-tp", 1, "backward"),
         ("hsdp", 2, "forward"),  # FSDP2 shards on the GPU, replicated across the other half
         ("pp", 1, "vote"),  # the spare takes another stage; activations cross stages through the host

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -70,48 +69,6 @@ def route_new_group(factory) -> None:
 
     for module in (c10d, dist, device_mesh):
         module.new_group = new_group
-
-
-def forget_layouts() -> None:
-    """Drop DTensor's caches of sharding decisions. ``DeviceMesh`` equality ignores the groups
-    behind a mesh, so after a process takes other ranks (a promoted spare running the script
-    again) a cached decision would hand its new tensors the old ranks' mesh, whose groups are
-    gone ("Could not resolve the process group registered under the name ...").
-
-    Two of those caches are per thread (the Python propagator's ``LocalLRUCache`` and the C++
-    dispatch fast path's), and autograd runs a CUDA tensor's backward on its device's own
-    thread, which keeps the decisions the sandbox's backward made. So they are dropped on this
-    thread and on every initialised GPU's autograd thread."""
-    _forget_layouts_on_this_thread()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for index in range(torch.cuda.device_count()):
-            probe = torch.zeros(1, device=torch.device("cuda", index), requires_grad=True)
-            _ForgetOnAutogradThread.apply(probe).sum().backward()
-
-
-def _forget_layouts_on_this_thread() -> None:
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute._planner_cache.clear()  # keyed by weak references, which compare meshes by value
-
-
-class _ForgetOnAutogradThread(torch.autograd.Function):
-    """Identity whose backward runs where autograd runs its input's device (for a CUDA tensor,
-    that device's own thread): there it drops that thread's layout caches."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        _forget_layouts_on_this_thread()
-        return grad
 
 
 class NoPeersYet(RuntimeError):

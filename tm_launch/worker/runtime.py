@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..protocol import EXIT_REFUSED, EXIT_STATE_LOST, Directive, FirstStepRecord, RefusedRecord, StateLostRecord, WorkerEnv, WorkerState
-from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_steps
+from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_steps, sharding_decisions
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
@@ -270,6 +270,7 @@ class LiveJob:
         self._loop_ended = False  # end_loop(): a closed steps() generator means finished, not left
         self._detach(rank)
         c10d_glue.route_new_group(self.new_group)
+        sharding_decisions.track_meshes()
         # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
         # layouts, and the module's first import costs ~0.5-0.9 s on a loaded 2-core machine.
         import torch.distributed.tensor  # noqa: F401
@@ -595,6 +596,8 @@ class LiveJob:
         once and keeps them for its first steps."""
         self.status.state = WorkerState.WARMUP
         again = self._entering is not None  # the script runs again for ranks it was promoted to
+        if again:  # its new meshes take over DTensor's decisions cached with the old ones
+            sharding_decisions.adopt_meshes()
         for i in range(1 if again else self._sandbox_steps):
             self.status.report(force=True)
             yield start + i
@@ -746,7 +749,7 @@ class LiveJob:
         log(f"promoted to rank {rank} (warmed up as rank {self.rank}): running the script again for rank {rank}")
         for g in self.state.subgroups:
             c10d_glue.unregister(g)
-        c10d_glue.forget_layouts()
+        sharding_decisions.retire_meshes()
         self.state.forget_script()
         self.snapshots.forget()
         self._detach(rank)
