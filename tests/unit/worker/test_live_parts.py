@@ -145,6 +145,11 @@ def test_copy_is_the_load_of_real_layouts(fake_world, layout):
     assert copy_is_the_load(net)
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def test_an_fsdp_tp_image_loads_back_into_the_shards_without_torchs_loader(fake_world, monkeypatch):
     """A rank restoring its snapshot (or a joiner loading one) writes each value into its own
     local shard; the modules' ``load_state_dict`` (a DTensor ``copy_`` per parameter, whose
@@ -166,7 +171,9 @@ def test_an_fsdp_tp_image_loads_back_into_the_shards_without_torchs_loader(fake_
     image.load_into(objects)
     got = [p.to_local() for p in net.parameters()] + [v for s in opt.state.values() for v in s.values()]
     assert not loads
-    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+    # Bit patterns, not values: on the fake backend FSDP's all-gather leaves its buffers as
+    # allocated, so the steps above may have computed with (and stored) NaNs.
+    assert [_bits(a) for a in got] == [_bits(b) for b in want]
     assert [p.to_local().data_ptr() for p in net.parameters()] == storage
 
 
