@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import weakref
 
-_built: list = []  # weak references to every DeviceMesh this process built (meshes hash by value)
+# id -> weak reference, for every DeviceMesh of this process that is alive (meshes hash by value,
+# so no WeakSet). A dead one leaves at once: a script may slice a mesh in every step.
+_built: dict = {}
 
 
 class _Retired:
@@ -52,7 +54,8 @@ def track_meshes() -> None:
 
     def tracked_new(cls, *args, **kwargs):
         mesh = object.__new__(cls)
-        _built.append(weakref.ref(mesh))
+        key = id(mesh)
+        _built[key] = weakref.ref(mesh, lambda _, key=key: _built.pop(key, None))
         return mesh
 
     DeviceMesh.__new__ = staticmethod(tracked_new)
@@ -60,9 +63,7 @@ def track_meshes() -> None:
 
 
 def _meshes() -> list:
-    alive = [m for m in (ref() for ref in _built) if m is not None]
-    _built[:] = [weakref.ref(m) for m in alive]
-    return alive
+    return [m for m in (ref() for ref in list(_built.values())) if m is not None]
 
 
 def retire_meshes() -> None:

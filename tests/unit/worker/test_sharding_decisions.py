@@ -143,6 +143,20 @@ def test_redistribution_plans_are_made_again_for_the_new_coordinate(fake_world):
     assert plan(adopt=True)[0] == [4, 1]
 
 
+def test_a_mesh_the_script_drops_is_not_kept(fake_world):
+    """A script may slice its mesh in every step (``mesh["tp"]`` builds a new one each time):
+    the meshes it no longer holds must not pile up."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_world(0, 4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    before = len(sharding_decisions._built)
+    for _ in range(100):
+        mesh["tp"]
+    gc.collect()
+    assert len(sharding_decisions._built) <= before
+
+
 def test_the_adoption_matches_meshes_as_torch_compares_them(fake_world):
     """``adopt_meshes`` pairs meshes by what ``DeviceMesh.__eq__`` and its hash compare."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
