@@ -9,7 +9,7 @@ tensors an old mesh, with the old ranks' coordinate and groups (on an H100: "Cou
 the process group registered under the name ...").
 
 Dropping the caches is correct but leaves the promoted spare's warm-up step to decide every
-layout again while the job waits for it: 50-100 ms of an FSDP2 or FSDP2 x TP recovery, most of
+layout again while the job waits for it: 30-80 ms of an FSDP2, HSDP or FSDP2 x TP recovery, most of
 it in the optimizer's step over sharded parameters. The decisions themselves do not depend on
 the rank: no propagation rule reads a coordinate (DTensor's SPMD contract: every rank must
 decide alike; ``tests/unit/worker/test_sharding_decisions.py`` checks torch's sources for it).
@@ -79,7 +79,7 @@ def retire_meshes() -> None:
     _redistribute._planner_cache.clear()
 
 
-def _layout(mesh, thread_id) -> tuple | None:
+def _equality_key(mesh, thread_id) -> tuple | None:
     """What ``DeviceMesh.__eq__`` compares (``thread_id`` given: a retired mesh's is hidden)."""
     try:
         return (mesh._flatten_rank_map, mesh._layout, mesh._device_type, mesh._mesh_dim_names, thread_id)
@@ -98,12 +98,12 @@ def adopt_meshes() -> int:
         if isinstance(thread_id, _Retired):
             retired.append(mesh)
         elif "_coordinate_on_dim" in mesh.__dict__:  # built to the end
-            key = _layout(mesh, thread_id)
+            key = _equality_key(mesh, thread_id)
             if key is not None:
                 new.setdefault(key, mesh)
     adopted = 0
     for old in retired:
-        twin = new.get(_layout(old, old._thread_id.thread_id))
+        twin = new.get(_equality_key(old, old._thread_id.thread_id))
         if twin is not None:
             old.__dict__.update(twin.__dict__)
             adopted += 1

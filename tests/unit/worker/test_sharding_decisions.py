@@ -164,7 +164,7 @@ def test_the_adoption_matches_meshes_as_torch_compares_them(fake_world):
     fake_world(0, 4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     for m in (mesh, mesh["tp"], mesh["dp"]):
-        assert DeviceMesh._hash_key(m) == sharding_decisions._layout(m, m._thread_id)
+        assert DeviceMesh._hash_key(m) == sharding_decisions._equality_key(m, m._thread_id)
 
 
 def test_no_sharding_rule_of_this_torch_reads_the_rank():
