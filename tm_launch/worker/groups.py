@@ -80,12 +80,14 @@ class StepPoison:
             group.release_if_broken()
 
 
-def _op_name(args) -> str:
+def _sums(args) -> bool:
+    """Does this all-reduce sum? Its op comes in options (``AllreduceOptions.reduceOp``: what
+    ``dist.all_reduce`` passes) or bare; none is torch's default, SUM."""
     for a in args:
-        op = getattr(a, "reduceOp", None)
+        op = a if isinstance(a, dist.ReduceOp) else getattr(a, "reduceOp", None)
         if op is not None:
-            return str(op)
-    return "SUM"
+            return op == dist.ReduceOp.SUM
+    return True
 
 
 class LocalBackend:
@@ -101,7 +103,7 @@ class LocalBackend:
         self.keeps_own_objects = keeps_own_objects
 
     def allreduce(self, tensors, *args, **kwargs):
-        if "SUM" in _op_name(args) and not any(isinstance(a, dist.ReduceOp) and a != dist.ReduceOp.SUM for a in args):
+        if _sums(args):
             for t in tensors:
                 t.mul_(self._size)
         return completed_work(tensors)

@@ -229,6 +229,36 @@ def test_subgroups_to_rebuild(rank, old_rank, d, unusable, want):
     assert subgroups_to_rebuild(MESH_2x2, d, rank, old_rank, unusable) == frozenset(want)
 
 
+def _all_reduced(backend, value: float, *op) -> float:
+    t = torch.tensor([value])
+    backend.allreduce([t], *op).wait()
+    return t.item()
+
+
+def _options(op):
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+@pytest.mark.parametrize(
+    "op, want",
+    [
+        pytest.param((), 6.0, id="torch's default: a sum"),
+        pytest.param((_options(dist.ReduceOp.SUM),), 6.0, id="a sum in options (dist.all_reduce)"),
+        pytest.param((_options(dist.ReduceOp.MAX),), 2.0, id="a max in options"),
+        pytest.param((_options(dist.ReduceOp.AVG),), 2.0, id="an average in options"),
+        pytest.param((dist.ReduceOp.SUM,), 6.0, id="a bare sum"),
+        pytest.param((dist.ReduceOp.MIN,), 2.0, id="a bare min"),
+    ],
+)
+def test_a_sandbox_all_reduce_is_that_of_identical_replicas(op, want):
+    """The sandbox's stand-in (``LocalBackend``, 3 replicas): what 3 ranks holding 2.0 would get."""
+    from tm_launch.worker.groups import LocalBackend
+
+    assert _all_reduced(LocalBackend(1, 3), 2.0, *op) == want
+
+
 class _Agent:
     """What ``Generations`` asks of its agent while it builds a communicator: the newest generation."""
 
