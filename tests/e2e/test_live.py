@@ -478,6 +478,33 @@ def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference
         assert comms[(r, 0)] != comms[(r, 1)], comms  # node b's: rebuilt by the spare
 
 
+def test_groups_of_one_rank_and_fake_groups_are_never_connected(local_job, reference):
+    """A group of one rank per rank and a group of every rank made with torch's "fake" backend
+    (torchtitan makes both for its mesh dimensions of degree 1); b's worker dies. No such group
+    gets a communicator, before or after the substitution: each process builds the world group
+    alone (``groups_rebuilt``), and their all-reduces give what torch's give (the script checks)."""
+    sublog = "SUBLOG"
+    job, codes, params, info = run_job(
+        local_job,
+        ["a", "b", "c"],
+        script=["--subgroups", "1", "--fake-group", "--subgroup-log", sublog],
+        fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_worker("b")),
+    )
+    assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+    entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
+    assert set(entered) == {"a", "c"} and all(e["groups_rebuilt"] == 1 for e in entered.values()), entered
+    comms: dict = {}
+    with open(os.path.join(job.workdir, "sublog")) as f:
+        for line in f:
+            rank, step, gen, comm = line.split()
+            comms.setdefault((int(rank), int(gen)), set()).add(comm)
+    for r in info["kept_ranks"]:
+        assert len(comms[(r, 0)] | comms[(r, 1)]) == 1, comms  # node a's: one object all along
+    for r in info["victim_ranks"]:
+        assert comms[(r, 0)] != comms[(r, 1)], comms  # node b's: the spare's own
+
+
 @pytest.mark.slow
 def test_v2_backend_live_failover(local_job, reference):
     """The same live failover over etcd's v2 API (--rdzv-backend etcd-v2, python-etcd)."""

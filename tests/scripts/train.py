@@ -26,6 +26,7 @@ steps.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -60,6 +61,11 @@ def parse():
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step, as training loops log it")
     p.add_argument("--subgroups", type=int, default=0, help="also allreduce in subgroups of this many consecutive ranks (TP-style)")
     p.add_argument("--subgroup-log", default=None, help="append 'rank step generation communicator-id' per step")
+    p.add_argument(
+        "--fake-group",
+        action="store_true",
+        help="also all-reduce in a group of every rank made with torch's 'fake' backend (as torchtitan does)",
+    )
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
     p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (see the module docstring)")
@@ -147,6 +153,10 @@ def main():
         job.register(per_rank=True, rng=tm_launch.RNGState(), data=data)
     world = job.world_size
     subgroups = [job.new_group(range(i, i + args.subgroups)) for i in range(0, world, args.subgroups)] if args.subgroups else []
+    if args.fake_group:
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers the "fake" backend
+
+        fake = dist.new_group(backend="fake")
     state = {"step": None}
 
     def on_grad(grad):
@@ -201,10 +211,17 @@ def main():
             mine = subgroups[job.rank // args.subgroups]
             check = torch.tensor([float(step)], device=device)
             dist.all_reduce(check, group=mine)
+            if check.item() != step * args.subgroups:
+                raise RuntimeError(f"rank {job.rank} step {step}: its subgroup's sum is {check.item()}, not {step * args.subgroups}")
             if args.subgroup_log and not job.in_sandbox:
                 inner = getattr(mine, "inner", mine)
                 with open(args.subgroup_log, "a") as f:
                     f.write(f"{job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}:{id(inner)}\n")
+        if args.fake_group:
+            check = torch.tensor([float(step)], device=device)
+            dist.all_reduce(check, group=fake)  # torch's fake backend: nothing is sent, nothing changes
+            if check.item() != step:
+                raise RuntimeError(f"rank {job.rank} step {step}: a 'fake' group's all-reduce gave {check.item()}, not {step}")
         if job.in_sandbox:
             continue
         if args.step_log:

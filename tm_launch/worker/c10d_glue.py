@@ -56,13 +56,13 @@ def install_world(group: LiveGroup) -> None:
 
 
 def route_new_group(factory) -> None:
-    """``dist.new_group(ranks, ...)`` returns ``factory(ranks)`` (a LiveGroup), or torch's
-    non-member marker for ranks outside the group, as torch does."""
+    """``dist.new_group(ranks, backend=...)`` returns ``factory(ranks, backend)`` (a LiveGroup),
+    or torch's non-member marker for ranks outside the group, as torch does."""
 
     def new_group(
         ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False, group_desc=None, device_id=None
     ):
-        group = factory(None if ranks is None else sorted(int(r) for r in ranks))
+        group = factory(None if ranks is None else sorted(int(r) for r in ranks), backend)
         return group if group.rank() >= 0 else c10d.GroupMember.NON_GROUP_MEMBER
 
     import torch.distributed.device_mesh as device_mesh

@@ -77,16 +77,21 @@ def membership_changed(ranks, d: Directive, rank: int, old_rank: int) -> bool:
     return bool(set(d.joiner_ranks).intersection(ranks))
 
 
-def subgroups_to_rebuild(memberships: list, d: Directive, rank: int, old_rank: int, unusable: set) -> frozenset:
+def subgroups_to_rebuild(
+    memberships: list, d: Directive, rank: int, old_rank: int, unusable: set, in_process: set = frozenset()
+) -> frozenset:
     """The subgroups (indices in creation order; ``memberships[i]``: the group's global ranks)
     that this process, taking ``rank`` in ``d`` after ``old_rank``, cannot keep: those it is a
     member of whose membership changed for it, or whose communicator it no longer has
     (``unusable``: closed after a failed collective, closed on entering late, the sandbox's local
-    stand-in). Each member decides this from what it alone knows, yet a group is built by all
-    of its members or by none (a setup waits for every member): the ranks gather these sets
-    (``Holding.rebuild``) and every member rebuilds the union."""
+    stand-in). Never one served in the process (``in_process``: one member, or torch's "fake"
+    backend), which has no communicator to build. Each member decides this from what it alone
+    knows, yet a group is built by all of its members or by none (a setup waits for every
+    member): the ranks gather these sets (``Holding.rebuild``) and every member rebuilds the union."""
     return frozenset(
-        i for i, ranks in enumerate(memberships) if rank in ranks and (i in unusable or membership_changed(ranks, d, rank, old_rank))
+        i
+        for i, ranks in enumerate(memberships)
+        if rank in ranks and i not in in_process and (i in unusable or membership_changed(ranks, d, rank, old_rank))
     )
 
 
@@ -364,7 +369,8 @@ class Generations:
         """``subgroups_to_rebuild`` from this process's own view of its subgroups."""
         subs = self.state.subgroups
         unusable = {i for i, sub in enumerate(subs) if sub.inner is None or isinstance(sub.inner, LocalBackend)}
-        return subgroups_to_rebuild([sub.member_ranks for sub in subs], d, rank, old_rank, unusable)
+        in_process = {i for i, sub in enumerate(subs) if sub.in_process}
+        return subgroups_to_rebuild([sub.member_ranks for sub in subs], d, rank, old_rank, unusable, in_process)
 
     def _rebuild_subgroups(self, d: Directive, rank: int, rebuild: frozenset) -> int:
         """Delta communicator setup: the subgroups of ``rebuild`` (agreed by every rank,
@@ -377,6 +383,8 @@ class Generations:
         rebuilt = 0
         for i, sub in enumerate(self.state.subgroups):
             ranks = sub.member_ranks
+            if sub.in_process:
+                continue  # nothing to connect, whoever serves its rank
             if rank not in ranks:
                 if sub.inner is not None:
                     sub.swap(None, -1, len(ranks), d.generation)  # not a member (any more)

@@ -16,6 +16,13 @@ its sockets, so peers still blocked on this rank fail at once), recovers and re-
 
 ``LocalBackend`` serves collectives inside a process (the sandbox): a spare runs real steps with
 real kernels and allocations but sends nothing to the job, as if every peer held its own values.
+
+Some groups never need a network communicator (``in_process_backend``): a group of one member,
+whose collectives are exact when computed locally, and a group the script asks torch to make
+"fake" (torchtitan's mesh dimensions of degree 1: torch builds no communicator for them). They
+are served in the process for good: never rebuilt, released or guarded. Building each of them
+as a gloo group cost a store rendezvous at start and again on every joiner, and a gloo thread
+that wakes 100 times a second for nothing (torchtitan's 2-rank job: 10 of its 11 groups).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import FakeProcessGroup, _create_work_from_future
 
 from . import communicators
 
@@ -178,6 +185,26 @@ class LocalBackend:
         return completed_work(None)
 
 
+FAKE_NAMES = ("fake", "cpu:fake,cuda:fake")  # what torch's registries say of a "fake" group
+
+
+def asks_fake(backend) -> bool:
+    """Did the script ask ``dist.new_group`` for torch's "fake" backend (no communication)?"""
+    return backend is not None and str(backend).lower() == dist.Backend.FAKE
+
+
+def in_process_backend(rank: int, size: int, backend=None):
+    """The communicator of a group whose collectives never leave this process, or None where
+    the group needs a network one: torch's own ``FakeProcessGroup`` where the script asked for
+    the "fake" backend (what ``dist.new_group(backend="fake")`` builds, with its semantics), the
+    exact local one for a group of one member."""
+    if asks_fake(backend):
+        return FakeProcessGroup._create_internal(rank, size)
+    if size == 1:
+        return LocalBackend(0, 1)
+    return None
+
+
 class LiveGroup(dist.ProcessGroup):
     """A process group whose membership is fixed in global ranks and whose communicator is not."""
 
@@ -190,9 +217,11 @@ class LiveGroup(dist.ProcessGroup):
         name: str = "tm-world",
         backend: tuple[str, str] = ("gloo", "cpu:gloo"),
         store_key: str | None = None,
+        in_process: bool = False,
     ):
         super().__init__(max(rank, 0), size)
         self.member_ranks = ranks  # None: the world group
+        self.in_process = in_process  # served here for good (``in_process_backend``): never rebuilt
         self.store_key = store_key  # its communicators' name in a generation's store (Generations.build)
         self._rank, self._size = rank, size
         self._inner = None
@@ -283,7 +312,10 @@ class LiveGroup(dist.ProcessGroup):
         """Close the communicator now, healthy or not: this rank is leaving it for a new
         generation, and a peer still blocked in one of its collectives must fail at once rather
         than wait for this rank until the collective timeout (it would, while this rank waits
-        for that peer in the new generation's setup)."""
+        for that peer in the new generation's setup). A group served in the process has no
+        peer to free: it keeps its communicator."""
+        if self.in_process:
+            return
         with self._swap_lock:
             old, self._inner = self._inner, None
             self._pending.clear()
@@ -331,6 +363,8 @@ class LiveGroup(dist.ProcessGroup):
         if self._poison.active:
             self._poison.release_broken()
         inner, generation = self._inner, self.generation  # one read: a failure's thread may close it
+        if self.in_process and inner is not None:  # no peer can fail it: as torch would call it
+            return getattr(inner, name if hasattr(inner, name) else ALIASES.get(name, name))(*args, **kwargs)
         if self.broken or inner is None:
             # The step is poisoned (or this rank is not connected): serve it locally as if every
             # peer held this rank's values, so shapes stay right and object collectives unpickle.

@@ -62,7 +62,7 @@ from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_step
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
-from .groups import LiveGroup, LocalBackend, StepPoison
+from .groups import FAKE_NAMES, LiveGroup, LocalBackend, StepPoison, asks_fake, in_process_backend
 from .snapshots import Snapshots
 from .snapshots.service import SnapshotRefused
 from .step_report import LiveStatus, StepReporter, StepStats, process_reporter
@@ -179,8 +179,8 @@ class PlainJob:
     def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
         self._objects.update(objects)
 
-    def new_group(self, ranks):
-        return dist.new_group(list(ranks))
+    def new_group(self, ranks, backend=None):
+        return dist.new_group(list(ranks), backend=backend)
 
     def commit(self) -> bool:
         return True
@@ -368,9 +368,11 @@ class LiveJob:
             self.state.objects[name] = obj
             self.state.declared[name] = declared
 
-    def new_group(self, ranks) -> LiveGroup:
+    def new_group(self, ranks, backend=None) -> LiveGroup:
         """A subgroup (TP/PP/DP style) that is rebuilt only when one of its ranks is replaced.
-        ``dist.new_group`` and ``init_device_mesh`` come here too in live mode."""
+        ``dist.new_group`` and ``init_device_mesh`` come here too in live mode. A group of one
+        member, or one asked for with torch's "fake" backend, is served in the process for good
+        (``groups.in_process_backend``)."""
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(sorted(int(r) for r in ranks))
         me = self.rank
         # Every rank creates every group in the same order (torch's rule for new_group), so the
@@ -378,16 +380,20 @@ class LiveJob:
         # (torchtitan's flattened meshes make several groups of the same ranks, whose set-ups
         # must not meet).
         same = sum(1 for g in self.state.subgroups if g.member_ranks == ranks)
+        local = in_process_backend(ranks.index(me), len(ranks), backend) if me in ranks else None
         sub = LiveGroup(
             ranks,
             ranks.index(me) if me in ranks else -1,
             len(ranks),
             self.state.poison,
             name=c10d_glue.unique_name(ranks),
-            backend=self._c10d_names,
+            backend=FAKE_NAMES if asks_fake(backend) else self._c10d_names,
             store_key="sub-" + "-".join(map(str, ranks)) + (f"+{same}" if same else ""),
+            in_process=local is not None,
         )
-        if me in ranks:
+        if local is not None:
+            sub.swap(local, ranks.index(me), len(ranks), self.generation)
+        elif me in ranks:
             if isinstance(self.group.inner, LocalBackend):
                 sub.swap(LocalBackend(sub.rank(), len(ranks)), sub.rank(), len(ranks), -1)
             else:
@@ -424,7 +430,7 @@ class LiveJob:
                 self._park()
         except StateLost as lost:  # as in steps(): every worker restarts from the checkpoint
             self._state_lost(lost)
-        self._held = [(g, g.inner) for g in self.state.groups if g.inner is not None]
+        self._held = [(g, g.inner) for g in self.state.groups if g.inner is not None and not g.in_process]
         for g, _ in self._held:
             g.swap(LocalBackend(g.rank(), g.size(), keeps_own_objects=True), g.rank(), g.size(), g.generation, keep_old=True)
         self._held_per_rank = {name: cpu_copy(obj.state_dict()) for name, obj in self.state.per_rank.objects.items()}
@@ -740,7 +746,8 @@ class LiveJob:
             if not self.agent.has_directive(latest):
                 return
             d = self.agent.directive(latest)
-        self.gens.clients.prepare([d.store, d.standby], at_least=4 + len(self.state.subgroups))
+        networked = sum(1 for g in self.state.subgroups if not g.in_process)
+        self.gens.clients.prepare([d.store, d.standby], at_least=4 + networked)
 
     def _take_other_ranks(self, d: Directive) -> None:
         """Promoted to ranks this process did not warm up as: drop everything the script built

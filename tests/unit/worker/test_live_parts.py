@@ -229,6 +229,23 @@ def test_subgroups_to_rebuild(rank, old_rank, d, unusable, want):
     assert subgroups_to_rebuild(MESH_2x2, d, rank, old_rank, unusable) == frozenset(want)
 
 
+@pytest.mark.parametrize(
+    "rank, old_rank, d, unusable, want",
+    [
+        pytest.param(3, 3, D(joiners=[3]), {1, 3, 4}, {1}, id="the joiner builds none of its own"),
+        pytest.param(1, 3, D(), set(), {1, 2}, id="a process that changed rank"),
+        pytest.param(0, 0, D(all_fresh=True), set(), {0, 2}, id="every process new"),
+    ],
+)
+def test_groups_served_in_process_are_never_rebuilt(rank, old_rank, d, unusable, want):
+    """Torch's "fake" groups and groups of one rank have no communicator to build (indices 3
+    and 4 here: the tp group {2, 3} made "fake", and rank 3's own group)."""
+    from tm_launch.worker.generations import subgroups_to_rebuild
+
+    memberships = [*MESH_2x2, (3,)]
+    assert subgroups_to_rebuild(memberships, d, rank, old_rank, unusable, in_process={3, 4}) == frozenset(want)
+
+
 def _all_reduced(backend, value: float, *op) -> float:
     t = torch.tensor([value])
     backend.allreduce([t], *op).wait()
@@ -257,6 +274,26 @@ def test_a_sandbox_all_reduce_is_that_of_identical_replicas(op, want):
     from tm_launch.worker.groups import LocalBackend
 
     assert _all_reduced(LocalBackend(1, 3), 2.0, *op) == want
+
+
+def test_a_group_served_in_process_computes_as_torch_and_is_never_released():
+    """``in_process_backend``: torch's own FakeProcessGroup for a "fake" group (nothing changes),
+    the exact local computation for a group of one rank, nothing for a real group of two. The
+    group keeps it when released (a late entry releases every group) and calls it as torch would."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    from tm_launch.worker.groups import LiveGroup, LocalBackend, StepPoison, in_process_backend
+
+    assert in_process_backend(0, 2) is None
+    fake, alone = in_process_backend(1, 4, "fake"), in_process_backend(0, 1)
+    assert isinstance(fake, FakeProcessGroup) and (fake.rank(), fake.size()) == (1, 4)
+    assert isinstance(alone, LocalBackend)
+    for inner, ranks, rank in ((fake, (0, 1, 2, 3), 1), (alone, (2,), 0)):
+        group = LiveGroup(ranks, rank, len(ranks), StepPoison(), in_process=True)
+        group.swap(inner, rank, len(ranks), 0)
+        group.release()
+        assert group.inner is inner
+        assert _all_reduced(group, 3.0, _options(dist.ReduceOp.SUM)) == 3.0
 
 
 class _Agent:
