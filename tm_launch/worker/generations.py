@@ -112,6 +112,8 @@ class Generations:
         self.current: Directive | None = None
         self.pending: dict | None = None  # a planned switch being prepared
         self._ahead: tuple | None = None  # (generation, (thread, box)): a world communicator built ahead of enter()
+        self._ahead_lock = threading.Lock()  # the directive watcher starts builds ahead; the main thread takes them
+        self._entering = -1  # the newest generation the main thread began to enter: none is built ahead for it now
 
     def close(self) -> None:
         pending = self.pending
@@ -166,21 +168,51 @@ class Generations:
         """Start building generation ``d``'s world communicator now, for a process that has work
         to do before it can enter ``d`` (a promoted spare running the script again for its new
         ranks): its peers' set-up is not kept waiting for that work, and ``enter(d)`` uses it."""
-        self._take_ahead(None)
+        with self._ahead_lock:
+            self._start_ahead(d)
+
+    def build_ahead_as_survivor(self, d: Directive) -> bool:
+        """Directive watcher, an unplanned generation ``d`` that keeps this process at its rank:
+        start building ``d``'s world communicator now. The main thread learns of the failure only
+        when its step reaches a collective (on a CPU, after the step's compute; on a GPU, after
+        an aborted NCCL communicator fails its work), and its set-up then found the communicator
+        connected instead of connecting it (NCCL's initialisation is the expensive one). Not for a
+        generation the main thread already began to enter (it builds its own): each rank builds a
+        generation's world once. True when a build was started."""
+        if d.stop or d.planned or not d.active or self.state.in_sandbox or d.rank_of(self.local_rank) != self.state.rank:
+            return False
+        with self._ahead_lock:
+            if d.generation <= self._entering or (self._ahead is not None and self._ahead[0] >= d.generation):
+                return False
+            self._start_ahead(d)
+        return True
+
+    def _start_ahead(self, d: Directive) -> None:
+        """(Holding ``_ahead_lock``.) The build for ``d`` replaces any other started ahead."""
+        self._give_up(self._ahead)
         self._ahead = (d.generation, self._build_in_background(None, d.rank_of(self.local_rank), d.generation, d))
 
     def _take_ahead(self, gen: int | None):
-        """The build started ahead for generation ``gen``, if any; one for another generation is
-        given up (released when it has finished; else left to fail at its own timeout)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        if ahead[0] == gen:
+        """The build started ahead for generation ``gen``, if any, for the main thread entering
+        it (from now on none is started for ``gen`` or older); one for another generation is given
+        up. ``None``: give up any."""
+        with self._ahead_lock:
+            if gen is not None:
+                self._entering = max(self._entering, gen)
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == gen:
             return ahead[1]
-        thread, box = ahead[1]
-        if not thread.is_alive():
-            communicators.release(box.get("pg"))
+        self._give_up(ahead)
         return None
+
+    @staticmethod
+    def _give_up(ahead) -> None:
+        """A build started ahead that nobody will enter: released when it has finished; else left
+        to fail at its own timeout (a daemon thread)."""
+        if ahead is not None:
+            thread, box = ahead[1]
+            if not thread.is_alive():
+                communicators.release(box.get("pg"))
 
     def _build_watching(self, ranks, global_rank: int, gen: int, d: Directive, pending=None, key: str | None = None):
         """``build`` in a thread while this one watches for a newer generation: the setup waits
@@ -257,9 +289,10 @@ class Generations:
         ``late``: this rank follows ``d`` from the boundary after a committed step."""
         while True:
             ahead = self._take_ahead(d.generation)
+            switching = prebuilt is not None  # a planned switch's build: the old world is healthy to the end
             prebuilt = prebuilt if prebuilt is not None else ahead
             try:
-                self._enter_once(d, prebuilt, agree, late)
+                self._enter_once(d, prebuilt, agree, late, switching)
                 return
             except Superseded as newer:
                 log(f"generation {d.generation} was superseded by {newer.directive.generation} while entering it")
@@ -279,7 +312,7 @@ class Generations:
                     raise Superseded(d)  # a spare that is no longer promoted parks again
                 self._leave()
 
-    def _enter_once(self, d: Directive, prebuilt=None, agree: bool = True, late: bool = False) -> None:
+    def _enter_once(self, d: Directive, prebuilt=None, agree: bool = True, late: bool = False, switching: bool = False) -> None:
         state = self.state
         t0, began = time.perf_counter(), time.time()
         connects_before = self.clients.opened_on_demand
@@ -289,9 +322,7 @@ class Generations:
         gen, rank, world = d.generation, d.rank_of(self.local_rank), d.world_size
         self.current = d
         old_rank = state.rank
-        if isinstance(prebuilt, tuple):  # a planned switch's background build: (thread, box)
-            prebuilt = self._build_watching(None, rank, gen, d, pending=prebuilt)
-        elif prebuilt is None and not state.in_sandbox:
+        if not switching and not state.in_sandbox:
             # Unplanned: a peer may still be blocked in a collective of the old world with this
             # rank (it moved on at a healthy boundary, e.g. a cordoned node's plan arrived
             # mid-step); closing it here makes that peer fail now instead of both sides waiting
@@ -304,6 +335,8 @@ class Generations:
                 # ``rebuild`` sets make every member of such a group build it again.
                 for sub in state.subgroups:
                     sub.release()
+        if isinstance(prebuilt, tuple):  # built in the background (ahead, or a planned switch): (thread, box)
+            prebuilt = self._build_watching(None, rank, gen, d, pending=prebuilt)
         inner = prebuilt or self._build_watching(None, rank, gen, d)
         state.world.swap(inner, rank, world, gen)
         c10d_glue.register(state.world, range(world))

@@ -675,9 +675,10 @@ class LiveJob:
 
     def _on_directive(self, d: Directive) -> None:
         """Watcher thread: an unplanned generation means a peer is gone; a vote waiting for it
-        is settled as aborted at once, and the NCCL communicators it changes are aborted (their
-        GPU work fails now rather than at the collective timeout). A planned one switches at an
-        agreed step instead; a finished job ends its collectives as they are."""
+        is settled as aborted at once, the NCCL communicators it changes are aborted (their
+        GPU work fails now rather than at the collective timeout), and a survivor starts
+        building its world communicator. A planned one switches at an agreed step instead; a
+        finished job ends its collectives as they are."""
         if d.planned:  # a drained rank hands over at the switch step instead
             return
         self.state.commit.abort(d.generation)
@@ -686,6 +687,7 @@ class LiveJob:
                 self.gens.abort_changed(d)
             except Exception as e:  # noqa: BLE001 -- the watcher must live on; the step boundary still recovers
                 log(f"aborting the communicators generation {d.generation} changes failed: {e}")
+            self.gens.build_ahead_as_survivor(d)  # its world connects while the interrupted step ends
 
     def _boundary(self) -> None:
         state = self.state

@@ -358,6 +358,42 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
     gens.close()
 
 
+def test_a_survivor_builds_its_world_ahead_once_per_generation_and_never_while_entering_it():
+    """``build_ahead_as_survivor`` (the directive watcher, an unplanned generation): a survivor
+    keeping its rank starts the new world's build; not twice for one generation, not for one
+    the main thread began to enter (that thread builds its own: each rank builds a world once),
+    not for a planned switch, a stop, a rank it leaves or changes, nor in the sandbox (a parked
+    spare enters at once)."""
+    from tm_launch.protocol import Directive, StoreAddress, WorkerEnv
+    from tm_launch.worker.generations import Generations
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    state = types.SimpleNamespace(in_sandbox=False, rank=0)
+    gens = Generations(state=state, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",), snapshots=None)
+    d = Directive(generation=3, active=True, ranks=(0,), world_size=1, store=StoreAddress("127.0.0.1", server.port))
+    for other in (
+        dataclasses.replace(d, planned=True),
+        dataclasses.replace(d, stop=True),
+        dataclasses.replace(d, active=False),
+        dataclasses.replace(d, ranks=(1,), world_size=2),
+    ):
+        assert not gens.build_ahead_as_survivor(other), other
+    state.in_sandbox = True
+    assert not gens.build_ahead_as_survivor(d)
+    state.in_sandbox = False
+    assert gens.build_ahead_as_survivor(d)
+    assert not gens.build_ahead_as_survivor(d)  # already started
+    ahead = gens._take_ahead(3)  # the main thread enters 3 and takes it
+    assert gens._build_watching(None, 0, 3, d, pending=ahead) is ahead[1]["pg"]
+    assert not gens.build_ahead_as_survivor(d)  # entered: not again
+    assert gens._take_ahead(3) is None
+    gens._take_ahead(4)  # the main thread began to enter 4 before the watcher saw it
+    assert not gens.build_ahead_as_survivor(dataclasses.replace(d, generation=4))
+    assert gens.build_ahead_as_survivor(dataclasses.replace(d, generation=5))
+    assert gens._take_ahead(6) is None  # a newer generation than the one built: given up
+    gens.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # the transfer's wire: which backend carries a tensor, which own tensor receives it in place
 
