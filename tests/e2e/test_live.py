@@ -455,6 +455,17 @@ def test_status_json_lists_nodes_roles_ranks(local_job):
     assert job.wait(timeout=120) == {"a": 0, "b": 0, "c": 0}  # the parked spare leaves cleanly too
 
 
+def subgroup_communicators(job) -> dict:
+    """{(rank, generation): the ids of the communicators its subgroup used} from the script's
+    ``--subgroup-log``."""
+    comms: dict = {}
+    with open(os.path.join(job.workdir, "sublog")) as f:
+        for line in f:
+            rank, step, gen, comm = line.split()
+            comms.setdefault((int(rank), int(gen)), set()).add(comm)
+    return comms
+
+
 def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference):
     """TP-style subgroups of 2 ranks, one per node; b's worker dies: the spare rebuilds b's
     subgroup (and the world group) while a keeps its subgroup's communicator object."""
@@ -467,11 +478,7 @@ def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference
     )
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
     assert_bitwise(params, reference(2, 2))
-    comms: dict = {}
-    with open(os.path.join(job.workdir, "sublog")) as f:
-        for line in f:
-            rank, step, gen, comm = line.split()
-            comms.setdefault((int(rank), int(gen)), set()).add(comm)
+    comms = subgroup_communicators(job)
     for r in info["kept_ranks"]:
         assert comms[(r, 0)] == comms[(r, 1)], comms  # node a's subgroup: the same communicator
     for r in info["victim_ranks"]:
@@ -494,11 +501,7 @@ def test_groups_of_one_rank_and_fake_groups_are_never_connected(local_job, refer
     assert_bitwise(params, reference(2, 2))
     entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
     assert set(entered) == {"a", "c"} and all(e["groups_rebuilt"] == 1 for e in entered.values()), entered
-    comms: dict = {}
-    with open(os.path.join(job.workdir, "sublog")) as f:
-        for line in f:
-            rank, step, gen, comm = line.split()
-            comms.setdefault((int(rank), int(gen)), set()).add(comm)
+    comms = subgroup_communicators(job)
     for r in info["kept_ranks"]:
         assert len(comms[(r, 0)] | comms[(r, 1)]) == 1, comms  # node a's: one object all along
     for r in info["victim_ranks"]:
