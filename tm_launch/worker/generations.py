@@ -151,14 +151,22 @@ class Generations:
     def _build_in_background(self, ranks, global_rank: int, gen: int, d: Directive, key: str | None = None) -> tuple:
         """``build`` in a daemon thread: (thread, box); the box gets ``pg`` or ``error``, and
         ``mark``: the sockets open before the build (``connections.Mark``), from which entering
-        with it counts what it opened."""
-        box: dict = {"mark": connections.Mark()}
+        with it counts what it opened. A build given up before it finished (``_give_up``) is
+        released by its own thread when it does: peers that entered that generation must not
+        wait on this rank's sockets until the collective timeout."""
+        box: dict = {"mark": connections.Mark(), "lock": threading.Lock()}
 
         def work():
             try:
-                box["pg"] = self.build(ranks, global_rank, gen, d, key)
+                pg = self.build(ranks, global_rank, gen, d, key)
             except BaseException as e:  # noqa: BLE001 -- handed to the thread that waits for it
                 box["error"] = e
+                return
+            with box["lock"]:
+                if not box.get("given_up"):
+                    box["pg"] = pg
+                    return
+            communicators.release(pg)  # NCCL: aborted off this thread; gloo: closed by the drop
 
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
@@ -207,12 +215,14 @@ class Generations:
 
     @staticmethod
     def _give_up(ahead) -> None:
-        """A build started ahead that nobody will enter: released when it has finished; else left
-        to fail at its own timeout (a daemon thread)."""
+        """A build started ahead that nobody will enter: released now if it has finished, else by
+        its thread when it finishes (``_build_in_background``) or fails at its own timeout."""
         if ahead is not None:
-            thread, box = ahead[1]
-            if not thread.is_alive():
-                communicators.release(box.get("pg"))
+            box = ahead[1][1]
+            with box["lock"]:
+                box["given_up"] = True
+                pg = box.pop("pg", None)
+            communicators.release(pg)
 
     def _build_watching(self, ranks, global_rank: int, gen: int, d: Directive, pending=None, key: str | None = None):
         """``build`` in a thread while this one watches for a newer generation: the setup waits

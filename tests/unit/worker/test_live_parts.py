@@ -351,7 +351,10 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
     assert pg is ahead[1]["pg"] and pg.size() == 1
     assert gens._take_ahead(3) is None  # taken once
     gens.build_ahead(d)
+    thread, box = gens._ahead[1]
     assert gens._take_ahead(4) is None  # another generation: given up
+    thread.join()
+    assert "pg" not in box and "error" not in box  # released, whether it finished before or after
     gens.build_ahead(dataclasses.replace(d, store=StoreAddress("127.0.0.1", 1)))  # nothing listens there
     with pytest.raises(RuntimeError):
         gens._build_watching(None, 0, 3, d, pending=gens._take_ahead(3))
