@@ -364,14 +364,14 @@ class LiveGroup(dist.ProcessGroup):
             self._poison.release_broken()
         inner, generation = self._inner, self.generation  # one read: a failure's thread may close it
         if self.in_process and inner is not None:  # no peer can fail it: as torch would call it
-            return getattr(inner, name if hasattr(inner, name) else ALIASES.get(name, name))(*args, **kwargs)
+            return _collective(inner, name)(*args, **kwargs)
         if self.broken or inner is None:
             # The step is poisoned (or this rank is not connected): serve it locally as if every
             # peer held this rank's values, so shapes stay right and object collectives unpickle.
             return getattr(LocalBackend(max(self._rank, 0), self._size), _local_name(name))(*args, **kwargs)
-        inner_name = name if hasattr(inner, name) else ALIASES.get(name, name)
+        collective = _collective(inner, name)
         try:
-            work = getattr(inner, inner_name)(*args, **kwargs)
+            work = collective(*args, **kwargs)
         except Exception as e:  # a broken communicator can fail at submission time too
             self.fail(e)
             if not self._poison.armed:
@@ -395,6 +395,11 @@ ALIASES = {
     "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
 }
 _LOCAL = {v: k for k, v in ALIASES.items()}
+
+
+def _collective(inner, name: str):
+    """Collective ``name`` (a ProcessGroup's name) of communicator ``inner``, under its own name."""
+    return getattr(inner, name if hasattr(inner, name) else ALIASES.get(name, name))
 
 
 def _local_name(name: str) -> str:
