@@ -243,7 +243,7 @@ def test_modes_match_torchrun(tmp_path, mode):
 def test_train_parameters_bitwise_equal(tmp_path):
     """tests/scripts/train.py (DDP, 2 workers, 10 steps) ends with identical parameters under both.
     Once the script called ``tm_launch.init()``, a live worker has set what torch reads for its
-    groups (NCCL errors cleaned up, gloo pairs on first use); under torchrun nothing changed."""
+    groups (NCCL errors cleaned up; gloo keeps its default, the full mesh); under torchrun nothing changed."""
     params, seen = {}, {}
     for launcher in ("torchrun", "tm-launch"):
         out, env_out = tmp_path / f"{launcher}.pt", tmp_path / f"{launcher}.json"
@@ -252,7 +252,7 @@ def test_train_parameters_bitwise_equal(tmp_path):
         seen[launcher] = json.loads(env_out.read_text())
     assert seen == {
         "torchrun": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_GLOO_LAZY_INIT": None},
-        "tm-launch": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_GLOO_LAZY_INIT": "1"},
+        "tm-launch": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_GLOO_LAZY_INIT": None},
     }
     theirs, ours = params["torchrun"], params["tm-launch"]
     assert theirs.keys() == ours.keys() and len(theirs) > 0

@@ -10,21 +10,24 @@ through the ``LiveGroup`` that wraps it, and dropping the last reference release
 Every generation bootstraps on a fresh ``PrefixStore`` (reusing a prefix reads stale
 addresses); each backend takes a sub-prefix of it (``cpu/``, ``cuda/``), as torch does.
 
-Only the pairs a group uses are connected (delta set-up). gloo's constructor connects every
-pair of the group by default: N - 1 connections per rank on every rebuild, the part of a
-recovery that grows with the job. A live worker sets torch's ``TORCH_GLOO_LAZY_INIT``
-(``live_process_environment``; the user's own setting wins), so pairs connect on first use,
-and ``build`` runs one 1-element all-reduce: gloo's ring connects each rank to its two ring
-neighbours only, and the all-reduce completing proves that every member has arrived, which
-the full mesh used to prove. After that a rank connects only to the peers it exchanges with:
-the ring again for all-reduce and all-gather, the sender-receiver pairs of a state transfer,
-log2(N) peers for a barrier or a broadcast. Measured (torch 2.13, loopback): 2 sockets per
-rank at 2 to 16 ranks where the full mesh opened N - 1; a first connection to a peer that has
-died fails at once (connection refused), as an established pair does.
+Every pair of a gloo group is connected when it is built (gloo's full mesh, torch's default).
+gloo's lazy mode (``TORCH_GLOO_LAZY_INIT=1``: pairs connect on first use, 2 connections per
+rank instead of N - 1) can hang the process that gives up a failed communicator, so live mode
+turns it off (``live_process_environment``). The cause, read in gloo's TCP transport and seen
+in a worker's stack: when a collective fails on one pair (a dead peer), gloo frees the
+operation's buffers while another pair may still hold an operation naming them; when the live
+peer then sends data or asks for the send, that pair can neither read nor write it, and its
+socket stays ready for ever, so gloo's event loop never goes idle. A lazy context's destructor
+joins that loop before it closes its pairs, and waits for ever: the rank that dropped its
+failed communicator hangs there with every socket of it open, and its peers wait on it until
+the collective timeout. A full-mesh context closes its pairs first, the loop goes idle, and
+the destructor returns. Where the world group's set-up would cost most (N - 1 connections per
+rank), it runs off the critical path: a survivor builds the next world while it finishes the
+interrupted step (``Generations.build_ahead_as_survivor``), a spare while it warms up.
 
 Timeouts: joining may wait long (a joiner may still be warming up or starting cold), a
 collective may not (a dead or hung peer must surface fast). gloo waits for its members (in
-that first all-reduce) under the set-up timeout and is then switched to the collective
+its constructor, which connects every pair) under the set-up timeout and is then switched to the collective
 timeout. NCCL is created non-blocking (``config.blocking = 0``) and connected eagerly; ``build`` returns
 once it is connected. The wait for a member is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
 (set from the set-up timeout if the user did not set it); ``abort`` cannot cut it short (torch
@@ -140,19 +143,28 @@ LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"  # read by libtorch in each ProcessGroupGloo 
 NCCL_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # read by each ProcessGroupNCCL constructor
 
 
-def live_process_environment() -> None:
+def live_process_environment() -> str | None:
     """What torch reads when it builds a live worker's groups, set once when the worker starts
     live mode, before it starts threads (``setenv`` racing a C++ ``getenv`` on another thread
     can crash the process; measured here: setting it around each constructor, with ranks as
     threads, ended in a segmentation fault). Restart mode never calls it: a script's own
     ``init_process_group`` gets exactly torchrun's environment.
 
-    - ``TORCH_GLOO_LAZY_INIT=1``: gloo pairs connect on first use (see the module's doc),
-      unless the user set it (``0`` keeps the full mesh).
     - ``TORCH_NCCL_ASYNC_ERROR_HANDLING``: the live value (``protocol.nccl_error_handling``: a
-      survivor of a failed NCCL collective must live on) in place of torchrun's 1."""
-    os.environ.setdefault(LAZY_GLOO, "1")
+      survivor of a failed NCCL collective must live on) in place of torchrun's 1.
+    - ``TORCH_GLOO_LAZY_INIT``: off when the user turned it on (see the module's doc: a failed
+      communicator's teardown can hang). Every gloo group of a live worker is tm-launch's own.
+
+    Returns a line for the log when it overrode a value the user set, else None."""
     os.environ[NCCL_HANDLING] = nccl_error_handling(True, os.environ.get(NCCL_HANDLING))
+    lazy = os.environ.get(LAZY_GLOO)
+    if lazy is None or lazy.strip() in ("", "0"):
+        return None
+    os.environ[LAZY_GLOO] = "0"
+    return (
+        f"{LAZY_GLOO}={lazy} is turned off in live mode: gloo's lazy connection can hang the teardown of a failed "
+        "communicator (tm-launch builds every group's full mesh, off the recovery's critical path)"
+    )
 
 
 def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeout_s: float, hostname: str | None):
@@ -162,10 +174,6 @@ def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeo
     opts._timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
     opts._devices = gloo_devices(hostname)
     backend = ProcessGroupGloo(store, rank, size, opts)
-    # Every member present, each rank connected to its ring neighbours (see the module's doc);
-    # with the full mesh (the user's choice) the pairs are already connected and this is one
-    # tiny collective. Raises when a member never comes within the set-up timeout.
-    backend.allreduce([torch.zeros(1)]).wait()
     backend.set_timeout(datetime.timedelta(seconds=timeout_s))
     return backend
 

@@ -1,9 +1,9 @@
 """How many TCP connections this process opened across a span of its life (Linux ``/proc``).
 
-A substitution should connect only what changed (``tm_launch.worker.communicators``: gloo
-pairs on first use); this is how a worker counts what it actually opened while entering a
-generation, so that the count is reported per change (``EnteredRecord.tcp_opened``) and tested,
-not only inferred from timings. It counts every TCP connection the process opened in the span
+How a worker counts what it actually opened while entering a generation (its world group's
+full mesh, ``tm_launch.worker.communicators``, and whatever else the change needed), so that
+the count is reported per change (``EnteredRecord.tcp_opened``) and tested, not only inferred
+from timings. It counts every TCP connection the process opened in the span
 (gloo pairs, plus any store or snapshot connection a change had to open): sockets that are new
 since ``Mark`` and connected now. Listening sockets (one gloo device per group) are not
 connections and are not counted, nor are connections accepted by a listener that was already

@@ -223,7 +223,9 @@ class LiveJob:
     """A worker that survives its peers: substitution happens inside ``steps()``."""
 
     def __init__(self, env: WorkerEnv, backend: str | None = None):
-        communicators.live_process_environment()  # first: before this process starts threads
+        overridden = communicators.live_process_environment()  # first: before this process starts threads
+        if overridden and env.local_rank == 0:
+            log(overridden)
         die_with_parent()
         self.local_rank = env.local_rank
         # Every group of the job serves these devices (an unusable choice raises before anything starts).

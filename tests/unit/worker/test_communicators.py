@@ -31,17 +31,6 @@ def live_nccl_error_handling(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", nccl_error_handling(True, None))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def pairs_on_first_use():
-    """As a live worker runs (``LiveJob`` sets it first thing); as before after this module."""
-    before = os.environ.pop(communicators.LAZY_GLOO, None)
-    os.environ.setdefault(communicators.LAZY_GLOO, "1")  # as live_process_environment sets it
-    yield
-    os.environ.pop(communicators.LAZY_GLOO, None)
-    if before is not None:
-        os.environ[communicators.LAZY_GLOO] = before
-
-
 @pytest.fixture
 def store():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
@@ -482,17 +471,21 @@ def test_gloo_takes_its_interfaces_from_gloo_socket_ifname_as_torch_does(store, 
 @pytest.mark.parametrize(
     "given, want",
     [
-        ({}, {"TORCH_GLOO_LAZY_INIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
-        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"TORCH_GLOO_LAZY_INIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
-        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, {"TORCH_GLOO_LAZY_INIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
+        ({}, {"TORCH_GLOO_LAZY_INIT": None, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"TORCH_GLOO_LAZY_INIT": None, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, {"TORCH_GLOO_LAZY_INIT": None, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}),
         ({"TORCH_GLOO_LAZY_INIT": "0"}, {"TORCH_GLOO_LAZY_INIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+        ({"TORCH_GLOO_LAZY_INIT": "1"}, {"TORCH_GLOO_LAZY_INIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
     ],
 )
 def test_a_live_process_sets_what_torch_reads_for_its_groups_once(given, want):
     """In a process of its own (it changes the environment): the agent gives torchrun's value
-    (or the user's); live mode's is set by the worker; the user's gloo choice wins."""
+    (or the user's); live mode's is set by the worker; gloo's lazy connection, which can hang a
+    failed communicator's teardown, is turned off when the user turned it on, and said so."""
     env = {k: v for k, v in os.environ.items() if k not in want} | given
-    code = "import os, json; from tm_launch.worker import communicators as c; c.live_process_environment(); "
-    code += f"print(json.dumps({{k: os.environ.get(k) for k in {sorted(want)!r}}}))"
+    code = "import os, json; from tm_launch.worker import communicators as c; said = c.live_process_environment(); "
+    code += f"print(json.dumps([said, {{k: os.environ.get(k) for k in {sorted(want)!r}}}]))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True).stdout
-    assert json.loads(out.splitlines()[-1]) == want
+    said, got = json.loads(out.splitlines()[-1])
+    assert got == want
+    assert (said is not None) == (given.get("TORCH_GLOO_LAZY_INIT") == "1"), said
