@@ -26,10 +26,10 @@ rank), it runs off the critical path: a survivor builds the next world while it 
 interrupted step (``Generations.build_ahead_as_survivor``), a spare while it warms up.
 
 Timeouts: joining may wait long (a joiner may still be warming up or starting cold), a
-collective may not (a dead or hung peer must surface fast). gloo waits for its members (in
-its constructor, which connects every pair) under the set-up timeout and is then switched to the collective
-timeout. NCCL is created non-blocking (``config.blocking = 0``) and connected eagerly; ``build`` returns
-once it is connected. The wait for a member is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+collective may not (a dead or hung peer must surface fast). gloo waits for its members (in its
+constructor, which connects every pair) under the set-up timeout and is then switched to the
+collective timeout. NCCL is created non-blocking (``config.blocking = 0``) and connected
+eagerly; ``build`` returns once it is connected. The wait for a member is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
 (set from the set-up timeout if the user did not set it); ``abort`` cannot cut it short (torch
 holds the communicator's lock while it waits), so a set-up that waits for a member that will
 never come is abandoned by leaving the thread that runs ``build``.  NCCL's collective timeout
