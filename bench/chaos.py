@@ -323,14 +323,15 @@ class Chaos:
     def roles(s: dict, role: str) -> list[dict]:
         return [n for n in s["nodes"] if n["role"] == role]
 
+    def alive(self, node: str) -> bool:
+        """The node's agent runs (this harness kills agents: a killed one stays listed until its lease ends)."""
+        return node in self.job.nodes and self.job.nodes[node].proc.poll() is None
+
     def parked(self, s: dict) -> list[str]:
         return [
             n["id"]
             for n in self.roles(s, "spare")
-            if n["id"] in self.job.nodes
-            and self.job.nodes[n["id"]].proc.poll() is None
-            and n["progress"]
-            and all(w.get("state") == "parked" for w in n["progress"].values())
+            if self.alive(n["id"]) and n["progress"] and all(w.get("state") == "parked" for w in n["progress"].values())
         ]
 
     def max_step(self) -> int:
@@ -457,10 +458,17 @@ class Chaos:
         elif kind == "spare-killed-promotion":
             self.job.kill_worker(victim["id"])
             fault_time = time.time()
-            plan = self.wait(lambda s: s if s["generation"] > gen else None, 60, "the plan that promotes a spare", interval=0.01)
-            joiners = [n["id"] for n in plan["nodes"] if n["role"] in ("active", "draining") and n["id"] not in {a["id"] for a in actives}]
-            if not joiners:
-                raise SoakError(f"no spare was promoted for {victim['id']}: {plan['cause']}")
+            before = {a["id"] for a in actives}
+
+            def promoted(s):  # a live joiner: a spare killed earlier may be promoted first (its lease still runs)
+                if s["generation"] <= gen:
+                    return None
+                joiners = [
+                    n["id"] for n in s["nodes"] if n["role"] in ("active", "draining") and n["id"] not in before and self.alive(n["id"])
+                ]
+                return joiners or None
+
+            joiners = self.wait(promoted, 60, f"a plan that promotes a live spare for {victim['id']}", interval=0.01)
             self.job.kill_agent(joiners[0])
             info["promoted_and_killed"] = joiners[0]
         elif kind == "double-failure":
@@ -480,6 +488,13 @@ class Chaos:
         info["victim"] = victim["id"]
         return self.recover(kind, info, fault_time, gen, victim["id"], expect_plan)
 
+    def removed_since(self, gen: int) -> set[str]:
+        """The nodes that plans after generation ``gen`` took out of the job. Read from the plans,
+        not from who is active now: a node whose worker was killed keeps its agent, which parks
+        as a spare again and may be promoted by the very next plan (a second fault)."""
+        plans = (e for e in self.job.events() if e["kind"] == "plan" and e.get("generation", 0) > gen)
+        return {node for e in plans for node in (*e.get("removed", ()), *e.get("replaced", {}).values())}
+
     def recover(self, kind: str, info: dict, fault_time: float, gen: int, victim: str, expect_plan: bool) -> dict:
         """Wait (bounded) until the victim is out of the job and every rank trained on; measure."""
         try:
@@ -490,7 +505,9 @@ class Chaos:
 
                 def replaced(s):  # -> the generation that replaced them (>= 1)
                     active = {n["id"] for n in s["nodes"] if n["role"] in ("active", "draining")}
-                    return s["generation"] if s["generation"] > gen and not gone & active and len(active) == self.active else None
+                    if s["generation"] <= gen or len(active) != self.active:
+                        return None
+                    return s["generation"] if gone <= self.removed_since(gen) else None
 
                 new_gen = self.wait(replaced, 90, f"{victim} to be replaced after {kind}", interval=0.1)
             elif info.get("how") == "worker":
