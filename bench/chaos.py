@@ -41,12 +41,7 @@ is rank r ^ 2, every recovery is live from it, and the subgroups without the vic
                        one's holder survives (two neighbours lose a snapshot's both copies, which
                        falls back to the checkpoint by design: tests/e2e/test_snapshots.py);
                        hsdp, ddp-tp: ranks r and r + 1, whose replicas survive
-and agent-kill, hang, xid, drain, spare-killed-parked and spare-killed-promotion as above;
-``zero`` leaves out kill-optimizer and kill-vote (``ZERO_STALLS``): a rank killed once its step
-committed (in the vote, its vote counted, or inside ZeroRedundancyOptimizer's step) leaves the
-survivors in ZeRO's parameter broadcast, waiting on handles that gloo cannot abort, until
---collective-timeout (120 s); then a survivor whose collective failed is replaced as well
-(measured: docs/benchmarks.md, "Chaos soak per layout"). No
+and agent-kill, hang, xid, drain, spare-killed-parked and spare-killed-promotion as above. No
 straggler: the detector's compute time is a step minus the wait in its *last* collective, here
 the loss all-reduce after the optimizer step, while the peers of a slow rank wait for it in the
 forward's all-gathers: a slow node is never singled out in these layouts. The
@@ -116,9 +111,6 @@ PLANNED = ("straggler", "drain")
 ACTIVE = 3  # straggler detection needs three ranks to single one out
 LAYOUT_ACTIVE = 4  # fsdp-tp: dp 2 x tp 2
 HYBRID = os.path.join(REPO, "tests", "scripts", "hybrid.py")
-# A kill after the step's commit: ZeRO's survivors wait in its parameter broadcast until the
-# collective timeout (a known limit, not a recovery the soak can bound).
-ZERO_STALLS = ("kill-optimizer", "kill-vote")
 
 
 def kinds_of(layout: str | None, parity: int = 0) -> tuple[str, ...]:
@@ -129,7 +121,7 @@ def kinds_of(layout: str | None, parity: int = 0) -> tuple[str, ...]:
         return KINDS
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    kinds = LAYOUT_KINDS if layout != "zero" else tuple(k for k in LAYOUT_KINDS if k not in ZERO_STALLS)
+    kinds = LAYOUT_KINDS
     if layout in REPLICA_LAYOUTS:  # every shard has a live replica: no snapshot is sent
         kinds = tuple(k for k in kinds if k != "kill-snapshot")
     return tuple(k for k in kinds if not (parity and k == "double-failure"))

@@ -132,6 +132,38 @@ def connects_its_world_once(e: dict, world: int) -> bool:
 
 
 @pytest.mark.slow
+def test_a_lost_worker_whose_sockets_outlive_it_holds_no_survivor(local_job, reference):
+    """Rank 2 dies inside the gradient allreduce while a process it forked keeps its sockets
+    open (as a data-loader worker that inherited them does): its peers' gloo collective would
+    wait for those sockets until the collective timeout (120 s). Each survivor gives up the
+    communicators the new generation changes when its directive arrives (their connections
+    shut down), and leaves the collective at once."""
+    script = ["--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-phase", "allreduce"]
+    script += ["--kill-trigger", "TRIGGER", "--kill-marker", "MARKER", "--kill-keeps-sockets", "SUBLOG"]
+    job = None
+    try:
+        job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=script)
+        victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")
+        survivor = ({"a", "b"} - {victim}).pop()
+        assert codes["c"] == 0 and codes[survivor] == 0, job.logs_tail()
+        assert "communicator(s) it changes" in job.nodes[survivor].log(), job.logs_tail()
+        fault_time = os.path.getmtime(os.path.join(job.workdir, "killed"))
+        assert downtime(job.step_records(), fault_time)["downtime_s"] < 30, job.logs_tail()  # not the 120 s collective timeout
+        assert_bitwise(params, reference(2, 2))
+    finally:
+        if job is not None:
+            _kill_pid_in(os.path.join(job.workdir, "sublog"))
+
+
+def _kill_pid_in(path: str) -> None:
+    try:
+        with open(path) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+@pytest.mark.slow
 def test_a_change_at_8_ranks_rebuilds_one_communicator(local_job, reference):
     """4 nodes x 2 workers and a spare; rank 2's worker dies at the vote. Every worker that
     enters generation 1 rebuilds its world group only, connecting its full mesh (7 peers), and

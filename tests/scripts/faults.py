@@ -41,6 +41,18 @@ PHASES = [
 RUNTIME_POINTS = {"vote": "vote", "last-vote-node": "last-vote/node", "snapshot": "snapshot", "snapshot-node": "snapshot/node"}
 
 
+def keep_sockets_open(pid_file: str) -> None:
+    """Fork a process that holds this one's descriptors (its sockets stay open after this process
+    dies) in a session of its own (a kill of this worker's process group misses it), for 300 s."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        time.sleep(300)
+        os._exit(0)
+    with open(pid_file, "w") as f:
+        f.write(str(child))
+
+
 def kill_once(marker: str | None, rank: int, where: str) -> None:
     """SIGKILL this process; with ``marker`` once per job (``tm_launch.worker.failpoints.kill_once``)."""
     from tm_launch.worker.failpoints import kill_once as kill
@@ -56,6 +68,13 @@ class Faults:
         p.add_argument("--kill-phase", default="forward", choices=PHASES)
         p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
         p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
+        p.add_argument(
+            "--kill-keeps-sockets",
+            default=None,
+            metavar="FILE",
+            help="before the kill, fork a process of its own session that keeps every socket of the killed worker open "
+            "(as a child process that inherited them does) and sleeps; its pid goes to FILE",
+        )
         p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
         p.add_argument("--pause-file", default=None)
         p.add_argument(
@@ -92,6 +111,8 @@ class Faults:
                 return
         elif step != a.kill_step:
             return
+        if a.kill_keeps_sockets and not (a.kill_marker and os.path.exists(a.kill_marker)):
+            keep_sockets_open(a.kill_keeps_sockets)
         kill_once(a.kill_marker, job.rank, f"step {step} ({phase})")
 
     def arm_backward(self, model, job) -> None:

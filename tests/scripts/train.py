@@ -68,6 +68,12 @@ def parse():
     )
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
+    p.add_argument(
+        "--ballast-mb",
+        type=int,
+        default=0,
+        help="host memory the process holds and has touched, as a trainer holds its data and buffers (its exit takes longer)",
+    )
     p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (see the module docstring)")
     p.add_argument(
         "--device",
@@ -115,6 +121,7 @@ def main():
     args = parse()
     chaos = ChaosDir(args.chaos_dir, "train")
     faults = Faults(args, chaos)  # fires chaos triggers too
+    ballast = torch.ones(args.ballast_mb * 2**20 // 4) if args.ballast_mb else None  # noqa: F841 -- held for the process's life
     job = tm_launch.init(args.backend)
     if args.env_out and job.rank == 0:
         with open(args.env_out, "w") as f:

@@ -43,11 +43,13 @@ import datetime
 import os
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from ..protocol import nccl_error_handling
+from . import connections
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 NCCL = dist.ProcessGroup.BackendType.NCCL
@@ -168,14 +170,96 @@ def live_process_environment() -> str | None:
 
 
 def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeout_s: float, hostname: str | None):
+    """(the gloo backend, its connections: ``pair_sockets``)."""
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+    mark = connections.Mark()  # before the devices: each one listens from its creation
     opts = ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
     opts._devices = gloo_devices(hostname)
     backend = ProcessGroupGloo(store, rank, size, opts)
     backend.set_timeout(datetime.timedelta(seconds=timeout_s))
-    return backend
+    return backend, _pair_sockets(backend, mark, size, len(opts._devices))
+
+
+# -- giving up a gloo communicator ------------------------------------------------------------
+# gloo has no abort: its connections close when the context is destroyed, and a context lives
+# as long as anything holds it: an unfinished work (one blocked on a peer holds it until the
+# collective timeout), a future, a traceback. Two survivors each blocked on the other in an
+# abandoned communicator then wait out the timeout (ZeroRedundancyOptimizer's parameter
+# broadcasts, after a rank died with the step committed: one survivor's broadcast failed on
+# the dead rank, the next one's waited on that survivor for 120 s). So the connections of each
+# gloo communicator are found when it is built, and giving it up shuts them down (``release``):
+# everything waiting on them fails now, on this rank and on the other end.
+
+_ADDRESS_BYTES = 256  # one rank's listeners, "host|port,host|port", in the all-gather
+_pairs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> [(inode, fd)] of its gloo connections
+_pairs_lock = threading.Lock()
+
+
+def _listener_bytes(listeners) -> torch.Tensor:
+    text = ",".join(f"{host}|{port}" for host, port in listeners).encode()
+    out = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)
+    if 0 < len(text) <= _ADDRESS_BYTES:
+        out[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return out
+
+
+def _listeners_of(t: torch.Tensor) -> set[tuple[str, int]]:
+    text = bytes(t.tolist()).rstrip(b"\0").decode()
+    return {(host, int(port)) for host, _, port in (item.rpartition("|") for item in text.split(",") if item)}
+
+
+def _pair_sockets(backend, mark, size: int, devices: int) -> list[tuple[int, int]]:
+    """(inode, fd) of the connections of a gloo communicator just built (``mark``: before its
+    constructor, which connects every pair). A pair's socket was either accepted by this
+    rank's new listener (one per device) or connected to a peer's, whose addresses the members
+    all-gather now over the communicator itself: only gloo's own connections match, whatever
+    other threads opened meanwhile. None where this process's sockets cannot be listed, or
+    where what matched is not one connection per peer and device (another group built at the
+    same time in this process, as ranks run as threads in tests): such a group closes its
+    connections only when it is destroyed."""
+    new = mark.new_sockets()
+    mine = {here for _, _, here, there in new if there is None}
+    if not mine or len(mine) > devices:
+        mine = set()
+    ours = [torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8) for _ in range(size)]
+    backend.allgather([ours], [_listener_bytes(mine)]).wait()  # every member, so that none waits
+    if not mine:
+        return []
+    peers = set().union(*(_listeners_of(t) for t in ours)) - mine
+    wildcard_ports = {port for host, port in peers if host in ("0.0.0.0", "::")}
+
+    def is_pair(here, there) -> bool:
+        return here in mine or there in peers or there[1] in wildcard_ports
+
+    pairs = [(inode, fd) for inode, fd, here, there in new if there is not None and is_pair(here, there)]
+    return pairs if len(pairs) == (size - 1) * devices else []  # else not only this rank's (ranks as threads)
+
+
+def _track(pg, pairs) -> None:
+    if pairs:
+        with _pairs_lock:
+            _pairs[pg] = pairs
+
+
+def pair_sockets(pg) -> list[tuple[int, int]]:
+    """(inode, fd) of ``pg``'s gloo connections as found when it was built (empty once given up)."""
+    try:
+        with _pairs_lock:
+            return list(_pairs.get(pg, ()))
+    except TypeError:  # not a group this module built
+        return []
+
+
+def _shut_down(pg) -> int:
+    """Shut down ``pg``'s gloo connections, once: how many were still open."""
+    try:
+        with _pairs_lock:
+            pairs = _pairs.pop(pg, ())
+    except TypeError:  # not a group this module built
+        return 0
+    return sum(connections.shut_down(fd, inode) for inode, fd in pairs)
 
 
 def _nccl_options(timeout_s: float, name: str):
@@ -230,12 +314,14 @@ def build(
     this generation): gloo always, NCCL too when ``devices`` names a CUDA device and CUDA is
     usable. Blocks until every member is there (at most ``setup_timeout_s``)."""
     name = f"tm-{id(store):x}-r{rank}"
-    gloo = _gloo(dist.PrefixStore("cpu/", store), rank, size, timeout_s, setup_timeout_s, hostname)
+    gloo, pairs = _gloo(dist.PrefixStore("cpu/", store), rank, size, timeout_s, setup_timeout_s, hostname)
     device = cuda_device(devices)
     nccl = None
     if device is not None:
         nccl = _nccl(dist.PrefixStore("cuda/", store), rank, size, device, timeout_s, setup_timeout_s, name)
-    return _assemble(store, rank, size, gloo, nccl, device, name)
+    pg = _assemble(store, rank, size, gloo, nccl, device, name)
+    _track(pg, pairs)
+    return pg
 
 
 def nccl_backend(pg):
@@ -280,17 +366,20 @@ _releasing_lock = threading.Lock()
 
 
 def release(pg) -> bool:
-    """Give up a group that has NCCL: its communicators are aborted and the group destroyed on
-    a thread of its own, because ``ProcessGroupNCCL.abort()`` takes about a second (measured:
-    1.00 s per group on an H100, torch 2.11 / NCCL 2.28.9, monitoring on or off) and would sit
-    on the recovery path. The caller drops its own references right away (the thread's is then
-    the last one, and the destructor, ~5 ms after an abort, runs there too), or, from a thread
-    that must not touch the group's owner (the directive watcher, while the main thread may be
-    inside one of its collectives), leaves the object to its owner, whose later drop destroys
-    it (``LiveGroup.abort_soon``). Returns False (nothing done) for a gloo-only group or any
-    other object: the caller's drop closes gloo's sockets at once, as peers expect."""
+    """Give up a group, from any thread. Its gloo connections are shut down at once (see
+    above): every collective waiting on them fails now, here and at the other ends. Its NCCL
+    communicators are aborted and the group destroyed on a thread of its own, because
+    ``ProcessGroupNCCL.abort()`` takes about a second (measured: 1.00 s per group on an H100,
+    torch 2.11 / NCCL 2.28.9, monitoring on or off) and would sit on the recovery path. The
+    caller drops its own references right away (for NCCL the thread's is then the last one, and
+    the destructor, ~5 ms after an abort, runs there too), or, from a thread that must not touch
+    the group's owner (the directive watcher, while the main thread may be inside one of its
+    collectives), leaves the object to its owner, whose later drop destroys it
+    (``LiveGroup.abort_soon``). Returns whether it ended anything (False for a group given up
+    before, or any other object)."""
+    shut = _shut_down(pg) > 0
     if nccl_backend(pg) is None:
-        return False
+        return shut
 
     def reap(box=[pg]):  # noqa: B006 -- the thread's own reference, dropped after the abort
         abort(box[0])
@@ -333,7 +422,7 @@ def shrink(
         raise ValueError(f"cannot exclude {gone} from a group of {size} as rank {rank}")
     new_rank, new_size = rank - sum(1 for g in gone if g < rank), size - len(gone)
     name = f"tm-{id(store):x}-r{new_rank}"
-    gloo = _gloo(dist.PrefixStore("cpu/", store), new_rank, new_size, timeout_s, setup_timeout_s, hostname)
+    gloo, pairs = _gloo(dist.PrefixStore("cpu/", store), new_rank, new_size, timeout_s, setup_timeout_s, hostname)
     old = nccl_backend(pg)
     nccl = device = None
     if old is not None:
@@ -342,4 +431,6 @@ def shrink(
             nccl = old.shrink(gone, SHRINK_ABORT, _nccl_options(timeout_s, name))
         else:
             nccl = _nccl(dist.PrefixStore("cuda/", store), new_rank, new_size, device, timeout_s, setup_timeout_s, name)
-    return _assemble(store, new_rank, new_size, gloo, nccl, device, name)
+    shrunk = _assemble(store, new_rank, new_size, gloo, nccl, device, name)
+    _track(shrunk, pairs)
+    return shrunk

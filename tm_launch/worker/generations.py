@@ -19,8 +19,8 @@ commit) and tells the agent what it does through ``AgentClient`` and ``LiveStatu
 Every group is built by ``communicators.build`` with the job's devices (``LiveJob.devices``, from
 ``tm_launch.init(backend=...)``): gloo for CPU tensors, NCCL too for CUDA tensors. Communicators
 left behind are given up by ``LiveGroup.swap`` (``communicators.release``); an unplanned
-generation aborts the NCCL ones whose membership it changes as soon as the directive watcher sees
-it (``abort_changed``), so a step waiting on the GPU for a dead rank fails at once.
+generation gives up those whose membership it changes as soon as the directive watcher sees it
+(``abort_changed``), so a step waiting for a dead rank fails at once.
 """
 
 from __future__ import annotations
@@ -142,9 +142,10 @@ class Generations:
         )
 
     def abort_changed(self, d: Directive) -> list:
-        """Directive watcher, unplanned generation ``d``: abort the NCCL communicators of every
-        group whose membership ``d`` changes (``LiveGroup.abort_soon``: off this thread, only
-        communicators of older generations; gloo ones are left as before). The groups aborted."""
+        """Directive watcher, unplanned generation ``d``: give up the communicators of every group
+        whose membership ``d`` changes (``LiveGroup.abort_soon``: gloo's connections shut down,
+        NCCL aborted off this thread; only communicators of older generations). The groups
+        whose communicator was ended."""
         rank, old_rank = d.rank_of(self.local_rank), self.state.rank
         return [g for g in self.state.groups if membership_changed(g.member_ranks, d, rank, old_rank) and g.abort_soon(d.generation)]
 
@@ -166,7 +167,7 @@ class Generations:
                 if not box.get("given_up"):
                     box["pg"] = pg
                     return
-            communicators.release(pg)  # NCCL: aborted off this thread; gloo: closed by the drop
+            communicators.release(pg)  # gloo: its connections shut down; NCCL: aborted off this thread
 
         thread = threading.Thread(target=work, daemon=True)
         thread.start()

@@ -4,8 +4,8 @@
 uses) that forwards every collective to an *inner* backend. DDP, FSDP and ``dist.*(group=...)``
 hold the LiveGroup; a new generation swaps the inner gloo/NCCL group underneath them, so nothing
 the user built is rebuilt. A communicator swapped out is given up through
-``communicators.release`` (NCCL: aborted and destroyed off the caller's thread; gloo: the drop
-closes its sockets at once).
+``communicators.release`` (gloo: its connections shut down at once, whatever still holds the
+communicator; NCCL: aborted and destroyed off the caller's thread).
 
 A failed collective never raises into the training step. Python cannot catch an exception
 raised in the body of ``for step in job.steps()``, so the group *poisons* the step instead: the
@@ -273,7 +273,7 @@ class LiveGroup(dist.ProcessGroup):
             aborted, self._aborted = self._aborted, None
         if not keep_old:
             _give_up(old, aborted)
-        del old  # dropping the last reference closes gloo's sockets: peers still waiting fail fast
+        del old
 
     def fail(self, error: BaseException, generation: int | None = None) -> None:
         """A collective of this communicator (submitted in ``generation``) failed: poison the
@@ -324,12 +324,13 @@ class LiveGroup(dist.ProcessGroup):
 
     def abort_soon(self, generation: int) -> bool:
         """Called by the directive watcher when generation ``generation`` changes this group's
-        membership: abort its NCCL communicator now, off the main thread, so that a step waiting
-        on the GPU for a rank that is gone fails at once instead of at the collective timeout.
-        Only a communicator of an older generation (the main thread may already have entered
-        this one). The group keeps the object until the main thread swaps it out. gloo: nothing
-        to do, as before (a dead peer's sockets close by themselves; a hung one is killed by its
-        agent). True when an abort was started."""
+        membership: give up its communicator now, off the main thread, so that a step waiting
+        for a rank that is gone fails at once instead of when the dead process's sockets close
+        (at the end of its exit, once the kernel freed its memory; never while a process it
+        forked holds them) or at the collective timeout: gloo's connections are shut down, NCCL
+        is aborted. Only a communicator of an older generation (the main thread may already
+        have entered this one). The group keeps the object until the main thread swaps it out.
+        True when something was ended."""
         with self._swap_lock:
             inner = self._inner
             if inner is None or inner is self._aborted or self.generation >= generation:
@@ -344,7 +345,7 @@ class LiveGroup(dist.ProcessGroup):
         this rank get 'connection closed' instead of waiting for the collective timeout."""
         if not self.broken or self._inner is None:
             return False
-        self.release()  # the last reference: the destructor closes the sockets right here
+        self.release()  # its connections shut down: peers blocked on this rank fail now
         return True
 
     def settle(self) -> None:
@@ -500,8 +501,7 @@ def _guarded(work: dist.Work, group: LiveGroup, result, generation: int) -> dist
 
 
 def _give_up(old, aborted) -> None:
-    """A communicator this process leaves: NCCL ones are aborted and destroyed off this thread
-    (``communicators.release``; not twice when the watcher already did), gloo ones close their
-    sockets when the caller drops its reference."""
+    """A communicator this process leaves (``communicators.release``: gloo's connections shut
+    down, NCCL aborted and destroyed off this thread; not twice when the watcher already did)."""
     if old is not None and old is not aborted:
         communicators.release(old)

@@ -677,8 +677,9 @@ class LiveJob:
 
     def _on_directive(self, d: Directive) -> None:
         """Watcher thread: an unplanned generation means a peer is gone; a vote waiting for it
-        is settled as aborted at once, the NCCL communicators it changes are aborted (their
-        GPU work fails now rather than at the collective timeout), and a survivor starts
+        is settled as aborted at once, the communicators it changes are given up (gloo's
+        connections shut down, NCCL aborted: a collective waiting for the lost rank fails now,
+        not when its sockets close or at the collective timeout), and a survivor starts
         building its world communicator. A planned one switches at an agreed step instead; a
         finished job ends its collectives as they are."""
         if d.planned:  # a drained rank hands over at the switch step instead
@@ -686,7 +687,11 @@ class LiveJob:
         self.state.commit.abort(d.generation)
         if not d.stop:
             try:
-                self.gens.abort_changed(d)
+                ended = self.gens.abort_changed(d)
+                if ended:
+                    log(
+                        f"generation {d.generation}: gave up {len(ended)} communicator(s) it changes (a collective waiting on a lost rank ends now)"
+                    )
             except Exception as e:  # noqa: BLE001 -- the watcher must live on; the step boundary still recovers
                 log(f"aborting the communicators generation {d.generation} changes failed: {e}")
             self.gens.build_ahead_as_survivor(d)  # its world connects while the interrupted step ends

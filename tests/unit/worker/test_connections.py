@@ -42,15 +42,44 @@ RANK = textwrap.dedent(
         pg.recv([t], 0, 0).wait()
         assert t.sum().item() == 0
     print("OPENED", mark.opened(), flush=True)
+    print("PAIRS", len(communicators.pair_sockets(pg)), flush=True)
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{r}" for r in range(size)])
     """
 )
 
 
-def enter_on(size: int, lazy: str | None = None) -> list[int]:
-    """Connections each of ``size`` rank processes opened while entering (by rank), with the
-    user's ``TORCH_GLOO_LAZY_INIT`` set to ``lazy`` (None: unset)."""
+# Giving up a communicator that something still holds: rank 0 holds a pending receive on it
+# (as an unfinished work of an abandoned step does) and releases it; ranks 1 and 2, blocked on
+# rank 0 in a receive under a 60 s collective timeout, fail at once, and so does rank 0's own.
+GIVE_UP = textwrap.dedent(
+    """
+    import datetime, sys, time
+    import torch, torch.distributed as dist
+    from tm_launch.worker import communicators
+    rank, size, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    communicators.live_process_environment()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    pg = communicators.build(dist.PrefixStore("g1/", store), rank, size, devices=["cpu"], timeout_s=60,
+                             setup_timeout_s=60, hostname="127.0.0.1")
+    work = pg.recv([torch.zeros(4)], 0 if rank else 1, 0)
+    store.set(f"waiting/{rank}", "1")
+    if rank == 0:
+        store.wait([f"waiting/{r}" for r in range(size)])
+        time.sleep(0.3)
+        print("RELEASED", communicators.release(pg), communicators.pair_sockets(pg), flush=True)
+    start = time.monotonic()
+    try:
+        work.wait()
+        print("RECEIVED", flush=True)
+    except RuntimeError as e:
+        print("FAILED", round(time.monotonic() - start, 3), str(e).splitlines()[0][:200], flush=True)
+    """
+)
+
+
+def run_ranks(script: str, size: int, lazy: str | None = None) -> list[str]:
+    """The standard output of ``size`` rank processes running ``script`` (rank, size, store port)."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     env.pop(communicators.LAZY_GLOO, None)
@@ -58,7 +87,7 @@ def enter_on(size: int, lazy: str | None = None) -> list[int]:
         env[communicators.LAZY_GLOO] = lazy
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK, str(r), str(size), str(master.port)],
+            [sys.executable, "-c", script, str(r), str(size), str(master.port)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -66,12 +95,33 @@ def enter_on(size: int, lazy: str | None = None) -> list[int]:
         )
         for r in range(size)
     ]
-    counts = []
+    outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
-        counts.append(int(next(line.split()[1] for line in out.splitlines() if line.startswith("OPENED"))))
-    return counts
+        outs.append(out)
+    return outs
+
+
+def said(out: str, word: str) -> list[str]:
+    return next(line.split()[1:] for line in out.splitlines() if line.startswith(word))
+
+
+def test_a_communicator_given_up_fails_every_wait_on_it_at_once_whatever_holds_it():
+    outs = run_ranks(GIVE_UP, 3)
+    assert said(outs[0], "RELEASED") == ["True", "[]"], outs[0]  # its 2 connections shut down, once
+    for out in outs:
+        seconds = float(said(out, "FAILED")[0])
+        assert seconds < 10, out  # not the 60 s collective timeout
+
+
+def enter_on(size: int, lazy: str | None = None) -> list[int]:
+    """Connections each of ``size`` rank processes opened while entering (by rank), with the
+    user's ``TORCH_GLOO_LAZY_INIT`` set to ``lazy`` (None: unset); each rank's communicator
+    knows its connections, one per peer."""
+    outs = run_ranks(RANK, size, lazy)
+    assert all(said(out, "PAIRS") == [str(size - 1)] for out in outs), outs
+    return [int(said(out, "OPENED")[0]) for out in outs]
 
 
 def test_a_rank_entering_connects_the_full_mesh_and_nothing_more():
