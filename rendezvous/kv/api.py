@@ -241,7 +241,9 @@ def _unreachable(errors: list[tuple[str, str]]) -> KVError:
             "check --rdzv-conf cacert= (the CA that signed etcd's certificate) and cert=/key= "
             "(a client certificate signed by a CA etcd trusts)"
         )
-    elif "closed by the server" in whys and all(url.startswith("http:") for url, _ in errors):
+    elif ("closed by the server" in whys or "connection reset" in whys) and all(url.startswith("http:") for url, _ in errors):
+        # what a TLS listener does to a plain request: answer 400 and close, or reset when the
+        # close comes before the client read the answer (several clients at once, a busy host)
         fix = f"{_FIX} (if etcd serves https, use https:// and --rdzv-conf cacert=)"
     else:
         fix = _FIX

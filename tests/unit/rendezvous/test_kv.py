@@ -1,6 +1,7 @@
 """The KV layer against a real etcd, through both the v2 (python-etcd) and v3 (etcd3gw) APIs."""
 
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -269,6 +270,32 @@ def test_unreachable_fails_fast_with_one_line(api, refusing_port):
     assert time.monotonic() - start < 2.0
     msg = _one_line(err.value)
     assert "connection refused" in msg and f"127.0.0.1:{port}" in msg and "--rdzv-endpoint" in msg
+
+
+@pytest.mark.parametrize("api", ["v2", "v3"])
+def test_a_reset_on_plain_http_suggests_https(api):
+    """A TLS listener asked in plain HTTP answers 400 and closes, or resets the connection when
+    its close comes before the client read the answer: either way the line says to try https."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def reset_each():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.recv(4096)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            conn.close()
+
+    threading.Thread(target=reset_each, daemon=True).start()
+    try:
+        with pytest.raises(KVError) as err:
+            connect(api, EtcdOptions(endpoints=(f"http://127.0.0.1:{server.getsockname()[1]}",), timeout=2.0))
+    finally:
+        server.close()
+    msg = _one_line(err.value)
+    assert ("connection reset" in msg or "closed by the server" in msg) and "https://" in msg and "cacert=" in msg, msg
 
 
 @pytest.mark.parametrize("api", ["v2", "v3"])
