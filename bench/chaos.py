@@ -481,9 +481,11 @@ class Chaos:
         return self.recover(kind, info, fault_time, gen, victim["id"], expect_plan)
 
     def removed_since(self, gen: int) -> set[str]:
-        """The nodes that plans after generation ``gen`` took out of the job. Read from the plans,
-        not from who is active now: a node whose worker was killed keeps its agent, which parks
-        as a spare again and may be promoted by the very next plan (a second fault)."""
+        """The nodes that plans after generation ``gen`` took out of the job, as their publishers
+        logged them. A victim active again is out if one of these took it out: a node whose
+        worker was killed keeps its agent, which parks as a spare again and may be promoted by
+        the very next plan (a second fault). A plan whose publisher was killed at once (a
+        promoted spare is also the planner) leaves no event; its victims are out if inactive."""
         plans = (e for e in self.job.events() if e["kind"] == "plan" and e.get("generation", 0) > gen)
         return {node for e in plans for node in (*e.get("removed", ()), *e.get("replaced", {}).values())}
 
@@ -499,7 +501,8 @@ class Chaos:
                     active = {n["id"] for n in s["nodes"] if n["role"] in ("active", "draining")}
                     if s["generation"] <= gen or len(active) != self.active:
                         return None
-                    return s["generation"] if gone <= self.removed_since(gen) else None
+                    back = gone & active  # victims active again: out only if a plan took them out since
+                    return s["generation"] if not back or back <= self.removed_since(gen) else None
 
                 new_gen = self.wait(replaced, 90, f"{victim} to be replaced after {kind}", interval=0.1)
             elif info.get("how") == "worker":
