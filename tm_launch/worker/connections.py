@@ -1,4 +1,6 @@
-"""How many TCP connections this process opened across a span of its life (Linux ``/proc``).
+"""This process's TCP connections (Linux ``/proc``): how many it opened across a span of its
+life, which ones it opened (``Mark.new_sockets``: how a gloo communicator learns its own,
+``communicators``), and shutting one down (``shut_down``: how it is given up).
 
 How a worker counts what it actually opened while entering a generation (its world group's
 full mesh, ``tm_launch.worker.communicators``, and whatever else the change needed), so that
