@@ -177,9 +177,11 @@ def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeo
     opts = ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=max(timeout_s, setup_timeout_s))
     opts._devices = gloo_devices(hostname)
+    mine = _own_listeners(mark, len(opts._devices))
+    store.append(_LISTENERS, _listener_text(mine))  # before the constructor: see _pair_sockets
     backend = ProcessGroupGloo(store, rank, size, opts)
     backend.set_timeout(datetime.timedelta(seconds=timeout_s))
-    return backend, _pair_sockets(backend, mark, size, len(opts._devices))
+    return backend, _pair_sockets(store, mark, mine, size, len(opts._devices))
 
 
 # -- giving up a gloo communicator ------------------------------------------------------------
@@ -192,48 +194,46 @@ def _gloo(store: dist.Store, rank: int, size: int, timeout_s: float, setup_timeo
 # gloo communicator are found when it is built, and giving it up shuts them down (``release``):
 # everything waiting on them fails now, on this rank and on the other end.
 
-_ADDRESS_BYTES = 256  # one rank's listeners, "host|port,host|port", in the all-gather
+_LISTENERS = "tm-listeners"  # in the group's store: every member's listeners, appended
 _pairs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> [(inode, fd)] of its gloo connections
 _pairs_lock = threading.Lock()
 
 
-def _listener_bytes(listeners) -> torch.Tensor:
-    text = ",".join(f"{host}|{port}" for host, port in listeners).encode()
-    out = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8)
-    if 0 < len(text) <= _ADDRESS_BYTES:
-        out[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    return out
+def _own_listeners(mark, devices: int) -> set[tuple[str, int]]:
+    """This rank's new gloo listeners (one per device, created since ``mark``); none where more
+    appeared (another group built at the same time in this process) or none can be seen."""
+    mine = {here for _, _, here, there in mark.new_sockets() if there is None}
+    return mine if 0 < len(mine) <= devices else set()
 
 
-def _listeners_of(t: torch.Tensor) -> set[tuple[str, int]]:
-    text = bytes(t.tolist()).rstrip(b"\0").decode()
-    return {(host, int(port)) for host, _, port in (item.rpartition("|") for item in text.split(",") if item)}
+def _listener_text(listeners) -> str:
+    return "".join(f"{host}|{port};" for host, port in sorted(listeners)) or ";"
 
 
-def _pair_sockets(backend, mark, size: int, devices: int) -> list[tuple[int, int]]:
+def _listeners_of(text: str) -> set[tuple[str, int]]:
+    return {(host, int(port)) for host, _, port in (item.rpartition("|") for item in text.split(";") if item)}
+
+
+def _pair_sockets(store, mark, mine, size: int, devices: int) -> list[tuple[int, int]]:
     """(inode, fd) of the connections of a gloo communicator just built (``mark``: before its
-    constructor, which connects every pair). A pair's socket was either accepted by this
-    rank's new listener (one per device) or connected to a peer's, whose addresses the members
-    all-gather now over the communicator itself: only gloo's own connections match, whatever
-    other threads opened meanwhile. None where this process's sockets cannot be listed, or
-    where what matched is not one connection per peer and device (another group built at the
-    same time in this process, as ranks run as threads in tests): such a group closes its
-    connections only when it is destroyed."""
-    new = mark.new_sockets()
-    mine = {here for _, _, here, there in new if there is None}
-    if not mine or len(mine) > devices:
-        mine = set()
-    ours = [torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8) for _ in range(size)]
-    backend.allgather([ours], [_listener_bytes(mine)]).wait()  # every member, so that none waits
+    devices and constructor, which connects every pair). A pair's socket was either accepted by
+    one of this rank's new listeners (``mine``) or connected to a peer's. Every member appended
+    its listeners to the group's store before its constructor, and a constructor returns only
+    once every peer has connected, from inside its own constructor: so one read of that key now
+    holds them all. Only gloo's own connections match, whatever other threads opened meanwhile.
+    None where this process's sockets cannot be listed, or where what matched is not one
+    connection per peer and device (another group built at the same time in this process, as
+    ranks run as threads in tests): such a group closes its connections only when it is
+    destroyed."""
     if not mine:
         return []
-    peers = set().union(*(_listeners_of(t) for t in ours)) - mine
+    peers = _listeners_of(store.get(_LISTENERS).decode()) - mine
     wildcard_ports = {port for host, port in peers if host in ("0.0.0.0", "::")}
 
     def is_pair(here, there) -> bool:
         return here in mine or there in peers or there[1] in wildcard_ports
 
-    pairs = [(inode, fd) for inode, fd, here, there in new if there is not None and is_pair(here, there)]
+    pairs = [(inode, fd) for inode, fd, here, there in mark.new_sockets() if there is not None and is_pair(here, there)]
     return pairs if len(pairs) == (size - 1) * devices else []  # else not only this rank's (ranks as threads)
 
 
