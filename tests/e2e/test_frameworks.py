@@ -196,6 +196,8 @@ def test_hf_trainer_restarts_from_its_checkpoint_bitwise_and_reports_its_steps(l
         "15",
         "--kill-marker",
         os.path.join(job.workdir, "killed"),
+        "--step-sleep",  # the agents sample a worker's step at most once a second: give them steps to see
+        "0.15",
     ]
     job.start_all(["a", "b", "c"])
     job.wait_for(
