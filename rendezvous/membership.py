@@ -12,6 +12,8 @@ change another's keys. Two subtrees:
                                 planners that planner chose (``planner.planners``)
     state/nodes/<node>          NodeInfo, attached to the node's lease: gone when the node dies
     state/failed/<node>         cordoned nodes (durable; `ctl uncordon` removes)
+    state/warm/<node>           leased marker of a spare whose workers have warmed up and parked:
+                                a plan promotes warm spares first (``planner.spares``)
     state/drain/<node>          planned-migration requests (`ctl drain`, degraded alarms)
     state/reports/<gen>/<node>  failures a node reported in generation <gen>
     state/done/<gen>/<node>     nodes whose workers finished in generation <gen>
@@ -162,7 +164,7 @@ class Membership:
             if strict:
                 raise
             plan, plan_error = None, str(e)
-        alive, failed, drains, reports, done = {}, {}, {}, {}, set()
+        alive, failed, drains, reports, done, warm = {}, {}, {}, {}, set(), set()
         kinds, times = {}, {}
         gen = plan.generation if plan else -1
         for key, entry in entries.items():
@@ -177,6 +179,9 @@ class Membership:
                     failed[parts[2]] = _reason(entry.value, "cordoned")
                 elif kind == "drain":
                     drains[parts[2]] = _reason(entry.value, "drain requested")
+                elif kind == "warm":
+                    _object(entry.value)
+                    warm.add(parts[2])
                 elif kind in ("reports", "done", "stores") and not parts[2].isdigit():
                     raise ValueError("the generation in the key is not a number")
                 elif kind == "reports" and parts[2] == str(gen):
@@ -199,6 +204,7 @@ class Membership:
             reports=reports,
             drains=drains,
             done=frozenset(done),
+            warm=frozenset(warm),
             live=getattr(entries.get("state/live"), "value", None) == "1",
             report_kinds=kinds,
             report_times=times,
@@ -482,6 +488,17 @@ class Membership:
         self.kv.put(f"state/done/{generation}/{node}", json.dumps({"time": time.time()}))
 
     @_writes_state
+    def mark_warm(self, node: str, lease: Lease | None) -> None:
+        """``node`` is a spare whose workers warmed up and parked. Leased: a spare that dies
+        takes its marker along, and a stale one (its workers died since) only costs a promotion
+        what it costs without markers (the spare warms up first)."""
+        self.kv.put(f"state/warm/{node}", json.dumps({"time": time.time()}), lease=lease)
+
+    @_writes_state
+    def unmark_warm(self, node: str) -> None:
+        self.kv.delete(f"state/warm/{node}")
+
+    @_writes_state
     def cordon(self, node: str, reason: str) -> None:
         self.kv.put(f"state/failed/{node}", json.dumps({"reason": reason, "time": time.time()}))
 
@@ -598,7 +615,7 @@ class Membership:
 
 
 # Keys under state/ by kind and the number of path segments tm-launch writes for each.
-_DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "reports": 4, "done": 4, "stores": 3}
+_DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "warm": 3, "reports": 4, "done": 4, "stores": 3}
 _REPORT_KINDS = ("exit", "signal", "lost", "alarm", "state", "refused")
 
 

@@ -51,6 +51,7 @@ class View:
     reports: dict[str, str] = field(default_factory=dict)  # node -> failure in this generation
     drains: dict[str, str] = field(default_factory=dict)  # node -> why it should leave
     done: frozenset[str] = frozenset()  # nodes whose workers finished in this generation
+    warm: frozenset[str] = frozenset()  # spares whose workers warmed up and parked (their agents' markers)
     # What kind of failure each report is: "exit" (a worker exited non-zero: perhaps only
     # because a peer died), a primary failure ("signal", "lost", "alarm"; missing = primary),
     # "state": the live state of some rank exists nowhere any more (every worker restarts), or
@@ -63,13 +64,17 @@ class View:
 
 
 def spares(view: View) -> list[str]:
-    """Alive, not cordoned, not draining, not active, in join order: the nodes a plan may promote."""
+    """Alive, not cordoned, not draining, not active: the nodes a plan may promote, in the order
+    it promotes them. Warm ones first (their workers parked: a promotion waits for no warm-up),
+    then in join order. Join order alone made the job wait for a spare still warming up (a node
+    whose worker was killed parks again, and keeps its early join time) while a warm one
+    waited behind it."""
     active = set(view.plan.nodes) if view.plan else set()
     removed = set(view.plan.removed) if view.plan else set()
     candidates = [
         n for n in view.alive.values() if n.id not in active and n.id not in view.failed and n.id not in view.drains and n.id not in removed
     ]
-    return [n.id for n in sorted(candidates, key=lambda n: (n.joined, n.id))]
+    return [n.id for n in sorted(candidates, key=lambda n: (n.id not in view.warm, n.joined, n.id))]
 
 
 def _store_for(nodes: tuple[str, ...], joiners: tuple[str, ...], alive: dict[str, NodeInfo], previous: dict | None = None) -> dict:

@@ -61,6 +61,8 @@ HOSTILE_STATE = {
     "state/failed/a/b": "{}",
     "state/drain/b": "null",
     "state/drain/d2": '{"reason": ["x"]}',
+    "state/warm/b": "warm",
+    "state/warm/c/d": "{}",
     "state/reports/0/a": '{"reason": 7}',
     "state/reports/0/b": DEEP,
     "state/reports/0/c": '{"reason": "x", "kind": "alien"}',

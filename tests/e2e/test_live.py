@@ -222,6 +222,47 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     assert len(plans) == 1 and plans[0]["live"], [p["cause"] for p in plans]
 
 
+@pytest.mark.slow
+def test_a_warm_spare_is_promoted_before_a_cold_one_that_joined_first(local_job, reference, tmp_path):
+    """Two spares: s1 joins first but its warm-up is slow (its sandbox steps sleep 10 s: a node
+    that came back after a fault, say), s2 joins after it and parks. Its agent marks it warm in
+    etcd (``state/warm/s2``), ``ctl status`` says so, and when the last node's worker is
+    SIGKILLed the plan promotes s2, not s1 (join order alone took s1 and waited for its warm-up).
+    Every rank ends bitwise equal to the fault-free run."""
+    chaos = tmp_path / "chaos"
+    chaos.mkdir()
+    (chaos / "slow.s1").touch()  # s1's workers sleep 500 x --step-sleep per step: its sandbox too
+    script = [
+        "--chaos-dir",
+        str(chaos),
+        "--slow-factor",
+        "500",
+        "--kill-rank",
+        "3",
+        "--kill-step",
+        str(PAUSE + 5),
+        "--kill-phase",
+        "forward",
+        "--kill-trigger",
+        "TRIGGER",
+        "--kill-marker",
+        "MARKER",
+    ]
+
+    def check_warmth(job, release):
+        spares = {n["id"]: n for n in job.status()["nodes"] if n["role"] == "spare"}
+        assert spares["s2"]["warm"] and not spares["s1"]["warm"], spares
+        assert not all(w.get("state") == "parked" for w in spares["s1"]["progress"].values()), spares["s1"]
+        assert "(warm)" in job.ctl("status").stdout
+
+    job, codes, params, _ = run_job(local_job, ["a", "b", "s1", "s2"], spares=2, script=script, fault=check_warmth)
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert [p["replaced"] for p in plans] == [{"s2": "b"}], [(p["cause"], p["replaced"]) for p in plans]
+    assert plans[0]["live"]
+    assert codes["a"] == 0 and codes["s2"] == 0 and codes["b"] != 0, job.logs_tail()
+    assert_bitwise(params, reference(2, 2))
+
+
 @pytest.mark.parametrize(
     "phase",
     [

@@ -108,6 +108,7 @@ def status(members, run_id: str) -> dict:
                 "role": role,
                 "ranks": plan.ranks(node) if plan else [],
                 "alive": node in view.alive,
+                "warm": role == "spare" and node in view.warm,  # its workers parked: promoted before cold spares
                 "reason": view.failed.get(node)
                 or view.drains.get(node)
                 or (departed[node][1] if role in ("replaced", "removed") else None),
@@ -187,7 +188,7 @@ def _print_status(s: dict) -> None:
     for n in s["nodes"]:
         steps = sorted({_clean(w.get("step"), 20) for w in n["progress"].values()}) or ["-"]
         ranks = ",".join(map(str, n["ranks"])) or "-"
-        extra = f"  ({_clean(n['reason'])})" if n["reason"] else ""
+        extra = f"  ({_clean(n['reason'])})" if n["reason"] else "  (warm)" if n.get("warm") else ""
         memory = _size(n.get("snapshot_bytes"))
         print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {memory:>10}  {'/'.join(steps)}{extra}")
     for a in s["alarms"]:

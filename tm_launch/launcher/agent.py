@@ -20,7 +20,7 @@ The loop composes parts that each own their state: ``session`` (lease, etcd reac
 fencing rule, reports), ``supervisor`` (worker processes and the agent store), ``failures``
 (reports about workers' ends and dead peers), ``plan_executor`` (acting on a new plan) and the
 ``observers`` (alarms, progress and stragglers, entry timings, downtime stamps, metrics,
-waiting drains).
+waiting drains, a warm spare's marker).
 """
 
 from __future__ import annotations
@@ -39,7 +39,16 @@ from ..waits import Every
 from .config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
-from .observers import AlarmWatch, DowntimeStamps, DrainWaitNote, EntryReport, MetricsFeed, ProgressPublisher, StragglerWatch
+from .observers import (
+    AlarmWatch,
+    DowntimeStamps,
+    DrainWaitNote,
+    EntryReport,
+    MetricsFeed,
+    ProgressPublisher,
+    StragglerWatch,
+    WarmSpareMarker,
+)
 from .peer_link import PeerLink, probe_targets, successor
 from .plan_executor import PlanExecutor
 from .session import EtcdSession, Fenced
@@ -72,6 +81,7 @@ class Agent:
         self.entry = EntryReport(cfg.node_id, self.supervisor, self.metrics, say)
         self.stamps = DowntimeStamps(cfg.node_id, self.session, self.supervisor)
         self.drain_wait = DrainWaitNote(cfg.node_id, say)
+        self.warm_marker = WarmSpareMarker(cfg.node_id, self.session, self.supervisor)
         self.peer_link = PeerLink(wake=lambda: self.wakeup.set("peer"))  # the next active node's agent
         # The loop's own state: when to read etcd again, and whether this node plans.
         self.started = time.time()  # both again when it runs: the join timeout counts from there
@@ -178,6 +188,7 @@ class Agent:
         self.progress.publish(plan)
         self.metrics.on_state(view, plan, snap.spares_alive)
         self.drain_wait.note(view)
+        self.warm_marker.update(plan)
         self.planning = me in snap.planners
         if self.session.take_reported():
             self.state_changed = True  # plan on a view that includes this iteration's reports

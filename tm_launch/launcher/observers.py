@@ -9,6 +9,8 @@
 * ``EntryReport``: the phase timings of workers entering a live generation (and its downtime).
 * ``DowntimeStamps``: this node's stamps of each generation change, once, to etcd (``ctl timeline``).
 * ``DrainWaitNote``: a drain waiting for a spare, said every few seconds.
+* ``WarmSpareMarker``: a spare whose workers warmed up and parked says so in etcd (planners
+  promote warm spares first).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rendezvous.plan import Plan
 from rendezvous.planner import View, spares
 
 from ..joblog import append_samples, cause_kind, node_stamps, plan_stamps
+from ..protocol import WorkerState
 from ..waits import Every
 from .config import AgentConfig
 from .session import EtcdSession
@@ -388,3 +391,38 @@ class DrainWaitNote:
                 draining=waiting,
                 elapsed_s=round(self.waiting.elapsed, 1),
             )
+
+
+class WarmSpareMarker:
+    """A spare's ``state/warm/<node>`` marker: present while every one of its workers is alive
+    and parked (warmed up in the sandbox, waiting to be named), absent otherwise. Planners
+    promote warm spares first (``rendezvous.planner.spares``). Written when that changes, and
+    again under a new lease (the marker is leased: it goes with a registration that lapsed)."""
+
+    def __init__(self, node_id: str, session: EtcdSession, supervisor: WorkerSupervisor):
+        self.node_id = node_id
+        self.session = session
+        self.supervisor = supervisor
+        self.marked_under = None  # the lease the marker was written under; None: no marker
+
+    def update(self, plan: Plan | None) -> None:
+        warm = plan is not None and not plan.finished and self.node_id not in plan.nodes and self._parked()
+        if warm == (self.marked_under is not None) and (not warm or self.marked_under is self.session.lease):
+            return
+        members = self.session.members
+        try:
+            if warm:
+                members.mark_warm(self.node_id, self.session.lease)
+                self.marked_under = self.session.lease
+            else:
+                members.unmark_warm(self.node_id)
+                self.marked_under = None
+        except KVError:
+            pass  # etcd is away: the next iteration tries again
+
+    def _parked(self) -> bool:
+        sup = self.supervisor
+        if not sup.workers or any(code is not None for code in sup.workers.poll().values()):
+            return False
+        statuses = sup.statuses()
+        return len(statuses) == len(sup.workers.workers) and all(s.state == WorkerState.PARKED for s in statuses.values())

@@ -131,13 +131,15 @@ class LocalJob:
         raise TimeoutError(f"timed out waiting for {what}; last status: {json.dumps(last)[:2000]}\n{self.logs_tail()}")
 
     def wait_parked(self, node: str, timeout: float = 120) -> None:
-        """Wait until a spare's sandboxed workers have warmed up and parked."""
+        """Wait until a spare's sandboxed workers have warmed up and parked, and its agent has
+        said so in etcd (its warm marker: a plan promotes it before cold spares)."""
 
         def parked(s):
             for n in s["nodes"]:
                 if (
                     n["id"] == node
                     and n["role"] == "spare"
+                    and n.get("warm")
                     and n["progress"]
                     and all(w.get("state") == "parked" for w in n["progress"].values())
                 ):

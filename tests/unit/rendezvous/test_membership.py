@@ -90,6 +90,17 @@ def test_snapshot_parses_roles(kv_factory):
     # the planner on this snapshot: c takes a's group rank, the reporter leaves
     nxt = next_plan(m.snapshot().view, Limits(min_nodes=2, max_nodes=2, nproc=1, max_restarts=3))
     assert nxt.nodes == ("c", "b") and nxt.replaced == {"c": "a"} and nxt.live
+    # a warm spare is promoted before one that joined earlier (its marker goes with its lease)
+    e = m.register(info("e", t0 + 4), ttl=10)
+    m.mark_warm("e", e)
+    assert m.snapshot().view.warm == frozenset({"e"})
+    assert next_plan(m.snapshot().view, Limits(min_nodes=2, max_nodes=2, nproc=1, max_restarts=3)).replaced == {"e": "a"}
+    e.revoke()
+    assert m.snapshot().view.warm == frozenset()
+    m.mark_warm("c", leases[2])
+    m.unmark_warm("c")
+    m.unmark_warm("c")  # no marker: nothing to do
+    assert m.snapshot().view.warm == frozenset()
     m.uncordon("d")
     m.clear_drain("b")
     m.leave("c")
@@ -297,6 +308,9 @@ GARBAGE = {
     "state/failed/f3": "7",
     "state/drain/d1": "null",
     "state/drain/d2": '"just text"',
+    "state/warm/w1": "warm",
+    "state/warm/w2": "[1]",
+    "state/warm/w3/deeper": "{}",
     "state/reports/0/r1": "{}",
     "state/reports/0/r2": '"a string"',
     "state/reports/0/r3": "[1]",
@@ -332,6 +346,7 @@ def test_garbage_values_are_ignored(kv_factory):
     assert v.failed == {"c": "xid 48"}
     assert v.drains == {}
     assert v.reports == {"a": "worker 0 exited"}
+    assert v.warm == frozenset()
     # the planner runs on it without trouble, and the operator views skip garbage too
     next_plan(v, Limits(min_nodes=1, max_nodes=1, nproc=1, max_restarts=3))
     assert m.events() == [] and m.alarms() == [] and m.all_progress() == {}

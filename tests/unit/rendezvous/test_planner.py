@@ -47,8 +47,10 @@ def view(
     live: bool = False,
     last_call: bool = False,
     kinds: dict | None = None,
+    warm: str = "",
 ) -> View:
-    """Single-letter node ids; ``alive`` lists the nodes with a live lease in join order."""
+    """Single-letter node ids; ``alive`` lists the nodes with a live lease in join order;
+    ``warm`` the spares whose workers parked (their markers)."""
     return View(
         plan=p,
         alive={n: info(n, i) for i, n in enumerate(alive)},
@@ -56,6 +58,7 @@ def view(
         reports=dict(reports or {}),
         drains={n: "operator: tm-launch ctl drain" for n in drains},
         done=frozenset(done),
+        warm=frozenset(warm),
         report_kinds=dict(kinds or {}),
         live=live,
         last_call_passed=last_call,
@@ -226,6 +229,30 @@ LOSS = [
         limits("2"),
         dict(nodes=T("db"), replaced={"d": "a"}),
         id="several spares -> the one that joined first is promoted",
+    ),
+    pytest.param(
+        view(plan(3, "ab", live=True), "abdce", reports={"a": "hang"}, live=True, warm="ce"),
+        limits("2"),
+        dict(nodes=T("cb"), joiners=T("c"), replaced={"c": "a"}),
+        id="several spares, some warm -> the warm one that joined first, before a cold one that joined earlier",
+    ),
+    pytest.param(
+        view(plan(3, "ab", live=True), "abdc", reports={"a": "hang", "b": "hang"}, live=True, warm="c"),
+        limits("2"),
+        dict(nodes=T("cd"), joiners=T("cd"), replaced={"c": "a", "d": "b"}),
+        id="two losses, one warm spare -> the warm one takes the first lost rank, the cold one the next",
+    ),
+    pytest.param(
+        view(plan(3, "ab", live=True), "bdc", failed="c", live=True, warm="c"),
+        limits("2"),
+        dict(nodes=T("db"), replaced={"d": "a"}),
+        id="a cordoned spare's warm marker does not make it a candidate",
+    ),
+    pytest.param(
+        view(plan(3, "ab", live=True), "abd", reports={"a": "hang"}, live=True, warm="a"),
+        limits("2"),
+        dict(nodes=T("db"), replaced={"d": "a"}),
+        id="a warm marker left by an active node (promoted, not yet unmarked) changes nothing",
     ),
     pytest.param(
         view(plan(3, "ab"), "bcd", failed="c", live=True),
@@ -483,6 +510,12 @@ DRAIN = [
         id="drain + spare, live -> two-phase migration, no restart consumed (even at the limit)",
     ),
     pytest.param(
+        view(plan(2, "ab", live=True), "abcd", drains="a", live=True, warm="d"),
+        limits("2"),
+        dict(nodes=T("db"), joiners=T("d"), replaced={"d": "a"}, planned=True),
+        id="drain, a cold spare and a warm one -> the warm one takes the ranks",
+    ),
+    pytest.param(
         view(plan(2, "ab"), "abc", drains="b"),
         limits("2"),
         dict(nodes=T("ac"), joiners=T("ac"), replaced={"c": "b"}, removed=T("b"), restarts=0, live=False, planned=True),
@@ -574,6 +607,11 @@ def test_every_agent_computes_the_same_plan(v, lim):
 def test_spares_in_join_order():
     v = view(plan(0, "b"), "dbac", failed="c")
     assert spares(v) == ["d", "a"]
+
+
+def test_warm_spares_first_then_join_order():
+    v = view(plan(0, "b"), "dbacef", failed="c", warm="ecb", drains="f")
+    assert spares(v) == ["e", "d", "a"]
 
 
 # ------------------------------------------------------------------------------------------------
