@@ -105,6 +105,12 @@ class PlanExecutor:
         agent exits; ``hosted_store``: its agent hosted the store of the generation it leaves."""
         me, sup = self.cfg.node_id, self.supervisor
         planned = plan.planned and plan.live and sup.workers
+        if not planned:
+            # The registration goes first: the next plan no longer names this node as removed,
+            # and a plan made while it still stops its workers and flushes its events took it
+            # for a spare (seen in a chaos soak: promoted again 0.2 s after it left, and the job
+            # waited for its lease to lapse, then for a cold spare).
+            self.session.close()
         if planned:
             sup.direct(plan)  # the leavers' workers hand over at the switch step, then exit
             deadline = time.time() + max(60.0, self.cfg.collective_timeout)

@@ -43,6 +43,7 @@ class EtcdSession:
         self.local_progress = local_progress  # (recovering, seconds since the last step): the fencing rule's input
         self.info: NodeInfo | None = None
         self.lease: Lease | None = None
+        self.given_back: Lease | None = None  # the lease ``close`` revoked
         self.lost_lease = threading.Event()
         # etcd reachability, for the fencing rule (see fencing.py) and to say once when it goes
         # away and once when it is back, whichever thread notices first.
@@ -85,10 +86,14 @@ class EtcdSession:
             self.lease_ok_at, self.lease_failing = time.time(), False
 
     def close(self) -> None:
-        """Give the lease back at exit, so the others see this node go at once, not after the TTL."""
+        """Give the lease back at exit, so the others see this node go at once, not after the TTL.
+        Once: a node leaving the job gives it back early (``PlanExecutor._leave``), then exits."""
+        lease = self.lease
+        if lease is None or lease is self.given_back or self.lost_lease.is_set():
+            return
+        self.given_back = lease
         try:
-            if self.lease is not None and not self.lost_lease.is_set():
-                self.lease.revoke()
+            lease.revoke()
         except KVError:
             pass
 
