@@ -555,8 +555,21 @@ class Membership:
     def all_progress(self) -> dict[str, dict]:
         """Node -> its progress record; records whose shape others rely on (``workers``: local
         rank -> a mapping) are checked here, once, so that readers can trust them."""
+        return self._progress_records(self._json_values("log/progress/"))
+
+    def progress_of(self, nodes: Iterable[str]) -> dict[str, dict]:
+        """``all_progress`` for ``nodes`` alone, in one request: those whose agents publish one."""
+        values = {}
+        for key, entry in self.kv.get_many(f"log/progress/{n}" for n in nodes).items():
+            try:
+                values[key] = _object(entry.value)
+            except ValueError as err:
+                self._skip(key, err)
+        return self._progress_records(values)
+
+    def _progress_records(self, values: dict[str, dict]) -> dict[str, dict]:
         out = {}
-        for key, value in self._json_values("log/progress/").items():
+        for key, value in values.items():
             workers = value.get("workers", {})
             if key.count("/") != 2 or not isinstance(workers, dict) or not all(isinstance(w, dict) for w in workers.values()):
                 self._skip(key, ValueError("not a progress record"))

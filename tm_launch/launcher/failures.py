@@ -5,6 +5,12 @@ cause: killed by a signal is primary, a non-zero exit may be collateral), worker
 (the node is done), a joiner that came too late (nothing left), and peers whose agent refuses
 connections while a local collective failed (a node lost, known in milliseconds rather than
 after the lease TTL). Each failure is reported once per generation.
+
+A survivor whose workers wait in a generation that does not come together reports itself after a
+patience (2 lease TTLs, at least 10 s), and its workers restart: their state goes. Not while the
+generation's joiners are alive and still warming up (``joiners_warming_up``): a spare promoted
+before it had warmed up takes as long as its imports and model build take, and the survivors'
+state is what makes the recovery live.
 """
 
 from __future__ import annotations
@@ -13,16 +19,36 @@ import socket
 import time
 from collections.abc import Callable
 
+from rendezvous.kv import KVError
 from rendezvous.plan import Plan
 from rendezvous.planner import View, finished_without
 
 from ..protocol import WorkerState
+from ..waits import Every
 from .config import AgentConfig
 from .exit_notice import counts_as_failure
 from .peer_link import probe_targets
 from .processes import describe_exit
 from .session import EtcdSession
 from .supervisor import WorkerSupervisor
+
+WARMING_UP = (WorkerState.SANDBOX.value, WorkerState.WARMUP.value)
+FRESH_PROGRESS_S = 10.0  # a progress record is written every second: an older one is an agent that stopped
+
+
+def joiners_warming_up(plan: Plan, progress: dict[str, dict], now: float) -> list[str]:
+    """The joiners of ``plan`` whose agents say, in a progress record of the last
+    ``FRESH_PROGRESS_S`` (``observers.ProgressPublisher``), that a worker of theirs is still
+    warming up in the sandbox. The records are leased: a dead joiner's is gone."""
+    warming = []
+    for node in plan.joiners:
+        record = progress.get(node) or {}
+        when = record.get("time")
+        fresh = isinstance(when, (int, float)) and now - when < FRESH_PROGRESS_S
+        states = [w.get("state") for w in (record.get("workers") or {}).values()]
+        if fresh and any(s in WARMING_UP for s in states):
+            warming.append(node)
+    return warming
 
 
 class FailureWatch:
@@ -36,6 +62,8 @@ class FailureWatch:
         self.keepers_done_at: float | None = None  # a joiner saw its keepers finish without it
         self.probed_gen, self.probed_at = -1, 0.0  # the last probe of the peers' agents
         self.recovering_since: float | None = None  # a local worker waits for a new generation
+        self.warming: tuple[int, float, list[str]] = (-1, 0.0, [])  # generation, when its joiners' progress was read, who warmed up
+        self.warming_note = Every()  # the line saying the survivors wait for a joiner's warm-up
 
     def workers_started(self) -> None:
         """New workers: a failure of theirs is news even in a generation that already had one."""
@@ -191,11 +219,39 @@ class FailureWatch:
             self.report_dead_peers(plan, view)
         patience = max(10.0, 2 * self.cfg.lease_ttl)
         if self.recovering_since and time.time() - self.recovering_since > patience and self.reported_gen != plan.generation:
+            if self._waiting_for_warm_up(plan):
+                return
             self.reported_gen = plan.generation
             what = self.supervisor.recovering_why() or "a collective failed"
             why = f"{what} {patience:.0f}s ago and no peer node was lost; restarting this node's workers"
             self.say(f"generation {plan.generation}: {why}", kind="worker_failed", generation=plan.generation)
             self.session.report_failure(plan.generation, self.cfg.node_id, why, kind="exit")
+
+    def _waiting_for_warm_up(self, plan: Plan) -> bool:
+        """Past the patience: are this generation's joiners alive and still warming up (read at
+        most once a second)? For up to ``--join-timeout`` from the plan, as long as the first
+        generation may take to form; a warm-up that hangs is then reported like any stall."""
+        waited = time.time() - (self.recovering_since or time.time())
+        if not plan.live or not plan.joiners or waited > self.cfg.join_timeout:
+            return False
+        generation, read_at, warming = self.warming
+        if generation != plan.generation or time.time() - read_at >= 1.0:
+            try:
+                progress = self.session.members.progress_of(plan.joiners)
+            except KVError:
+                progress = {}
+            warming = joiners_warming_up(plan, progress, time.time())
+            self.warming = (plan.generation, time.time(), warming)
+        if warming and self.warming_note.due():
+            self.say(
+                f"generation {plan.generation}: waiting {waited:.0f} s for {', '.join(warming)} to warm up "
+                f"(a spare promoted before it had; up to --join-timeout {self.cfg.join_timeout:.0f} s)",
+                kind="waiting",
+                waiting_for="warm-up",
+                joiners=warming,
+                elapsed_s=round(waited, 1),
+            )
+        return bool(warming)
 
     def report_if_lost(self, plan: Plan | None, view: View, node: str) -> bool:
         """The connection to ``node``'s agent ended (``tm_launch.launcher.peer_link``): report the node

@@ -349,7 +349,9 @@ def test_garbage_values_are_ignored(kv_factory):
     assert v.warm == frozenset()
     # the planner runs on it without trouble, and the operator views skip garbage too
     next_plan(v, Limits(min_nodes=1, max_nodes=1, nproc=1, max_restarts=3))
-    assert m.events() == [] and m.alarms() == [] and m.all_progress() == {}
+    assert m.events() == [] and m.alarms() == [] and m.all_progress() == {} and m.progress_of(["x", "nobody"]) == {}
+    m.progress("a", {"node": "a", "workers": {"0": {"state": "sandbox"}}, "time": 1.0}, lease)
+    assert m.progress_of(["a", "x"]) == {"a": {"node": "a", "workers": {"0": {"state": "sandbox"}}, "time": 1.0}}
     assert [p.generation for p in m.history()] == [0]
     assert m.all_downtime_stamps() == {}
     m.downtime_stamps(1, None, {"published": 2.0})
