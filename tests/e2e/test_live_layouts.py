@@ -138,6 +138,7 @@ def received(job) -> list[str]:
         pytest.param("hsdp", 1, "logged", marks=pytest.mark.slow),
         pytest.param("hsdp", 2, "forward", marks=pytest.mark.slow),
         pytest.param("hsdp", 3, "backward", marks=pytest.mark.slow),
+        pytest.param("hsdp", 3, "logging", marks=pytest.mark.slow),
         pytest.param("pp", 2, "logging", marks=pytest.mark.slow),
         pytest.param("pp", 1, "vote", marks=pytest.mark.slow),
     ],
@@ -154,6 +155,22 @@ def test_joiner_receives_its_own_shard_from_a_replica(local_job, reference, layo
     assert any(f"from rank {replica}" in line and f"worker {rank}]" in line for line in received(job)), received(job)
     if rank != 3:
         assert f"promoted to rank {rank} (warmed up as rank 3)" in job.nodes["spare"].log()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_collective_failed_after_the_commit_frees_a_peer_already_in_the_next_step(local_job, reference):
+    """HSDP, replicate groups (0, 2) and (1, 3), shard groups (0, 1) and (2, 3); each step ends
+    with the loss all-reduced over the world, then over each replicate group. Rank 3 dies between
+    the two: rank 1's all-reduce with it fails after the step committed, while ranks 0 and 2
+    finish the step and begin the next, rank 0 waiting for rank 1 in the all-gather of shard
+    group (0, 1), which the new generation keeps. Rank 1 closes its subgroups as it leaves the
+    committed step, as a rank late to its boundary does: rank 0's wait fails at once, and every
+    rank enters the new generation (a chaos soak's HSDP job deadlocked there until the agents'
+    patience restarted its survivors and lost a shard's replicas)."""
+    extra = ("--log-per-replica",)
+    job, codes, got = run(local_job, "hsdp", kill=(3, "logged"), extra=extra)
+    assert_live(job, codes, 3)
+    assert_bitwise(got, reference("hsdp", extra))
 
 
 @pytest.mark.slow

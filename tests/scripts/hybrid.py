@@ -104,6 +104,12 @@ def parse():
         help="dropout in every block, each rank drawing from its own generator: per-rank state (job.register(per_rank=True))",
     )
     p.add_argument("--width", type=int, default=64, help="hidden width of the blocks (the state grows with it)")
+    p.add_argument(
+        "--log-per-replica",
+        action="store_true",
+        help="hsdp: after the world's, all-reduce the logged loss over each replicate group too (a collective after the "
+        "commit in a group that a substitution can keep)",
+    )
     Faults.add_arguments(p)
     p.add_argument("--chaos-dir", default=None, help="repeatable fault triggers (faults.ChaosDir, the chaos soak)")
     p.add_argument("--slow-factor", type=float, default=0.5, help="a straggler (DIR/slow.<node>) sleeps this x --step-sleep more")
@@ -291,6 +297,8 @@ def main():
         logged = loss.detach().clone()
         dist.all_reduce(logged)
         faults.at(job, "logged")
+        if args.log_per_replica and args.layout == "hsdp":
+            dist.all_reduce(logged, group=mesh["replicate"].get_group())
         if rank == 0 and not job.in_sandbox and step % 10 == 0 and job.step_ok:
             print(f"[hybrid] step {step}: loss {logged.item() / world:.5f}", flush=True)
         if args.step_log and not job.in_sandbox:

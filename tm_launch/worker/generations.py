@@ -241,7 +241,10 @@ class Generations:
         return box["pg"]
 
     # -- following the agent -------------------------------------------------------------------
-    def follow(self, d: Directive, interrupted: bool) -> None:
+    def follow(self, d: Directive, interrupted: bool, committed: bool = False) -> None:
+        """Enter ``d`` from a step boundary: after a healthy step (``interrupted`` False) or one a
+        failed collective poisoned, which may still have ``committed`` (a collective after the
+        commit failed)."""
         if d.stop:
             self._leave()
         if d.planned and not interrupted and self._planned_switch(d):
@@ -251,7 +254,7 @@ class Generations:
         self.pending = None
         # After a step that committed, a peer may already be inside the next step, waiting for
         # this rank in a collective of a group that ``d`` does not change (``_enter_once``).
-        self.enter(d, late=not interrupted)
+        self.enter(d, late=committed or not interrupted)
 
     def _leave(self) -> None:
         """This node left the job (drained or replaced): end the script without error."""

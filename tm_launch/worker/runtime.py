@@ -712,9 +712,13 @@ class LiveJob:
                 g.release_if_broken()
             if not state.commit.decision:  # it runs again, with the RNG and data it started with
                 state.per_rank.restore()
+            committed = bool(state.commit.decision)
             d = self.agent.wait_directive(self.generation)
             state.poison.clear()
-            self.gens.follow(d, interrupted=True)
+            # A committed step lets the peers whose collectives all succeeded begin the next one:
+            # they may wait for this rank in a subgroup ``d`` keeps, as for a rank late to its
+            # boundary (``Generations.follow``).
+            self.gens.follow(d, interrupted=True, committed=committed)
             self.status.state = WorkerState.RUNNING
             return
         if self.gens.pending is not None or self.agent.newer_than(self.generation):
