@@ -33,7 +33,9 @@ from .session import EtcdSession
 from .supervisor import WorkerSupervisor
 
 WARMING_UP = (WorkerState.SANDBOX.value, WorkerState.WARMUP.value)
-FRESH_PROGRESS_S = 10.0  # a progress record is written every second: an older one is an agent that stopped
+# A progress record is written every second, stamped with its node's clock: one older than this
+# is an agent whose loop stopped (its lease, kept by a thread of its own, may still run).
+FRESH_PROGRESS_S = 10.0
 
 
 def joiners_warming_up(plan: Plan, progress: dict[str, dict], now: float) -> list[str]:
