@@ -20,8 +20,9 @@ SCRIPT = ["--steps", str(STEPS), "--step-sleep", "0.02"]
 PAUSE = 20  # faulty runs hold every rank at this step until the spare is parked
 
 
-def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=None):
-    """Start len(nodes) agents (the last ``spares`` are spares), apply ``fault(job)``, wait."""
+def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=None, parked=True):
+    """Start len(nodes) agents (the last ``spares`` are spares), apply ``fault(job, release)``,
+    wait. ``parked``: the last spare has parked before the fault (else the fault waits as it needs)."""
     active = len(nodes) - spares
     job = local_job(nnodes=str(active), nproc=nproc, launcher_args=["--max-restarts", "3", *launcher])
     out = os.path.join(job.workdir, "params.pt")
@@ -33,7 +34,7 @@ def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=N
     job.start_all(nodes[:active])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
     job.start_all(nodes[active:])
-    if spares:
+    if spares and parked:
         job.wait_parked(nodes[-1])
 
     def release():
@@ -224,7 +225,7 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
 
 @pytest.mark.slow
 def test_survivors_wait_for_a_cold_spare_that_warms_up_longer_than_their_patience(local_job, reference, tmp_path):
-    """The only spare is still warming up when the last node's worker is SIGKILLed: its first
+    """The only spare is still warming up when rank 3's worker is SIGKILLed: its first
     sandbox step sleeps 20 s (a big model's imports and build, say), longer than the 10 s the
     survivors wait in a failed generation before they restart their own workers (2 x the default
     5 s lease). The spare's agent shows it alive and warming up, so the survivors keep waiting
@@ -233,59 +234,35 @@ def test_survivors_wait_for_a_cold_spare_that_warms_up_longer_than_their_patienc
     chaos.mkdir()
     slow = chaos / "slow.s1"
     slow.touch()  # s1's workers sleep 1000 x --step-sleep (20 s) per step while it exists
-    job = local_job(nnodes="2", nproc=2, launcher_args=["--max-restarts", "3"])
-    out, trigger = os.path.join(job.workdir, "params.pt"), os.path.join(job.workdir, "trigger")
-    job.script_args = [
-        *SCRIPT,
-        "--out",
-        out,
-        "--step-log",
-        job.step_log,
-        "--pause-step",
-        str(PAUSE),
-        "--pause-file",
-        trigger,
-        "--chaos-dir",
-        str(chaos),
-        "--slow-factor",
-        "1000",
-        "--kill-rank",
-        "3",
-        "--kill-step",
-        str(PAUSE + 2),
-        "--kill-phase",
-        "forward",
-        "--kill-trigger",
-        trigger,
-        "--kill-marker",
-        os.path.join(job.workdir, "killed"),
-    ]
-    job.start_all(["a", "b"])
-    job.wait_step(PAUSE - 1)
-    job.start("s1")
+    script = ["--chaos-dir", str(chaos), "--slow-factor", "1000", "--kill-rank", "3", "--kill-step", str(PAUSE + 2)]
+    script += ["--kill-phase", "forward", "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
 
-    def warming(s):
-        spare = next((n for n in s["nodes"] if n["id"] == "s1"), None)
-        return spare is not None and any(w.get("state") in ("sandbox", "warmup") for w in spare["progress"].values())
+    def kill_while_s1_warms_up(job, release):
+        def warming(s):
+            spare = next((n for n in s["nodes"] if n["id"] == "s1"), None)
+            return spare is not None and any(w.get("state") in ("sandbox", "warmup") for w in spare["progress"].values())
 
-    job.wait_for(warming, 120, "s1 warming up")
-    time.sleep(1.0)  # inside its first sandbox step
-    open(trigger, "w").close()
-    job.wait_for(lambda s: s["generation"] == 1, 60, "the plan that promotes s1")
-    slow.unlink()  # the step it sleeps in ends as planned; the next ones are fast
-    codes = job.wait(timeout=240)
-    assert codes["a"] == 0 and codes["s1"] == 0 and codes["b"] != 0, job.logs_tail()
+        job.wait_for(warming, 120, "s1 warming up")
+        time.sleep(1.0)  # inside its first sandbox step
+        release()
+        job.wait_for(lambda s: s["generation"] == 1, 60, "the plan that promotes s1")
+        slow.unlink()  # the step it sleeps in ends as planned; the next ones are fast
+
+    job, codes, params, _ = run_job(local_job, ["a", "b", "s1"], script=script, fault=kill_while_s1_warms_up, parked=False)
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")  # whoever holds rank 3
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes[survivor] == 0 and codes["s1"] == 0 and codes[victim] != 0, job.logs_tail()
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
-    assert [(p["replaced"], p["live"]) for p in plans] == [({"s1": "b"}, True)], [p["cause"] for p in plans]
-    assert_bitwise(torch.load(out), reference(2, 2))
+    assert [(p["replaced"], p["live"]) for p in plans] == [({"s1": victim}, True)], [p["cause"] for p in plans]
+    assert_bitwise(params, reference(2, 2))
 
 
 @pytest.mark.slow
 def test_a_warm_spare_is_promoted_before_a_cold_one_that_joined_first(local_job, reference, tmp_path):
     """Two spares: s1 joins first but its warm-up is slow (its sandbox steps sleep 10 s: a node
     that came back after a fault, say), s2 joins after it and parks. Its agent marks it warm in
-    etcd (``state/warm/s2``), ``ctl status`` says so, and when the last node's worker is
-    SIGKILLed the plan promotes s2, not s1 (join order alone took s1 and waited for its warm-up).
+    etcd (``state/warm/s2``), ``ctl status`` says so, and when rank 3's worker is SIGKILLed
+    the plan promotes s2, not s1 (join order alone took s1 and waited for its warm-up).
     Every rank ends bitwise equal to the fault-free run."""
     chaos = tmp_path / "chaos"
     chaos.mkdir()
@@ -314,10 +291,12 @@ def test_a_warm_spare_is_promoted_before_a_cold_one_that_joined_first(local_job,
         assert "(warm)" in job.ctl("status").stdout
 
     job, codes, params, _ = run_job(local_job, ["a", "b", "s1", "s2"], spares=2, script=script, fault=check_warmth)
+    victim = next(e["node"] for e in job.events() if e["kind"] == "worker_failed")  # whoever holds rank 3
+    survivor = ({"a", "b"} - {victim}).pop()
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
-    assert [p["replaced"] for p in plans] == [{"s2": "b"}], [(p["cause"], p["replaced"]) for p in plans]
+    assert [p["replaced"] for p in plans] == [{"s2": victim}], [(p["cause"], p["replaced"]) for p in plans]
     assert plans[0]["live"]
-    assert codes["a"] == 0 and codes["s2"] == 0 and codes["b"] != 0, job.logs_tail()
+    assert codes[survivor] == 0 and codes["s2"] == 0 and codes[victim] != 0, job.logs_tail()
     assert_bitwise(params, reference(2, 2))
 
 
