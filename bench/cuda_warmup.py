@@ -6,7 +6,7 @@
 In a fresh process: CUDA context creation; model + AdamW allocation (an MLP of ``layers``
 ``width`` x ``width`` linear layers, fp32); ``steps`` real forward/backward/optimizer steps
 (the first one creates cuBLAS handles and workspaces and grows the allocator's pool); then
-``tm_launch.worker.cuda_warmup.leave_no_trace`` twice: once with the model and optimizer still held
+``tm_launch.worker.spare.cuda_warmup.leave_no_trace`` twice: once with the model and optimizer still held
 (a parked spare) and once after dropping them. Memory is read three ways: torch's allocated
 and reserved bytes, and the device's used memory (``cudaMemGetInfo``, every process on the
 GPU, the CUDA context included). The check: after dropping, allocated and reserved return to
@@ -39,7 +39,7 @@ def main() -> int:
     t = time.perf_counter()
     import torch
 
-    from tm_launch.worker.cuda_warmup import gpu_memory, leave_no_trace
+    from tm_launch.worker.spare.cuda_warmup import gpu_memory, leave_no_trace
 
     t_import = time.perf_counter() - t
     if not torch.cuda.is_available():

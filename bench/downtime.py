@@ -865,7 +865,7 @@ def run_notes(runs: list[dict]) -> list[str]:
 def connections_opened(events) -> dict | None:
     """Per substitution (the change to generation 1): the most TCP connections one worker of a
     surviving node and one of a joining node opened while entering, and the most communicators
-    one worker rebuilt (the agents' ``entered`` events, from ``tm_launch.worker.connections``)."""
+    one worker rebuilt (the agents' ``entered`` events, from ``tm_launch.worker.comms.connections``)."""
     plan = next((e for e in events if e.get("kind") == "plan" and e.get("generation") == 1), None)
     entered = [e for e in events if e.get("kind") == "entered" and e.get("generation") == 1]
     if plan is None or not entered:

@@ -5,7 +5,7 @@ allreduce, abort, build again; N times. Time per cycle and what the process keep
     python3 bench/nccl_cycles.py --cycles 50             # NCCL (one GPU) and gloo
     python3 bench/nccl_cycles.py --cycles 50 --only gloo  # CPU machine
 
-World size 1 (NCCL refuses two ranks on one GPU), through ``tm_launch.worker.communicators.build``
+World size 1 (NCCL refuses two ranks on one GPU), through ``tm_launch.worker.comms.communicators.build``
 (the runtime's one builder: gloo for CPU tensors, non-blocking NCCL for CUDA tensors) on a
 real TCPStore, each cycle under its own ``tm/g<N>/`` prefix as the runtime does. A cycle is:
 build, allreduce a 1 MiB tensor (CUDA for nccl, CPU for gloo) and synchronise, abort the
@@ -37,7 +37,7 @@ os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tm_launch.worker import communicators  # noqa: E402
+from tm_launch.worker.comms import communicators  # noqa: E402
 
 
 def threads() -> int:

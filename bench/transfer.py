@@ -63,11 +63,11 @@ class Shard:
 def worker(rank: int, world: int, port: int, mib: float, params: int, out) -> None:
     import torch
     import torch.distributed as dist
-    import torch.distributed.tensor  # noqa: F401  (a live worker has it loaded: tm_launch.worker.runtime)
+    import torch.distributed.tensor  # noqa: F401  (a live worker has it loaded: tm_launch.worker.job.live)
 
-    from tm_launch.worker import communicators
-    from tm_launch.worker.recovery import Holding, ObjectState, plan_recovery
-    from tm_launch.worker.transfer import recv_state, send_state
+    from tm_launch.worker.comms import communicators
+    from tm_launch.worker.generation.recovery import Holding, ObjectState, plan_recovery
+    from tm_launch.worker.state.transfer import recv_state, send_state
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))

@@ -81,7 +81,7 @@ def _store_for(nodes: tuple[str, ...], joiners: tuple[str, ...], alive: dict[str
     """Where the generation's bootstrap store lives, and its standby. On a surviving node (its
     agent is known good), else the first live one. It stays on the node of ``previous`` (the
     last plan's store) while that node survives, and moves to the standby ``previous`` named when
-    it is lost: the workers keep connections ready to both (``tm_launch.worker.store_clients``), so a
+    it is lost: the workers keep connections ready to both (``tm_launch.worker.comms.store_clients``), so a
     change opens none on its way. The standby is the first other live node in the plan's order."""
     survivors = [n for n in nodes if n not in joiners and n in alive]
     previous = previous or {}

@@ -1,6 +1,6 @@
 """tm-launch: a torchrun drop-in that survives failures.
 
-Worker API (see ``tm_launch.worker.runtime``)::
+Worker API (see ``tm_launch.worker.api.Job``)::
 
     import tm_launch
     job = tm_launch.init()
@@ -17,21 +17,21 @@ A loop of its own (a framework's, or any plain loop: restart mode) reports its p
 
 def init(backend: str | None = None):
     """Start this worker's part of the job (imported lazily: `tm-launch ctl` needs no torch)."""
-    from .worker.runtime import init as _init
+    from .worker.job.entry import init as _init
 
     return _init(backend)
 
 
 def report_step(step: int) -> None:
-    """This worker finished step ``step`` (the global step count; see ``tm_launch.worker.runtime``)."""
-    from .worker.runtime import report_step as _report_step
+    """This worker finished step ``step`` (the global step count; see ``tm_launch.worker.job.entry``)."""
+    from .worker.job.entry import report_step as _report_step
 
     _report_step(step)
 
 
 def __getattr__(name: str):
     if name == "RNGState":  # job.register(per_rank=True, rng=tm_launch.RNGState())
-        from .worker.per_rank import RNGState
+        from .worker.state.per_rank import RNGState
 
         return RNGState
     raise AttributeError(name)

@@ -366,7 +366,7 @@ class EnteredRecord(_Record):
     began: float = 0.0  # wall clock when it began entering
     last_step_at: float | None = None  # wall clock of its last clean step before the change
     store_connects: int = 0  # store connections it had to open on the way (none were ready)
-    tcp_opened: int | None = None  # TCP connections it opened while entering (tm_launch.worker.connections)
+    tcp_opened: int | None = None  # TCP connections it opened while entering (tm_launch.worker.comms.connections)
     groups_rebuilt: int = 0  # communicators it built: the world and each subgroup whose membership changed
 
 

@@ -120,14 +120,14 @@ def test_worker_killed_spare_takes_over_bitwise(local_job, reference, phase):
     assert codes[victim] != 0  # the node that lost its worker was replaced and says so
     assert_bitwise(params, reference(2, 2))
     entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
-    assert entered[survivor]["store_connects"] == 0, entered  # its connections were ready (tm_launch.worker.store_clients)
+    assert entered[survivor]["store_connects"] == 0, entered  # its connections were ready (tm_launch.worker.comms.store_clients)
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
     assert plans and plans[0]["replaced"] == {"c": victim} and plans[0]["live"], job.events()
 
 
 def connects_its_world_once(e: dict, world: int) -> bool:
     """A worker's ``entered`` record shows one communicator rebuilt (its world group: the
-    subgroups were kept) and the full mesh of it connected (tm_launch.worker.communicators),
+    subgroups were kept) and the full mesh of it connected (tm_launch.worker.comms.communicators),
     plus at most a connection to a store or holder the change needed."""
     return e["groups_rebuilt"] == 1 and world - 1 <= e["tcp_opened"] <= world
 
@@ -183,7 +183,7 @@ def test_a_change_at_8_ranks_rebuilds_one_communicator(local_job, reference):
 def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local_job, reference):
     """The worker of rank 0 SIGKILLs itself: the spare, warmed up as the last node's ranks, runs
     the script again for ranks 0 and 1 with one warm-up step and DDP's bucket rebuild done
-    without peers (``tm_launch.worker.ddp_rebuild``; without it the joiners' DDP would broadcast its
+    without peers (``tm_launch.worker.spare.ddp_rebuild``; without it the joiners' DDP would broadcast its
     bucket order in their second step while the survivors all-reduce gradients). Ranks 0 and 1
     have per-rank state (``--random``) whose mirrors are in generation 0's store, on the victim
     node's agent: it keeps serving them after it left until the joiners are in
@@ -210,7 +210,7 @@ def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local
     assert not [e for e in job.events() if e["kind"] == "state_lost"], job.logs_tail()
     assert_bitwise(params, reference(2, 2, extra=("--random",)))
     # Rank 0's node hosted the store: generation 1's is the standby, to which the survivor's
-    # workers and the parked spare's held connections ready (tm_launch.worker.store_clients).
+    # workers and the parked spare's held connections ready (tm_launch.worker.comms.store_clients).
     entered = {e["node"]: e for e in job.events() if e["kind"] == "entered" and e.get("generation") == 1}
     assert entered[survivor]["store_connects"] == 0 and entered["c"]["store_connects"] == 0, entered
     # One communicator rebuilt, its full mesh connected (test_a_change_at_8_ranks_rebuilds_one_communicator).

@@ -26,7 +26,7 @@ from tests.scripts.env_dump import TORCHRUN_ENV  # noqa: E402
 # TORCHELASTIC_USE_AGENT_STORE (a launcher's choice; both work with env:// init),
 # TORCHELASTIC_ERROR_FILE (same layout, checked by ERROR_FILE, in each launcher's own directory).
 # TORCH_NCCL_ASYNC_ERROR_HANDLING is torchrun's 1 too: a live worker sets its own (2) when it
-# starts live mode (tests/unit/worker/test_communicators.py), and env_dump never calls tm_launch.init().
+# starts live mode (tests/unit/worker/comms/test_communicators.py), and env_dump never calls tm_launch.init().
 SAME = (
     "RANK",
     "LOCAL_RANK",
@@ -288,7 +288,7 @@ def test_worker_wrapper_is_invisible(tmp_path, mode):
 
 
 RERUN = """import gc, sys, types, weakref
-from tm_launch.worker.runtime import RankChanged
+from tm_launch.worker.spare.sandbox import RankChanged
 probe = sys.modules.setdefault("rerun_probe", types.ModuleType("rerun_probe"))  # outlives the runs
 if hasattr(probe, "refs"):  # the second run, for the new ranks: the first run's objects are gone
     print("first run's objects alive:", [name for name, ref in probe.refs.items() if ref() is not None])

@@ -133,7 +133,7 @@ def main() -> None:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(args.out_dir, f"rank{trainer.global_rank}.pt"))
     if dist.is_initialized():
         # As torchrun scripts end: a group torch still holds is freed by the interpreter's
-        # teardown, where gloo's thread can abort the process (tm_launch.worker.runtime._destroy_default_group).
+        # teardown, where gloo's thread can abort the process (tm_launch.worker.job.plain._destroy_default_group).
         dist.destroy_process_group()
 
 

@@ -12,7 +12,7 @@ without, as under torchrun.
 and ``ctl timeline`` show it, and the hang watchdog watches the worker (nothing under torchrun).
 
 ``--unmodified``: a torchrun script that knows nothing of tm-launch (``init_process_group``, no
-report): tm-launch counts its steps from its optimizer (``tm_launch.worker.optimizer_steps``).
+report): tm-launch counts its steps from its optimizer (``tm_launch.worker.job.optimizer_steps``).
 """
 
 from __future__ import annotations

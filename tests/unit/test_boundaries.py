@@ -34,9 +34,9 @@ def under(modules: set[str], *roots: str) -> list[str]:
     return sorted(m for m in modules if any(m == r or m.startswith(r + ".") for r in roots))
 
 
-@pytest.mark.parametrize("entry", ["tm_launch", "tm_launch.worker.runtime", "tm_launch.worker.__main__"])
+@pytest.mark.parametrize("entry", ["tm_launch", "tm_launch.worker.job.live", "tm_launch.worker.__main__"])
 def test_a_training_process_imports_only_the_protocol_and_torch(entry):
-    loaded = loaded_after(entry, "tm_launch.worker.runtime")
+    loaded = loaded_after(entry, "tm_launch.worker.job.live")
     assert under(loaded, *ETCD_CLIENTS, "rendezvous", "health") == []
     assert under(loaded, "tm_launch.launcher", "tm_launch.ctl", "tm_launch.local", "tm_launch.joblog") == []
     assert "tm_launch.protocol" in loaded
@@ -51,3 +51,63 @@ def test_the_agent_imports_no_worker_or_plotting_code(entry):
 def test_the_operators_commands_import_neither_agent_nor_worker_nor_torch():
     loaded = loaded_after("tm_launch.ctl.commands", "tm_launch.ctl.timeline")
     assert under(loaded, "tm_launch.launcher", "tm_launch.worker", "tm_launch.local", "torch") == []
+
+
+# The worker's rooms, top to bottom: a module imports only from its own room or rooms below it
+# (``tm_launch/worker/__init__.py`` says what each owns).
+WORKER_LAYERS = [
+    {"__main__"},  # python -m tm_launch.worker: runs the script
+    {"integrations"},
+    {"job"},
+    {"spare"},
+    {"generation"},
+    {"torch_patches"},
+    {"snapshots"},
+    {"state"},
+    {"comms"},
+    {"agent_client", "step_report", "failpoints", "exit_notice", "api", "__init__"},
+]
+
+
+def _room(parts: list[str]) -> str:
+    """The room of a module given its path parts under ``tm_launch/worker``."""
+    return parts[0][:-3] if len(parts) == 1 and parts[0].endswith(".py") else parts[0]
+
+
+def _worker_imports():
+    """(importing module's room, imported room, where) for every import inside the worker."""
+    import ast
+
+    root = os.path.join(REPO, "tm_launch", "worker")
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root).split(os.sep)
+            package = ["tm_launch", "worker", *rel[:-1]]
+            for node in ast.walk(ast.parse(open(path).read())):
+                if not isinstance(node, ast.ImportFrom):
+                    continue
+                if node.level:
+                    base = package[: len(package) - node.level + 1]
+                    targets = [base + (node.module.split(".") if node.module else [])]
+                    if not node.module:
+                        targets = [base + [alias.name] for alias in node.names]
+                elif node.module and node.module.startswith("tm_launch.worker."):
+                    targets = [node.module.split(".")]
+                else:
+                    continue
+                for target in targets:
+                    if target[:2] == ["tm_launch", "worker"] and len(target) > 2:
+                        yield _room(rel), target[2], f"{'/'.join(rel)}:{node.lineno}"
+
+
+def test_the_workers_rooms_import_downwards_only():
+    layer = {room: i for i, rooms in enumerate(WORKER_LAYERS) for room in rooms}
+    upward = [
+        f"{where}: {room} imports {target}" for room, target, where in _worker_imports() if target in layer and layer[target] < layer[room]
+    ]
+    assert upward == []
+    unknown = sorted({room for room, _, _ in _worker_imports()} - set(layer))
+    assert unknown == [], f"rooms missing from WORKER_LAYERS: {unknown}"

@@ -297,8 +297,8 @@ class EntryReport:
         comm = max(r.communicator for r in records)
         state = max(r.state for r in records)
         received = any(r.received for r in records)
-        connects = sum(r.store_connects for r in records)  # opened on the way in (tm_launch.worker.store_clients)
-        opened = [r.tcp_opened for r in records if r.tcp_opened is not None]  # per worker (tm_launch.worker.connections)
+        connects = sum(r.store_connects for r in records)  # opened on the way in (tm_launch.worker.comms.store_clients)
+        opened = [r.tcp_opened for r in records if r.tcp_opened is not None]  # per worker (tm_launch.worker.comms.connections)
         since = time.time() - plan.created
         self.timings[plan.generation] = {"communicator": comm, "state": state}
         self.metrics.on_entered(plan)

@@ -141,7 +141,7 @@ class PlanExecutor:
 
     def _keep_store_for_joiners(self, plan: Plan) -> None:
         """This agent's store holds the per-rank mirrors of the steps committed in the generation
-        it leaves (``tm_launch.worker.per_rank``): a rank that takes over from one that left fetches its
+        it leaves (``tm_launch.worker.state.per_rank``): a rank that takes over from one that left fetches its
         RNG and data position there. So the store keeps serving, with the workers stopped and the
         registration given back (no longer a spare nor a planner), until every node of a later
         live generation has completed a step in it (its stamps, ``Membership.stamped_nodes``: the

@@ -14,7 +14,7 @@ own and hands it to torch's server (``master_listen_fd``): 32 clients at once th
 milliseconds (the same clients; which lookups torch's dual-stack listener adds, we did not pin
 down), and a live change at 8 and 16 ranks takes 0.5-0.8 s instead of 5.7 s and a hang.
 64 clients at once still make some wait 5 s: their own lookups are the client's, which is
-why workers open their connections before a change needs them (``tm_launch.worker.store_clients``).
+why workers open their connections before a change needs them (``tm_launch.worker.comms.store_clients``).
 torch's classic server (``use_libuv=False``) answers waits late (every commit vote then took
 its 200 ms patience: steps of 60 ms took 264 ms), so the libuv server stays.
 """

@@ -280,7 +280,7 @@ class WorkerSupervisor:
                 "TORCHELASTIC_RUN_ID": cfg.run_id,
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 # torchrun's (a live worker sets its own when it starts live mode:
-                # tm_launch.worker.communicators.live_process_environment)
+                # tm_launch.worker.comms.communicators.live_process_environment)
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(False, os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")),
                 "TORCHELASTIC_ERROR_FILE": self.workers.error_file(local_rank),
             }

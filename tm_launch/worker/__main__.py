@@ -1,7 +1,7 @@
 """``python -m tm_launch.worker SCRIPT ARGS`` (or ``-m MODULE ARGS``): how tm-launch starts a
 Python worker in live mode. It runs the script exactly as ``python SCRIPT ARGS`` would (same
 ``sys.argv``, ``sys.path[0]``, ``__main__``), with one addition: a spare promoted to ranks it did
-not warm up as (``tm_launch.worker.runtime.RankChanged``) runs the script again from the top in the same
+not warm up as (``tm_launch.worker.spare.sandbox.RankChanged``) runs the script again from the top in the same
 process, so everything the script derives from its rank (tensor-parallel shards, pipeline stage,
 sampler, rank-0 duties) is built for the ranks it actually took, while imports, the CUDA context
 and compilation caches stay warm.
@@ -100,8 +100,10 @@ def main(argv: list[str]) -> None:
     global _AS_MODULE
     if not argv:
         raise SystemExit("usage: python -m tm_launch.worker SCRIPT [ARGS] | -m MODULE [ARGS]")
-    from tm_launch.worker import exit_notice, optimizer_steps
-    from tm_launch.worker.runtime import RankChanged, report_counted_step
+    from tm_launch.worker import exit_notice
+    from tm_launch.worker.job import optimizer_steps
+    from tm_launch.worker.job.entry import report_counted_step
+    from tm_launch.worker.spare.sandbox import RankChanged
 
     _show_as_python_does()
     exit_notice.arm()  # the agent learns of this process's death as it begins
@@ -160,7 +162,7 @@ def _forget(namespaces: list[dict]) -> None:
     """Drop a finished run of the script, as the interpreter does at exit: its globals are
     cleared (a module's functions refer back to its namespace, a cycle that reference counting
     alone never frees), then the cycles left are collected. The collection scans only what was
-    created after ``tm_launch.init()`` froze everything older (``runtime.freeze_what_exists``): 2 ms
+    created after ``tm_launch.init()`` froze everything older (``spare.sandbox.freeze_what_exists``): 2 ms
     for the benchmark's model, where a full collection of a process with torch loaded takes
     0.1-0.3 s."""
     for namespace in namespaces:

@@ -468,7 +468,7 @@ STORE_MOVES = [
 
 @pytest.mark.parametrize("nodes, host, standby, alive, drains, want", STORE_MOVES)
 def test_store_stays_or_moves_to_its_standby(nodes, host, standby, alive, drains, want):
-    """Workers keep connections ready to the store and its standby (tm_launch.worker.store_clients): the
+    """Workers keep connections ready to the store and its standby (tm_launch.worker.comms.store_clients): the
     store moves only when its node goes, and then to the standby the last plan named."""
     p = plan(5, nodes, store=_stored(None, host, standby), live=True)
     lost = {n: "dead" for n in nodes if n not in alive}

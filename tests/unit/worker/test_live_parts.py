@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tm_launch.worker.commit import StepCommit, commit_store
-from tm_launch.worker.replicas import mesh_replicas, replica_set
+from tm_launch.worker.generation.commit import StepCommit, commit_store
+from tm_launch.worker.state.replicas import mesh_replicas, replica_set
 
 # ------------------------------------------------------------------------------------------------
 # replicas: the pure rule
@@ -116,7 +116,7 @@ def _hooked() -> torch.nn.Module:
     ],
 )
 def test_copy_is_the_load(make, want):
-    from tm_launch.worker.transfer import copy_is_the_load
+    from tm_launch.worker.state.transfer import copy_is_the_load
 
     assert copy_is_the_load(make()) is want
 
@@ -124,7 +124,7 @@ def test_copy_is_the_load(make, want):
 def test_a_state_dict_of_copies_is_loaded_by_the_modules_own_loader():
     """Values written into a state dict whose tensors are copies (a wrapper's state-dict hook)
     never reached the module: its loader runs."""
-    from tm_launch.worker.transfer import TENSOR, load_state
+    from tm_launch.worker.state.transfer import TENSOR, load_state
 
     net = torch.nn.Linear(2, 2)
     net._register_state_dict_hook(lambda module, sd, prefix, local: {k: v.clone() for k, v in sd.items()})
@@ -138,7 +138,7 @@ def test_a_state_dict_of_copies_is_loaded_by_the_modules_own_loader():
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp-tp", "hsdp", "ddp-tp"])
 def test_copy_is_the_load_of_real_layouts(fake_world, layout):
     """fully_shard's own load hooks do nothing a copy into the local shards has not done."""
-    from tm_launch.worker.transfer import copy_is_the_load
+    from tm_launch.worker.state.transfer import copy_is_the_load
 
     fake_world(0, 4)
     net, _, _ = _layout(layout)
@@ -201,7 +201,7 @@ def D(joiners=(), all_fresh=False):
     ],
 )
 def test_membership_changed(ranks, d, rank, old_rank, want):
-    from tm_launch.worker.generations import membership_changed
+    from tm_launch.worker.generation.generations import membership_changed
 
     assert membership_changed(ranks, d, rank, old_rank) is want
 
@@ -224,7 +224,7 @@ MESH_2x2 = [(0, 2), (1, 3), (0, 1), (2, 3)]
 )
 def test_subgroups_to_rebuild(rank, old_rank, d, unusable, want):
     """What one member cannot keep (the ranks gather it and every member rebuilds the union)."""
-    from tm_launch.worker.generations import subgroups_to_rebuild
+    from tm_launch.worker.generation.generations import subgroups_to_rebuild
 
     assert subgroups_to_rebuild(MESH_2x2, d, rank, old_rank, unusable) == frozenset(want)
 
@@ -240,7 +240,7 @@ def test_subgroups_to_rebuild(rank, old_rank, d, unusable, want):
 def test_groups_served_in_process_are_never_rebuilt(rank, old_rank, d, unusable, want):
     """Torch's "fake" groups and groups of one rank have no communicator to build (indices 3
     and 4 here: the tp group {2, 3} made "fake", and rank 3's own group)."""
-    from tm_launch.worker.generations import subgroups_to_rebuild
+    from tm_launch.worker.generation.generations import subgroups_to_rebuild
 
     memberships = [*MESH_2x2, (3,)]
     assert subgroups_to_rebuild(memberships, d, rank, old_rank, unusable, in_process={3, 4}) == frozenset(want)
@@ -271,7 +271,7 @@ def _options(op):
 )
 def test_a_sandbox_all_reduce_is_that_of_identical_replicas(op, want):
     """The sandbox's stand-in (``LocalBackend``, 3 replicas): what 3 ranks holding 2.0 would get."""
-    from tm_launch.worker.groups import LocalBackend
+    from tm_launch.worker.comms.groups import LocalBackend
 
     assert _all_reduced(LocalBackend(1, 3), 2.0, *op) == want
 
@@ -282,7 +282,7 @@ def test_a_group_served_in_process_computes_as_torch_and_is_never_released():
     group keeps it when released (a late entry releases every group) and calls it as torch would."""
     from torch._C._distributed_c10d import FakeProcessGroup
 
-    from tm_launch.worker.groups import LiveGroup, LocalBackend, StepPoison, in_process_backend
+    from tm_launch.worker.comms.groups import LiveGroup, LocalBackend, StepPoison, in_process_backend
 
     assert in_process_backend(0, 2) is None
     fake, alone = in_process_backend(1, 4, "fake"), in_process_backend(0, 1)
@@ -310,8 +310,8 @@ def test_subgroups_rebuilt_are_the_agreed_ones_and_a_failed_build_leaves_its_gro
     that fails leaves its group without a communicator, so that this rank names it in its next
     ``Holding.rebuild`` (it must not keep the old one while another member built a new one)."""
     from tm_launch.protocol import Directive, StoreAddress, WorkerEnv
-    from tm_launch.worker.generations import Generations
-    from tm_launch.worker.groups import LiveGroup, LocalBackend, StepPoison
+    from tm_launch.worker.comms.groups import LiveGroup, LocalBackend, StepPoison
+    from tm_launch.worker.generation.generations import Generations
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     poison = StepPoison()
@@ -339,25 +339,26 @@ def test_a_world_built_ahead_is_used_by_its_generation_only():
     again; entering that generation waits for that build instead of starting another, and any
     other generation gives it up."""
     from tm_launch.protocol import Directive, StoreAddress, WorkerEnv
-    from tm_launch.worker.generations import Generations
+    from tm_launch.worker.generation.directives import Directives
+    from tm_launch.worker.generation.world_builds import WorldBuilds
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     # The unreachable store below fails fast: a 2 s set-up timeout.
-    gens = Generations(state=None, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",), snapshots=None)
+    gens = WorldBuilds(None, Directives(_Agent()), WorkerEnv(setup_timeout=2), ("cpu",))
     d = Directive(generation=3, active=True, ranks=(0,), world_size=1, store=StoreAddress("127.0.0.1", server.port))
     gens.build_ahead(d)
-    ahead = gens._take_ahead(3)
-    pg = gens._build_watching(None, 0, 3, d, pending=ahead)
+    ahead = gens.take_ahead(3)
+    pg = gens.build_watching(None, 0, 3, d, pending=ahead)
     assert pg is ahead[1]["pg"] and pg.size() == 1
-    assert gens._take_ahead(3) is None  # taken once
+    assert gens.take_ahead(3) is None  # taken once
     gens.build_ahead(d)
     thread, box = gens._ahead[1]
-    assert gens._take_ahead(4) is None  # another generation: given up
+    assert gens.take_ahead(4) is None  # another generation: given up
     thread.join()
     assert "pg" not in box and "error" not in box  # released, whether it finished before or after
     gens.build_ahead(dataclasses.replace(d, store=StoreAddress("127.0.0.1", 1)))  # nothing listens there
     with pytest.raises(RuntimeError):
-        gens._build_watching(None, 0, 3, d, pending=gens._take_ahead(3))
+        gens.build_watching(None, 0, 3, d, pending=gens.take_ahead(3))
     gens.close()
 
 
@@ -368,11 +369,12 @@ def test_a_survivor_builds_its_world_ahead_once_per_generation_and_never_while_e
     not for a planned switch, a stop, a rank it leaves or changes, nor in the sandbox (a parked
     spare enters at once)."""
     from tm_launch.protocol import Directive, StoreAddress, WorkerEnv
-    from tm_launch.worker.generations import Generations
+    from tm_launch.worker.generation.directives import Directives
+    from tm_launch.worker.generation.world_builds import WorldBuilds
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     state = types.SimpleNamespace(in_sandbox=False, rank=0)
-    gens = Generations(state=state, agent=_Agent(), status=None, env=WorkerEnv(setup_timeout=2), devices=("cpu",), snapshots=None)
+    gens = WorldBuilds(state, Directives(_Agent()), WorkerEnv(setup_timeout=2), ("cpu",))
     d = Directive(generation=3, active=True, ranks=(0,), world_size=1, store=StoreAddress("127.0.0.1", server.port))
     for other in (
         dataclasses.replace(d, planned=True),
@@ -386,14 +388,14 @@ def test_a_survivor_builds_its_world_ahead_once_per_generation_and_never_while_e
     state.in_sandbox = False
     assert gens.build_ahead_as_survivor(d)
     assert not gens.build_ahead_as_survivor(d)  # already started
-    ahead = gens._take_ahead(3)  # the main thread enters 3 and takes it
-    assert gens._build_watching(None, 0, 3, d, pending=ahead) is ahead[1]["pg"]
+    ahead = gens.take_ahead(3)  # the main thread enters 3 and takes it
+    assert gens.build_watching(None, 0, 3, d, pending=ahead) is ahead[1]["pg"]
     assert not gens.build_ahead_as_survivor(d)  # entered: not again
-    assert gens._take_ahead(3) is None
-    gens._take_ahead(4)  # the main thread began to enter 4 before the watcher saw it
+    assert gens.take_ahead(3) is None
+    gens.take_ahead(4)  # the main thread began to enter 4 before the watcher saw it
     assert not gens.build_ahead_as_survivor(dataclasses.replace(d, generation=4))
     assert gens.build_ahead_as_survivor(dataclasses.replace(d, generation=5))
-    assert gens._take_ahead(6) is None  # a newer generation than the one built: given up
+    assert gens.take_ahead(6) is None  # a newer generation than the one built: given up
     gens.close()
 
 
@@ -412,13 +414,13 @@ def test_a_survivor_builds_its_world_ahead_once_per_generation_and_never_while_e
     ],
 )
 def test_wire_for(device, nccl, want):
-    from tm_launch.worker.transfer import wire_for
+    from tm_launch.worker.state.transfer import wire_for
 
     assert wire_for(torch.device(device), None if nccl is None else torch.device(nccl)) == want
 
 
 def _meta(index, shape, dtype="float32", wire="cpu"):
-    from tm_launch.worker.transfer import TENSOR
+    from tm_launch.worker.state.transfer import TENSOR
 
     return (TENSOR, index, shape, dtype, None, wire)
 
@@ -442,20 +444,20 @@ def _meta(index, shape, dtype="float32", wire="cpu"):
     ],
 )
 def test_wire_units(metas, want):
-    from tm_launch.worker.transfer import wire_units
+    from tm_launch.worker.state.transfer import wire_units
 
     assert wire_units(metas) == want
 
 
 def _ph(index, t, layout=None):
     """The sender's placeholder for ``t``."""
-    from tm_launch.worker.transfer import TENSOR
+    from tm_launch.worker.state.transfer import TENSOR
 
     return (TENSOR, index, tuple(t.shape), str(t.dtype).replace("torch.", ""), layout, "cpu")
 
 
 def test_receive_targets_take_only_tensors_that_fit():
-    from tm_launch.worker.transfer import receive_targets
+    from tm_launch.worker.state.transfer import receive_targets
 
     base = torch.zeros(10)
     own = {
@@ -524,13 +526,13 @@ class _Checkpoint:
     ],
 )
 def test_only_torchs_own_loads_receive_in_place(make, want):
-    from tm_launch.worker.transfer import loads_in_place
+    from tm_launch.worker.state.transfer import loads_in_place
 
     assert loads_in_place(make()) is want
 
 
 def test_tied_tensors_receive_into_fresh_memory_the_second_time():
-    from tm_launch.worker.transfer import receive_targets
+    from tm_launch.worker.state.transfer import receive_targets
 
     w = torch.zeros(4, 2)
     own = {"m": {"embed.weight": w, "head.weight": w.detach()}}  # tied: one storage
@@ -549,7 +551,7 @@ def test_tied_tensors_receive_into_fresh_memory_the_second_time():
 def test_dtensors_receive_in_place_only_with_the_same_layout(fake_world, sender, receiver, in_place):
     from torch.distributed.tensor import DTensor
 
-    from tm_launch.worker.transfer import flatten, receive_targets
+    from tm_launch.worker.state.transfer import flatten, receive_targets
 
     fake_world(1, 4)
     tensors: list = []
@@ -572,8 +574,8 @@ TRANSFER = r"""
 import hashlib, json, sys, datetime
 import torch, torch.distributed as dist
 import torch.distributed.tensor  # as in a live worker
-from tm_launch.worker import communicators
-from tm_launch.worker.transfer import send_state, recv_state
+from tm_launch.worker.comms import communicators
+from tm_launch.worker.state.transfer import send_state, recv_state
 
 rank, port, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
@@ -820,7 +822,7 @@ os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROU
                   LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
 sys.path.insert(0, os.path.join(sys.argv[1], "tests", "scripts"))
 import hybrid, tm_launch
-from tm_launch.worker import c10d_glue
+from tm_launch.worker import torch_patches as c10d_glue
 from tm_launch.protocol import Directive
 job = tm_launch.init()
 
@@ -833,8 +835,8 @@ def build_and_step():
 
 print("warm", job.rank, *build_and_step())
 try:
-    job._take_other_ranks(Directive(generation=1, active=True, ranks=(1,), world_size=4))
-except tm_launch.worker.runtime.RankChanged:
+    job.spare.take_other_ranks(Directive(generation=1, active=True, ranks=(1,), world_size=4))
+except tm_launch.worker.spare.sandbox.RankChanged:
     pass
 print("again", job.rank, *build_and_step())
 """
@@ -877,8 +879,8 @@ class Counter:
 
 def _mirroring_rank():
     """A rank with per-rank state, voting on a real store and mirroring to a real holder."""
-    from tm_launch.worker.per_rank import PerRankState
     from tm_launch.worker.snapshots.link import SnapshotClient, SnapshotServer
+    from tm_launch.worker.state.per_rank import PerRankState
 
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     commit = StepCommit()
@@ -981,7 +983,7 @@ def test_a_vote_whose_mirror_cannot_reach_the_holder_aborts_the_step():
 def test_rng_state_round_trips():
     import random
 
-    from tm_launch.worker.per_rank import RNGState
+    from tm_launch.worker.state.per_rank import RNGState
 
     rng = RNGState()
     saved = rng.state_dict()
@@ -995,8 +997,8 @@ def test_a_python_random_draw_after_the_vote_is_a_change():
     between a vote and the next step's start must still count as a change."""
     import random
 
-    from tm_launch.worker.per_rank import RNGState, _same
-    from tm_launch.worker.transfer import cpu_copy
+    from tm_launch.worker.state.per_rank import RNGState, _same
+    from tm_launch.worker.state.transfer import cpu_copy
 
     rng = RNGState()
     voted = cpu_copy(rng.state_dict())
@@ -1018,13 +1020,13 @@ def test_a_python_random_draw_after_the_vote_is_a_change():
     ],
 )
 def test_per_rank_states_compare_by_value(a, b, same):
-    from tm_launch.worker.per_rank import _same
+    from tm_launch.worker.state.per_rank import _same
 
     assert _same(a, b) is same
 
 
 def test_cpu_copy_shares_nothing_mutable():
-    from tm_launch.worker.transfer import cpu_copy
+    from tm_launch.worker.state.transfer import cpu_copy
 
     ints, tensor = [1, 2, 3], torch.zeros(2)
     state = {"ints": ints, "nested": [ints, tensor], "rng": (3, (1, 2), None)}
@@ -1042,7 +1044,7 @@ store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 os.environ.update(TM_AGENT_STORE=f"127.0.0.1:{store.port}", TM_SANDBOX="1", GROUP_RANK="-1", WORLD_SIZE="2",
                   LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", RANK="0")
 import tm_launch
-from tm_launch.worker.c10d_glue import NoPeersYet
+from tm_launch.worker.torch_patches import NoPeersYet
 job = tm_launch.init()  # a spare: warms up as rank 1, no peers
 objects = [None]
 try:

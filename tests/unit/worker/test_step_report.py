@@ -230,7 +230,7 @@ def test_a_plain_job_asks_torch_for_the_backend_the_script_asked_for(monkeypatch
     not NCCL alone, which would refuse a CPU model's gradients on a GPU machine."""
     import torch.distributed as dist
 
-    from tm_launch.worker.runtime import PlainJob
+    from tm_launch.worker.job.plain import PlainJob
 
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
@@ -255,7 +255,7 @@ dist.all_reduce(t, group=job.group)
 def test_a_plain_job_frees_its_group_before_the_interpreter_tears_down():
     """A script that never destroys the group ``tm_launch.init()`` started under torchrun has it
     destroyed and freed at exit, before teardown: freed there, gloo's worker thread could abort
-    the process (``runtime._destroy_default_group``; 7-11 of 30 two-rank runs here without it)."""
+    the process (``job.plain._destroy_default_group``; 7-11 of 30 two-rank runs here without it)."""
     assert run_worker("", {}, script=PLAIN_EXIT) == ["freed", "True"]
 
 

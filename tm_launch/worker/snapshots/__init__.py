@@ -24,7 +24,7 @@ Per-rank state travels with every commit vote as well (``publish_mirror``), as i
 did, now to the holder instead of the generation's store: the store's node may die with the
 victim, the ring keeps it elsewhere.
 
-What the job returns to is decided by ``tm_launch.worker.recovery`` from what every rank holds.
+What the job returns to is decided by ``tm_launch.worker.generation.recovery`` from what every rank holds.
 """
 
 from .service import Snapshots

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..replicas import fingerprints
-from ..transfer import (
+from ..state.replicas import fingerprints
+from ..state.transfer import (
     _is_dtensor,
     _local,
     _own_layout,

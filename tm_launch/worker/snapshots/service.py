@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from .. import failpoints
 from ..agent_client import first_line, log
-from ..transfer import human_size
+from ..state.transfer import human_size
 from .image import Capture, StateImage, wire_size
 from .link import LinkError, SnapshotClient, SnapshotServer
 from .parity import stripe, unstripe, xor_into

@@ -1,0 +1,144 @@
+"""tm_launch.torchtitan's pieces on their own (torchtitan's trainer runs end to end in
+tests/e2e/test_torchtitan.py): which jobs can be live, what the model's tensors are, the
+checkpointer's rules, the data position's reload."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.trainer", reason="torchtitan is not installed (pip install -e '.[torchtitan]': make test-all)")
+
+from tm_launch.worker.integrations.torchtitan import Batches, CommittedCheckpoints, DataPosition, ModelTensors, not_live_reason  # noqa: E402
+
+
+def config(pp=1, enable=True, async_mode="disabled"):
+    return SimpleNamespace(
+        parallelism=SimpleNamespace(pipeline_parallel_degree=pp), checkpoint=SimpleNamespace(enable=enable, async_mode=async_mode)
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg, why",
+    [
+        (config(), None),
+        (config(enable=False, async_mode="async"), None),  # no checkpoints: their mode does not matter
+        (config(pp=2), "pipeline parallelism"),
+        (config(async_mode="async"), "--checkpoint.async-mode async"),
+        (config(async_mode="async_with_pinned_mem"), "--checkpoint.async-mode async_with_pinned_mem"),
+    ],
+)
+def test_which_torchtitan_jobs_run_live(cfg, why):
+    reason = not_live_reason(cfg)
+    assert (reason is None) if why is None else (why in reason), reason
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("kept", torch.arange(2.0))
+        self.register_buffer("recomputed", torch.ones(2), persistent=False)
+        # a state-dict hook that runs something a recovery must not (torchtitan's is a collective)
+        self._register_state_dict_hook(lambda *a: (_ for _ in ()).throw(AssertionError("state_dict() was called")))
+
+
+def test_model_tensors_are_the_parameters_and_persistent_buffers_loaded_in_place():
+    model, other = Model(), Model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+        other.kept.add_(5.0)
+    tensors = ModelTensors(model)
+    assert sorted(tensors.state_dict()) == ["kept", "lin.bias", "lin.weight"]
+    weight = model.lin.weight
+    tensors.load_state_dict(ModelTensors(other).state_dict())
+    assert model.lin.weight is weight and torch.equal(weight, other.lin.weight) and torch.equal(model.kept, other.kept)
+    assert tensors.parts() == [model]  # carried: its gradients are dropped with an interrupted step's
+    with pytest.raises(RuntimeError, match="differ"):
+        tensors.load_state_dict({"lin.weight": weight})
+
+
+class FakeCheckpointer:
+    def __init__(self, tmp_path, enable=True, fail=False):
+        self.enable, self.fail, self.tmp = enable, fail, tmp_path
+        self.loaded, self.saved = [], []
+
+    def load(self, step=-1):
+        self.loaded.append(step)
+        return True
+
+    def _should_save(self, step, last_step=False):
+        return step % 2 == 0 or last_step
+
+    def _create_checkpoint_id(self, step):
+        return str(self.tmp / f"step-{step}")
+
+    def save(self, step, last_step=False):
+        if not self._should_save(step, last_step):
+            return False
+        (self.tmp / f"step-{step}").mkdir()
+        self.saved.append(step)
+        if self.fail:
+            raise EOFError("Ran out of input")  # DCP unpickling a failed step's placeholder
+        return True
+
+
+class Job:
+    def __init__(self, in_sandbox=False, step_ok=True):
+        self.in_sandbox, self.step_ok = in_sandbox, step_ok
+
+
+def test_a_spare_neither_loads_nor_saves(tmp_path):
+    inner = FakeCheckpointer(tmp_path)
+    ckpt = CommittedCheckpoints(inner, Job(in_sandbox=True))
+    assert not ckpt.load() and not ckpt.save(2) and inner.loaded == inner.saved == []
+    assert ckpt.enable  # everything else is torchtitan's checkpointer's
+
+
+def test_a_committed_steps_checkpoint_is_written(tmp_path):
+    inner = FakeCheckpointer(tmp_path)
+    ckpt = CommittedCheckpoints(inner, Job())
+    assert ckpt.load(4) and inner.loaded == [4]
+    assert ckpt.save(2) and (tmp_path / "step-2").is_dir()
+
+
+def test_no_checkpoint_in_a_step_whose_collective_failed(tmp_path):
+    inner = FakeCheckpointer(tmp_path)
+    assert not CommittedCheckpoints(inner, Job(step_ok=False)).save(2) and inner.saved == []
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["written", "raised"])
+def test_a_checkpoint_a_failure_interrupted_is_removed(tmp_path, fail):
+    """The collective failed while the save ran (the job's step_ok turns false under it)."""
+    job = Job()
+    inner = FakeCheckpointer(tmp_path, fail=fail)
+    real_save = inner.save
+
+    def failing_midway(step, last_step=False):
+        job.step_ok = False
+        return real_save(step, last_step)
+
+    inner.save = failing_midway
+    assert not CommittedCheckpoints(inner, job).save(2)
+    assert inner.saved == [2] and not (tmp_path / "step-2").exists()
+
+
+def test_a_save_that_raises_in_a_healthy_step_raises(tmp_path):
+    with pytest.raises(EOFError):
+        CommittedCheckpoints(FakeCheckpointer(tmp_path, fail=True), Job()).save(2)
+
+
+def test_a_loaded_data_position_starts_the_batches_again_from_it():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(list(range(10)), batch_size=2)
+    trainer = SimpleNamespace(dataloader=loader, ntokens_seen=0)
+    trainer._batches = Batches(lambda: iter(loader))
+    position = DataPosition(trainer)
+    assert next(trainer._batches).tolist() == [0, 1]
+    at_step = position.state_dict()
+    trainer.ntokens_seen = 4
+    assert next(trainer._batches).tolist() == [2, 3]
+    position.load_state_dict(at_step)  # the step runs again
+    assert next(trainer._batches).tolist() == [2, 3] and trainer.ntokens_seen == 0

@@ -1,0 +1,89 @@
+"""ddp_rebuild: one step and the rebuild leave DDP as two steps would (real DDP, one gloo rank)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tm_launch.worker.spare.ddp_rebuild import rebuild_buckets_now
+
+
+@pytest.fixture
+def world():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def ddp(**kwargs) -> DistributedDataParallel:
+    """Three layers of different sizes, one bucket each once rebuilt (in backward order, the
+    reverse of parameter order): a layout that visibly changes at the rebuild."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 8), torch.nn.Linear(8, 300))
+    return DistributedDataParallel(model, bucket_cap_mb=0.01, **kwargs)
+
+
+def step(model: DistributedDataParallel) -> None:
+    model(torch.ones(4, 64)).sum().backward()
+
+
+def rebuilt(model: DistributedDataParallel) -> bool:
+    """Whether ``rebuild_buckets_now`` rebuilt ``model`` (other tests' DDPs may still be alive)."""
+    return any(d is model for d in rebuild_buckets_now())
+
+
+def layout(model: DistributedDataParallel) -> list[int]:
+    return [b.buffer().numel() for b in model.reducer._get_zeros_like_grad_buckets()]
+
+
+def test_one_step_and_the_rebuild_lay_buckets_out_as_two_steps(world):
+    two_steps = ddp()
+    step(two_steps)
+    step(two_steps)
+    one_step = ddp()
+    step(one_step)
+    before = layout(one_step)
+    assert rebuilt(one_step) and not rebuilt(two_steps)
+    assert layout(one_step) == layout(two_steps) != before
+    step(one_step)  # the second forward finds nothing to do: no broadcast
+    assert layout(one_step) == layout(two_steps)
+    assert not one_step.reducer._rebuild_buckets()
+
+
+def test_a_ddp_the_script_never_registered_is_found(world):
+    held = {"model": ddp()}  # e.g. a framework's wrapper, out of the runtime's sight
+    step(held["model"])
+    assert rebuilt(held["model"])
+
+
+def test_nothing_to_rebuild_before_a_backward_or_without_one(world):
+    fresh = ddp()
+    assert not rebuilt(fresh)
+    unused = ddp(find_unused_parameters=True)  # DDP never rebuilds these (torch's rule)
+    step(unused)
+    assert not rebuilt(unused)
+    step(fresh)
+    assert rebuilt(fresh)
+
+
+def test_after_the_sandboxs_freeze_a_ddp_leaves_the_collector_little_to_scan():
+    """A promoted spare's collection and its scan for DDP instances see only what was built
+    after ``freeze_what_exists``: building a DDP must not bring tens of thousands of objects into
+    their sight (its constructor imports torch._dynamo: ~50,000 objects unless imported first)."""
+    code = (
+        "import gc, torch, torch.distributed as dist\n"
+        "from tm_launch.worker.spare.sandbox import freeze_what_exists\n"
+        "freeze_what_exists()\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "before = len(gc.get_objects())\n"
+        "ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))\n"
+        "ddp(torch.ones(2, 4)).sum().backward()\n"
+        "print(len(gc.get_objects()) - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 2000, out.stdout

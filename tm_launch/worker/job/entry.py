@@ -1,0 +1,54 @@
+"""``tm_launch.init()`` and ``tm_launch.report_step()``: which job this process gets.
+
+Under tm-launch's live mode (``TM_LIVE=1`` in ``WorkerEnv``) a ``LiveJob``, one per process (a
+spare running the script again for other ranks gets the same one back); otherwise a
+``PlainJob`` over ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+from ...protocol import WorkerEnv
+from ..api import Job
+from ..step_report import process_reporter
+from . import optimizer_steps
+
+_LIVE = None  # the process's LiveJob, once built
+
+
+def init(backend: str | None = None) -> Job:
+    """Start this worker's part of the job (see ``tm_launch.worker.api.Job``)."""
+    global _LIVE
+    if _LIVE is not None:
+        return _LIVE
+    env = WorkerEnv.from_environ()
+    if env.live:
+        from .live import LiveJob  # the live runtime, imported only where a worker goes live
+
+        _LIVE = LiveJob(env, backend)
+        return _LIVE
+    from .plain import PlainJob
+
+    return PlainJob(backend)
+
+
+def live_job():
+    """The process's ``LiveJob``, or None (never built, or not live)."""
+    return _LIVE
+
+
+def report_step(step: int) -> None:
+    """``tm_launch.report_step(step)``: ``job.report_step(step)`` for scripts that never call
+    ``init()`` (they call ``init_process_group`` themselves); nothing under plain torchrun."""
+    optimizer_steps.the_script_reports()
+    report_counted_step(step)
+
+
+def report_counted_step(step: int) -> None:
+    """A step this process finished, told to the agent: the script's own report, or its
+    optimizers' count for a script that says nothing (``job.optimizer_steps``)."""
+    if _LIVE is not None:
+        _LIVE.report_finished_step(step)
+        return
+    reporter = process_reporter()
+    if reporter is not None:
+        reporter.step(step)

@@ -1,0 +1,120 @@
+"""A step's effects wait for its job-wide commit: the vote asked at the step's first effect.
+
+The vote itself is ``generation.commit`` (through the generation's store); this is where a
+step asks for it. An optimizer's step (torch's global pre-hook: every optimizer, registered or
+not, is checked), an LR scheduler's ``step`` and a GradScaler's ``update`` (their classes
+guarded at ``register``) run only on a step that commits; on one that does not, the
+optimizer's gradients are dropped so torch leaves parameters and state untouched, and the step
+runs again with nothing applied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import torch_patches
+from ..generation.directives import Directives
+from ..snapshots import Snapshots
+from ..state.zero import ZeroPartition, is_zero
+
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+class StepGuard:
+    def __init__(self, state, directives: Directives, snapshots: Snapshots, generation):
+        self.state = state  # the worker's TrainingState
+        self.directives = directives
+        self.snapshots = snapshots
+        self._generation = generation  # () -> the generation this worker trains in
+        self.in_step = False  # inside the body of a step of ``job.steps()``
+        self.boundary_ok = True  # the step's start went as it should (its per-rank mirror reached the holder)
+
+    def install(self) -> None:
+        torch_patches.before_every_optimizer_step(self.before_optimizer_step)
+
+    def guard(self, obj, rank: int):
+        """``register``: guard what ``obj`` steps; returns what to carry for it and who else
+        holds it (``None``: as declared). A ZeRO optimizer is carried as this rank's partition."""
+        scheduler = _wrapped(obj, "scheduler", _SCHEDULERS)  # accelerate's AcceleratedScheduler steps the one it wraps
+        if scheduler is not None:
+            torch_patches.guard_method(scheduler, "step", self.effect_allowed, None)
+        elif isinstance(obj, torch.amp.GradScaler):
+            torch_patches.guard_method(obj, "update", self.effect_allowed, _reset_scaler)
+        elif is_zero(obj):  # each rank's own partition: held by this rank alone
+            return ZeroPartition(obj), (rank,)
+        return obj, None
+
+    def effect_allowed(self) -> bool:
+        """The current step's job-wide decision (voted on first use); outside a step, True."""
+        if not self.in_step:
+            return True
+        state = self.state
+        if state.commit.decision is None:
+            for g in state.groups:
+                g.settle()
+            state.poison.release_broken()  # peers blocked in a failed communicator fail now, before the vote waits
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # a step commits only once its GPU work is complete
+            if not self.boundary_ok:
+                state.poison.set(RuntimeError("the step's per-rank state did not reach its snapshot holder (it is gone)"))
+            ok = not state.poison.active
+            generation = self._generation()
+            if (
+                not state.commit.decide(
+                    ok,
+                    lambda: self.directives.newest_generation() > generation,
+                    self._before_vote_counts,
+                    peer_gone=self.peer_gone,
+                )
+                and ok
+            ):
+                state.poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
+        return bool(state.commit.decision)
+
+    def _before_vote_counts(self) -> bool:
+        """What must be true before this rank's vote counts (the voter thread runs it): the
+        step's snapshot is complete here and on the holder, and the per-rank state after the step
+        is on the holder (a joiner that replaces this rank starts from it)."""
+        step = self.state.commit.step
+        if not self.snapshots.ready_to_commit(step, give_up=self.peer_gone):
+            return False
+        mirror = self.state.per_rank.vote_mirror(step)
+        return mirror is None or self.snapshots.publish_mirror(*mirror)
+
+    def peer_gone(self) -> bool:
+        """The agent handed over a newer generation because a peer is gone (not a planned switch)."""
+        return self.directives.peer_gone_after(self._generation())
+
+    def before_optimizer_step(self, optimizer, args, kwargs):
+        """Every optimizer's step asks for the commit; on a step that did not commit its
+        gradients are dropped, so torch's optimizers leave parameters and state untouched."""
+        if not self.in_step or self.state.in_sandbox:
+            return None
+        if not any(optimizer is obj for obj in self.state.carried()):
+            raise RuntimeError(
+                f"tm-launch: an optimizer ({type(optimizer).__name__}) stepped in job.steps() but is not registered: a rank "
+                "that joins would not receive its state. Register it: job.register(optimizer=opt)"
+            )
+        if not self.effect_allowed():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        return None
+
+
+def _wrapped(obj, attr: str, kind):
+    """``obj`` if it is a ``kind``, else the ``kind`` a framework's wrapper holds as ``obj.<attr>``."""
+    if isinstance(obj, kind):
+        return obj
+    inner = getattr(obj, attr, None)
+    return inner if isinstance(inner, kind) else None
+
+
+def _reset_scaler(scaler) -> None:
+    """A skipped ``GradScaler.update()`` must still forget the step's per-optimizer records, or
+    the step's re-run fails with 'step() has already been called since the last update()'."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
