@@ -15,11 +15,11 @@ A loop of its own (a framework's, or any plain loop: restart mode) reports its p
 """
 
 
-def init(backend: str | None = None):
+def init(backend: str | None = None, rng_per_rank: bool = True):
     """Start this worker's part of the job (imported lazily: `tm-launch ctl` needs no torch)."""
     from .worker.job.entry import init as _init
 
-    return _init(backend)
+    return _init(backend, rng_per_rank)
 
 
 def report_step(step: int) -> None:

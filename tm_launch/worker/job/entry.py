@@ -15,8 +15,11 @@ from . import optimizer_steps
 _LIVE = None  # the process's LiveJob, once built
 
 
-def init(backend: str | None = None) -> Job:
-    """Start this worker's part of the job (see ``tm_launch.worker.api.Job``)."""
+def init(backend: str | None = None, rng_per_rank: bool = True) -> Job:
+    """Start this worker's part of the job (see ``tm_launch.worker.api.Job``). ``rng_per_rank``:
+    live mode treats the global RNGs (torch CPU and CUDA, numpy, ``random``) as this rank's own
+    state without registration (restored when a step runs again, carried to a rank taking its
+    place); False for a script that keeps every random draw out of its training state."""
     global _LIVE
     if _LIVE is not None:
         return _LIVE
@@ -24,7 +27,7 @@ def init(backend: str | None = None) -> Job:
     if env.live:
         from .live import LiveJob  # the live runtime, imported only where a worker goes live
 
-        _LIVE = LiveJob(env, backend)
+        _LIVE = LiveJob(env, backend, rng_per_rank)
         return _LIVE
     from .plain import PlainJob
 

@@ -61,12 +61,14 @@ from ..agent_client import AgentClient, log
 from ..api import Job
 from ..comms import communicators
 from ..comms.groups import FAKE_NAMES, LiveGroup, LocalBackend, StepPoison, asks_fake, in_process_backend, unique_name
+from ..generation.audit import Audit
 from ..generation.commit import StepCommit
 from ..generation.generations import Generations, StateLost
 from ..snapshots import Snapshots
 from ..snapshots.service import SnapshotRefused
 from ..spare import sharding_decisions
 from ..spare.sandbox import Spare, freeze_what_exists
+from ..state.per_rank import PerRankState
 from ..step_report import LiveStatus, StepReporter, StepStats
 from . import optimizer_steps
 from .step_guard import StepGuard
@@ -99,7 +101,7 @@ def _replica_ranks(replicas, world: int):
 class LiveJob(Job):
     """A worker that survives its peers: substitution happens inside ``steps()``."""
 
-    def __init__(self, env: WorkerEnv, backend: str | None = None):
+    def __init__(self, env: WorkerEnv, backend: str | None = None, rng_per_rank: bool = True):
         overridden = communicators.live_process_environment()  # first: before this process starts threads
         if overridden and env.local_rank == 0:
             log(overridden)
@@ -117,7 +119,13 @@ class LiveJob(Job):
         rank = world - env.local_world_size + self.local_rank if spare else env.rank
         poison = StepPoison()
         world_group = LiveGroup(None, rank, world, poison, name=unique_name(None), backend=self._c10d_names)
-        self.state = TrainingState(world=world_group, poison=poison, commit=StepCommit(), stats=StepStats(env.straggler_window))
+        self.state = TrainingState(
+            world=world_group,
+            poison=poison,
+            commit=StepCommit(),
+            stats=StepStats(env.straggler_window),
+            per_rank=PerRankState(rng=rng_per_rank),
+        )
         self.snapshots = Snapshots(
             env.local_addr,
             env.snapshot_every,
@@ -155,6 +163,7 @@ class LiveJob(Job):
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)
         self.guard.install()
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
+        self.audit = Audit(self.state, self.gens.exchange)
         if spare:  # opened while it warms up, not in the moment it is promoted
             self.spare.keep_connections_ready()
         atexit.register(self._close)
@@ -229,12 +238,13 @@ class LiveJob(Job):
         a sampler's or loader's position): restored when a step runs again, and mirrored so that
         a rank that joins in its place continues from it (``tm_launch.worker.state.per_rank``)."""
         if per_rank:
-            self.state.per_rank.objects.update(objects)
+            self.state.per_rank.add(objects)
             return
         for name, obj in objects.items():
             carried, holders = self.guard.guard(obj, self.rank)
             self.state.objects[name] = carried
             self.state.declared[name] = holders if holders is not None else _replica_ranks(replicas, self.world_size)
+            self.state.per_rank.add_buffers_of(name, obj)  # per-rank, whatever the layout: ModuleBuffers
 
     def new_group(self, ranks, backend=None) -> LiveGroup:
         """A subgroup (TP/PP/DP style) that is rebuilt only when one of its ranks is replaced.
@@ -359,6 +369,7 @@ class LiveJob(Job):
             self._snapshot_boundary()
             state.commit.begin(state.step)
             state.poison.armed = self.guard.in_step = True
+            self.audit.run(state.step)  # after a change: replicas still agree (else StateLost)
             closing = False
             try:
                 yield state.step

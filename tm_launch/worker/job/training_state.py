@@ -72,4 +72,4 @@ class TrainingState:
         self.subgroups.clear()
         self.objects.clear()
         self.declared.clear()
-        self.per_rank = PerRankState()
+        self.per_rank = self.per_rank.fresh()

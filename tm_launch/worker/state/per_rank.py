@@ -57,17 +57,93 @@ class RNGState:
             numpy.random.set_state(state["numpy"])
 
 
-class PerRankState:
-    """The registered per-rank objects of one worker, their step snapshot and their mirror."""
+class ModuleBuffers:
+    """A module's persistent buffers as this rank's own state, found without registration.
 
-    def __init__(self):
-        self.objects: dict = {}
+    Buffers look replicated and are not: BatchNorm's running statistics are updated by each
+    rank from its own batch (under DDP's default ``broadcast_buffers=True`` rank 0's copy is
+    broadcast at the start of each forward, then every rank updates its own; with ``False`` each
+    rank keeps its own for the whole run; FSDP2 never shards or syncs them). A counter every rank
+    bumps in its forward is replicated in value, and its own copy is still exact. So every
+    registered module's buffers are per-rank state: restored when a step runs again (its forward
+    already changed them) and mirrored so that a rank taking this one's place gets this rank's
+    values, not a peer's. Buffers are small (BatchNorm: 2 floats per channel)."""
+
+    def __init__(self, module: torch.nn.Module, owner: str):
+        self.module = module
+        self.owner = owner  # the registered object whose state_dict() also carries these tensors
+
+    def _buffers(self):
+        from torch.distributed.tensor import DTensor
+
+        for name, buffer in self.module.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            holder = self.module.get_submodule(owner) if owner else self.module
+            if leaf in holder._non_persistent_buffers_set or buffer is None:
+                continue  # not in state_dict(): built from the config, never trained
+            yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer
+
+    def keys(self) -> set:
+        """The names these buffers have in the module's ``state_dict()`` (left out of the
+        module's replica fingerprint: ranks differ there by design)."""
+        return {name for name, _ in self._buffers()}
+
+    def state_dict(self) -> dict:
+        return dict(self._buffers())
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, buffer in self._buffers():
+                if name in state:
+                    buffer.copy_(state[name])  # in place: DDP and the script hold these tensors
+
+
+def modules_in(obj) -> list:
+    """The modules a registered object holds: itself, or the ``parts()`` of a framework checkpoint."""
+    if isinstance(obj, torch.nn.Module):
+        return [obj]
+    return [part for part in (obj.parts() if hasattr(obj, "parts") else ()) if isinstance(part, torch.nn.Module)]
+
+
+AUTO_RNG = "tm:rng"  # the name of the global RNGs' entry when the script registered none
+
+
+class PerRankState:
+    """The registered per-rank objects of one worker, their step snapshot and their mirror.
+
+    Found without registration: the process's global RNGs (``RNGState``, unless the script
+    registered its own or ``tm_launch.init(rng_per_rank=False)``) and every registered module's
+    buffers (``ModuleBuffers``)."""
+
+    def __init__(self, rng: bool = False):
+        self.objects: dict = {AUTO_RNG: RNGState()} if rng else {}
         self._snapshot: dict | None = None
         self._voted: tuple[int, dict] | None = None  # (the step it belongs to, the states) of the last vote
         self._exact = True  # per-rank state never changed between a committed vote and the next step
 
     def __bool__(self) -> bool:
         return bool(self.objects)
+
+    def add(self, objects: dict) -> None:
+        """Per-rank objects the script registered (its own RNG state replaces the automatic one)."""
+        if any(isinstance(obj, RNGState) for obj in objects.values()):
+            self.objects.pop(AUTO_RNG, None)
+        self.objects.update(objects)
+
+    def add_buffers_of(self, name: str, obj) -> None:
+        """The buffers of the modules registered object ``name`` holds, as per-rank state."""
+        for i, module in enumerate(modules_in(obj)):
+            buffers = ModuleBuffers(module, name)
+            if buffers.keys():
+                self.objects[f"tm:buffers:{name}" + (f":{i}" if i else "")] = buffers
+
+    def buffer_keys(self, owner: str) -> set:
+        """The keys of ``owner``'s state_dict that are per-rank buffers."""
+        return {k for obj in self.objects.values() if isinstance(obj, ModuleBuffers) and obj.owner == owner for k in obj.keys()}
+
+    def fresh(self) -> PerRankState:
+        """For a script that runs again from the top: only what was found without registration."""
+        return PerRankState(rng=AUTO_RNG in self.objects)
 
     def _states(self) -> dict:
         return {name: cpu_copy(obj.state_dict()) for name, obj in self.objects.items()}
@@ -115,6 +191,13 @@ class PerRankState:
         for name, state in states.items():
             self.objects[name].load_state_dict(state)
 
+    def differs_from(self, states: dict) -> list:
+        """The per-rank objects whose state now is not ``states`` (what a joiner loaded, checked:
+        an object whose ``load_state_dict`` did not take, or took only in part, is named)."""
+        return sorted(
+            name for name, state in states.items() if name in self.objects and not _same(cpu_copy(self.objects[name].state_dict()), state)
+        )
+
     def vote_mirror(self, step: int) -> tuple[int, bool, bytes] | None:
         """(tag, exact, record) this rank mirrors with its vote on ``step``: its state after the step."""
         if not self.objects:
@@ -134,6 +217,9 @@ class PerRankState:
         if missing:
             return f"rank {rank}'s mirror has no per-rank object(s) {sorted(missing)}"
         self.load(states)
+        wrong = self.differs_from(states)
+        if wrong:
+            return f"rank {rank}'s per-rank state {wrong} did not load exactly (its state_dict() after load_state_dict() differs)"
         return None
 
 

@@ -1,0 +1,139 @@
+"""Exact for the scripts people write: per-rank state found, not assumed.
+
+``tests/scripts/ordinary.py`` is a torchrun script plus ``tm_launch.init()`` that registers its
+model, optimizer and scheduler and nothing else: BatchNorm under DDP (either
+``broadcast_buffers``) and FSDP2, dropout from the global RNG, a forward counter. 2 nodes of one
+worker and a warm spare, a real SIGKILL at a point of a step; every rank's whole state
+(``state_dict()`` with buffers, optimizer, scheduler) must equal the same script's fault-free run
+under plain torchrun, bit for bit.
+"""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tm_launch.local.localjob import REPO
+
+ORDINARY = os.path.join(REPO, "tests", "scripts", "ordinary.py")
+STEPS = 24
+PAUSE = 8  # faulty runs hold every rank at this step until the spare is parked
+KILL = 12
+
+
+def load(out: str) -> dict:
+    return {os.path.basename(p)[:-3]: torch.load(p) for p in glob.glob(os.path.join(out, "rank*.pt"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``get(*script_args) -> {rank: state}``: plain torchrun's fault-free run, 2 ranks, cached."""
+    cache = {}
+
+    def get(*extra: str) -> dict:
+        if extra not in cache:
+            out = str(tmp_path_factory.mktemp("ref"))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", ORDINARY]
+            cmd += ["--steps", str(STEPS), "--out", out, *extra]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+            run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
+            assert run.returncode == 0, run.stderr[-3000:]
+            cache[extra] = load(out)
+            assert sorted(cache[extra]) == ["rank0", "rank1"]
+        return cache[extra]
+
+    return get
+
+
+def run_live(local_job, extra: tuple, kills: list, spares: int = 1):
+    """2 active nodes of 1 worker + ``spares`` spares; ``kills``: (rank, phase, step) SIGKILLs, each once."""
+    job = local_job(nnodes="2", nproc=1, script=ORDINARY, launcher_args=["--max-restarts", "3"])
+    job.env = {"OMP_NUM_THREADS": "1"}
+    out = os.path.join(job.workdir, "out")
+    trigger = os.path.join(job.workdir, "trigger")
+    args = ["--steps", str(STEPS), "--out", out, *extra, "--pause-step", str(PAUSE), "--pause-file", trigger]
+    rank, phase, step = kills[0]
+    args += ["--kill-rank", str(rank), "--kill-step", str(step), "--kill-phase", phase]
+    args += ["--kill-trigger", trigger, "--kill-marker", os.path.join(job.workdir, "killed")]
+    job.script_args = args
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    spare_names = [f"s{i}" for i in range(spares)]
+    for name in spare_names:
+        job.start(name)
+        job.wait_parked(name)
+    open(trigger, "w").close()
+    codes = job.wait(timeout=300)
+    return job, codes, load(out)
+
+
+def differences(got: dict, ref: dict) -> dict:
+    out = {}
+    for rank in sorted(ref):
+        mine = got.get(rank, {})
+        keys = set(ref[rank]) | set(mine)
+        bad = [k for k in sorted(keys) if k not in mine or k not in ref[rank] or not _equal(mine[k], ref[rank][k])]
+        if bad:
+            out[rank] = bad
+    return out
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def assert_exact_and_live(job, codes, got, ref):
+    assert not [e for e in job.events() if e["kind"] == "state_lost"], job.logs_tail()
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert plans and all(p["live"] for p in plans), job.logs_tail()
+    assert sorted(got) == ["rank0", "rank1"], job.logs_tail()
+    assert differences(got, ref) == {}, job.logs_tail()
+
+
+CASES = {
+    "bn-ddp-broadcast": ("--bn",),
+    "bn-ddp-own": ("--bn", "--no-broadcast-buffers"),
+    "bn-fsdp": ("--bn", "--layout", "fsdp"),
+    "dropout": ("--dropout", "0.3"),
+    "counter": ("--counter", "--log-loss"),
+    "everything": ("--bn", "--dropout", "0.3", "--counter", "--log-loss"),
+}
+
+
+@pytest.mark.parametrize(
+    "case, rank, phase",
+    [
+        ("bn-ddp-broadcast", 0, "backward"),
+        pytest.param("bn-ddp-broadcast", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("bn-ddp-own", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("bn-fsdp", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("bn-fsdp", 0, "optimizer", marks=pytest.mark.slow),
+        pytest.param("dropout", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("counter", 1, "backward", marks=pytest.mark.slow),  # after the survivor's forward, before the commit
+        pytest.param("everything", 0, "forward", marks=pytest.mark.slow),
+        pytest.param("everything", 1, "optimizer", marks=pytest.mark.slow),
+        pytest.param("everything", 0, "logging", marks=pytest.mark.slow),
+        pytest.param("everything", 1, "logged", marks=pytest.mark.slow),
+    ],
+)
+def test_an_ordinary_script_recovers_exactly(local_job, reference, case, rank, phase):
+    job, codes, got = run_live(local_job, CASES[case], [(rank, phase, KILL)])
+    assert_exact_and_live(job, codes, got, reference(*CASES[case]))
+
+
+def test_state_the_script_never_registered_ends_live_mode_loudly(local_job, reference):
+    """``--hidden``: a counter in a Python variable, folded into the weights every step, never
+    registered. The joiner starts it at 0, so its replicated weights drift from the survivor's
+    after its first step: the audit after the change names the tensor and ends live mode (every
+    worker restarts from the script's checkpoint, here its start), never a silent finish."""
+    job, codes, got = run_live(local_job, ("--hidden",), [(1, "backward", KILL)])
+    lost = [e for e in job.events() if e["kind"] == "state_lost"]
+    assert lost, job.logs_tail()
+    assert "replicas diverged" in lost[0]["message"] and "model:" in lost[0]["message"], lost[0]
+    # Restarted from its start (no checkpoint), the job ends as the fault-free run does.
+    assert differences(got, reference("--hidden")) == {}, job.logs_tail()

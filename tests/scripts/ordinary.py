@@ -1,0 +1,132 @@
+"""A training script as a torchrun user writes it, plus ``tm_launch.init()``: nothing registered
+beyond model, optimizer and scheduler, state the user never thinks of as state.
+
+- BatchNorm (``--bn``): running statistics are buffers every rank updates from its own batch;
+  under DDP with ``--broadcast-buffers`` (torch's default) rank 0's are broadcast each forward,
+  with ``--no-broadcast-buffers`` each rank keeps its own; under ``--layout fsdp`` nobody syncs them.
+- Dropout (``--dropout``) drawn from torch's global RNG, seeded per rank, never registered.
+- A forward counter (``--counter``): a buffer every rank bumps identically in its forward.
+- ``--hidden``: a plain Python counter the script keeps and folds into the weights after each
+  step, never registered: state tm-launch cannot see (a joiner starts it at 0).
+
+Each rank writes its whole state at the end, ``--out DIR/rank<r>.pt``: the model's
+``state_dict()`` (buffers included; a DTensor as its local shard), the optimizer's and the
+scheduler's. Fault points: ``tests/scripts/faults.py`` (``--kill-rank``, ``--kill-phase`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+
+import tm_launch  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self, width: int, bn: bool, dropout: float, counter: bool):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.bn = nn.BatchNorm1d(width) if bn else nn.Identity()
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.out = nn.Linear(width, 1)
+        if counter:
+            self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.counter = counter
+
+    def forward(self, x):
+        if self.counter:
+            self.calls += 1
+        return self.out(self.drop(torch.relu(self.bn(self.inp(x)))))
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def flat(prefix: str, obj, out: dict) -> None:
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = local(obj).detach().clone()
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            flat(f"{prefix}/{k}", v, out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            flat(f"{prefix}/{i}", v, out)
+    elif isinstance(obj, (int, float, bool, str)) or obj is None:
+        out[prefix] = obj
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--bn", action="store_true")
+    p.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--counter", action="store_true")
+    p.add_argument("--hidden", action="store_true")
+    p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
+    p.add_argument("--out", required=True)
+    Faults.add_arguments(p)
+    args = p.parse_args()
+
+    job = tm_launch.init()
+    rank, world = job.rank, job.world_size
+    torch.manual_seed(0)
+    model = Net(args.width, args.bn, args.dropout, args.counter)
+    if args.layout == "ddp":
+        model = DDP(model, process_group=job.group, broadcast_buffers=args.broadcast_buffers)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+    job.register(model=model, optimizer=opt, scheduler=sched)
+    torch.manual_seed(1000 + rank)  # dropout: each rank its own stream, as scripts seed it
+    hidden = 0
+    faults = Faults(args)
+    if args.kill_phase == "backward":
+        faults.arm_backward(model, job)
+    for step in job.steps(args.steps):
+        faults.step = step
+        g = torch.Generator().manual_seed(1 + step * 97 + rank)
+        x = torch.randn(16, 8, generator=g)
+        y = x[:, :1] * 0.5 + torch.randn(16, 1, generator=g) * 0.1
+        faults.at(job, "forward")
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        faults.at(job, "optimizer")
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if args.hidden:
+            hidden += 1
+            with torch.no_grad():
+                for param in model.parameters():
+                    local(param).add_(hidden * 1e-4)
+        faults.at(job, "logging")
+        if args.log_loss:
+            dist.all_reduce(loss.detach(), group=job.group)
+        faults.at(job, "logged")
+    state: dict = {}
+    flat("model", model.state_dict(), state)
+    flat("optimizer", opt.state_dict(), state)
+    flat("scheduler", sched.state_dict(), state)
+    os.makedirs(args.out, exist_ok=True)
+    torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
