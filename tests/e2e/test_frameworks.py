@@ -252,3 +252,28 @@ def test_drain_hands_a_framework_rank_to_the_spare_bitwise(local_job, framework,
     for rank in (0, 1):
         assert_bitwise(params[rank], request.getfixturevalue(ref)[rank])
     assert_each_process_ran_each_step_once(job)
+
+
+# BatchNorm: running statistics each rank updates from its own batch, never registered by the
+# script (the frameworks carry them inside the model's state_dict, as a replica's).
+FRAMEWORK_BN = {
+    "lightning": (LIGHTNING, ["--strategy", "live"], ["--bn", "--kill-phase", "backward"]),
+    "hf": (HF, ["--live", "--output-dir", "CKPT"], ["--bn"]),
+    "accelerate": (ACCELERATE, [], ["--bn"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", sorted(FRAMEWORK_BN))
+def test_a_framework_model_with_batchnorm_recovers_exactly_when_rank_0_dies(local_job, tmp_path, framework):
+    """Rank 0 (whose buffers DDP broadcasts each forward) dies mid-step; every rank's whole
+    state_dict, running statistics included, equals the same script's fault-free torchrun run."""
+    if framework == "hf":
+        pytest.importorskip("transformers")
+    script, base, extra = FRAMEWORK_BN[framework]
+    ref = tmp_path / "ref"
+    torchrun(
+        script, [a.replace("CKPT", str(tmp_path / "ref-ckpt")) for a in base] + [a for a in extra if a == "--bn"] + ["--out-dir", str(ref)]
+    )
+    job, codes, params = run_with_spare(local_job, script, [*base, *extra, "--kill-rank", "0", "--kill-step", str(KILL)])
+    assert_spare_took_over_live(job, codes, params, {r: torch.load(ref / f"rank{r}.pt") for r in (0, 1)})

@@ -33,6 +33,11 @@ import tm_launch  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument(
+        "--bn",
+        action="store_true",
+        help="a BatchNorm after the first layer: per-rank buffers (running statistics) the script never registers",
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--out-dir", default=None, help="every rank saves its final parameters here (rank<R>.pt)")
@@ -50,7 +55,8 @@ def main() -> None:
     # default draws the order from a generator synchronised at each iterator's start.
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4))
+    norm = [torch.nn.BatchNorm1d(32)] if args.bn else []
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), *norm, torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     g = torch.Generator().manual_seed(1)

@@ -30,9 +30,10 @@ from tm_launch.huggingface import LiveTrainer, ReportSteps  # noqa: E402
 
 
 class Regression(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, bn: bool = False):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        norm = [torch.nn.BatchNorm1d(32)] if bn else []
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), *norm, torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
     def forward(self, x, labels=None):
         out = self.net(x)
@@ -86,6 +87,11 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--pause-step", type=int, default=-1)
     p.add_argument("--pause-file", default=None)
+    p.add_argument(
+        "--bn",
+        action="store_true",
+        help="a BatchNorm after the first layer: per-rank buffers (running statistics) the script never registers",
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--out-dir", default=None, help="every rank saves its final parameters here (rank<R>.pt)")
     p.add_argument("--kill-rank", type=int, default=-1)
@@ -96,7 +102,7 @@ def main() -> None:
     if args.live:
         tm_launch.init()  # before TrainingArguments, which starts a process group otherwise
     torch.manual_seed(0)
-    model = Regression()
+    model = Regression(bn=args.bn)
     training = TrainingArguments(
         output_dir=args.output_dir,
         num_train_epochs=args.epochs,

@@ -32,9 +32,10 @@ PHASES = ("forward", "backward", "optimizer", "logged")
 
 
 class Model(pl.LightningModule):
-    def __init__(self, lr: float = 0.05):
+    def __init__(self, lr: float = 0.05, bn: bool = False):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4))
+        norm = [torch.nn.BatchNorm1d(32)] if bn else []
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), *norm, torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4))
         self.lr = lr
         self.faults = None
 
@@ -89,6 +90,11 @@ def main() -> None:
     p.add_argument("--strategy", choices=["live", "ddp"], default="live")
     p.add_argument("--init", action="store_true", help="call tm_launch.init() first (instead of init_process_group)")
     p.add_argument("--ckpt-dir", default=None, help="Lightning checkpoints at every epoch end; resume from the last")
+    p.add_argument(
+        "--bn",
+        action="store_true",
+        help="a BatchNorm after the first layer: per-rank buffers (running statistics) the script never registers",
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--out-dir", default=None, help="every rank saves its final parameters here (rank<R>.pt)")
@@ -109,7 +115,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(args.samples, 16, generator=g), torch.randn(args.samples, 4, generator=g))
-    model = Model()
+    model = Model(bn=args.bn)
     model.faults = args
     if args.kill_phase == "backward":
         model.net[0].register_full_backward_pre_hook(lambda m, grad: model._fault("backward"))  # mid gradient all-reduce

@@ -38,7 +38,7 @@ import tm_launch
 
 from ..agent_client import log
 from ..torch_patches import keep_rng_across_iterators
-from .live_loop import LiveLoop, live_job, new_ddp_like
+from .live_loop import LiveLoop, final_only, live_job, new_ddp_like
 
 
 class ReportSteps(TrainerCallback):
@@ -96,6 +96,13 @@ class LiveTrainer(Trainer):
         job.register(per_rank=True, rng=tm_launch.RNGState())
         job.enter_before_loop()
         return self._live_state.received
+
+    def log(self, *args, **kwargs):
+        """Metrics of a step whose collectives after its commit failed (the loss gathered for
+        logging is then this rank's garbage) are not logged (``live_loop.final_only``)."""
+        if self._loop is None:
+            return super().log(*args, **kwargs)
+        return final_only(self._loop.job, super().log)(*args, **kwargs)
 
     def get_train_dataloader(self):
         """Its iterators leave the per-rank RNG alone (``live_loop.keep_rng_across_iterators``),

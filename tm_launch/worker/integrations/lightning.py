@@ -38,7 +38,7 @@ import tm_launch
 
 from ..agent_client import log
 from ..torch_patches import gain_methods, keep_rng_across_iterators
-from .live_loop import LiveLoop, live_job, new_ddp_like
+from .live_loop import LiveLoop, final_only, live_job, new_ddp_like
 
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # identical on every DDP replica: sent as tensors
 
@@ -78,6 +78,8 @@ class LiveStrategy(DDPStrategy):
             log(f"tm_launch.lightning: restart mode, not live: {reason}")
             return
         self._loop = LiveLoop(job)
+        for logger in trainer.loggers:  # no metrics of an interrupted step (``live_loop.final_only``)
+            logger.log_metrics = final_only(job, logger.log_metrics)
         self._state = LightningState(self)
         job.register(lightning=self._state)
         job.register(per_rank=True, rng=tm_launch.RNGState())

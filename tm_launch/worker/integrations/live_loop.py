@@ -126,3 +126,19 @@ def new_ddp_like(old: DistributedDataParallel) -> DistributedDataParallel:
         forward_sync_buffers=old.forward_sync_buffers,
         init_sync=False,
     )
+
+
+def final_only(job, publish):
+    """``publish`` (a framework's metrics logger) called only with numbers that are final: not
+    in a spare's warm-up (its sandbox steps are not the job's), not in a step that did not commit
+    nor one whose collectives after the commit failed (``job.step_ok``: what a failed all-reduce
+    left is this rank's garbage, and the step's committed values are logged by nobody rather than
+    wrongly). A plain loop does the same with ``if job.step_ok: log(...)`` after its collectives."""
+
+    def final(*args, **kwargs):
+        if job.in_sandbox or not job.step_ok:
+            return None
+        return publish(*args, **kwargs)
+
+    final.__wrapped__ = publish
+    return final

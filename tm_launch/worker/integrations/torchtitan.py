@@ -43,7 +43,7 @@ import tm_launch
 from ...protocol import WorkerEnv
 from ..agent_client import first_line, log
 from ..torch_patches import keep_rng_across_iterators
-from .live_loop import LiveLoop
+from .live_loop import LiveLoop, final_only
 
 
 def not_live_reason(config) -> str | None:
@@ -83,6 +83,9 @@ class LiveTrainer(Trainer):
         self._loop = LiveLoop(self._job)
         self.checkpointer = CommittedCheckpoints(self.checkpointer, self._job)
         keep_rng_across_iterators(self.dataloader)
+        # An interrupted attempt's loss and grad norm (a failed collective's garbage) and a spare's
+        # warm-up steps are never written to the metrics (TensorBoard, W&B, the log line).
+        self.metrics_processor.log = final_only(self._job, self.metrics_processor.log)
         result = super().train()
         # Finished: only when torchtitan's loop ended as it should. An exception out of it leaves
         # the live loop unfinished, so that the worker's non-zero exit counts as a failure.

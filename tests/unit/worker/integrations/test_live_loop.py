@@ -123,3 +123,23 @@ def test_a_process_group_started_before_init_is_one_clear_error(monkeypatch):
 def test_outside_tm_launch_there_is_no_live_job(monkeypatch):
     monkeypatch.delenv("TM_AGENT_STORE", raising=False)
     assert live_job() is None
+
+
+def test_metrics_are_published_only_when_final():
+    """``final_only``: a framework's metrics logger is called in a committed step whose
+    collectives all succeeded; never in a spare's warm-up nor in an interrupted step."""
+    import types
+
+    from tm_launch.worker.integrations.live_loop import final_only
+
+    published = []
+    job = types.SimpleNamespace(in_sandbox=False, step_ok=True)
+    log = final_only(job, lambda step, **values: published.append((step, values)))
+    log(1, loss=0.5)
+    job.step_ok = False  # a collective of the step failed: its numbers are this rank's garbage
+    log(2, loss=6.4, grad_norm=5.7e17)
+    job.step_ok, job.in_sandbox = True, True  # a spare's warm-up step
+    log(1, loss=0.7)
+    job.in_sandbox = False
+    log(2, loss=0.4)
+    assert published == [(1, {"loss": 0.5}), (2, {"loss": 0.4})]
