@@ -74,14 +74,13 @@ class ModuleBuffers:
         self.owner = owner  # the registered object whose state_dict() also carries these tensors
 
     def _buffers(self):
-        from torch.distributed.tensor import DTensor
-
-        for name, buffer in self.module.named_buffers():
-            owner, _, leaf = name.rpartition(".")
-            holder = self.module.get_submodule(owner) if owner else self.module
-            if leaf in holder._non_persistent_buffers_set or buffer is None:
-                continue  # not in state_dict(): built from the config, never trained
-            yield name, buffer.to_local() if isinstance(buffer, DTensor) else buffer
+        for prefix, module in self.module.named_modules():
+            skip = module._non_persistent_buffers_set  # not in state_dict(): built from the config, never trained
+            for leaf, buffer in module._buffers.items():
+                if buffer is None or leaf in skip:
+                    continue
+                local = getattr(buffer, "to_local", None)  # a DTensor: this rank's shard
+                yield f"{prefix}.{leaf}" if prefix else leaf, local() if local is not None else buffer
 
     def keys(self) -> set:
         """The names these buffers have in the module's ``state_dict()`` (left out of the
@@ -89,13 +88,31 @@ class ModuleBuffers:
         return {name for name, _ in self._buffers()}
 
     def state_dict(self) -> dict:
-        return dict(self._buffers())
+        """All buffers packed in one byte tensor (``data``) with their ``layout``: per-rank state
+        is copied, compared and pickled twice a step, and torch pickles a tensor in ~0.3 ms
+        whatever its size (a ResNet-50 has 160 buffers)."""
+        layout, parts, offset = [], [], 0
+        for name, buffer in self._buffers():
+            raw = buffer.detach().reshape(-1).view(torch.uint8)
+            layout.append((name, str(buffer.dtype).removeprefix("torch."), tuple(buffer.shape), offset, raw.numel()))
+            parts.append(raw)
+            offset += raw.numel()
+        if not parts:
+            return {"layout": (), "data": torch.empty(0, dtype=torch.uint8)}
+        if len({p.device for p in parts}) > 1:
+            parts = [p.cpu() for p in parts]
+        return {"layout": tuple(layout), "data": torch.cat(parts)}
 
     def load_state_dict(self, state: dict) -> None:
+        data = state["data"]
+        entries = {name: (dtype, shape, offset, size) for name, dtype, shape, offset, size in state["layout"]}
         with torch.no_grad():
             for name, buffer in self._buffers():
-                if name in state:
-                    buffer.copy_(state[name])  # in place: DDP and the script hold these tensors
+                if name in entries:
+                    dtype, shape, offset, size = entries[name]
+                    # cloned: a slice's offset may not be aligned for the dtype's view
+                    value = data[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
+                    buffer.copy_(value)  # in place: DDP and the script hold these tensors
 
 
 def modules_in(obj) -> list:
@@ -116,6 +133,7 @@ class PerRankState:
     buffers (``ModuleBuffers``)."""
 
     def __init__(self, rng: bool = False):
+        self.rng = rng  # the global RNGs are per-rank state unless the script registers its own
         self.objects: dict = {AUTO_RNG: RNGState()} if rng else {}
         self._snapshot: dict | None = None
         self._voted: tuple[int, dict] | None = None  # (the step it belongs to, the states) of the last vote
@@ -143,7 +161,7 @@ class PerRankState:
 
     def fresh(self) -> PerRankState:
         """For a script that runs again from the top: only what was found without registration."""
-        return PerRankState(rng=AUTO_RNG in self.objects)
+        return PerRankState(rng=self.rng)
 
     def _states(self) -> dict:
         return {name: cpu_copy(obj.state_dict()) for name, obj in self.objects.items()}

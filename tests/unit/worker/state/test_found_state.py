@@ -1,0 +1,114 @@
+"""Per-rank state found without registration (module buffers, the global RNGs) and the audit's rule."""
+
+import random
+
+import pytest
+import torch
+
+from tm_launch.worker.generation.audit import digests, disagreements, tensor_digest
+from tm_launch.worker.state.per_rank import AUTO_RNG, ModuleBuffers, PerRankState, RNGState
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+
+def test_module_buffers_round_trip_in_place_and_skip_non_persistent_ones():
+    model = bn_model()
+    model.register_buffer("table", torch.arange(3.0), persistent=False)  # built from the config: not state
+    model(torch.randn(8, 3))
+    buffers = ModuleBuffers(model, "model")
+    assert buffers.keys() == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in buffers.state_dict().items()}
+    held = model[1].running_mean  # DDP and the script hold this tensor object
+    model(torch.randn(8, 3))  # the step's forward moved them
+    assert not torch.equal(model[1].running_mean, saved["data"][:16].view(torch.float32))
+    buffers.load_state_dict(saved)
+    assert model[1].running_mean is held and int(model[1].num_batches_tracked) == 1
+    assert torch.equal(buffers.state_dict()["data"], saved["data"])
+
+
+def test_a_step_that_runs_again_starts_from_the_buffers_and_rng_it_started_with():
+    model = bn_model()
+    per_rank = PerRankState(rng=True)
+    per_rank.add_buffers_of("model", model)
+    per_rank.begin_step(0, None)
+    first = model(torch.randn(8, 3) + torch.rand(1))  # forward: buffers move, the RNG draws
+    per_rank.restore()
+    again = model(torch.randn(8, 3) + torch.rand(1))
+    assert torch.equal(first, again)
+    assert per_rank.buffer_keys("model") == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+
+
+@pytest.mark.parametrize(
+    "registered, rng_default, expected",
+    [
+        ({}, True, {AUTO_RNG}),
+        ({}, False, set()),
+        ({"rng": RNGState()}, True, {"rng"}),  # the script's own replaces the automatic one
+        ({"data": object()}, True, {AUTO_RNG, "data"}),
+    ],
+)
+def test_the_global_rngs_are_per_rank_unless_the_script_says_otherwise(registered, rng_default, expected):
+    per_rank = PerRankState(rng=rng_default)
+    per_rank.add(registered)
+    assert set(per_rank.objects) == expected
+    assert set(per_rank.fresh().objects) == ({AUTO_RNG} if rng_default else set())
+
+
+def test_a_per_rank_object_whose_load_does_not_take_is_named():
+    class Forgetful:
+        def state_dict(self):
+            return {"position": torch.tensor(0)}
+
+        def load_state_dict(self, state):
+            pass  # takes effect "later": a joiner would start elsewhere
+
+    per_rank = PerRankState()
+    per_rank.add({"loader": Forgetful(), "rng": RNGState()})
+    random.seed(5)
+    states = {"loader": {"position": torch.tensor(7)}, "rng": RNGState().state_dict()}
+    random.seed(6)
+    per_rank.load(states)
+    assert per_rank.differs_from(states) == ["loader"]
+
+
+def test_tensor_digests_are_exact():
+    t = torch.zeros(1000)
+    d = tensor_digest(t)
+    t[999] = 1e-30
+    assert tensor_digest(t) != d
+    assert tensor_digest(torch.zeros(1000, dtype=torch.float64)) != d  # the dtype counts
+    assert digests({"a": {"b": torch.ones(2)}, "n": 3}) == {"a/b": tensor_digest(torch.ones(2))}
+
+
+R = frozenset
+
+
+@pytest.mark.parametrize(
+    "records, found",
+    [
+        # two replicas agree
+        ([(0, {"m": (R({1}), {"w": "x"})}), (1, {"m": (R({0}), {"w": "x"})})], []),
+        # they differ in one tensor: named once
+        ([(0, {"m": (R({1}), {"w": "x", "v": "y"})}), (1, {"m": (R({0}), {"w": "x", "v": "z"})})], [("m", "v", 0, 1)]),
+        # a tensor only one of them has
+        ([(0, {"m": (R({1}), {"w": "x"})}), (1, {"m": (R({0}), {"w": "x", "extra": "e"})})], [("m", "extra", 0, 1)]),
+        # ranks that do not both say they replicate it are never compared (TP shards)
+        ([(0, {"m": (R({1}), {"w": "x"})}), (1, {"m": (R(), {"w": "y"})})], []),
+        ([(0, {"m": (R(), {"w": "x"})}), (1, {})], []),
+        # DP x TP: 0~2 and 1~3 replicate; 0 and 1 hold different shards
+        (
+            [
+                (0, {"m": (R({2}), {"w": "a"})}),
+                (1, {"m": (R({3}), {"w": "b"})}),
+                (2, {"m": (R({0}), {"w": "a"})}),
+                (3, {"m": (R({1}), {"w": "B"})}),
+            ],
+            [("m", "w", 1, 3)],
+        ),
+    ],
+)
+def test_disagreements_are_between_ranks_that_both_claim_the_replica(records, found):
+    assert disagreements(records) == found
