@@ -187,7 +187,7 @@ def judge(
     }
     reached = {node_of[r] for r in records if r in node_of}
     nodes = set(node_of.values())
-    if frozen and 2 * len(frozen) < len(world):
+    if frozen and len(frozen) < len(world):
         ranks = tuple(sorted(frozen))
         evidence["culprits"] = {str(r): frozen[r] for r in ranks}
         return Verdict(KILL, ranks, tuple(sorted({node_of.get(r, "?") for r in ranks})), first.group, first.seq, "frozen", evidence)

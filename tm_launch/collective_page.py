@@ -133,6 +133,11 @@ def describe(name: str, members) -> bytes:
     return raw
 
 
+def page_path(scratch: str, local_rank: int) -> str:
+    """Where the agent whose scratch directory is ``scratch`` keeps local rank ``local_rank``'s page."""
+    return os.path.join(scratch, f"collectives-{local_rank}")
+
+
 def create(path: str) -> None:
     """An empty page at ``path`` (the writer fills the header)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -1,0 +1,61 @@
+"""A hung rank found from the collectives (C4), end to end: real agents, etcd, gloo, signals.
+
+A worker stops without dying (SIGSTOP, a Python busy loop) at one point of a step; its peers
+wait in a collective. The agents' collective telemetry names it (a ``culprit`` event with its
+evidence), its agent kills it, a spare takes its ranks live, and every rank ends bitwise equal to
+the fault-free run. No timing is asserted beyond "long before the hang watchdog's 60 s floor"
+(the detection time is measured in ``bench/detection.py``). And a run without a fault, but with
+long steps, a rank stalled on its data and a slow checkpoint, blames nobody.
+"""
+
+import pytest
+from test_live import PAUSE, assert_bitwise, reference, run_job  # noqa: F401 - reference is a fixture
+
+STALL = ["--log-loss", "--kill-rank", "2", "--kill-step", str(PAUSE + 5), "--kill-trigger", "TRIGGER", "--kill-marker", "MARKER"]
+
+
+def _culprit_found_and_replaced(job, codes):
+    events = job.events()
+    culprits = [e for e in events if e["kind"] == "culprit"]
+    assert culprits, [(e["kind"], e.get("message", "")[:160]) for e in events]
+    assert culprits[0]["ranks"] == [2], culprits[0]
+    assert not [e for e in events if e["kind"] == "hang"], "the hang watchdog must not be what found it"
+    killed = [e for e in events if e["kind"] == "culprit_killed"]
+    assert killed and killed[0]["rank"] == 2, events
+    victim = killed[0]["node"]
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes["c"] == 0 and codes[survivor] == 0, job.logs_tail()
+    plans = [e for e in events if e["kind"] == "plan" and e.get("generation") == 1]
+    assert plans and plans[0]["replaced"] == {"c": victim} and plans[0]["live"], events
+    return culprits[0]
+
+
+@pytest.mark.parametrize(
+    "phase,how",
+    [
+        ("forward", "stop"),
+        pytest.param("allreduce", "stop", marks=pytest.mark.slow),
+        pytest.param("optimizer", "stop", marks=pytest.mark.slow),
+        pytest.param("logging", "stop", marks=pytest.mark.slow),
+        pytest.param("forward", "busy", marks=pytest.mark.slow),
+    ],
+)
+def test_a_stalled_worker_is_named_from_the_collectives_and_replaced_bitwise(local_job, reference, phase, how):
+    """DDP, 2 nodes x 2 workers + a spare, default health settings (hang floor 60 s)."""
+    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=[*STALL, "--kill-phase", phase, "--kill-how", how])
+    culprit = _culprit_found_and_replaced(job, codes)
+    assert culprit["verdict"] == "kill" and culprit["evidence"]["stuck"], culprit
+    assert_bitwise(params, reference(2, 2))
+
+
+@pytest.mark.slow
+def test_long_steps_a_data_stall_and_a_slow_checkpoint_blame_nobody(local_job, reference):
+    """No fault: every 15th step is 20x longer on every rank, rank 1 stalls 3 s on its data once,
+    rank 0 spends 4 s in a checkpoint once (its peers wait for it in the next all-reduce)."""
+    script = ["--log-loss", "--long-every", "15", "--long-factor", "20", "--lag-rank", "1", "--lag-step", "30", "--lag-seconds", "3"]
+    script += ["--stall-rank", "0", "--stall-step", "45", "--stall-seconds", "4"]
+    job, codes, params, _ = run_job(local_job, ["a", "b"], spares=0, script=script)
+    assert set(codes.values()) == {0}, job.logs_tail()
+    kinds = [e["kind"] for e in job.events()]
+    assert "culprit" not in kinds and "culprit_killed" not in kinds, job.events()
+    assert_bitwise(params, reference(2, 2))
