@@ -131,7 +131,8 @@ class CollectiveWatch:
         return False
 
     def check(self, plan: Plan | None, view: View) -> None:
-        if not self.enabled or plan is None or plan.finished or not plan.live or self.cfg.node_id not in plan.nodes:
+        live = view.live or self.supervisor.live_seen
+        if not self.enabled or plan is None or plan.finished or not live or self.cfg.node_id not in plan.nodes:
             return
         self._take_kill_request(plan)
         if not self.supervisor.workers:
