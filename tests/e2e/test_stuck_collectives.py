@@ -59,3 +59,26 @@ def test_long_steps_a_data_stall_and_a_slow_checkpoint_blame_nobody(local_job, r
     kinds = [e["kind"] for e in job.events()]
     assert "culprit" not in kinds and "culprit_killed" not in kinds, job.events()
     assert_bitwise(params, reference(2, 2))
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference(tmp_path_factory):
+    from test_live_layouts import torchrun_reference
+
+    return torchrun_reference(tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, rank, phase", [("ddp-tp", 1, "backward"), ("fsdp-tp", 2, "forward"), ("fsdp", 3, "optimizer")])
+def test_a_stopped_rank_of_a_hybrid_layout_is_named_and_replaced_bitwise(local_job, hybrid_reference, layout, rank, phase):
+    """4 ranks (1 per node) + a spare, tests/scripts/hybrid.py: the rank's TP / FSDP peers wait
+    for it in their groups, ranks of the other groups wait behind them (the chain is followed),
+    and only the stopped rank is blamed."""
+    from test_live_layouts import assert_bitwise as assert_same
+    from test_live_layouts import assert_live, run
+
+    job, codes, got = run(local_job, layout, kill=(rank, phase), extra=("--kill-how", "stop"))
+    culprits = [e for e in job.events() if e["kind"] == "culprit"]
+    assert culprits and culprits[0]["ranks"] == [rank], job.events()
+    assert_live(job, codes, rank)
+    assert_same(got, hybrid_reference(layout))
