@@ -77,7 +77,7 @@ class HealthConfig:
     collective_alive_floor: float = _f(
         10.0, "a rank that is alive but has not entered the stuck collective (busy, slow) is blamed only after this many seconds"
     )
-    collective_alive_multiplier: float = _f(10.0, "... and this multiple of its slowest recent step")
+    collective_alive_multiplier: float = _f(10.0, "... and this multiple of its median recent step")
     collective_frozen_after: float = _f(
         5.0, "a worker whose heartbeat thread is silent this many seconds counts as frozen (a stopped process always does)"
     )

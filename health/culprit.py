@@ -13,15 +13,18 @@ group's collectives take, something stopped, and the records say what:
    *frozen* (its process stopped, or its heartbeat thread silent: a wedged driver call holding
    the interpreter), it is the culprit at once. If it is alive (busy in Python, saving a
    checkpoint, waiting on its data loader), it is blamed only once its silence also passes the
-   *alive* threshold: a multiple of the slowest recent step with a floor of seconds. A legal
+   *alive* threshold: a multiple of its median recent step with a floor of seconds (the
+   median, not the slowest: a pause or a checkpoint step would otherwise push it to minutes). A legal
    long compute phase on one rank looks exactly like a busy loop until then; a slow rank that
    completes never reaches it (the straggler statistic is its path, a drain, not a kill).
 2. **Entered, data never came.** Every member entered *k* and waits: a frozen member among them
    is the one whose data never arrives (a SIGSTOP in the middle of the backward's all-reduce).
 3. **Cut off.** Members whose agents cannot be reached (no records: the network between the
    nodes is cut) while every reachable member waits: the unreachable side is blamed, only when
-   the side that decides holds a strict majority of the job's nodes. A minority side blames
-   nobody (fencing stops it).
+   the side that decides holds a strict majority of the job's nodes, or exactly half and the
+   other half has stopped writing to etcd too (a 2-node job has no majority side). A minority
+   side blames nobody (fencing stops it), and a report of the cut side goes through etcd, which
+   a side that cannot reach it cannot write.
 
 Everything else is ambiguous and waits for more evidence (the agent looks again on its next
 iteration) while the step-progress watchdog stays armed: two alive candidates on different
@@ -61,7 +64,7 @@ class RankRecord:
     node: str
     frozen: bool  # its process is stopped, or its heartbeat thread has been silent for seconds
     idle: float  # seconds since it last entered or completed any collective (its compute phase so far)
-    slowest_step: float  # the slowest of its recent step times (0: none known)
+    step_time: float  # its median recent step time (0: none known)
     groups: Mapping[str, GroupRecord] = field(default_factory=dict)
 
 
@@ -70,13 +73,13 @@ class Limits:
     floor: float = 1.0  # a collective is never stuck before this many seconds
     multiplier: float = 10.0  # ... nor before this multiple of the group's typical duration
     alive_floor: float = 10.0  # an alive rank that has not entered is blamed only after this many seconds
-    alive_multiplier: float = 10.0  # ... and this multiple of its slowest recent step
+    alive_multiplier: float = 10.0  # ... and this multiple of its median recent step
 
     def stuck_after(self, typical: float) -> float:
         return max(self.floor, self.multiplier * typical)
 
-    def alive_after(self, slowest_step: float) -> float:
-        return max(self.alive_floor, self.alive_multiplier * slowest_step)
+    def alive_after(self, step_time: float) -> float:
+        return max(self.alive_floor, self.alive_multiplier * step_time)
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,12 @@ def judge(
     node_of: Mapping[int, str],
     unreachable: set[str] | frozenset[str] = frozenset(),
     limits: Limits = Limits(),
+    silent: set[str] | frozenset[str] = frozenset(),
 ) -> Verdict:
     """The verdict over ``records`` (every reachable rank's latest record), the job's ranks
-    ``world``, each rank's node, and the nodes whose agents could not be reached."""
+    ``world``, each rank's node, the nodes whose agents could not be reached, and the nodes whose
+    records in etcd stopped too (``silent``: they reach neither their peers nor etcd; this
+    breaks the tie of a job split in halves, where no side holds a majority)."""
     stuck, unclear = stuck_groups(records, world, limits)
     if not stuck:
         return Verdict(NONE, why="; ".join(unclear))
@@ -167,7 +173,7 @@ def judge(
                 what = f"has not entered {s.group}#{s.seq} (last entered #{entered})"
                 if r.frozen:
                     frozen[m] = f"{what} and is frozen"
-                elif r.idle > limits.alive_after(r.slowest_step):
+                elif r.idle > limits.alive_after(r.step_time):
                     alive[m] = f"{what}, busy outside any collective for {r.idle:.1f}s"
                 else:
                     doubts.append(f"rank {m} {what}, busy for {r.idle:.1f}s: slow or stuck, not known yet")
@@ -192,7 +198,7 @@ def judge(
         evidence["culprits"] = {str(r): frozen[r] for r in ranks}
         return Verdict(KILL, ranks, tuple(sorted({node_of.get(r, "?") for r in ranks})), first.group, first.seq, "frozen", evidence)
     if cut:
-        if 2 * len(reached) > len(nodes) and not frozen:
+        if not frozen and (2 * len(reached) > len(nodes) or (2 * len(reached) == len(nodes) and cut <= set(silent))):
             return Verdict(CUT, (), tuple(sorted(cut)), first.group, first.seq, "unreachable while its peers wait", evidence)
         return Verdict(WAIT, (), tuple(sorted(cut)), first.group, first.seq, "unreachable nodes, but this side is no majority", evidence)
     if alive:

@@ -82,3 +82,68 @@ def test_a_stopped_rank_of_a_hybrid_layout_is_named_and_replaced_bitwise(local_j
     assert culprits and culprits[0]["ranks"] == [rank], job.events()
     assert_live(job, codes, rank)
     assert_same(got, hybrid_reference(layout))
+
+
+@pytest.mark.slow
+def test_a_cut_off_node_is_blamed_by_the_majority(tmp_path, reference):
+    """3 active nodes (1 worker each) + a spare, each in its own network namespace; b's link is
+    cut while its process lives. a and c wait for b in a collective and cannot reach b's agent:
+    the culprit rule blames b (the unreachable minority), well before b's lease (10 s) or the
+    collective timeout (60 s) would, and the spare takes b's rank live, bitwise."""
+    import os
+    import time
+    import uuid
+
+    from netns import NetLab, unusable_reason
+    from test_live import SCRIPT
+
+    from rendezvous.etcd_server import EtcdServer
+    from tm_launch.local.localjob import LocalJob
+
+    why = unusable_reason()
+    if why:
+        pytest.skip(f"needs `ip netns`: {why}")
+    with NetLab() as lab:
+        addrs = {n: lab.add(n) for n in ("a", "b", "c", "d")}
+        with EtcdServer(host=lab.host_addr) as etcd:
+            run_id = f"t-{uuid.uuid4().hex[:10]}"
+            job = LocalJob(
+                endpoint=etcd.endpoint,
+                run_id=run_id,
+                workdir=str(tmp_path / run_id),
+                nnodes="3",
+                nproc=1,
+                launcher_args=["--max-restarts", "3", "--lease-ttl", "10", "--collective-timeout", "60"],
+            )
+            trigger = os.path.join(job.workdir, "trigger")
+            out = os.path.join(job.workdir, "params.pt")
+            job.script_args = [*SCRIPT, "--out", out, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger]
+            start = lambda n: job.start(n, wrap=lab.wrap(n), extra_args=["--local-addr", addrs[n]])  # noqa: E731
+            try:
+                for n in ("a", "b", "c"):
+                    start(n)
+                    time.sleep(0.3)
+                job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+                start("d")
+                job.wait_parked("d")
+                open(trigger, "w").close()
+                job.wait_step(PAUSE + 5)
+                t_cut = time.time()
+                lab.cut("b")
+                job.wait_for(lambda s: s if s["generation"] == 1 else None, 60, "generation 1 without b")
+                events = job.events()
+                culprits = [e for e in events if e["kind"] == "culprit"]
+                assert culprits and culprits[0]["nodes"] == ["b"] and culprits[0]["verdict"] == "cut", events
+                assert culprits[0]["time"] - t_cut < 10, "found by the collectives, not by b's lease"
+                plan1 = next(e for e in events if e["kind"] == "plan" and e.get("generation") == 1)
+                assert plan1["replaced"] == {"d": "b"} and plan1["live"], plan1
+                deadline = time.time() + 240  # b stays cut (its agent waits for etcd): the others finish
+                while time.time() < deadline and any(job.nodes[n].proc.poll() is None for n in ("a", "c", "d")):
+                    time.sleep(0.5)
+                codes = {n: job.nodes[n].proc.poll() for n in ("a", "c", "d")}
+                assert all(c == 0 for c in codes.values()), job.logs_tail()
+                import torch
+
+                assert_bitwise(torch.load(out), reference(3, 1))
+            finally:
+                job.stop()

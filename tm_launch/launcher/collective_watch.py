@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 from health.culprit import CUT, KILL, NONE, GroupRecord, Limits, RankRecord, judge
+from rendezvous.kv import KVError
 from rendezvous.plan import Plan
 from rendezvous.planner import View
 
@@ -48,6 +49,7 @@ DECIDERS = 2  # the first nodes of the plan decide
 POKE_EVERY = 0.5  # s between two pokes of the deciders by one suspecting agent
 DECIDE_EVERY = 0.2  # s between two gatherings of every node's records
 CONNECT_TIMEOUT = 0.3  # s: a peer agent that does not accept within this is unreachable
+SILENT_AFTER = 2.5  # s without a progress record in etcd (written every second): the node reaches no etcd either
 
 
 def frozen_process(pid: int) -> bool:
@@ -59,7 +61,7 @@ def frozen_process(pid: int) -> bool:
         return False
 
 
-def record_from_page(page, node: str, rank: int, now: float, frozen: bool, slowest: float) -> dict:
+def record_from_page(page, node: str, rank: int, now: float, frozen: bool, step_time: float) -> dict:
     """One rank's record for the exchange (ages in seconds at ``now``, the reader's clock)."""
     groups, last = {}, 0.0
     for s in page.slots:
@@ -71,7 +73,7 @@ def record_from_page(page, node: str, rank: int, now: float, frozen: bool, slowe
         "node": node,
         "frozen": frozen,
         "idle": round(now - last, 4) if last else 0.0,
-        "slowest": slowest,
+        "step": step_time,
         "groups": groups,
     }
 
@@ -84,7 +86,7 @@ def rank_record(d: dict) -> RankRecord:
         )
         for name, g in d["groups"].items()
     }
-    return RankRecord(int(d["rank"]), str(d["node"]), bool(d["frozen"]), float(d["idle"]), float(d["slowest"]), groups)
+    return RankRecord(int(d["rank"]), str(d["node"]), bool(d["frozen"]), float(d["idle"]), float(d["step"]), groups)
 
 
 def limits_of(cfg) -> Limits:
@@ -119,8 +121,7 @@ class CollectiveWatch:
             frozen = frozen_process(pid)
             if not frozen and sup.store.check([WorkerKeys(lr).beat]):
                 frozen = wall - float(sup.store.get(WorkerKeys(lr).beat)) > self.cfg.health.collective_frozen_after
-            slowest = max(status.step_times or [status.step_time or 0.0])
-            out.append(record_from_page(page, self.cfg.node_id, status.rank, now, frozen, slowest))
+            out.append(record_from_page(page, self.cfg.node_id, status.rank, now, frozen, status.step_time or 0.0))
         return out
 
     def _suspected(self, records: list[dict]) -> bool:
@@ -185,10 +186,28 @@ class CollectiveWatch:
                 continue
             records[r.rank] = r
         node_of = {r: n for n in plan.nodes for r in plan.ranks(n)}
-        verdict = judge(records, range(plan.world_size), node_of, unreachable, self.limits)
+        verdict = judge(records, range(plan.world_size), node_of, unreachable, self.limits, self._silent(unreachable))
         if verdict.action == NONE:
             return
         self._act(plan, view, verdict)
+
+    def _silent(self, unreachable: set[str]) -> set[str]:
+        """The unreachable nodes whose progress records in etcd (written every second by their
+        agents) stopped too: they reach neither their peers nor etcd. Read only when some node
+        is unreachable (one request). Etcd away from here: every one counts as silent, and the
+        report that would follow cannot be written either."""
+        if not unreachable:
+            return set()
+        try:
+            progress = self.session.members.progress_of(sorted(unreachable))
+        except KVError:
+            return set(unreachable)
+        now, silent = time.time(), set()
+        for node in unreachable:
+            when = (progress.get(node) or {}).get("time")
+            if not isinstance(when, (int, float)) or now - when > SILENT_AFTER:
+                silent.add(node)
+        return silent
 
     def _act(self, plan: Plan, view: View, verdict) -> None:
         g = plan.generation

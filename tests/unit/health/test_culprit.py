@@ -19,8 +19,8 @@ def done(seq, typical=0.01, gen=1, members=None):
     return GroupRecord(gen, seq, seq, 0.0, typical, members)
 
 
-def rank(r, node, groups, frozen=False, idle=0.0, slowest=0.05):
-    return RankRecord(r, node, frozen, idle, slowest, groups)
+def rank(r, node, groups, frozen=False, idle=0.0, step=0.05):
+    return RankRecord(r, node, frozen, idle, step, groups)
 
 
 def world(records, node_of, **kw):
@@ -83,7 +83,7 @@ def test_an_alive_rank_that_has_not_entered_is_slow_until_the_alive_limit():
     assert v.action == WAIT and "not known yet" in v.why
     v = world([*base, rank(1, "b", {"w": done(10)}, idle=10.5)], NODE3)
     assert (v.action, v.ranks) == (KILL, (1,))
-    v = world([*base, rank(1, "b", {"w": done(10)}, idle=10.5, slowest=2.0)], NODE3)
+    v = world([*base, rank(1, "b", {"w": done(10)}, idle=10.5, step=2.0)], NODE3)
     assert v.action == WAIT  # its steps take 2 s: 20 s before it counts as stuck
 
 
@@ -128,6 +128,13 @@ def test_the_commit_vote_counts_like_a_collective():
 def test_a_partition_blames_the_unreachable_minority():
     recs = [rank(0, "a", {"w": waiting(11, 2.0)}), rank(2, "c", {"w": waiting(11, 2.0)})]
     v = world(recs, NODE3, unreachable={"b"})
+    assert (v.action, v.nodes) == (CUT, ("b",))
+
+
+def test_a_job_cut_in_halves_blames_the_half_that_stopped_writing_to_etcd():
+    recs = [rank(0, "a", {"w": waiting(11, 2.0)}), rank(1, "a", {"w": waiting(11, 2.0)})]
+    assert world(recs, NODE2, unreachable={"b"}).action == WAIT  # both halves may still reach etcd
+    v = judge({r.rank: r for r in recs}, range(4), NODE2, {"b"}, LIM, silent={"b"})
     assert (v.action, v.nodes) == (CUT, ("b",))
 
 
