@@ -79,7 +79,9 @@ class HealthConfig:
     )
     collective_alive_multiplier: float = _f(10.0, "... and this multiple of its median recent step")
     collective_frozen_after: float = _f(
-        5.0, "a worker whose heartbeat thread is silent this many seconds counts as frozen (a stopped process always does)"
+        10.0,
+        "a worker whose heartbeat thread is silent this many seconds counts as frozen (a stopped process always does; "
+        "a long call holding the interpreter, a big pickle, silences it too)",
     )
     # --- straggler detection --------------------------------------------------------------
     straggler: bool = _f(True, "detect stragglers from per-rank compute time (time outside the job's collectives)")

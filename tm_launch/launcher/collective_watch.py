@@ -5,7 +5,8 @@ Each iteration of the agent's loop, ``CollectiveWatch.check``:
 1. reads its live workers' telemetry pages (``tm_launch.collective_page``: files in the agent's
    scratch directory that the workers map and write on every collective) and turns them into
    records with ages, plus whether each worker is *frozen* (``/proc/PID/stat`` says stopped, or
-   its heartbeat thread has been silent for ``collective_frozen_after``);
+   it has been outside any collective and its heartbeat thread silent for
+   ``collective_frozen_after``);
 2. leaves those records under ``c4/records`` in its own store (a local write, no etcd), where a
    deciding agent reads them only when a stall is suspected;
 3. suspects a stall when a local worker has waited in a collective past the group's stuck limit.
@@ -118,10 +119,12 @@ class CollectiveWatch:
             page = collective_page.read(collective_page.page_path(sup.scratch, lr))
             if page is None or page.pid != pid:
                 continue  # not written yet by this process
-            frozen = frozen_process(pid)
-            if not frozen and sup.store.check([WorkerKeys(lr).beat]):
-                frozen = wall - float(sup.store.get(WorkerKeys(lr).beat)) > self.cfg.health.collective_frozen_after
-            out.append(record_from_page(page, self.cfg.node_id, status.rank, now, frozen, status.step_time or 0.0))
+            record = record_from_page(page, self.cfg.node_id, status.rank, now, frozen_process(pid), status.step_time or 0.0)
+            silence = self.cfg.health.collective_frozen_after
+            if not record["frozen"] and record["idle"] > silence and sup.store.check([WorkerKeys(lr).beat]):
+                # Only a rank outside any collective for that long: its heartbeat is read then, not every iteration.
+                record["frozen"] = wall - float(sup.store.get(WorkerKeys(lr).beat)) > silence
+            out.append(record)
         return out
 
     def _suspected(self, records: list[dict]) -> bool:
