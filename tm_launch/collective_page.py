@@ -24,6 +24,7 @@ ranks in between issue none): they show activity, not which collective is stuck.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -77,23 +78,31 @@ class PageView:
     slots: tuple[SlotView, ...]
 
 
+@functools.lru_cache(maxsize=1024)
+def _description(raw: bytes) -> tuple[str, tuple[int, ...] | None]:
+    """A slot's name and members (parsed once: a slot's description never changes)."""
+    desc = json.loads(raw)
+    members = None if desc.get("m") is None else tuple(int(r) for r in desc["m"])
+    return str(desc["g"]), members
+
+
 def parse(raw: bytes) -> PageView | None:
     """The page's contents, or None when it is not (yet) a page. A slot being written while it
     is read may show a mix of two moments: every rule reading it tolerates one stale word."""
     if len(raw) < SIZE:
         return None
-    words = struct.unpack_from(f"<{WORDS}d", raw, 0)
-    if words[H_MAGIC] != MAGIC or words[H_VERSION] != VERSION:
+    header = struct.unpack_from(f"<{HEADER}d", raw, 0)
+    if header[H_MAGIC] != MAGIC or header[H_VERSION] != VERSION:
         return None
+    used = min(int(header[H_SLOTS]), MAX_SLOTS)
+    words = struct.unpack_from(f"<{used * SLOT}d", raw, HEADER * 8)
     slots = []
-    for i in range(min(int(words[H_SLOTS]), MAX_SLOTS)):
-        w = words[HEADER + i * SLOT : HEADER + (i + 1) * SLOT]
+    for i in range(used):
+        w = words[i * SLOT : (i + 1) * SLOT]
         if w[USED] != 1.0:
             continue
         try:
-            desc = json.loads(raw[DESC_AT + i * DESC : DESC_AT + (i + 1) * DESC].rstrip(b"\0"))
-            members = None if desc.get("m") is None else tuple(int(r) for r in desc["m"])
-            name = str(desc["g"])
+            name, members = _description(raw[DESC_AT + i * DESC : DESC_AT + (i + 1) * DESC].rstrip(b"\0"))
         except (ValueError, TypeError, KeyError):
             continue  # the description is being written: the slot is new, nothing to judge yet
         slots.append(
@@ -112,7 +121,7 @@ def parse(raw: bytes) -> PageView | None:
                 w[T_P2P],
             )
         )
-    return PageView(int(words[H_PID]), int(words[H_RANK]), tuple(slots))
+    return PageView(int(header[H_PID]), int(header[H_RANK]), tuple(slots))
 
 
 def read(path: str) -> PageView | None:
