@@ -87,7 +87,7 @@ def run_case(endpoint: str, name: str, workdir: str, launcher=(), script=(), env
         fault = inject(job) if inject else time.time()
         job.wait_for(lambda s: s["generation"] == 1, 120, f"{name}: the new generation")
         time.sleep(2)
-        detected = first_event(job, ("worker_failed", "node_lost", "alarm", "hang"), fault - 1)
+        detected = first_event(job, ("culprit", "worker_failed", "node_lost", "alarm", "hang"), fault - 1)
         plan = first_event(job, ("plan",), fault - 1, generation=1)
         first = first_step_of_new_process(job, fault)
         if name == "xid" and detected:
@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="tm-detect-")
     xid = os.path.join(workdir, "xid.yaml")
+    busy = os.path.join(workdir, "busy")
     rows = []
     with EtcdServer(data_dir=os.path.join(workdir, "etcd")) as etcd:
         cases = {
@@ -136,6 +137,29 @@ def main(argv=None) -> int:
             "xid": dict(env_for={"b": {"TM_FAKE_NVML": xid}}, inject=lambda j: _xid(j, xid)),
             "hang": dict(
                 launcher=["--health-hang-timeout", "2", "--health-hang-warmup-steps", "0"],
+                inject=lambda j: (os.kill(j.worker_pids("b")[0], signal.SIGSTOP), time.time())[1],
+            ),
+            # C4: a worker stopped (SIGSTOP: no thread runs) or spinning in Python (its heartbeat
+            # lives on), found from the collectives with the default health settings; and the same
+            # stop with the collective watch off, left to the hang watchdog's defaults (60 s floor).
+            "c4-stop": dict(inject=lambda j: (os.kill(j.worker_pids("b")[0], signal.SIGSTOP), time.time())[1]),
+            "c4-busy": dict(
+                script=[
+                    "--kill-rank",
+                    "1",
+                    "--kill-step",
+                    "20",
+                    "--kill-how",
+                    "busy",
+                    "--kill-trigger",
+                    busy,
+                    "--kill-marker",
+                    busy + ".fired",
+                ],
+                inject=lambda j: (open(busy, "w").close(), time.time())[1],
+            ),
+            "watchdog-stop": dict(
+                launcher=["--health-collective-watch", "false"],
                 inject=lambda j: (os.kill(j.worker_pids("b")[0], signal.SIGSTOP), time.time())[1],
             ),
             "straggler": dict(

@@ -20,6 +20,10 @@ look the victim's pids up afterwards, so its faults landed 45-68 ms into a 54 ms
 Cases
   worker-sigkill  external ``kill -9`` of one worker process of the victim node (``--victim``:
                   tm-launch's node holding rank 0 by default; torchrun's n1)
+  worker-sigstop  external ``kill -STOP`` of the same worker: a hung process. tm-live finds it from
+                  the collectives (C4, ``health/culprit.py``); ``tm-watchdog`` is tm-live with that
+                  off (``--health-collective-watch false``): the hang watchdog's defaults (60 s
+                  floor); torchrun has no hang detection (gloo's collective timeout: 30 min)
   node-sigkill    ``kill -9`` of the victim's agent; its workers die with it (tm-launch: PDEATHSIG;
                   torchrun's workers live in their own sessions, so the benchmark kills them too)
   drain           ``tm-launch ctl drain <victim>`` (planned). torchrun has no drain: n/a. Training goes
@@ -35,6 +39,7 @@ Launchers
                   redundancy list and promotes it on the next round).
   tm-restart      tm-launch ``--no-live`` with one spare node, same checkpointing.
   tm-live         tm-launch live mode with one spare node (parked), no checkpoint.
+  tm-watchdog     tm-live with ``--health-collective-watch false`` (worker-sigstop only).
 
 Scripts: ``tests/scripts/train.py`` (DDP) by default; ``--layout ddp-tp|hsdp|pp|fsdp-tp|fsdp|zero``
 runs ``tests/scripts/hybrid.py`` instead (4 ranks = 2 nodes x 2 workers; the worker killed holds
@@ -86,8 +91,8 @@ HYBRID = os.path.join(REPO, "tests", "scripts", "hybrid.py")
 
 TAG_VAR = "TM_BENCH_TAG"
 TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-CASES = ("worker-sigkill", "node-sigkill", "drain", "overhead")
-LAUNCHERS = ("torchrun", "tm-restart", "tm-live")
+CASES = ("worker-sigkill", "worker-sigstop", "node-sigkill", "drain", "overhead")
+LAUNCHERS = ("torchrun", "tm-restart", "tm-live", "tm-watchdog")
 VICTIMS = ("first", "last", "n1")  # --victim: which node loses a worker / dies / is drained
 
 
@@ -354,6 +359,8 @@ class Bench:
                 launcher_args += ["--spares", "1"]
             if spec.launcher == "tm-restart":
                 launcher_args.append("--no-live")
+            elif spec.launcher == "tm-watchdog":  # live, stuck collectives left to the hang watchdog's defaults
+                launcher_args += ["--health-collective-watch", "false", "--snapshot-every", str(self.args.snapshot_every)]
             else:
                 launcher_args += ["--snapshot-every", str(self.args.snapshot_every)]
             job = LocalJob(endpoint=self.etcd.endpoint(), launcher_args=launcher_args, **common)
@@ -400,7 +407,7 @@ class Bench:
             self.wait_all_ranks(job, pause - 1, nodes * nproc, a.start_timeout)
             if tm:
                 job.start("s0")
-                if spec.launcher == "tm-live":
+                if spec.launcher in ("tm-live", "tm-watchdog"):
                     job.wait_parked("s0", timeout=a.start_timeout)
                 else:
                     job.wait_for(
@@ -449,7 +456,7 @@ class Bench:
                 result["error"] = "the step log shows no step completed by every rank after the fault"
             if spec.launcher != "torchrun":
                 result["events"] = [e for e in job.events() if e.get("kind") not in ("info",)]
-            if spec.launcher == "tm-live" and spec.case != "overhead":
+            if spec.launcher in ("tm-live", "tm-watchdog") and spec.case != "overhead":
                 result["breakdown"] = self.breakdown(job, None if spec.case == "drain" else fault_time)
                 result["connections"] = connections_opened(result["events"])
                 spare = job.nodes.get("s0")
@@ -497,7 +504,7 @@ class Bench:
         the worker it kills, or (node loss under torchrun, whose workers live in their own
         sessions and outlive their agent) every worker of the node; a lost machine takes them
         along, tm-launch's die with their agent by PDEATHSIG."""
-        if spec.case == "worker-sigkill":
+        if spec.case in ("worker-sigkill", "worker-sigstop"):
             pids = job.worker_pids(VICTIM)
             if not pids:
                 raise RuntimeError(f"node {VICTIM} has no workers to kill\n{job.logs_tail()}")
@@ -529,6 +536,10 @@ class Bench:
             t = time.time()
             os.kill(pids[0], signal.SIGKILL)
             return t, f"kill -9 worker pid {pids[0]} on {VICTIM}"
+        if spec.case == "worker-sigstop":
+            t = time.time()
+            os.kill(pids[0], signal.SIGSTOP)
+            return t, f"kill -STOP worker pid {pids[0]} on {VICTIM}"
         if spec.case == "node-sigkill":
             agent = job.nodes[VICTIM].proc
             t = time.time()
@@ -1030,7 +1041,11 @@ def parse(argv=None):
         default="2,4,8",
         help="world sizes for the worker-sigkill sweep (torchrun vs tm-live), e.g. 2,4,8,16; the largest is the cap",
     )
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    p.add_argument(
+        "--cases",
+        default=",".join(c for c in CASES if c != "worker-sigstop"),
+        help=f"comma list of {', '.join(CASES)} (worker-sigstop only when named: torchrun waits out --recover-timeout)",
+    )
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the table shows the median")
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of stand-in compute per step")
@@ -1103,7 +1118,7 @@ def plan_runs(args) -> list[Spec]:
     specs = []
     base = args.sizes[0]
     for rep in range(args.repeat):
-        for case in ("worker-sigkill", "node-sigkill", "drain"):
+        for case in ("worker-sigkill", "worker-sigstop", "node-sigkill", "drain"):
             if case not in args.cases:
                 continue
             sizes = args.sizes if case == "worker-sigkill" else [base]
@@ -1111,6 +1126,8 @@ def plan_runs(args) -> list[Spec]:
                 for launcher in args.launchers:
                     if case == "drain" and launcher == "torchrun":
                         continue  # n/a
+                    if launcher == "tm-watchdog" and case != "worker-sigstop":
+                        continue  # the watchdog-only variant differs from tm-live for a hung worker only
                     if size != base and launcher == "tm-restart":
                         continue  # the sweep compares live against torchrun
                     specs.append(Spec(case, size, launcher, rep))

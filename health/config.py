@@ -68,6 +68,21 @@ class HealthConfig:
     hang_warmup_timeout: float = _f(600.0, "hang timeout during warm-up steps and before any step time is known")
     hang_checkpoint_timeout: float = _f(900.0, "hang timeout while a checkpoint is being saved")
     hang_history: int = _f(20, "step times remembered for the automatic hang timeout")
+    # --- stuck collectives (C4) -----------------------------------------------------------
+    collective_watch: bool = _f(
+        True, "find the rank a stuck collective waits for from the live groups' telemetry (C4) and replace it (live workers only)"
+    )
+    collective_floor: float = _f(1.0, "a collective counts as stuck only after its members waited this many seconds")
+    collective_multiplier: float = _f(10.0, "... and this multiple of the group's recent collective duration")
+    collective_alive_floor: float = _f(
+        10.0, "a rank that is alive but has not entered the stuck collective (busy, slow) is blamed only after this many seconds"
+    )
+    collective_alive_multiplier: float = _f(10.0, "... and this multiple of its median recent step")
+    collective_frozen_after: float = _f(
+        10.0,
+        "a worker whose heartbeat thread is silent this many seconds counts as frozen (a stopped process always does; "
+        "a long call holding the interpreter, a big pickle, silences it too)",
+    )
     # --- straggler detection --------------------------------------------------------------
     straggler: bool = _f(True, "detect stragglers from per-rank compute time (time outside the job's collectives)")
     straggler_z: float = _f(3.5, "robust z-score (0.6745 (c - median) / MAD) above which a rank is slow in a window")
@@ -113,6 +128,11 @@ class HealthConfig:
             "hang_checkpoint_timeout",
             "straggler_z",
             "straggler_ratio",
+            "collective_floor",
+            "collective_multiplier",
+            "collective_alive_floor",
+            "collective_alive_multiplier",
+            "collective_frozen_after",
         ]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -89,6 +89,7 @@ class WorkerEnv:
     snapshot_send: str = "commit"  # one of SNAPSHOT_SENDS: when a snapshot must be on its holder
     snapshot_parity: int = 0  # XOR parity over groups of K nodes instead of a whole copy on the next node (0: a copy)
     exit_notice: int = -1  # the inherited descriptor of the worker's exit page (tm_launch.exit_page; -1: none)
+    telemetry: str = ""  # the worker's collective-telemetry page (tm_launch.collective_page; "": none)
     # torchrun's variables, as torchrun sets them
     local_rank: int = 0
     rank: int = 0
@@ -113,6 +114,7 @@ class WorkerEnv:
         "snapshot_send": "TM_SNAPSHOT_SEND",
         "snapshot_parity": "TM_SNAPSHOT_PARITY",
         "exit_notice": "TM_EXIT_NOTICE",
+        "telemetry": "TM_TELEMETRY",
         "local_rank": "LOCAL_RANK",
         "rank": "RANK",
         "world_size": "WORLD_SIZE",
@@ -154,6 +156,8 @@ class WorkerEnv:
             out.pop("TM_NO_LIVE")  # unset: the worker may go live
         if self.exit_notice < 0:
             out.pop("TM_EXIT_NOTICE")  # set by the worker's start (processes.Worker), where it has a page
+        if not self.telemetry:
+            out.pop("TM_TELEMETRY")
         return out
 
     @property

@@ -53,6 +53,21 @@ def keep_sockets_open(pid_file: str) -> None:
         f.write(str(child))
 
 
+def stall_once(how: str, marker: str | None, rank: int, where: str) -> None:
+    """Stop this process without ending it, once per job (``marker``): ``stop`` SIGSTOPs it (a
+    wedged process: no thread runs, its heartbeat stops), ``busy`` spins in Python for good (its
+    heartbeat thread keeps beating: only the collectives show it stuck)."""
+    from tm_launch.worker.failpoints import _claim
+
+    if marker and not _claim(marker):
+        return
+    print(f"[faults] rank {rank}: {'SIGSTOP myself' if how == 'stop' else 'busy loop'} at {where}", flush=True)
+    if how == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    while True:
+        pass
+
+
 def kill_once(marker: str | None, rank: int, where: str) -> None:
     """SIGKILL this process; with ``marker`` once per job (``tm_launch.worker.failpoints.kill_once``)."""
     from tm_launch.worker.failpoints import kill_once as kill
@@ -68,6 +83,12 @@ class Faults:
         p.add_argument("--kill-phase", default="forward", choices=PHASES)
         p.add_argument("--kill-trigger", default=None, help="kill only once this file exists (at the first step >= --kill-step)")
         p.add_argument("--kill-marker", default=None, help="file that records the kill happened (kill once)")
+        p.add_argument(
+            "--kill-how",
+            default="kill",
+            choices=["kill", "stop", "busy"],
+            help="at the kill point: SIGKILL, SIGSTOP (a hung process) or a Python busy loop (once with --kill-marker)",
+        )
         p.add_argument(
             "--kill-keeps-sockets",
             default=None,
@@ -113,6 +134,8 @@ class Faults:
             return
         if a.kill_keeps_sockets and not (a.kill_marker and os.path.exists(a.kill_marker)):
             keep_sockets_open(a.kill_keeps_sockets)
+        if a.kill_how != "kill":
+            stall_once(a.kill_how, a.kill_marker, job.rank, f"step {step} ({phase})")
         kill_once(a.kill_marker, job.rank, f"step {step} ({phase})")
 
     def arm_backward(self, model, job) -> None:

@@ -68,6 +68,13 @@ def parse():
     )
     p.add_argument("--slow-node", default=None, help="workers on this tm-launch node (TM_NODE_ID) sleep --slow-factor x step-sleep more")
     p.add_argument("--slow-factor", type=float, default=0.5)
+    p.add_argument("--long-every", type=int, default=0, help="every rank's step N x this is --long-factor x --step-sleep long")
+    p.add_argument("--long-factor", type=float, default=20.0)
+    p.add_argument(
+        "--stall-rank", type=int, default=-1, help="this rank sleeps --stall-seconds at the top of --stall-step (a slow checkpoint)"
+    )
+    p.add_argument("--stall-step", type=int, default=-1)
+    p.add_argument("--stall-seconds", type=float, default=0.0)
     p.add_argument(
         "--ballast-mb",
         type=int,
@@ -194,6 +201,10 @@ def main():
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
             kill_now(faults, job, step, "checkpoint")  # dies with the new checkpoint half-written
             os.replace(tmp, os.path.join(args.ckpt_dir, "ckpt.pt"))
+        if not job.in_sandbox and step == args.stall_step and job.rank == args.stall_rank:
+            time.sleep(args.stall_seconds)  # its peers wait for it in the step's first collective
+        if args.long_every and step % args.long_every == 0 and not job.in_sandbox:
+            time.sleep(max(args.step_sleep, 0.01) * (args.long_factor - 1))  # a long step on every rank
         kill_now(faults, job, step, "forward")
         if args.crash_node and os.environ.get("TM_NODE_ID") == args.crash_node and step == args.crash_step and not job.in_sandbox:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -36,6 +36,7 @@ from rendezvous.plan import SUCCEEDED, NodeInfo, Plan
 from rendezvous.planner import View, follows_only, next_plan, spares
 
 from ..waits import Every
+from .collective_watch import CollectiveWatch
 from .config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
@@ -75,6 +76,7 @@ class Agent:
         self.supervisor = WorkerSupervisor(cfg, say, self.wakeup)
         self.session = EtcdSession(members, cfg.node_id, cfg.lease_ttl, cfg.collective_timeout, say, self.supervisor.local_progress)
         self.failures = FailureWatch(cfg, self.session, self.supervisor, say)
+        self.collectives = CollectiveWatch(cfg, self.session, self.supervisor, say)  # stuck collectives (C4)
         self.executor = PlanExecutor(cfg, self.session, self.supervisor, self.failures, self.metrics, say)
         self.alarms = AlarmWatch(cfg, self.session, self.supervisor, say, wake=lambda: self.wakeup.set("alarm"))
         self.progress = ProgressPublisher(cfg.node_id, self.session, self.supervisor, self.metrics, StragglerWatch(cfg, self.session, say))
@@ -178,6 +180,7 @@ class Agent:
             self.executor.be_spare(plan, view)  # the job turned out to be live: warm up now
         self._link_to_successor(plan, view)
         self.failures.watch_workers(plan, view)
+        self.collectives.check(plan, view)
         self.failures.probe_peers(plan, view)
         dropped = self.peer_link.take_dropped()
         if dropped is not None and self.failures.report_if_lost(plan, view, dropped):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from rendezvous.plan import Plan
 
+from ..collective_page import page_path
 from ..protocol import (
     LATEST,
     Directive,
@@ -305,6 +306,7 @@ class WorkerSupervisor:
                 snapshot_memory_limit=cfg.snapshot_memory_limit,
                 snapshot_send=cfg.snapshot_send,
                 snapshot_parity=cfg.snapshot_parity,
+                telemetry=page_path(self.scratch, local_rank) if cfg.live_enabled else "",
             ).tm_variables()
         )
         return env

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import FakeProcessGroup, _create_work_from_future
 
 from . import communicators
+from . import telemetry as collective_telemetry
 
 _names = itertools.count()
 
@@ -380,16 +381,19 @@ class LiveGroup(dist.ProcessGroup):
             # peer held this rank's values, so shapes stay right and object collectives unpickle.
             return getattr(LocalBackend(max(self._rank, 0), self._size), _local_name(name))(*args, **kwargs)
         collective = _collective(inner, name)
+        local = isinstance(inner, LocalBackend)
+        token = None if local else collective_telemetry.entered(self, name)  # the agent's culprit rule
         try:
             work = collective(*args, **kwargs)
         except Exception as e:  # a broken communicator can fail at submission time too
+            collective_telemetry.completed(token)
             self.fail(e)
             if not self._poison.armed:
                 raise
             return completed_work(result)
-        if isinstance(inner, LocalBackend):
+        if local:
             return work
-        guarded = _guarded(work, self, result, generation)
+        guarded = _guarded(work, self, result, generation, token)
         if self._poison.armed:
             self._pending.append(guarded)
         return guarded
@@ -458,10 +462,11 @@ class _SettledWork(dist.Work):
     """A work whose failure poisons the step instead of raising (for backends whose works have
     no future, e.g. gloo's reduce-scatter)."""
 
-    def __init__(self, work: dist.Work, group: LiveGroup, result, generation: int):
+    def __init__(self, work: dist.Work, group: LiveGroup, result, generation: int, token=None):
         super().__init__()
         self._work, self._group, self._result, self._generation = work, group, result, generation
         self._waited = False
+        self._token = token
 
     def wait(self, timeout=None) -> bool:
         # Once only: the script waits, then the commit settles every work of the step again,
@@ -477,6 +482,7 @@ class _SettledWork(dist.Work):
                 raise
         finally:
             self._group.last_complete = time.perf_counter()
+            collective_telemetry.completed(self._token)
         return True
 
     def is_completed(self) -> bool:
@@ -489,11 +495,12 @@ class _SettledWork(dist.Work):
         return fut
 
 
-def _guarded(work: dist.Work, group: LiveGroup, result, generation: int) -> dist.Work:
+def _guarded(work: dist.Work, group: LiveGroup, result, generation: int, token=None) -> dist.Work:
     """A work that completes even when the real one fails; the failure poisons the step."""
 
     def settle(fut):
         group.last_complete = time.perf_counter()
+        collective_telemetry.completed(token)
         try:
             fut.value()
         except Exception as e:
@@ -505,7 +512,7 @@ def _guarded(work: dist.Work, group: LiveGroup, result, generation: int) -> dist
     try:
         future = work.get_future()
     except RuntimeError:  # "Work::getFuture not implemented"
-        return _SettledWork(work, group, result, generation)
+        return _SettledWork(work, group, result, generation, token)
     return _create_work_from_future(future.then(settle))
 
 

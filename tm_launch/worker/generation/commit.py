@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from .. import failpoints
+from ..comms import telemetry as collective_telemetry
 
 COMMIT, ABORT = b"commit", b"abort"
 _PATIENCE = datetime.timedelta(seconds=5)
@@ -132,9 +133,11 @@ class StepCommit:
         unplanned newer generation is known (the vote may then walk away from a store, or a
         holder, that does not answer; default ``newer_generation``)."""
         if self.decision is None:
+            token = None if self.store is None else collective_telemetry.vote_entered(self.generation, self.rank)
             self.decision = (
                 True if self.store is None else self._vote_or_walk_away(ok, newer_generation, before_count, peer_gone or newer_generation)
             )
+            collective_telemetry.vote_done(token)
             if self.decision and self.store is not None:
                 if self.step % self.world == self.rank and self.step >= 2:
                     self._forget(self.step - 2)
