@@ -55,9 +55,17 @@ def run_live(local_job, extra: tuple, kills: list, spares: int = 1):
     out = os.path.join(job.workdir, "out")
     trigger = os.path.join(job.workdir, "trigger")
     args = ["--steps", str(STEPS), "--out", out, *extra, "--pause-step", str(PAUSE), "--pause-file", trigger]
-    rank, phase, step = kills[0]
-    args += ["--kill-rank", str(rank), "--kill-step", str(step), "--kill-phase", phase]
-    args += ["--kill-trigger", trigger, "--kill-marker", os.path.join(job.workdir, "killed")]
+    if len(kills) == 1:
+        rank, phase, step = kills[0]
+        args += ["--kill-rank", str(rank), "--kill-step", str(step), "--kill-phase", phase]
+        args += ["--kill-trigger", trigger, "--kill-marker", os.path.join(job.workdir, "killed")]
+    else:  # each armed once, fired by whichever process holds the rank (faults.ChaosDir)
+        chaos = os.path.join(job.workdir, "chaos")
+        os.makedirs(chaos)
+        for rank, phase, step in kills:
+            with open(os.path.join(chaos, f"kill.{rank}"), "w") as f:
+                f.write(f"{phase} {step}")
+        args += ["--chaos-dir", chaos]
     job.script_args = args
     job.start_all(["a", "b"])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
@@ -137,3 +145,14 @@ def test_state_the_script_never_registered_ends_live_mode_loudly(local_job, refe
     assert "replicas diverged" in lost[0]["message"] and "model:" in lost[0]["message"], lost[0]
     # Restarted from its start (no checkpoint), the job ends as the fault-free run does.
     assert differences(got, reference("--hidden")) == {}, job.logs_tail()
+
+
+@pytest.mark.slow
+def test_two_faults_in_a_row_recover_exactly(local_job, reference):
+    """Rank 1 dies after the survivor's forward, then rank 0 (whose buffers DDP broadcasts) in
+    the optimizer step four steps later: two spares, two live recoveries, exact."""
+    extra = CASES["everything"]
+    job, codes, got = run_live(local_job, extra, [(1, "backward", KILL), (0, "optimizer", KILL + 4)], spares=2)
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) >= 2, job.logs_tail()
+    assert_exact_and_live(job, codes, got, reference(*extra))

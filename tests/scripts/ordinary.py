@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+from faults import ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 import tm_launch  # noqa: E402
 
@@ -77,6 +77,7 @@ def main():
     p.add_argument("--hidden", action="store_true")
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
     p.add_argument("--out", required=True)
+    p.add_argument("--chaos-dir", default=None, help="several kills: DIR/kill.<rank> holding '<phase> <step>' (faults.ChaosDir)")
     Faults.add_arguments(p)
     args = p.parse_args()
 
@@ -96,9 +97,8 @@ def main():
     job.register(model=model, optimizer=opt, scheduler=sched)
     torch.manual_seed(1000 + rank)  # dropout: each rank its own stream, as scripts seed it
     hidden = 0
-    faults = Faults(args)
-    if args.kill_phase == "backward":
-        faults.arm_backward(model, job)
+    faults = Faults(args, ChaosDir(args.chaos_dir))
+    faults.arm_backward(model, job)
     for step in job.steps(args.steps):
         faults.step = step
         g = torch.Generator().manual_seed(1 + step * 97 + rank)
