@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 from rendezvous.rdzv_conf import etcd_options, parse_rdzv_conf, positive_seconds
 
+from . import settings
 from .launcher.options import LIVE_BACKENDS, UsageError, parse_args, parse_nnodes
 
 
@@ -218,30 +219,23 @@ def _launch(args) -> int:
         if not args.no_live and not args.no_python and cmd_args[:1] == ["-u"]:
             cmd_args[1:1] = ["-m", "tm_launch.worker"]
         entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u"]
+        chosen = settings.values(args) | {  # what only this node and torchrun's --rdzv-conf decide
+            "node_id": args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+            "join_timeout": _join_timeout(args),
+            "last_call": _last_call(args),
+            "snapshot_memory_limit": _snapshot_memory_limit(args),
+        }
         cfg = AgentConfig(
-            node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+            **chosen,
             addr=addr,
             nproc=nproc,
             limits=Limits(min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, max_restarts=args.max_restarts),
             cmd=entry + list(cmd_args),
             run_id=run_id,
             role=args.role,
-            lease_ttl=args.lease_ttl,
             monitor_interval=args.monitor_interval,
-            join_timeout=_join_timeout(args),
-            last_call=_last_call(args),
-            spares_wanted=args.spares,
-            live_enabled=not args.no_live,
-            collective_timeout=args.collective_timeout,
-            sandbox_steps=args.sandbox_steps,
             output=output,
             health=args.health,
-            event_log=args.event_log,
-            metrics_port=args.metrics_port,
-            snapshot_every=args.snapshot_every,
-            snapshot_memory_limit=_snapshot_memory_limit(args),
-            snapshot_send=args.snapshot_send,
-            snapshot_parity=args.snapshot_parity,
         )
         try:
             return Agent(cfg, kv).run()
