@@ -19,10 +19,14 @@ from rendezvous.rdzv_conf import etcd_options, parse_rdzv_conf, positive_seconds
 
 from . import settings
 from .launcher.options import LIVE_BACKENDS, UsageError, parse_args, parse_nnodes
+from .logs import logger
+
+log = logger("tm_launch.cli")  # not __name__: `python -m tm_launch.cli` runs it as __main__
 
 
 def _fail(message: str, code: int = 2) -> int:
-    print(f"tm-launch: error: {message}", file=sys.stderr, flush=True)
+    """The command's one ``tm-launch: error:`` line, and its exit code."""
+    log.error("%s", message)
     return code
 
 
@@ -32,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         from .ctl.commands import main as ctl_main
 
         return ctl_main(argv[1:])
-    logging.basicConfig(level=logging.WARNING, format="[tm-launch] %(levelname)s %(message)s")
+    logger(prog="tm-launch", libraries=logging.WARNING)  # tm-launch's lines, and libraries' warnings
     logging.getLogger("health").setLevel(logging.INFO)  # e.g. "GPU health monitor off: NVML unavailable"
     try:
         args = parse_args(argv)
@@ -154,7 +158,7 @@ def _output(args, config, nproc: int):
         made = config.logs_specs.root_log_dir
         if any(redirects.values()) or any(tee.values()):  # output files go there and are kept, as torchrun
             log_dir = made
-            print(f"[tm-launch] worker output (--redirects/--tee) goes to files under {log_dir}", file=sys.stderr, flush=True)
+            log.info("worker output (--redirects/--tee) goes to files under %s", log_dir)
         elif os.path.isdir(made) and not os.listdir(made):
             os.rmdir(made)  # unused: error files go to the agent's own scratch directory
     return OutputSpec(
@@ -184,7 +188,7 @@ def _launch(args) -> int:
         args.rdzv_endpoint = server.endpoint
         if args.rdzv_id in (None, "", "none"):
             args.rdzv_id = f"standalone-{uuid.uuid4().hex[:8]}"
-        print(f"[tm-launch] --standalone: private etcd at {server.endpoint}", file=sys.stderr, flush=True)
+        log.info("--standalone: private etcd at %s", server.endpoint)
     try:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         run_id = str(args.rdzv_id)

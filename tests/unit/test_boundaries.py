@@ -7,6 +7,8 @@
   plotting library.
 * The operator's commands (``tm_launch.ctl``) load neither the agent's nor the worker's code,
   nor torch (``ctl status`` answers in well under a second).
+* What every process imports (``tm_launch.settings``, the settings table, and ``tm_launch.logs``,
+  the logging convention) loads the standard library only.
 """
 
 import os
@@ -51,3 +53,10 @@ def test_the_agent_imports_no_worker_or_plotting_code(entry):
 def test_the_operators_commands_import_neither_agent_nor_worker_nor_torch():
     loaded = loaded_after("tm_launch.ctl.commands", "tm_launch.ctl.timeline")
     assert under(loaded, "tm_launch.launcher", "tm_launch.worker", "tm_launch.local", "torch") == []
+
+
+@pytest.mark.parametrize("entry", ["tm_launch.settings", "tm_launch.logs"])
+def test_what_every_process_imports_loads_the_standard_library_only(entry):
+    loaded = loaded_after(entry)
+    assert under(loaded, "torch", "yaml", "numpy", *ETCD_CLIENTS, "rendezvous", "health") == []
+    assert under(loaded, "tm_launch") == sorted({"tm_launch", entry})
