@@ -26,31 +26,34 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 ROOT = "tm_launch"  # every tm-launch module's logger is under it (``logger(__name__)``)
 
 
 class Formatter(logging.Formatter):
-    """tm-launch's lines (the table above). ``prog`` names the process."""
+    """tm-launch's lines (the table above). ``prog`` names the process: a name, or a function
+    asked at each line (a worker's rank changes when a spare is promoted)."""
 
-    def __init__(self, prog: str = "tm-launch"):
+    def __init__(self, prog: str | Callable[[], str] = "tm-launch"):
         super().__init__()
         self.prog = prog
 
     def format(self, record: logging.LogRecord) -> str:
+        prog = self.prog() if callable(self.prog) else self.prog
         text = record.getMessage()
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         if record.name != ROOT and not record.name.startswith(ROOT + "."):
-            return f"[{self.prog}] {record.levelname} {text}"
+            return f"[{prog}] {record.levelname} {text}"
         node = getattr(record, "node", None)
         if node is not None:
-            return f"[{self.prog} {node} {stamp(getattr(record, 'at', record.created))}] {text}"
+            return f"[{prog} {node} {stamp(getattr(record, 'at', record.created))}] {text}"
         if record.levelno >= logging.ERROR:
-            return f"{self.prog}: error: {text}"
+            return f"{prog}: error: {text}"
         if record.levelno >= logging.WARNING:
-            return f"{self.prog}: warning: {text}"
-        return f"[{self.prog}] {text}"
+            return f"{prog}: warning: {text}"
+        return f"[{prog}] {text}"
 
 
 def stamp(t: float) -> str:
@@ -61,9 +64,6 @@ def stamp(t: float) -> str:
 class _Stderr(logging.StreamHandler):
     """A handler writing to ``sys.stderr`` as it is when a line is written (a test or a
     benchmark may replace it after the handler was made), flushed line by line."""
-
-    def __init__(self):
-        super().__init__()
 
     @property
     def stream(self):
@@ -78,12 +78,12 @@ _handler = _Stderr()
 _handler.setFormatter(Formatter())
 
 
-def logger(name: str = ROOT, *, prog: str | None = None, libraries: int | None = None) -> logging.Logger:
+def logger(name: str = ROOT, *, prog: str | Callable[[], str] | None = None, libraries: int | None = None) -> logging.Logger:
     """``logging.getLogger(name)`` for a tm-launch module (``logger(__name__)``), its lines on
     stderr in tm-launch's format whether or not its process configured anything.
 
     A process's entry point also passes ``prog``, the name its lines carry ("tm-launch",
-    "tm-launch ctl", "demo", "tm-launch worker 3"), and, where the process is tm-launch's own
+    "tm-launch ctl", "demo"; a function for a name that changes, as a worker's rank), and, where the process is tm-launch's own
     (the agent, ctl, the demo: not a training script), ``libraries``: the level from which the
     other libraries' records (rendezvous, health, torch) are written too, in the same format.
     """

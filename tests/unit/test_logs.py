@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import sys
 import time
 
@@ -34,6 +35,16 @@ def test_lines(name, level, extra, prog, want):
     record = logging.LogRecord(name, level, __file__, 1, "%s", ("hello",), None)
     record.__dict__.update(extra)
     assert logs.Formatter(prog).format(record) == want
+
+
+def test_a_process_name_may_change_line_by_line(monkeypatch):
+    """A worker's lines carry its rank as it is now (a promoted spare takes another)."""
+    formatter = logs.Formatter(lambda: f"tm-launch worker {os.environ.get('RANK', '?')}")
+    record = logging.LogRecord("tm_launch.worker.agent_client", logging.INFO, __file__, 1, "hello", (), None)
+    monkeypatch.delenv("RANK", raising=False)
+    assert formatter.format(record) == "[tm-launch worker ?] hello"
+    monkeypatch.setenv("RANK", "5")
+    assert formatter.format(record) == "[tm-launch worker 5] hello"
 
 
 def test_lines_reach_the_current_stderr_once(monkeypatch):

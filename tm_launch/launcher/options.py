@@ -1,9 +1,9 @@
 """Command line and YAML: torchrun's parser, plus tm-launch's own options, plus ``--config``.
 
 One source of truth: torchrun's ``get_args_parser()`` defines every torchrun option (and its
-``PET_*`` variable); tm-launch adds its options to the same parser, and the YAML file may set
-any of them by its destination name (``nproc_per_node: 2``, ``rdzv_backend: etcd-v3``,
-``spares: 1``, ``health: {hang_timeout: 60}``). Precedence: command line > ``PET_*`` variable >
+``PET_*`` variable); tm-launch adds its options, each declared once in ``tm_launch.settings``,
+to the same parser, and the YAML file may set any of them by its destination name
+(``nproc_per_node: 2``, ``rdzv_backend: etcd-v3``, ``spares: 1``, ``health: {hang_timeout: 60}``). Precedence: command line > ``PET_*`` variable >
 YAML > built-in default. Mistakes raise ``UsageError`` with one line saying what to fix.
 """
 
