@@ -17,11 +17,16 @@ from urllib.parse import urlparse
 
 from rendezvous.rdzv_conf import etcd_options, parse_rdzv_conf, positive_seconds
 
+from . import settings
 from .launcher.options import LIVE_BACKENDS, UsageError, parse_args, parse_nnodes
+from .logs import logger
+
+log = logger("tm_launch.cli")  # not __name__: `python -m tm_launch.cli` runs it as __main__
 
 
 def _fail(message: str, code: int = 2) -> int:
-    print(f"tm-launch: error: {message}", file=sys.stderr, flush=True)
+    """The command's one ``tm-launch: error:`` line, and its exit code."""
+    log.error("%s", message)
     return code
 
 
@@ -31,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         from .ctl.commands import main as ctl_main
 
         return ctl_main(argv[1:])
-    logging.basicConfig(level=logging.WARNING, format="[tm-launch] %(levelname)s %(message)s")
+    logger(prog="tm-launch", libraries=logging.WARNING)  # tm-launch's lines, and libraries' warnings
     logging.getLogger("health").setLevel(logging.INFO)  # e.g. "GPU health monitor off: NVML unavailable"
     try:
         args = parse_args(argv)
@@ -153,7 +158,7 @@ def _output(args, config, nproc: int):
         made = config.logs_specs.root_log_dir
         if any(redirects.values()) or any(tee.values()):  # output files go there and are kept, as torchrun
             log_dir = made
-            print(f"[tm-launch] worker output (--redirects/--tee) goes to files under {log_dir}", file=sys.stderr, flush=True)
+            log.info("worker output (--redirects/--tee) goes to files under %s", log_dir)
         elif os.path.isdir(made) and not os.listdir(made):
             os.rmdir(made)  # unused: error files go to the agent's own scratch directory
     return OutputSpec(
@@ -183,7 +188,7 @@ def _launch(args) -> int:
         args.rdzv_endpoint = server.endpoint
         if args.rdzv_id in (None, "", "none"):
             args.rdzv_id = f"standalone-{uuid.uuid4().hex[:8]}"
-        print(f"[tm-launch] --standalone: private etcd at {server.endpoint}", file=sys.stderr, flush=True)
+        log.info("--standalone: private etcd at %s", server.endpoint)
     try:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         run_id = str(args.rdzv_id)
@@ -218,30 +223,23 @@ def _launch(args) -> int:
         if not args.no_live and not args.no_python and cmd_args[:1] == ["-u"]:
             cmd_args[1:1] = ["-m", "tm_launch.worker"]
         entry = [cmd] if isinstance(cmd, str) else [sys.executable, "-u"]
+        chosen = settings.values(args) | {  # what only this node and torchrun's --rdzv-conf decide
+            "node_id": args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+            "join_timeout": _join_timeout(args),
+            "last_call": _last_call(args),
+            "snapshot_memory_limit": _snapshot_memory_limit(args),
+        }
         cfg = AgentConfig(
-            node_id=args.node_id or f"{socket.gethostname()}-{os.getpid()}",
+            **chosen,
             addr=addr,
             nproc=nproc,
             limits=Limits(min_nodes=min_nodes, max_nodes=max_nodes, nproc=nproc, max_restarts=args.max_restarts),
             cmd=entry + list(cmd_args),
             run_id=run_id,
             role=args.role,
-            lease_ttl=args.lease_ttl,
             monitor_interval=args.monitor_interval,
-            join_timeout=_join_timeout(args),
-            last_call=_last_call(args),
-            spares_wanted=args.spares,
-            live_enabled=not args.no_live,
-            collective_timeout=args.collective_timeout,
-            sandbox_steps=args.sandbox_steps,
             output=output,
             health=args.health,
-            event_log=args.event_log,
-            metrics_port=args.metrics_port,
-            snapshot_every=args.snapshot_every,
-            snapshot_memory_limit=_snapshot_memory_limit(args),
-            snapshot_send=args.snapshot_send,
-            snapshot_parity=args.snapshot_parity,
         )
         try:
             return Agent(cfg, kv).run()

@@ -26,8 +26,11 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from enum import Enum
+
+from . import settings
+from .settings import Variable
 
 # -- the environment --------------------------------------------------------------------------
 
@@ -59,86 +62,46 @@ def nccl_error_handling(live: bool, user_value: str | None) -> str:
     return user_value or NCCL_TEAR_DOWN
 
 
-# When a rank's snapshot must be on its holder (``--snapshot-send``): before the snapshot's step
-# commits ("commit": a fault runs at most one step before the interrupted one again), or while
-# the next step runs ("overlap": cheaper where the send outlasts a step's compute; a fault while
-# it is on its way returns the job one step further).
-SNAPSHOT_SENDS = ("commit", "overlap")
+# tm-launch's options that reach the worker are declared in ``tm_launch.settings``; these are the
+# variables the agent decides per node and per process (every TM_* one is tm-launch's).
+_PER_PROCESS = (
+    Variable("agent_store", "TM_AGENT_STORE", str, None),  # "host:port" of the agent's TCPStore
+    Variable("wake", "TM_AGENT_WAKE", str, None),  # the agent's wake socket (``tm_launch.launcher.wakeup``)
+    Variable("local_addr", "TM_LOCAL_ADDR", str, None),  # the address this node's communicators listen on
+    Variable("generation", "TM_GENERATION", int, 0),  # the generation the worker was started in
+    Variable("sandbox", "TM_SANDBOX", bool, True),  # start in the sandbox (a spare, or a process joining a running job)
+    Variable("straggler_window", "TM_STRAGGLER_WINDOW", int, 20),  # health.straggler_window
+    Variable("exit_notice", "TM_EXIT_NOTICE", int, -1),  # the inherited descriptor of its exit page (tm_launch.exit_page; -1: none)
+    Variable("telemetry", "TM_TELEMETRY", str, ""),  # its collective-telemetry page (tm_launch.collective_page; "": none)
+)
+# torchrun's variables, as torchrun sets them
+_TORCHRUN = (
+    Variable("local_rank", "LOCAL_RANK", int, 0),
+    Variable("rank", "RANK", int, 0),
+    Variable("world_size", "WORLD_SIZE", int, 1),
+    Variable("local_world_size", "LOCAL_WORLD_SIZE", int, 1),
+    Variable("group_rank", "GROUP_RANK", int, 0),
+)
+WORKER_VARIABLES = _PER_PROCESS + settings.worker_variables() + _TORCHRUN
 
 
 @dataclass(frozen=True)
-class WorkerEnv:
-    """What the agent tells a worker at its start, read once from the environment.
+class WorkerEnv(make_dataclass("WorkerEnvFields", [v.as_field() for v in WORKER_VARIABLES], frozen=True)):
+    """What the agent tells a worker at its start, read once from the environment: one
+    attribute per ``WORKER_VARIABLES`` entry (``no_live``, ``node_id``, ``sandbox_steps``,
+    ``collective_timeout``, ``setup_timeout`` (``--join-timeout``), ``snapshot_*`` come from
+    ``tm_launch.settings``).
 
     ``agent_store`` is None outside tm-launch's agent (plain torchrun): the worker then runs as
     under torchrun. ``no_live``: ``tm-launch --no-live`` (restart mode for every script)."""
 
-    agent_store: str | None = None  # "host:port" of the agent's TCPStore
-    wake: str | None = None  # the agent's wake socket (``tm_launch.launcher.wakeup``)
-    no_live: bool = False
-    node_id: str = ""
-    local_addr: str | None = None  # the address this node's communicators listen on
-    generation: int = 0  # the generation the worker was started in
-    sandbox: bool = True  # start in the sandbox (a spare, or a process joining a running job)
-    sandbox_steps: int = 2
-    collective_timeout: float = 120.0
-    setup_timeout: float = 600.0  # joiners may start cold
-    straggler_window: int = 20
-    snapshot_every: int = 1  # snapshot the state no live rank replicates every N committed steps (0: never)
-    snapshot_memory_limit: int = 0  # bytes of host memory per node snapshots may take (0: no limit)
-    snapshot_send: str = "commit"  # one of SNAPSHOT_SENDS: when a snapshot must be on its holder
-    snapshot_parity: int = 0  # XOR parity over groups of K nodes instead of a whole copy on the next node (0: a copy)
-    exit_notice: int = -1  # the inherited descriptor of the worker's exit page (tm_launch.exit_page; -1: none)
-    telemetry: str = ""  # the worker's collective-telemetry page (tm_launch.collective_page; "": none)
-    # torchrun's variables, as torchrun sets them
-    local_rank: int = 0
-    rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    group_rank: int = 0
-
-    VARIABLES = {  # field -> variable (the TM_* ones are tm-launch's)
-        "agent_store": "TM_AGENT_STORE",
-        "wake": "TM_AGENT_WAKE",
-        "no_live": "TM_NO_LIVE",
-        "node_id": "TM_NODE_ID",
-        "local_addr": "TM_LOCAL_ADDR",
-        "generation": "TM_GENERATION",
-        "sandbox": "TM_SANDBOX",
-        "sandbox_steps": "TM_SANDBOX_STEPS",
-        "collective_timeout": "TM_COLLECTIVE_TIMEOUT",
-        "setup_timeout": "TM_SETUP_TIMEOUT",
-        "straggler_window": "TM_STRAGGLER_WINDOW",
-        "snapshot_every": "TM_SNAPSHOT_EVERY",
-        "snapshot_memory_limit": "TM_SNAPSHOT_MEMORY_LIMIT",
-        "snapshot_send": "TM_SNAPSHOT_SEND",
-        "snapshot_parity": "TM_SNAPSHOT_PARITY",
-        "exit_notice": "TM_EXIT_NOTICE",
-        "telemetry": "TM_TELEMETRY",
-        "local_rank": "LOCAL_RANK",
-        "rank": "RANK",
-        "world_size": "WORLD_SIZE",
-        "local_world_size": "LOCAL_WORLD_SIZE",
-        "group_rank": "GROUP_RANK",
-    }
+    VARIABLES = {v.field: v.name for v in WORKER_VARIABLES}  # field -> variable (the TM_* ones are tm-launch's)
     OWN = tuple(v for v in VARIABLES.values() if v.startswith("TM_"))
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         env = os.environ if environ is None else environ
-        values = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(cls.VARIABLES[f.name])
-            if raw is None or raw == "":
-                continue
-            if f.type == "bool":
-                values[f.name] = raw == "1"
-            elif f.type == "int":
-                values[f.name] = int(raw)
-            elif f.type == "float":
-                values[f.name] = float(raw)
-            else:
-                values[f.name] = raw
+        values = {v.field: v.decode(env[v.name]) for v in WORKER_VARIABLES if env.get(v.name)}
         if "rank" not in values:
             values["rank"] = values.get("local_rank", 0)
         return cls(**values)
@@ -147,11 +110,10 @@ class WorkerEnv:
         """tm-launch's own variables (``TM_*``) as the agent sets them for a worker; torchrun's
         are set beside them by the agent, as torchrun sets them."""
         out = {}
-        for name, var in self.VARIABLES.items():
-            value = getattr(self, name)
-            if not var.startswith("TM_") or value is None:
-                continue
-            out[var] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        for v in WORKER_VARIABLES:
+            value = getattr(self, v.field)
+            if v.name.startswith("TM_") and value is not None:
+                out[v.name] = v.encode(value)
         if not self.no_live:
             out.pop("TM_NO_LIVE")  # unset: the worker may go live
         if self.exit_notice < 0:

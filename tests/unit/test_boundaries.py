@@ -7,6 +7,8 @@
   plotting library.
 * The operator's commands (``tm_launch.ctl``) load neither the agent's nor the worker's code,
   nor torch (``ctl status`` answers in well under a second).
+* What every process imports (``tm_launch.settings``, the settings table, and ``tm_launch.logs``,
+  the logging convention) loads the standard library only.
 """
 
 import os
@@ -111,3 +113,10 @@ def test_the_workers_rooms_import_downwards_only():
     assert upward == []
     unknown = sorted({room for room, _, _ in _worker_imports()} - set(layer))
     assert unknown == [], f"rooms missing from WORKER_LAYERS: {unknown}"
+
+
+@pytest.mark.parametrize("entry", ["tm_launch.settings", "tm_launch.logs"])
+def test_what_every_process_imports_loads_the_standard_library_only(entry):
+    loaded = loaded_after(entry)
+    assert under(loaded, "torch", "yaml", "numpy", *ETCD_CLIENTS, "rendezvous", "health") == []
+    assert under(loaded, "tm_launch") == sorted({"tm_launch", entry})

@@ -19,6 +19,8 @@ import time
 
 import yaml
 
+from ..logs import logger
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tm-launch ctl", description="Inspect and steer a running tm-launch job.")
@@ -79,7 +81,7 @@ def status(members, run_id: str) -> dict:
 
     snap = members.snapshot(strict=False)  # an operator still sees the nodes when the plan is junk
     if snap.plan_error:
-        logging.getLogger("tm_launch.ctl").warning("%s", snap.plan_error)
+        logger(__name__).warning("%s", snap.plan_error)
     view, plan = snap.view, snap.view.plan
     progress = members.all_progress()
     departed = departures(members.history())
@@ -232,7 +234,7 @@ def _timeline(members, run_id: str, args) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     # Keys skipped as unreadable are reported once each on stderr (stdout stays parseable).
-    logging.basicConfig(level=logging.WARNING, format="tm-launch ctl: warning: %(message)s")
+    log = logger(__name__, prog="tm-launch ctl", libraries=logging.WARNING)
     from rendezvous.kv import AccessDenied, KVError
     from rendezvous.rdzv_conf import UsageError
 
@@ -266,10 +268,10 @@ def main(argv: list[str]) -> int:
             members.event("operator", "uncordoned", message=f"tm-launch ctl uncordon {args.node}", target=args.node)
             print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
     except AccessDenied as e:
-        print(f"tm-launch ctl: error: permission denied for run {args.rdzv_id}: {e}", file=sys.stderr)
+        log.error("permission denied for run %s: %s", args.rdzv_id, e)
         return 1
     except (KVError, ValueError, OSError, UsageError) as e:
-        print(f"tm-launch ctl: error: {e}", file=sys.stderr)
+        log.error("%s", e)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -100,7 +100,7 @@ class CollectiveWatch:
         self.session = session
         self.supervisor = supervisor
         self.say = say
-        self.enabled = cfg.health is not None and cfg.health.collective_watch and cfg.live_enabled
+        self.enabled = cfg.health is not None and cfg.health.collective_watch and not cfg.no_live
         self.limits = limits_of(cfg.health) if self.enabled else Limits()
         self._clients: dict[tuple[str, int], object] = {}  # peer agents' stores, connected on the first decision
         self._poked_at = self._decided_at = self._published_at = 0.0

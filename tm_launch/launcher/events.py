@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 import queue
-import sys
 import threading
 import time
 
 from rendezvous.kv import KVError
 from rendezvous.membership import Membership
+
+from ..logs import logger
+
+log = logger(__name__)
 
 
 class EventLog:
@@ -41,8 +44,7 @@ class EventLog:
         log/events for ``ctl events`` (kinds other than "info"; not with ``publish=False``, for
         messages said while etcd is unreachable: they must not wait on it)."""
         now = time.time()
-        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
-        print(f"[tm-launch {self.node_id} {stamp}] {message}", file=sys.stderr, flush=True)
+        log.info("%s", message, extra={"node": self.node_id, "at": now})  # [tm-launch NODE HH:MM:SS.mmm] message
         record = {"time": now, "node": self.node_id, "kind": kind, "message": message, **fields}
         if self.path:
             with open(self.path, "a") as f:

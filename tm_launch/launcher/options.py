@@ -1,9 +1,9 @@
 """Command line and YAML: torchrun's parser, plus tm-launch's own options, plus ``--config``.
 
 One source of truth: torchrun's ``get_args_parser()`` defines every torchrun option (and its
-``PET_*`` variable); tm-launch adds its options to the same parser, and the YAML file may set
-any of them by its destination name (``nproc_per_node: 2``, ``rdzv_backend: etcd-v3``,
-``spares: 1``, ``health: {hang_timeout: 60}``). Precedence: command line > ``PET_*`` variable >
+``PET_*`` variable); tm-launch adds its options, each declared once in ``tm_launch.settings``,
+to the same parser, and the YAML file may set any of them by its destination name
+(``nproc_per_node: 2``, ``rdzv_backend: etcd-v3``, ``spares: 1``, ``health: {hang_timeout: 60}``). Precedence: command line > ``PET_*`` variable >
 YAML > built-in default. Mistakes raise ``UsageError`` with one line saying what to fix.
 """
 
@@ -22,7 +22,7 @@ import yaml
 from health.config import HealthConfig
 from rendezvous.rdzv_conf import RUN_ID, UsageError  # one user-mistake type for every option, --rdzv-conf included
 
-from ..protocol import SNAPSHOT_SENDS
+from ..settings import SETTINGS, problems
 
 LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2")
 # Options a config file may not set: they name the script, not the job.
@@ -63,98 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument(
         "--config", metavar="FILE.yaml", help="YAML file setting any option below or above by its name (e.g. nproc_per_node: 2, spares: 1)."
     )
-    own.add_argument(
-        "--spares",
-        type=int,
-        default=0,
-        help="Spare nodes the job wants to keep warm; a warning is printed when it has fewer. Nodes that join beyond --nnodes MAX are spares.",
-    )
-    own.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=5.0,
-        help="Seconds before a node that stopped refreshing its etcd lease counts as lost (default 5).",
-    )
-    own.add_argument(
-        "--node-id", default=None, help="Name of this node in the job (default: HOSTNAME-PID). `tm-launch ctl drain NODE` uses it."
-    )
-    own.add_argument(
-        "--join-timeout", type=float, default=600.0, help="Seconds to wait for the first generation to form before giving up (default 600)."
-    )
-    own.add_argument(
-        "--last-call",
-        type=float,
-        default=1.0,
-        help="With --nnodes MIN:MAX, seconds to wait for more nodes once MIN are present (default 1).",
-    )
-    own.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=120.0,
-        help="Live mode: seconds a collective may block before a rank gives up on its peers (default 120).",
-    )
-    own.add_argument(
-        "--sandbox-steps",
-        type=int,
-        default=2,
-        help="Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2; "
-        "one promoted to other ranks runs the script again with one step and DDP's bucket rebuild).",
-    )
-    own.add_argument(
-        "--snapshot-every",
-        type=int,
-        default=1,
-        metavar="N",
-        help="Live mode: every N committed steps, each rank copies the state no other live rank replicates (FSDP/ZeRO/TP shards, "
-        "pipeline stages without data-parallel peers) to host memory and to a rank on the next node, so that such layouts "
-        "recover live too (default 1; 0: never, a lost shard then restarts the job from its checkpoint).",
-    )
-    own.add_argument(
-        "--snapshot-send",
-        choices=SNAPSHOT_SENDS,
-        default="commit",
-        help="Live mode: when a snapshot must be on its holder. commit (default): before its step commits, so a fault runs "
-        "only the interrupted step again; overlap: while the next step runs (cheaper where the send outlasts a step's "
-        "compute: a slow link, short steps), so a fault during a send also runs the step before again, and each rank and "
-        "its holder keep three images instead of two.",
-    )
-    own.add_argument(
-        "--snapshot-parity",
-        type=int,
-        default=0,
-        metavar="K",
-        help="Live mode: keep, instead of a whole copy of each rank's snapshot on the next node, the XOR parity of the "
-        "snapshots of K neighbouring nodes, cut in stripes kept on the nodes after them: each node keeps about 1/K of a "
-        "snapshot for others instead of one; a lost rank's snapshot is rebuilt from the parity and the other K-1 ranks' own "
-        "(K times the bytes to the joiner). Needs at least K+1 nodes (fewer: K shrinks to the nodes minus one). Default 0: a copy.",
-    )
-    own.add_argument(
-        "--snapshot-memory-limit",
-        type=_size,
-        default=None,
-        metavar="SIZE",
-        help="Live mode: host memory per node the snapshots may take (e.g. 16GiB, 500MB); snapshots that would need more "
-        "are refused when training starts, with one line saying how much they need (default: half the node's memory).",
-    )
-    own.add_argument(
-        "--no-live",
-        action="store_true",
-        help="Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().",
-    )
-    own.add_argument("--event-log", metavar="FILE", default=None, help="Append this agent's events as JSON lines to FILE.")
-    from torch.distributed.argparse_util import env
+    from torch.distributed.argparse_util import env  # torchrun's action: PET_<NAME> sets the option
 
-    own.add_argument(
-        "--metrics-port",
-        "--metrics_port",
-        dest="metrics_port",
-        action=env,
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="Serve this agent's Prometheus metrics on --local-addr:PORT (0: any free port; default off). "
-        "Agents sharing a machine need one port each: set PET_METRICS_PORT per agent.",
-    )
+    for setting in SETTINGS:
+        kwargs = setting.argparse_kwargs()
+        if setting.pet:
+            kwargs["action"] = env
+        own.add_argument(*(setting.flags or (setting.option,)), **kwargs)
     health = parser.add_argument_group("health monitor (YAML section `health:`)")
     for f in dataclasses.fields(HealthConfig):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -285,54 +200,13 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-_UNITS = {
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "b": 1,
-    "": 1,
-}
-
-
-def _size(text) -> int:
-    """``16GiB``, ``500MB``, ``1.5G``, ``1000000``: bytes (argparse type; also YAML's)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("kmgtib")
-    unit = s[len(number) :]
-    try:
-        value = float(number) * _UNITS[unit]
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"'{text}' is no size: write bytes or a number with KiB, MiB, GiB, KB, MB or GB") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"'{text}': a size cannot be negative")
-    return int(value)
-
-
 def validate(args: argparse.Namespace) -> None:
+    """Checks across options and torchrun's; each tm-launch setting's own check is in its
+    declaration (``tm_launch.settings``)."""
     parse_nnodes(args.nnodes)
-    if args.spares < 0:
-        raise UsageError(f"--spares {args.spares}: must be 0 or more")
-    if args.lease_ttl <= 0:
-        raise UsageError(f"--lease-ttl {args.lease_ttl}: must be positive seconds")
-    if args.sandbox_steps < 1:
-        raise UsageError(f"--sandbox-steps {args.sandbox_steps}: must be at least 1")
-    if args.snapshot_every < 0:
-        raise UsageError(f"--snapshot-every {args.snapshot_every}: must be 0 (never) or more")
-    if args.snapshot_parity < 0 or args.snapshot_parity == 1:
-        raise UsageError(f"--snapshot-parity {args.snapshot_parity}: must be 0 (a whole copy) or a group of 2 nodes or more")
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise UsageError(f"--metrics-port {args.metrics_port}: must be a TCP port number (0-65535; 0 picks a free one)")
+    wrong = problems(args)
+    if wrong:
+        raise UsageError(wrong[0])
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts}: must be 0 or more")
     if args.rdzv_backend in LIVE_BACKENDS or args.standalone:

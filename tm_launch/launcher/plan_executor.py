@@ -65,7 +65,7 @@ class PlanExecutor:
         if me not in plan.nodes:
             self.be_spare(plan, view)
             return None
-        if not plan.live or not self.cfg.live_enabled:
+        if not plan.live or self.cfg.no_live:
             sup.stop(f"generation {plan.generation} restarts every worker")
             self._start_workers(plan, sandbox=False)
         elif me in plan.joiners and not (sup.workers and sup.workers.kind == "sandbox"):
@@ -81,7 +81,7 @@ class PlanExecutor:
         self._warn_spares(view, plan)
         if (
             plan.live
-            and self.cfg.live_enabled
+            and not self.cfg.no_live
             and me not in plan.joiners
             and not sup.workers
             and previous is not None
@@ -93,7 +93,7 @@ class PlanExecutor:
     def be_spare(self, plan: Plan, view: View) -> None:
         """A spare warms its workers up in the sandbox once the job is known to be live."""
         sup = self.supervisor
-        if self.plan is not None and (view.live or sup.live_seen) and self.cfg.live_enabled and not sup.workers:
+        if self.plan is not None and (view.live or sup.live_seen) and not self.cfg.no_live and not sup.workers:
             self.say(f"spare: warming up {self.cfg.nproc} worker(s) in the sandbox (world size {plan.world_size})", kind="sandbox")
             self._start_workers(plan, sandbox=True)
         elif not sup.workers:
@@ -172,8 +172,8 @@ class PlanExecutor:
 
     def _warn_spares(self, view: View, plan: Plan) -> None:
         have = len(spares(dataclasses.replace(view, plan=plan)))
-        if have < self.cfg.spares_wanted and plan.nodes and plan.nodes[0] == self.cfg.node_id:
-            self.say(f"warning: the job wants {self.cfg.spares_wanted} spare node(s) and has {have}", kind="warning")
+        if have < self.cfg.spares and plan.nodes and plan.nodes[0] == self.cfg.node_id:
+            self.say(f"warning: the job wants {self.cfg.spares} spare node(s) and has {have}", kind="warning")
 
     def _start_workers(self, plan: Plan, sandbox: bool) -> None:
         self.supervisor.direct(plan)

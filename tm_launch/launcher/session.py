@@ -8,7 +8,6 @@ is decided by the main loop through ``apply_fencing_rule``, so one thread owns t
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,8 +16,11 @@ from rendezvous.kv import KVError, Lease
 from rendezvous.membership import Membership, UnreadablePlan
 from rendezvous.plan import NodeInfo, Plan
 
+from ..logs import logger
 from ..waits import Every
 from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
+
+log = logger(__name__)
 
 
 class Fenced(Exception):
@@ -212,22 +214,20 @@ class EtcdSession:
                 break
             except KVError:
                 if time.time() > deadline:
-                    print(
-                        f"tm-launch: error: node {me} fenced ({why}) and etcd still unreachable; its lease has expired, "
-                        "so the job counts it as lost",
-                        file=sys.stderr,
-                        flush=True,
+                    log.error(
+                        "node %s fenced (%s) and etcd still unreachable; its lease has expired, so the job counts it as lost", me, why
                     )
                     return
                 time.sleep(min(1.0, self.ttl / 3))
         self.note_etcd(True)
         successor = next((new for new, old in (latest.replaced if latest else {}).items() if old == me), None)
         taken = f"{successor} took its ranks in generation {latest.generation}" if successor else "its ranks are no longer its own"
-        print(
-            f"tm-launch: error: node {me} was fenced ({why}); {taken}; it is cordoned as failed: "
-            f"fix the node, then `tm-launch ctl uncordon {me}` to offer it as a spare again",
-            file=sys.stderr,
-            flush=True,
+        log.error(
+            "node %s was fenced (%s); %s; it is cordoned as failed: fix the node, then `tm-launch ctl uncordon %s` to offer it as a spare again",
+            me,
+            why,
+            taken,
+            me,
         )
 
     # -- what the planner must see ------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from rendezvous.plan import Plan
 
+from .. import settings
 from ..collective_page import page_path
 from ..protocol import (
     LATEST,
@@ -126,7 +127,7 @@ class WorkerSupervisor:
 
     def note_live(self) -> bool:
         """True the first time a local worker says it uses the live API (never under --no-live)."""
-        if self.live_seen or not self.cfg.live_enabled:
+        if self.live_seen or self.cfg.no_live:
             return False
         for lr in self.workers.workers:
             if self.store.check([WorkerKeys(lr).live]):
@@ -293,20 +294,12 @@ class WorkerSupervisor:
             WorkerEnv(
                 agent_store=f"{cfg.addr}:{self.store.port}",
                 wake=self.wake_socket.address,
-                no_live=not cfg.live_enabled,
-                node_id=me,
                 local_addr=cfg.addr,
                 generation=plan.generation,
                 sandbox=sandbox,
-                sandbox_steps=cfg.sandbox_steps,
-                collective_timeout=cfg.collective_timeout,
-                setup_timeout=cfg.join_timeout,
                 straggler_window=cfg.health.straggler_window if cfg.health else 20,
-                snapshot_every=cfg.snapshot_every,
-                snapshot_memory_limit=cfg.snapshot_memory_limit,
-                snapshot_send=cfg.snapshot_send,
-                snapshot_parity=cfg.snapshot_parity,
-                telemetry=page_path(self.scratch, local_rank) if cfg.live_enabled else "",
+                **settings.to_worker(cfg),  # every setting that reaches the workers (tm_launch.settings)
+                telemetry=page_path(self.scratch, local_rank) if not cfg.no_live else "",
             ).tm_variables()
         )
         return env

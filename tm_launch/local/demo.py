@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -23,11 +24,15 @@ import time
 from rendezvous.etcd_server import EtcdServer
 
 from ..joblog import PHASES
+from ..logs import logger
 from .localjob import LocalJob, downtime
+
+log = logger("tm_launch.local.demo")  # not __name__: `python -m` runs it as __main__
 
 
 def say(message: str) -> None:
-    print(f"[demo] {message}", flush=True)
+    """The demo's progress, ``[demo] message`` on stderr (its report goes to stdout)."""
+    log.info("%s", message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-step", type=int, default=40, help="the worker is killed when training passes this step")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, step log, events)")
     args = p.parse_args(argv)
+    logger(prog="demo", libraries=logging.WARNING)
 
     workdir = tempfile.mkdtemp(prefix="tm-launch-demo-")
     say("starting a private etcd on loopback")

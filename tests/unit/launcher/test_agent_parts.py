@@ -185,7 +185,7 @@ def test_no_live_workers_report_to_the_agent_but_never_go_live(tmp_path):
     """--no-live: workers get the agent store (they report steps) and TM_NO_LIVE, which keeps
     tm_launch.init() out of live mode; a worker saying it is live anyway is not believed."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    cfg = AgentConfig(node_id="n2", addr="127.0.0.1", nproc=1, limits=Limits(1, 2, 2, 0), cmd=sleeper, run_id="r", live_enabled=False)
+    cfg = AgentConfig(node_id="n2", addr="127.0.0.1", nproc=1, limits=Limits(1, 2, 2, 0), cmd=sleeper, run_id="r", no_live=True)
     sup = WorkerSupervisor(cfg, Said())
     try:
         env = sup.env(Plan(generation=0, nodes=("n2",), nproc=1), 0, sandbox=False)
@@ -197,7 +197,7 @@ def test_no_live_workers_report_to_the_agent_but_never_go_live(tmp_path):
         sup.close()
     os.environ["TM_NO_LIVE"] = "1"  # inherited from an outer --no-live job: a live job drops it
     try:
-        live = WorkerSupervisor(dataclasses.replace(cfg, live_enabled=True), Said())
+        live = WorkerSupervisor(dataclasses.replace(cfg, no_live=False), Said())
         assert "TM_NO_LIVE" not in live.env(Plan(generation=0, nodes=("n2",), nproc=1), 0, sandbox=False)
         live.close()
     finally:
