@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(900)  # whole jobs (a torchrun reference and a live run) on a loaded 2-core machine
-
 from tm_launch.local.localjob import REPO
+
+pytestmark = pytest.mark.timeout(900)  # whole jobs (a torchrun reference and a live run) on a loaded 2-core machine
 
 ORDINARY = os.path.join(REPO, "tests", "scripts", "ordinary.py")
 STEPS = 24
