@@ -67,7 +67,7 @@ WORKER_LAYERS = [
     {"snapshots"},
     {"state"},
     {"comms"},
-    {"agent_client", "step_report", "failpoints", "exit_notice", "api", "__init__"},
+    {"agent_client", "step_report", "failpoints", "exit_notice", "api", "log", "__init__"},
 ]
 
 

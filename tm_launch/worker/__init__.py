@@ -22,7 +22,7 @@ same test checks it):
                    state (RNG, data position), ZeRO partitions
 ``comms``          groups that survive substitution (``LiveGroup``), the communicators behind
                    them, their connections and the stores' clients
-(root)             ``api`` (the ``Job`` interface), ``agent_client`` and ``step_report`` (the
+(root)             ``api`` (the ``Job`` interface), ``log`` (its lines), ``agent_client`` and ``step_report`` (the
                    worker's side of the agent protocol), ``failpoints``, ``exit_notice``
 =================  ============================================================================
 """

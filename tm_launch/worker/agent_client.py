@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 import threading
 import time
 
@@ -36,16 +35,7 @@ from ..protocol import (
     directive_key,
 )
 from ..waits import Every
-
-
-def log(msg: str) -> None:
-    print(f"[tm-launch worker {os.environ.get('RANK', '?')}] {msg}", file=sys.stderr, flush=True)
-
-
-def first_line(error: BaseException, limit: int = 160) -> str:
-    """An error in one log line: its message's first line (its type when the message is empty)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
-
+from .log import first_line, log
 
 _poke_socket: socket.socket | None = None
 
@@ -141,7 +131,7 @@ class AgentClient:
             try:
                 on_directive(Directive.from_json(store.get(directive_key(latest))))
             except Exception as e:  # noqa: BLE001 -- the watcher must live on
-                log(f"acting on generation {latest} failed: {first_line(e)}")
+                log.info(f"acting on generation {latest} failed: {first_line(e)}")
 
         def run():
             try:
@@ -232,7 +222,7 @@ class AgentClient:
             if latest > after:
                 return self.directive(latest)
             if ticker.due() and (repeat or not said):
-                log(f"waiting for generation > {after} from the agent ({ticker.elapsed:.0f} s so far)")
+                log.info(f"waiting for generation > {after} from the agent ({ticker.elapsed:.0f} s so far)")
                 said = True
             if not self._watcher.is_alive():  # it ends only with the agent (whose store then fails first) or close()
                 raise RuntimeError(f"tm-launch: waiting for generation > {after}, but the watch of the agent's directives has ended")

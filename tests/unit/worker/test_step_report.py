@@ -269,6 +269,6 @@ def test_a_plain_job_frees_its_group_before_the_interpreter_tears_down():
     ],
 )
 def test_an_error_in_one_log_line(error, limit, want):
-    from tm_launch.worker.agent_client import first_line
+    from tm_launch.worker.log import first_line
 
     assert first_line(error, limit) == want

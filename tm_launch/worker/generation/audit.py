@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ..agent_client import log
+from ..log import log
 from ..state.transfer import allgather_objects
 from .state_exchange import StateExchange, StateLost
 
@@ -130,4 +130,4 @@ class Audit:
                 sorted({a, b}),
             )
         if self._generation and self._left == 0 and rank == 0:
-            log(f"audit after generation {self._generation}: every replica agrees ({self.last_ms:.0f} ms)")
+            log.info(f"audit after generation {self._generation}: every replica agrees ({self.last_ms:.0f} ms)")

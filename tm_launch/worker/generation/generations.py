@@ -32,9 +32,10 @@ import time
 
 from ...protocol import Directive, EnteredRecord, WorkerEnv, WorkerState
 from .. import torch_patches
-from ..agent_client import AgentClient, first_line, log
+from ..agent_client import AgentClient
 from ..comms import communicators, connections
 from ..comms.groups import LocalBackend
+from ..log import first_line, log
 from ..snapshots import Snapshots
 from ..step_report import LiveStatus
 from .commit import commit_store

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..agent_client import log
+from ..log import log
 from ..snapshots import Snapshots
 from ..state.replicas import fingerprints, replica_set
 from ..state.transfer import allgather_objects, human_size, recv_state, send_state
@@ -93,7 +93,7 @@ class StateExchange:
         state, snapshots = self.state, self.snapshots
         plan = plan_recovery(holdings)
         if plan.tried:
-            log(f"steps the job cannot continue from: {'; '.join(f'{s}: {why}' for s, why in plan.tried.items())}")
+            log.info(f"steps the job cannot continue from: {'; '.join(f'{s}: {why}' for s, why in plan.tried.items())}")
         if plan.conflicts:
             a, b = plan.conflicts[0]
             raise StateLost(
@@ -115,7 +115,7 @@ class StateExchange:
                 plan.missing,
             )
         if plan.step < plan.newest:
-            log(
+            log.info(
                 f"continuing from step {plan.step}, {plan.newest - plan.step} step(s) run again (the newest step a rank "
                 f"held was {plan.newest}; see the steps above for why not that one)"
             )
@@ -123,7 +123,7 @@ class StateExchange:
             t0 = time.perf_counter()
             snapshots.restore(plan.step, state.objects, state.per_rank)
             state.step = plan.step
-            log(f"returned to step {plan.step} from this rank's own snapshot in {(time.perf_counter() - t0) * 1000:.0f} ms")
+            log.info(f"returned to step {plan.step} from this rank's own snapshot in {(time.perf_counter() - t0) * 1000:.0f} ms")
         sends = [(dst, names) for dst, sources in sorted(plan.live.items()) for src, names in sorted(sources.items()) if src == rank]
         sender = _Background(lambda: self._send_live(pg, sends))
         received = False
@@ -149,7 +149,7 @@ class StateExchange:
         for dst, names in sends:
             t0 = time.perf_counter()
             sent = send_state(pg, dst, {n: state.objects[n] for n in names}, state.step)
-            log(
+            log.info(
                 f"sent the training state of step {state.step} ({'+'.join(names)}, {human_size(sent)}) to rank {dst} "
                 f"in {(time.perf_counter() - t0) * 1000:.0f} ms"
             )
@@ -164,7 +164,7 @@ class StateExchange:
         for src, names in sorted(plan.live.get(rank, {}).items()):
             t0 = time.perf_counter()
             step, got = recv_state(pg, src, {n: state.objects[n] for n in names})
-            log(
+            log.info(
                 f"received the training state of step {step} ({'+'.join(names)}, {human_size(got)}) from rank {src} "
                 f"in {(time.perf_counter() - t0) * 1000:.0f} ms"
             )
@@ -174,7 +174,7 @@ class StateExchange:
             t0 = time.perf_counter()
             image = snapshots.fetch(holder, rank, plan.step, names)
             per_rank_done = self._load_snapshot(image, names)
-            log(
+            log.info(
                 f"received this rank's snapshot of step {plan.step} ({'+'.join(names)}, {human_size(image.nbytes)}) "
                 f"from rank {holder} in {(time.perf_counter() - t0) * 1000:.0f} ms"
             )
@@ -183,7 +183,7 @@ class StateExchange:
             t0 = time.perf_counter()
             image, moved = snapshots.rebuild(holders, group, rank, plan.step, members)
             per_rank_done = self._load_snapshot(image, names)
-            log(
+            log.info(
                 f"rebuilt this rank's snapshot of step {plan.step} ({'+'.join(names) or 'per-rank state'}, {human_size(image.nbytes)}; "
                 f"{human_size(moved)} received) from its group's parity on rank(s) {holders} and the snapshots of rank(s) {sorted(members)} "
                 f"in {(time.perf_counter() - t0) * 1000:.0f} ms"

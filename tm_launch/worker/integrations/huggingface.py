@@ -36,7 +36,7 @@ from transformers.trainer_callback import ExportableState
 
 import tm_launch
 
-from ..agent_client import log
+from ..log import log
 from ..torch_patches import keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only, live_job, new_ddp_like
 
@@ -64,9 +64,11 @@ class LiveTrainer(Trainer):
             if received is not None:
                 resume_dir = tempfile.mkdtemp(prefix="tm-launch-hf-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
                 resume_from_checkpoint = received.write(resume_dir)
-                log(f"tm_launch.huggingface: resuming the Trainer at step {received.trainer_state['global_step']} from the state received")
+                log.info(
+                    f"tm_launch.huggingface: resuming the Trainer at step {received.trainer_state['global_step']} from the state received"
+                )
                 if self.args.dataloader_num_workers > 0:
-                    log(
+                    log.info(
                         "tm_launch.huggingface: random numbers drawn inside the train loader's worker processes start "
                         "afresh at this step on this rank (as after any checkpoint resume)"
                     )
@@ -85,7 +87,7 @@ class LiveTrainer(Trainer):
         """Go live if this run can be repaired in place; a spare parks here. Returns what a
         joining rank received (a ``Received``), else None."""
         if self.args.gradient_accumulation_steps != 1:
-            log(
+            log.info(
                 f"tm_launch.huggingface: restart mode, not live: gradient_accumulation_steps="
                 f"{self.args.gradient_accumulation_steps} (a step's earlier micro-batches would be lost)"
             )

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import tm_launch
 
-from ..agent_client import log
+from ..log import log
 from ..torch_patches import gain_methods, keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only, live_job, new_ddp_like
 
@@ -75,7 +75,7 @@ class LiveStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         reason = not_live_reason(trainer)
         if reason is not None:
-            log(f"tm_launch.lightning: restart mode, not live: {reason}")
+            log.info(f"tm_launch.lightning: restart mode, not live: {reason}")
             return
         self._loop = LiveLoop(job)
         for logger in trainer.loggers:  # no metrics of an interrupted step (``live_loop.final_only``)
@@ -86,7 +86,7 @@ class LiveStrategy(DDPStrategy):
         job.enter_before_loop()  # a spare parks here; promoted, it receives the state at once
         if self._state.received is not None:
             trainer._checkpoint_connector._loaded_checkpoint = self._state.received
-            log(
+            log.info(
                 f"tm_launch.lightning: resuming Lightning at step {self._state.received['global_step']} "
                 f"(epoch {self._state.received['epoch']}) from the state received"
             )
@@ -226,7 +226,7 @@ class _Skipping:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         if self.loader.num_workers > 0:
-            log(
+            log.info(
                 f"tm_launch.lightning: resuming the train loader at batch {batches} of epoch {epoch}: random numbers drawn "
                 "inside its worker processes start afresh here (as after any checkpoint resume)"
             )

@@ -41,7 +41,7 @@ from torchtitan.trainer import Trainer
 import tm_launch
 
 from ...protocol import WorkerEnv
-from ..agent_client import first_line, log
+from ..log import first_line, log
 from ..torch_patches import keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only
 

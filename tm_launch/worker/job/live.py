@@ -57,13 +57,14 @@ import torch.distributed as dist
 
 from ...protocol import EXIT_REFUSED, EXIT_STATE_LOST, FirstStepRecord, RefusedRecord, StateLostRecord, WorkerEnv, WorkerState
 from .. import torch_patches
-from ..agent_client import AgentClient, log
+from ..agent_client import AgentClient
 from ..api import Job
 from ..comms import communicators
 from ..comms.groups import FAKE_NAMES, LiveGroup, LocalBackend, StepPoison, asks_fake, in_process_backend, unique_name
 from ..generation.audit import Audit
 from ..generation.commit import StepCommit
 from ..generation.generations import Generations, StateLost
+from ..log import log
 from ..snapshots import Snapshots
 from ..snapshots.service import SnapshotRefused
 from ..spare import sharding_decisions
@@ -104,7 +105,7 @@ class LiveJob(Job):
     def __init__(self, env: WorkerEnv, backend: str | None = None, rng_per_rank: bool = True):
         overridden = communicators.live_process_environment()  # first: before this process starts threads
         if overridden and env.local_rank == 0:
-            log(overridden)
+            log.info(overridden)
         die_with_parent()
         self.local_rank = env.local_rank
         # Every group of the job serves these devices (an unusable choice raises before anything starts).
@@ -416,7 +417,7 @@ class LiveJob(Job):
             snapshots.set_remote(self.gens.exchange.unreplicated(self.rank, self.world_size), self.generation)
             if first and snapshots.enabled:
                 when = "overlapping the next step" if snapshots.overlap_send else "before each step commits"
-                log(
+                log.info(
                     f"snapshots every {snapshots.every} step(s): {'+'.join(sorted(snapshots.remote))} (held by no other rank) "
                     f"{snapshots.describe_placement()} {when}, everything registered kept locally"
                 )
@@ -425,7 +426,7 @@ class LiveJob(Job):
     def _refused(self, refused: SnapshotRefused) -> None:
         """The job cannot run as configured: say so once, tell the agent (it fails the job: no
         restart would help), end this process."""
-        log(f"tm-launch: error: {refused}")
+        log.info(f"tm-launch: error: {refused}")
         self.agent.report_refused(RefusedRecord(why=str(refused)))
         sys.stdout.flush()
         sys.stderr.flush()
@@ -435,7 +436,7 @@ class LiveJob(Job):
         """No live rank can give some rank its state: tell the agent (the job restarts every
         worker from the script's own checkpoint) and end this process without touching its
         communicators (peers are ending theirs the same way)."""
-        log(f"{lost}: this job cannot continue live without wrong weights; every worker restarts from the script's checkpoint")
+        log.info(f"{lost}: this job cannot continue live without wrong weights; every worker restarts from the script's checkpoint")
         self.agent.report_state_lost(StateLostRecord(step=lost.step, ranks=lost.ranks, why=str(lost)))
         sys.stdout.flush()
         sys.stderr.flush()

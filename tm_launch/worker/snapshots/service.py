@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 
 from .. import failpoints
-from ..agent_client import first_line, log
+from ..log import first_line, log
 from ..state.transfer import human_size
 from .image import Capture, StateImage, wire_size
 from .link import LinkError, SnapshotClient, SnapshotServer

@@ -19,10 +19,10 @@ import sys
 
 from ...protocol import Directive, WorkerState
 from .. import torch_patches
-from ..agent_client import log
 from ..comms import communicators
 from ..comms.groups import LocalBackend
 from ..generation.generations import Generations, Superseded
+from ..log import log
 from ..snapshots import Snapshots
 from ..state.transfer import cpu_copy, human_size
 from ..step_report import LiveStatus
@@ -141,7 +141,7 @@ class Spare:
             return
         left = cuda_warmup.leave_no_trace()  # None: CUDA never used here
         if left is not None:
-            log(
+            log.info(
                 f"warm-up done: CUDA pools released, {human_size(left['allocated'])} allocated "
                 f"({human_size(left['reserved'])} reserved) for the model and optimizer"
             )
@@ -185,7 +185,7 @@ class Spare:
         """Promoted to ranks this process did not warm up as: drop everything the script built
         for the old ranks and run it again from the top for the new ones (``tm_launch.worker``)."""
         rank = d.rank_of(self.local_rank)
-        log(f"promoted to rank {rank} (warmed up as rank {self.job.rank}): running the script again for rank {rank}")
+        log.info(f"promoted to rank {rank} (warmed up as rank {self.job.rank}): running the script again for rank {rank}")
         for g in self.state.subgroups:
             torch_patches.unregister(g)
         sharding_decisions.retire_meshes()

@@ -45,8 +45,8 @@ import pickle
 
 import torch
 
-from ..agent_client import log
 from ..comms import communicators
+from ..log import log
 
 TENSOR = "__tensor__"
 GPU_WIRE, HOST_WIRE = "cuda", "cpu"  # NCCL, straight from GPU memory / gloo, through host memory
@@ -100,7 +100,7 @@ def _progress(verb: str, peer: str, total: int):
     def step(nbytes: int) -> None:
         done[0] += nbytes
         if ticker.due():
-            log(f"{verb} training state {peer}: {human_size(done[0])} of {human_size(total)} after {ticker.elapsed:.0f} s")
+            log.info(f"{verb} training state {peer}: {human_size(done[0])} of {human_size(total)} after {ticker.elapsed:.0f} s")
 
     return step
 
