@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..protocol import EXIT_REFUSED, EXIT_STATE_LOST, Directive, FirstStepRecord, RefusedRecord, StateLostRecord, WorkerEnv, WorkerState
-from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_steps, sharding_decisions
+from . import c10d_glue, communicators, cuda_warmup, data_loaders, ddp_rebuild, optimizer_steps, sharding_decisions
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
@@ -177,7 +177,14 @@ class PlainJob:
         return dist.get_world_size()
 
     def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
+        why = data_loaders.refuse_registered(objects)  # as in live mode: a script refused there is refused here
+        if why:
+            raise data_loaders.DataRefused(why)
         self._objects.update(objects)
+
+    def data(self, loader) -> data_loaders.Batches:
+        """``next()`` gives one batch per step, epochs run on (``tm_launch.worker.data_loaders``)."""
+        return data_loaders.Batches(loader, cached=False)
 
     def new_group(self, ranks, backend=None):
         return dist.new_group(list(ranks), backend=backend)
@@ -355,6 +362,9 @@ class LiveJob:
         ``per_rank=True``: state this rank alone advances in every step (``tm_launch.RNGState()``,
         a sampler's or loader's position): restored when a step runs again, and mirrored so that
         a rank that joins in its place continues from it (``tm_launch.worker.per_rank``)."""
+        why = data_loaders.refuse_registered(objects)
+        if why:
+            self._refused(data_loaders.DataRefused(why))
         if per_rank:
             self.state.per_rank.objects.update(objects)
             return
@@ -369,6 +379,18 @@ class LiveJob:
                 obj, declared = ZeroPartition(obj), (self.rank,)
             self.state.objects[name] = obj
             self.state.declared[name] = declared
+
+    def data(self, loader) -> data_loaders.Batches:
+        """``batches = job.data(loader)``, then ``next(batches)`` once per step: a step that runs
+        again gets its first attempt's batch, a joiner goes on at the lost rank's epoch and
+        position (per-rank state; ``tm_launch.worker.data_loaders``). A loader that cannot be made
+        exact fails the job with one line saying what to do."""
+        try:
+            batches = data_loaders.Batches(loader)
+        except data_loaders.DataRefused as refused:
+            self._refused(refused)
+        self.state.per_rank.objects[data_loaders.name_for(self.state.per_rank.objects)] = batches
+        return batches
 
     def new_group(self, ranks, backend=None) -> LiveGroup:
         """A subgroup (TP/PP/DP style) that is rebuilt only when one of its ranks is replaced.
