@@ -93,6 +93,7 @@ def assert_bitwise(got: dict, ref: dict) -> None:
         ),
     ],
 )
+@pytest.mark.timeout(900)  # a live run and a torchrun run; DataLoader workers start with every epoch (> 300 s on a loaded 2-core machine)
 def test_a_killed_rank_leaves_every_ranks_data_and_state_as_the_fault_free_torchrun_run(local_job, reference, extra, kill):
     job, codes, got = run(local_job, extra, kill)
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
