@@ -227,7 +227,7 @@ class Batches:
         self._it = None
         self._it_at: tuple | None = None  # (epoch, index) the live iterator stands at
         self._exhausted = False  # the live iterator ran out
-        self._began = False  # the last draw started an epoch (it drew the workers' base seed)
+        self._began = None  # the generators before the last draw started an epoch (its iter() draws the workers' base seed)
         self._cache: dict = {}  # (token, epoch, index) -> (batch, state after, generators before/after an epoch start)
 
     # -- the loop's side -------------------------------------------------------------------------
@@ -258,13 +258,12 @@ class Batches:
         if action == "rebuild":
             self._rebuild(key[1:])
             return next(self)
-        before = self._gen_states(all_gens=True) if self._cached else None
-        self._began = False
+        self._began = None
         if action == "begin":
             self._begin(begin_epoch(key[1:]))
         batch = self._draw()  # may begin the next epoch too
         if self._cached:
-            rng = (before, self._gen_states(all_gens=True)) if self._began else None
+            rng = (self._began, self._gen_states(all_gens=True)) if self._began is not None else None
             if len(self._cache) >= CACHE_LIMIT:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = (batch, self._state, rng)
@@ -272,7 +271,9 @@ class Batches:
 
     # -- per-rank state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return copy.deepcopy(self._state)
+        # A shallow copy: the state is replaced, never changed in place, and the per-rank
+        # machinery copies it deeply anyway (a deep copy here doubled the wrapper's cost per step).
+        return dict(self._state)
 
     def load_state_dict(self, state: dict) -> None:
         state = copy.deepcopy(state)
@@ -318,7 +319,7 @@ class Batches:
 
     def _begin(self, epoch: int) -> None:
         """Start ``epoch`` as a fault-free run does: ``set_epoch``, then a fresh ``iter()``."""
-        self._began = True
+        self._began = self._gen_states(all_gens=True)  # nothing drew from them yet in this next()
         if self.kind == STATEFUL_LOADER and isinstance(self.loader, DataLoader) and not self._exhausted:
             self.loader.load_state_dict({})  # no state of an older position left to resume from
         self._drop_iterator()
@@ -368,10 +369,10 @@ class Batches:
                     skipping.n = 0
                     object.__setattr__(self.loader, attr, original)
             elif self.kind == STATEFUL_LOADER:
-                self.loader.load_state_dict(self._state["inner"])
+                self.loader.load_state_dict(copy.deepcopy(self._state["inner"]))  # the loader may keep it
                 self._it = iter(self.loader)
             else:
-                self.loader.dataset.load_state_dict(self._state["inner"])
+                self.loader.dataset.load_state_dict(copy.deepcopy(self._state["inner"]))
                 self._it = iter(self.loader)
         self._it_at = at
 
