@@ -360,7 +360,7 @@ class LiveJob:
         ones are; a wrapper's ``.optimizer``/``.scheduler`` (accelerate's) is found by itself.
 
         ``per_rank=True``: state this rank alone advances in every step (``tm_launch.RNGState()``,
-        a sampler's or loader's position): restored when a step runs again, and mirrored so that
+        a data position of the script's own; a loader goes to ``data()``): restored when a step runs again, and mirrored so that
         a rank that joins in its place continues from it (``tm_launch.worker.per_rank``)."""
         why = data_loaders.refuse_registered(objects)
         if why:
