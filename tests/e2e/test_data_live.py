@@ -87,6 +87,7 @@ def assert_bitwise(got: dict, ref: dict) -> None:
         pytest.param(
             ("--loader", "stateful"), (0, FIRST_OF_EPOCH, "logging"), id="stateful-first-batch-after-commit", marks=pytest.mark.slow
         ),
+        pytest.param(("--loader", "iterable"), (1, FIRST_OF_EPOCH, "forward"), id="iterable-dataset-first-batch", marks=pytest.mark.slow),
         pytest.param(("--workers", "2"), (1, FIRST_OF_EPOCH, "forward"), id="plain-2-workers-first-batch", marks=pytest.mark.slow),
         pytest.param(
             ("--loader", "stateful", "--workers", "2"), (0, LAST_OF_EPOCH, "forward"), id="stateful-2-workers", marks=pytest.mark.slow

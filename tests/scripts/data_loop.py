@@ -8,7 +8,8 @@ state (parameters, optimizer state, its generator and data position) to ``PREFIX
 with a worker SIGKILLed must end with every rank's state bitwise equal to plain torchrun's
 fault-free run.
 
-``--loader plain|stateful`` (torchdata's ``StatefulDataLoader``), ``--workers N``; ``--loader
+``--loader plain|stateful|iterable`` (torchdata's ``StatefulDataLoader``; an ``IterableDataset`` with
+``state_dict()``), ``--workers N``; ``--loader
 random`` (a ``RandomSampler``: refused) and ``--register-loader`` (the loader passed to
 ``job.register(per_rank=True, ...)``: refused) check the one-line refusals. Faults:
 ``tests/scripts/faults.py`` (``forward`` is right after the step's batch was taken).
@@ -23,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
@@ -45,7 +46,35 @@ class Points(Dataset):
         return torch.randn(8, generator=g), torch.randn(2, generator=g)
 
 
+class Stream(IterableDataset):
+    """An iterable dataset with its own position: this rank's share of a shuffled order per epoch;
+    iter() resumes from the position (a state taken after its last sample ends at once) and
+    set_epoch() of another epoch starts over."""
+
+    def __init__(self, n: int, rank: int, world: int):
+        self.points, self.rank, self.world, self.pos, self.epoch = Points(n), rank, world, 0, 0
+
+    def __iter__(self):
+        order = torch.randperm(len(self.points), generator=torch.Generator().manual_seed(5 + self.epoch))[self.rank :: self.world]
+        while self.pos < len(order):
+            self.pos += 1
+            yield self.points[int(order[self.pos - 1])]
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.pos = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
 def make_loader(kind: str, samples: int, batch: int, workers: int, rank: int, world: int):
+    if kind == "iterable":
+        return DataLoader(Stream(samples, rank, world), batch_size=batch)
     data = Points(samples)
     if kind == "random":
         return DataLoader(data, batch_size=batch, sampler=RandomSampler(data))
@@ -62,7 +91,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--samples", type=int, default=40, help="dataset size (5 batches per rank and epoch at 2 ranks)")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--loader", default="plain", choices=("plain", "stateful", "random"))
+    p.add_argument("--loader", default="plain", choices=("plain", "stateful", "iterable", "random"))
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--register-loader", action="store_true")
     p.add_argument("--out", default=None)
