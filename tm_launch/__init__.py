@@ -6,7 +6,9 @@ Worker API (see ``tm_launch.worker.api.Job``)::
     job = tm_launch.init()
     model = DDP(model, process_group=job.group)
     job.register(model=model, optimizer=opt)
+    batches = job.data(loader)            # a DataLoader over a DistributedSampler, a StatefulDataLoader
     for step in job.steps(total_steps):
+        x, y = next(batches)              # exact when the step runs again or another rank takes over
         ...
 
 A loop of its own (a framework's, or any plain loop: restart mode) reports its progress instead::

@@ -60,6 +60,12 @@ class Job(abc.ABC):
         alone advances (RNG, data position)."""
 
     @abc.abstractmethod
+    def data(self, loader):
+        """``batches = job.data(loader)``; ``next(batches)`` once per step: the same batch when a
+        step runs again, the lost rank's epoch and position for a rank taking its place; tm-launch
+        runs the epochs (``set_epoch``). A loader that cannot be made exact is refused."""
+
+    @abc.abstractmethod
     def new_group(self, ranks, backend=None) -> dist.ProcessGroup:
         """A subgroup; ``dist.new_group`` and ``init_device_mesh`` work too."""
 

@@ -69,6 +69,7 @@ from ..snapshots import Snapshots
 from ..snapshots.service import SnapshotRefused
 from ..spare import sharding_decisions
 from ..spare.sandbox import Spare, freeze_what_exists
+from ..state import data_loaders
 from ..state.per_rank import PerRankState
 from ..step_report import LiveStatus, StepReporter, StepStats
 from . import optimizer_steps
@@ -238,6 +239,9 @@ class LiveJob(Job):
         ``per_rank=True``: state this rank alone advances in every step (``tm_launch.RNGState()``,
         a sampler's or loader's position): restored when a step runs again, and mirrored so that
         a rank that joins in its place continues from it (``tm_launch.worker.state.per_rank``)."""
+        why = data_loaders.refuse_registered(objects)
+        if why:
+            self._refused(data_loaders.DataRefused(why))
         if per_rank:
             self.state.per_rank.add(objects)
             return
@@ -246,6 +250,18 @@ class LiveJob(Job):
             self.state.objects[name] = carried
             self.state.declared[name] = holders if holders is not None else _replica_ranks(replicas, self.world_size)
             self.state.per_rank.add_buffers_of(name, obj)  # per-rank, whatever the layout: ModuleBuffers
+
+    def data(self, loader) -> data_loaders.Batches:
+        """``batches = job.data(loader)``, then ``next(batches)`` once per step: a step that runs
+        again gets its first attempt's batch, a joiner goes on at the lost rank's epoch and
+        position (per-rank state; ``state.data_loaders``). A loader that cannot be made exact
+        fails the job with one line saying what to do."""
+        try:
+            batches = data_loaders.Batches(loader)
+        except data_loaders.DataRefused as refused:
+            self._refused(refused)
+        self.state.per_rank.objects[data_loaders.name_for(self.state.per_rank.objects)] = batches
+        return batches
 
     def new_group(self, ranks, backend=None) -> LiveGroup:
         """A subgroup (TP/PP/DP style) that is rebuilt only when one of its ranks is replaced.

@@ -10,6 +10,7 @@ import os
 import torch.distributed as dist
 
 from ..api import Job
+from ..state import data_loaders
 from ..step_report import process_reporter
 from . import optimizer_steps
 
@@ -40,7 +41,14 @@ class PlainJob(Job):
         return dist.get_world_size()
 
     def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
+        why = data_loaders.refuse_registered(objects)  # as in live mode: a script refused there is refused here
+        if why:
+            raise data_loaders.DataRefused(why)
         self._objects.update(objects)
+
+    def data(self, loader) -> data_loaders.Batches:
+        """``next()`` gives one batch per step, epochs run on (``state.data_loaders``)."""
+        return data_loaders.Batches(loader, cached=False)
 
     def new_group(self, ranks, backend=None):
         return dist.new_group(list(ranks), backend=backend)

@@ -181,6 +181,8 @@ class PerRankState:
         not be published (its holder is gone)."""
         if not self.objects:
             return True
+        for obj in self.objects.values():  # job.data()'s batches forget those a re-run cannot need
+            getattr(obj, "step_begins", lambda: None)()
         self._snapshot = now = self._states()
         voted, self._voted = self._voted, None
         if voted is None or voted[0] != step or publish is None:
