@@ -121,11 +121,11 @@ class Generations:
             try:
                 ended = self.abort_changed(d)
                 if ended:
-                    log(
+                    log.info(
                         f"generation {d.generation}: gave up {len(ended)} communicator(s) it changes (a collective waiting on a lost rank ends now)"
                     )
             except Exception as e:  # noqa: BLE001 -- the watcher must live on; the step boundary still recovers
-                log(f"aborting the communicators generation {d.generation} changes failed: {e}")
+                log.info(f"aborting the communicators generation {d.generation} changes failed: {e}")
             self.builds.build_ahead_as_survivor(d)  # its world connects while the interrupted step ends
 
     def at_boundary(self) -> None:
@@ -141,7 +141,7 @@ class Generations:
                 if state.commit.decision
                 else "interrupted, nothing applied; it runs again"
             )
-            log(f"step {state.commit.step} {what} ({error}); waiting for the next generation")
+            log.info(f"step {state.commit.step} {what} ({error}); waiting for the next generation")
             state.clear_step_effects()
             for g in state.groups:
                 g.release_if_broken()
@@ -195,7 +195,7 @@ class Generations:
             agreed = int(store.compare_set(f"tm/g{gen}/switch", "", str(state.step + margin)))
             thread, built = self.builds.build_in_background(None, d.rank_of(self.local_rank), gen, d) if d.active else (None, {})
             self.pending = {"generation": gen, "switch": agreed, "thread": thread, "built": built}
-            log(f"planned migration to generation {gen}: switching at step {agreed}")
+            log.info(f"planned migration to generation {gen}: switching at step {agreed}")
         if state.step < self.pending["switch"]:
             return True
         pending, self.pending = self.pending, None
@@ -207,7 +207,7 @@ class Generations:
             try:
                 self.snapshots.resend(state.step, state.objects, state.per_rank.states_now(), leaving=True)
             except (RuntimeError, OSError) as e:
-                log(f"leaving at step {state.step}: its snapshot did not reach its holder ({first_line(e)})")
+                log.info(f"leaving at step {state.step}: its snapshot did not reach its holder ({first_line(e)})")
             self._leave()
         prebuilt = (pending["thread"], pending["built"]) if pending["thread"] is not None else None
         self.enter(d, prebuilt=prebuilt)
@@ -231,14 +231,14 @@ class Generations:
                 self._enter_once(d, prebuilt, agree, late, switching)
                 return
             except Superseded as newer:
-                log(f"generation {d.generation} was superseded by {newer.directive.generation} while entering it")
+                log.info(f"generation {d.generation} was superseded by {newer.directive.generation} while entering it")
                 d = newer.directive
             except StateLost:
                 raise
             except RuntimeError as e:  # gloo/store errors: a peer died while entering
                 why = f"entering generation {d.generation} failed ({first_line(e)})"
                 self.status.recovering(why)
-                log(f"{why}; waiting for the next generation")
+                log.info(f"{why}; waiting for the next generation")
                 d = self.directives.wait_after(d.generation)
             prebuilt, agree, late = None, True, False
             if d.stop:

@@ -70,7 +70,7 @@ class LiveTrainer(Trainer):
         live = WorkerEnv.from_environ().live  # under tm-launch, not --no-live
         reason = not_live_reason(self.config) if live else None
         if reason is not None:
-            log(f"tm_launch.torchtitan: restart mode, not live: {reason}")
+            log.info(f"tm_launch.torchtitan: restart mode, not live: {reason}")
         if not live or reason is not None:
             return super().init_distributed()
         prepare_process(self.config)
@@ -126,7 +126,7 @@ class LiveTrainer(Trainer):
         survivors returned to an earlier step (a lost rank's newest snapshot was still on its
         way): the steps between run again inside this one."""
         if step + 1 < self.step:
-            log(f"tm_launch.torchtitan: step {step + 1} runs again (the job returned to it from step {self.step})")
+            log.info(f"tm_launch.torchtitan: step {step + 1} runs again (the job returned to it from step {self.step})")
         self.step = step + 1
 
 
@@ -271,7 +271,7 @@ class CommittedCheckpoints:
             return False
         if not job.step_ok:
             if self._inner._should_save(curr_step, last_step):
-                log(f"tm_launch.torchtitan: step {curr_step}'s checkpoint not written: a collective of that step failed")
+                log.info(f"tm_launch.torchtitan: step {curr_step}'s checkpoint not written: a collective of that step failed")
             return False
         try:
             saved = self._inner.save(curr_step, last_step)
@@ -284,7 +284,7 @@ class CommittedCheckpoints:
         if saved and not job.step_ok:
             path = self._inner._create_checkpoint_id(curr_step)
             shutil.rmtree(path, ignore_errors=True)
-            log(f"tm_launch.torchtitan: step {curr_step}'s checkpoint removed ({path}): a collective failed while it was written{why}")
+            log.info(f"tm_launch.torchtitan: step {curr_step}'s checkpoint removed ({path}): a collective failed while it was written{why}")
             return False
         return saved
 

@@ -225,7 +225,7 @@ class Snapshots:
                 client.put_image(share, keep_from)
         except (LinkError, OSError, RuntimeError) as e:
             if not self._closed:
-                log(f"snapshot of step {image.step} not sent to its holder (rank {self._holder}): {first_line(e)}")
+                log.info(f"snapshot of step {image.step} not sent to its holder (rank {self._holder}): {first_line(e)}")
             self._drop_client()
             return False
         with self._lock:
@@ -284,7 +284,7 @@ class Snapshots:
                     if give_up():
                         return False
                 except Exception as e:  # noqa: BLE001 -- a capture that failed is a step that must not commit
-                    log(f"snapshot of step {s} failed: {first_line(e)}")
+                    log.info(f"snapshot of step {s} failed: {first_line(e)}")
                     return False
         with self._lock:
             for s in [s for s in self._copies if s <= step and self._copies[s].done()]:
@@ -304,7 +304,7 @@ class Snapshots:
                 client.put_mirror(tag, exact, record)
             return True
         except (LinkError, OSError, RuntimeError) as e:
-            log(f"per-rank state of step {tag} not sent to its holder (rank {self._holder}): {first_line(e)}")
+            log.info(f"per-rank state of step {tag} not sent to its holder (rank {self._holder}): {first_line(e)}")
             self._drop_client()
             return False
 
