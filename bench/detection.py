@@ -51,7 +51,9 @@ def first_step_of_new_process(job: LocalJob, fault: float) -> float | None:
     return min((t for t, _, _, _, pid in job.step_records() if t > fault and pid not in before), default=None)
 
 
-def run_case(endpoint: str, name: str, workdir: str, launcher=(), script=(), env_for=None, inject=None, spare_after=True) -> dict:
+def run_case(
+    endpoint: str, name: str, workdir: str, launcher=(), script=(), env_for=None, inject=None, spare_after=True, fault_step=20
+) -> dict:
     nodes = ["a", "b", "d"] if name == "straggler" else ["a", "b"]
     job = LocalJob(
         endpoint=endpoint,
@@ -83,9 +85,9 @@ def run_case(endpoint: str, name: str, workdir: str, launcher=(), script=(), env
         job.start("c")
         job.wait_parked("c", timeout=240)
         open(trigger, "w").close()
-        job.wait_step(20, timeout=120)
+        job.wait_step(fault_step, timeout=180)
         fault = inject(job) if inject else time.time()
-        job.wait_for(lambda s: s["generation"] == 1, 120, f"{name}: the new generation")
+        job.wait_for(lambda s: s["generation"] == 1, 180, f"{name}: the new generation")
         time.sleep(2)
         detected = first_event(job, ("culprit", "worker_failed", "node_lost", "alarm", "hang"), fault - 1)
         plan = first_event(job, ("plan",), fault - 1, generation=1)
@@ -160,6 +162,9 @@ def main(argv=None) -> int:
             ),
             "watchdog-stop": dict(
                 launcher=["--health-collective-watch", "false"],
+                # 25 steps after the pause: the paused step (as long as the spare's warm-up) has left the
+                # watchdog's 20-step history, else its limit is 10x that step, not its 60 s floor
+                fault_step=35,
                 inject=lambda j: (os.kill(j.worker_pids("b")[0], signal.SIGSTOP), time.time())[1],
             ),
             "straggler": dict(
