@@ -7,6 +7,7 @@ import torch
 
 from tm_launch.worker.generation.audit import digests, disagreements, tensor_digest
 from tm_launch.worker.state.per_rank import AUTO_RNG, ModuleBuffers, PerRankState, RNGState
+from tm_launch.worker.state.transfer import cpu_copy
 
 
 def bn_model():
@@ -20,13 +21,13 @@ def test_module_buffers_round_trip_in_place_and_skip_non_persistent_ones():
     model(torch.randn(8, 3))
     buffers = ModuleBuffers(model, "model")
     assert buffers.keys() == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
-    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in buffers.state_dict().items()}
+    saved = cpu_copy(buffers.state_dict())  # a state_dict is a view of the packing, copied as per_rank copies it
     held = model[1].running_mean  # DDP and the script hold this tensor object
     model(torch.randn(8, 3))  # the step's forward moved them
-    assert not torch.equal(model[1].running_mean, saved["data"][:16].view(torch.float32))
+    assert not torch.equal(model[1].running_mean, saved["flat"]["cpu|float32"][:4])
     buffers.load_state_dict(saved)
     assert model[1].running_mean is held and int(model[1].num_batches_tracked) == 1
-    assert torch.equal(buffers.state_dict()["data"], saved["data"])
+    assert all(torch.equal(buffers.state_dict()["flat"][k], v) for k, v in saved["flat"].items())
 
 
 def test_a_step_that_runs_again_starts_from_the_buffers_and_rng_it_started_with():
@@ -112,3 +113,14 @@ R = frozenset
 )
 def test_disagreements_are_between_ranks_that_both_claim_the_replica(records, found):
     assert disagreements(records) == found
+
+
+def test_a_buffer_the_script_replaces_is_followed():
+    """``self.count = self.count + 1`` replaces the buffer object: the packing notices."""
+    model = bn_model()
+    buffers = ModuleBuffers(model, "model")
+    first = cpu_copy(buffers.state_dict())
+    model[1].num_batches_tracked = model[1].num_batches_tracked + 5  # a new tensor object
+    assert not all(torch.equal(buffers.state_dict()["flat"][k], v) for k, v in first["flat"].items())
+    buffers.load_state_dict(first)
+    assert int(model[1].num_batches_tracked) == 0
