@@ -246,6 +246,17 @@ SETTINGS: tuple[Setting, ...] = (
         worker=ToWorker("TM_SNAPSHOT_EVERY"),
     ),
     Setting(
+        "audit_every",
+        int,
+        0,
+        "Live mode: also every N steps (not only at the two step boundaries after each live recovery), the ranks "
+        "compare an exact digest of every registered tensor with the ranks that should hold the same copy, and end "
+        "live mode loudly on a difference (default 0: only after a recovery; it costs a pass over the state's bytes).",
+        metavar="N",
+        check=at_least(0, "must be 0 (only after a recovery) or more"),
+        worker=ToWorker("TM_AUDIT_EVERY"),
+    ),
+    Setting(
         "snapshot_send",
         str,
         "commit",

@@ -165,7 +165,7 @@ class LiveJob(Job):
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)
         self.guard.install()
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
-        self.audit = Audit(self.state, self.gens.exchange)
+        self.audit = Audit(self.state, self.gens.exchange, env.audit_every)
         if spare:  # opened while it warms up, not in the moment it is promoted
             self.spare.keep_connections_ready()
         atexit.register(self._close)
