@@ -91,6 +91,7 @@ def test_the_worker_reads_back_what_the_agent_writes():
     environment unchanged (the supervisor's ``to_worker`` -> ``tm_variables`` -> ``from_environ``)."""
     changed = {"node_id": "gpu-7", "join_timeout": 42.5, "collective_timeout": 9.0, "sandbox_steps": 5, "snapshot_every": 3}
     changed |= {"snapshot_send": "overlap", "snapshot_parity": 4, "snapshot_memory_limit": 2**30, "no_live": True}
+    changed |= {"audit_every": 7}
     assert set(changed) == {s.name for s in settings.SETTINGS if s.worker}
     config = argparse.Namespace(**{s.name: s.unset for s in settings.SETTINGS} | changed)
     sent = WorkerEnv(agent_store="h:1", **settings.to_worker(config))
