@@ -102,9 +102,7 @@ class Audit:
         mine = {}
         for name, obj in state.objects.items():
             sd = obj.state_dict()
-            skip = state.per_rank.buffer_keys(name)
-            if skip:
-                sd = {k: v for k, v in sd.items() if k not in skip}
+            sd = state.per_rank.without_buffers(name, sd)  # per-rank by design
             replicas = self.exchange._replicas(name, obj, sd, rank, world) - {rank}
             if replicas:
                 mine[name] = (frozenset(replicas), digests(sd))

@@ -44,9 +44,7 @@ class StateExchange:
         out = {}
         for name, obj in state.objects.items():
             sd = obj.state_dict()
-            per_rank = state.per_rank.buffer_keys(name)  # differ across ranks by design: not a replica's to agree on
-            if per_rank:
-                sd = {k: v for k, v in sd.items() if k not in per_rank}
+            sd = state.per_rank.without_buffers(name, sd)  # differ across ranks by design: not a replica's to agree on
             structure, values = fingerprints({name: sd}, {name} if isinstance(obj, torch.nn.Module) else set())
             out[name] = ObjectState(self._replicas(name, obj, sd, rank, world), structure, values)
         return out

@@ -158,6 +158,23 @@ class _Packing:
         }
 
 
+_DROPPED = object()
+
+
+def _without(state, memory: set, names: set):
+    """``state`` without the tensors whose memory starts at one of ``memory``'s addresses, nor the
+    tensors a dict holds under one of ``names`` (a framework that copied the module's state_dict)."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return _DROPPED if local.numel() and local.data_ptr() in memory else state
+    if isinstance(state, dict):
+        kept = {k: _DROPPED if k in names and isinstance(v, torch.Tensor) else _without(v, memory, names) for k, v in state.items()}
+        return {k: v for k, v in kept.items() if v is not _DROPPED}
+    if isinstance(state, (list, tuple)) and not only_immutable(state):
+        return type(state)(v for v in (_without(v, memory, names) for v in state) if v is not _DROPPED)
+    return state
+
+
 def _numel(shape: tuple) -> int:
     n = 1
     for d in shape:
@@ -206,8 +223,20 @@ class PerRankState:
                 self.objects[f"tm:buffers:{name}" + (f":{i}" if i else "")] = buffers
 
     def buffer_keys(self, owner: str) -> set:
-        """The keys of ``owner``'s state_dict that are per-rank buffers."""
+        """The keys of ``owner``'s state_dict that are per-rank buffers (a module registered as is)."""
         return {k for obj in self.objects.values() if isinstance(obj, ModuleBuffers) and obj.owner == owner for k in obj.keys()}
+
+    def without_buffers(self, owner: str, state):
+        """``state`` (``owner``'s ``state_dict()``) without the per-rank buffers it carries: a
+        module's own keys, and wherever they sit in a framework's nested checkpoint (found by
+        the memory they share with the module's buffers). Ranks differ there by design: what
+        replicas must agree on (their fingerprints, the audit) leaves them out."""
+        held = [obj for obj in self.objects.values() if isinstance(obj, ModuleBuffers) and obj.owner == owner]
+        if not held:
+            return state
+        memory = {buffer.data_ptr() for obj in held for _, buffer in obj._buffers() if buffer.numel()}
+        names = {name for obj in held for name in obj.keys()}
+        return _without(state, memory, names)
 
     def fresh(self) -> PerRankState:
         """For a script that runs again from the top: only what was found without registration."""

@@ -124,3 +124,22 @@ def test_a_buffer_the_script_replaces_is_followed():
     assert not all(torch.equal(buffers.state_dict()["flat"][k], v) for k, v in first["flat"].items())
     buffers.load_state_dict(first)
     assert int(model[1].num_batches_tracked) == 0
+
+
+def test_a_frameworks_checkpoint_carries_the_buffers_left_out_of_what_replicas_compare():
+    """A framework registers one object holding the model's state nested (HF's Trainer, Lightning):
+    the buffers are found there by the memory they share, or by name in a copy."""
+    model = bn_model()
+    per_rank = PerRankState()
+
+    class Checkpoint:
+        def parts(self):
+            return [model]
+
+        def state_dict(self):
+            return {"model": model.state_dict(), "copy": {k: v.clone() for k, v in model.state_dict().items()}, "step": 3}
+
+    per_rank.add_buffers_of("trainer", Checkpoint())
+    kept = per_rank.without_buffers("trainer", Checkpoint().state_dict())
+    assert sorted(kept["model"]) == sorted(kept["copy"]) == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"]
+    assert kept["step"] == 3
