@@ -51,6 +51,7 @@ class LocalJob:
     script_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
+    cwd: str | None = None  # the agents' (and so the workers') working directory; default the repository
 
     @property
     def step_log(self) -> str:
@@ -92,7 +93,9 @@ class LocalJob:
             **(extra_env or {}),
         }
         log_path = os.path.join(self.workdir, f"{name}.log")
-        proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=self.cwd or REPO, start_new_session=True
+        )
         node = Node(name, proc, log_path)
         self.nodes[name] = node
         return node

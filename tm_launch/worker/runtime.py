@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..protocol import EXIT_REFUSED, EXIT_STATE_LOST, Directive, FirstStepRecord, RefusedRecord, StateLostRecord, WorkerEnv, WorkerState
-from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_steps, sharding_decisions
+from . import c10d_glue, communicators, cuda_warmup, ddp_rebuild, optimizer_steps, rehearsal_dump, sharding_decisions
 from .agent_client import AgentClient, first_line, log
 from .commit import StepCommit
 from .generations import Generations, StateLost
@@ -107,9 +107,9 @@ def init(backend: str | None = None):
         return _LIVE
     env = WorkerEnv.from_environ()
     if env.live:
-        _LIVE = LiveJob(env, backend)
+        _LIVE = rehearsal_dump.arm(LiveJob(env, backend))  # tm-launch rehearse: nothing unless its variables are set
         return _LIVE
-    return PlainJob(backend)
+    return rehearsal_dump.arm(PlainJob(backend))
 
 
 def report_step(step: int) -> None:
