@@ -7,6 +7,9 @@
   plotting library.
 * The operator's commands (``tm_launch.ctl``) load neither the agent's nor the worker's code,
   nor torch (``ctl status`` answers in well under a second).
+* The rehearsal (``tm-launch rehearse``, ``tm_launch.rehearsal``) runs on the operator's side: it
+  starts agents and torchrun as processes and reads the state files workers wrote; it loads no
+  worker or agent code, and no worker loads it.
 """
 
 import os
@@ -38,16 +41,23 @@ def under(modules: set[str], *roots: str) -> list[str]:
 def test_a_training_process_imports_only_the_protocol_and_torch(entry):
     loaded = loaded_after(entry, "tm_launch.worker.runtime")
     assert under(loaded, *ETCD_CLIENTS, "rendezvous", "health") == []
-    assert under(loaded, "tm_launch.launcher", "tm_launch.ctl", "tm_launch.local", "tm_launch.joblog") == []
+    assert under(loaded, "tm_launch.launcher", "tm_launch.ctl", "tm_launch.local", "tm_launch.joblog", "tm_launch.rehearsal") == []
     assert "tm_launch.protocol" in loaded
 
 
 @pytest.mark.parametrize("entry", ["tm_launch.cli", "tm_launch.launcher.agent"])
 def test_the_agent_imports_no_worker_or_plotting_code(entry):
     loaded = loaded_after(entry)
-    assert under(loaded, "tm_launch.worker", "tm_launch.ctl", "tm_launch.local", "matplotlib") == []
+    assert under(loaded, "tm_launch.worker", "tm_launch.ctl", "tm_launch.local", "tm_launch.rehearsal", "matplotlib") == []
 
 
 def test_the_operators_commands_import_neither_agent_nor_worker_nor_torch():
     loaded = loaded_after("tm_launch.ctl.commands", "tm_launch.ctl.timeline")
     assert under(loaded, "tm_launch.launcher", "tm_launch.worker", "tm_launch.local", "torch") == []
+
+
+def test_the_rehearsal_imports_no_worker_or_agent_code():
+    loaded = loaded_after(
+        "tm_launch.rehearsal.main", "tm_launch.rehearsal.runs", "tm_launch.rehearsal.compare", "tm_launch.rehearsal.report"
+    )
+    assert under(loaded, "tm_launch.worker", "tm_launch.launcher", "tm_launch.ctl", "health") == []

@@ -50,6 +50,15 @@ def install(job, registry, point: str) -> None:
     _ACTIVE.install()
 
 
+def uninstall() -> None:
+    """Remove the hooks (tests; a worker keeps them for its life)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        for handle in _ACTIVE.handles:
+            handle.remove()
+    _ACTIVE = None
+
+
 def at_collective() -> None:
     """A live group is about to run a collective (``groups.LiveGroup._call``)."""
     if _ACTIVE is not None and _ACTIVE.after_pending:
@@ -63,6 +72,7 @@ class _Phases:
         spec = os.environ["TM_FAILPOINT"].split(":")
         self.rank, self.step = int(spec[1]), int(spec[2])
         self.after_pending = False
+        self.handles: list = []
 
     def where(self) -> tuple[int, int] | None:
         """(rank, step) while this process runs a step of the job as a rank of it; None in a
@@ -95,14 +105,17 @@ class _Phases:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        if self.point in ("forward", "after-step"):
-            register_module_forward_pre_hook(self._forward_pre)
-        if self.point == "backward":
-            register_module_forward_hook(self._forward_post)
-        if self.point == "optimizer":
-            register_optimizer_step_pre_hook(lambda opt, args, kwargs: self.fire("optimizer"))
-        if self.point == "after-step":
-            register_optimizer_step_post_hook(self._optimizer_done)
+        hooks = {
+            "forward": [(register_module_forward_pre_hook, self._forward_pre)],
+            "backward": [(register_module_forward_hook, self._forward_post)],
+            # registered after the runtime's own pre-hook (LiveJob's constructor), which takes the vote
+            "optimizer": [(register_optimizer_step_pre_hook, lambda opt, args, kwargs: self.fire("optimizer"))],
+            "after-step": [
+                (register_module_forward_pre_hook, self._forward_pre),
+                (register_optimizer_step_post_hook, self._optimizer_done),
+            ],
+        }[self.point]
+        self.handles = [register(hook) for register, hook in hooks]
 
     def _forward_pre(self, module, args):
         if not self._registered(module):
