@@ -35,6 +35,7 @@ def rehearse(tmp_path, *argv, timeout: float = 1800) -> tuple[subprocess.Complet
     return out, json.loads(report.read_text()) if report.exists() else None
 
 
+@pytest.mark.timeout(600)  # two whole jobs: torchrun's and one fault's
 def test_a_known_divergence_is_named_with_its_cause(tmp_path):
     """One fault (rank 1 killed in the forward): every rank differs, the plain attribute is
     named, and the cause is state the script never registered; exit 1."""
@@ -68,6 +69,7 @@ def test_bad_input_is_one_line(tmp_path, argv, said):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_script_that_fails_without_a_fault_is_one_line(tmp_path):
     out, _ = rehearse(tmp_path, os.path.join(SCRIPTS, "unregistered_state.py"), "--crash", timeout=600)
     assert out.returncode == 2
@@ -76,6 +78,7 @@ def test_a_script_that_fails_without_a_fault_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a torchrun run, a control and five faults, each a whole job on a loaded 2-core machine
 def test_the_tests_training_script_rehearses_bitwise_at_every_phase(tmp_path):
     """tests/scripts/train.py with its loss all-reduced after the optimizer step: the control and
     every phase's fault (ranks 1 and 0 alternately) end bitwise equal on every rank; exit 0."""
@@ -100,6 +103,7 @@ EXAMPLE_RUNS = {
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("example", list(EXAMPLE_RUNS))
 def test_every_example_rehearses_to_a_verdict(tmp_path, example):
     """Each example gets a verdict (pass: exit 0; a divergence: exit 1 with a cause named for
