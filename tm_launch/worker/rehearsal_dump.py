@@ -45,6 +45,7 @@ class Registry:
         self.objects: dict[str, tuple[object, bool]] = {}
         self.steps = 0  # steps yielded by job.steps(); 0 when the loop is a framework's own
         self.optimizer_steps = 0  # optimizer.step() calls of registered optimizers (a framework's loop)
+        self.counting = False  # the optimizer hook that counts them is installed
 
     def modules(self) -> list[torch.nn.Module]:
         """Registered modules, and those a registered object names in ``parts()`` (a framework's checkpoint)."""
@@ -102,7 +103,9 @@ def _wrap(job) -> None:
             REGISTRY.steps = max(REGISTRY.steps, step + 1)
 
     job.register, job.steps = recording_register, counting_steps
-    register_optimizer_step_post_hook(_count_optimizer_step)
+    if not REGISTRY.counting:  # once per process, however many jobs init() made
+        REGISTRY.counting = True
+        register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
