@@ -41,7 +41,10 @@ CAUSES: dict[str, tuple[str, str]] = {
 }
 ORDER = list(CAUSES)
 
-ROLE_CAUSE = {"buffer": "buffer", "rng": "rng", "global-rng": "rng", "data": "data", "attr": "unregistered"}
+ROLE_CAUSE = {"buffer": "buffer", "rng": "rng", "rng-os": "rng", "global-rng": "rng", "data": "data", "attr": "unregistered"}
+# Seeded from the OS unless the script seeds them (Python's and numpy's generators): they may
+# differ between two fault-free runs, so only a control run can say whether they count.
+MAYBE_UNSEEDED = "rng-os"
 STEP_COUNTERS = ("step", "last_epoch", "_step_count")
 
 
@@ -170,6 +173,11 @@ def compare_rank(rank: int, ref: dict | None, got: dict | None, unstable: frozen
 def compare_runs(ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset()) -> list[RankVerdict]:
     """Per rank of the fault-free run (and any extra rank of the other)."""
     return [compare_rank(r, ref.get(r), got.get(r), unstable) for r in sorted(set(ref) | set(got))]
+
+
+def maybe_unseeded(dumps: dict[int, dict]) -> frozenset:
+    """The keys of generators that may start from OS entropy (``MAYBE_UNSEEDED``)."""
+    return frozenset(k for d in dumps.values() for k, role in d.get("roles", {}).items() if role == MAYBE_UNSEEDED)
 
 
 def unstable_keys(ref: dict[int, dict], control: dict[int, dict]) -> frozenset:

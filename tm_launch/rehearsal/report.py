@@ -55,6 +55,8 @@ def render(header: dict, reference: Run, control: tuple[Run, list[RankVerdict]] 
         f"  layout      : {header['nnodes']} node(s) x {header['nproc']} worker(s) + 1 spare; faults at step >= {header['step']}",
         f"  reference   : {header['reference_how']}  {run_line(reference)}",
     ]
+    if header.get("not_compared"):
+        out.append(f"  not compared: {header['not_compared']}")
     if control is not None:
         run, verdicts = control
         word = "equal on every rank" if all(v.equal for v in verdicts) else "DIFFERS without a fault"

@@ -143,7 +143,9 @@ def _dump_at_exit(job, directory: str) -> None:
 
 def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
     """The dump: ``entries`` (flat key -> CPU tensor or plain value) and ``roles`` (flat key ->
-    what it is: param, buffer, optim, sched, rng, data, other, attr, global-rng)."""
+    what it is: param, buffer, optim, sched, rng, rng-os (a registered RNGState's Python and
+    numpy generators, which start from OS entropy unless the script seeds them), data, other,
+    attr, global-rng)."""
     entries, roles = {}, {}
     kinds = {}
     for name, (obj, per_rank) in registry.objects.items():
@@ -156,6 +158,8 @@ def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
             full = f"{name}/{key}"
             entries[full] = value
             roles[full] = ("buffer" if key in buffers else "param") if kind == "module" else kind
+            if kind == "rng" and key.startswith(("python", "numpy")):
+                roles[full] = "rng-os"  # seeded from the OS unless the script seeds it: may differ run to run
     seen = set()
     for module in registry.modules():
         for path, sub in module.named_modules():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tm_launch.rehearsal.compare import Difference, cause_of, classify, compare_rank, compare_runs, describe, unstable_keys
+from tm_launch.rehearsal.compare import Difference, cause_of, classify, compare_rank, compare_runs, describe, maybe_unseeded, unstable_keys
 
 
 def dump(steps=4, **entries):
@@ -136,3 +136,13 @@ def test_keys_that_differ_without_a_fault_are_left_out():
     unstable = unstable_keys({0: dump(**BASE)}, {0: noisy})
     assert unstable == {"~rng/torch"}
     assert compare_rank(0, dump(**BASE), noisy, unstable).equal
+
+
+def test_generators_the_script_may_never_have_seeded_can_be_left_out():
+    """A registered RNGState's Python and numpy generators start from OS entropy unless seeded:
+    without a control run they are left out; they name the RNG when they count."""
+    base = dump(**BASE, rng__python=("rng-os", 5))
+    other = dump(**BASE, rng__python=("rng-os", 6))
+    assert maybe_unseeded({0: base}) == {"rng/python"}
+    assert compare_rank(0, base, other, maybe_unseeded({0: base})).equal
+    assert compare_rank(0, base, other).causes == ["rng"]
