@@ -133,7 +133,7 @@ class LocalJob:
             time.sleep(interval)
         raise TimeoutError(f"timed out waiting for {what}; last status: {json.dumps(last)[:2000]}\n{self.logs_tail()}")
 
-    def wait_parked(self, node: str, timeout: float = 120) -> None:
+    def wait_parked(self, node: str, timeout: float = 120, interval: float = 0.2) -> None:
         """Wait until a spare's sandboxed workers have warmed up and parked, and its agent has
         said so in etcd (its warm marker: a plan promotes it before cold spares)."""
 
@@ -149,7 +149,7 @@ class LocalJob:
                     return True
             return False
 
-        self.wait_for(parked, timeout, f"spare {node} to park")
+        self.wait_for(parked, timeout, f"spare {node} to park", interval)
 
     def wait_step(self, step: int, timeout: float = 120) -> None:
         """Wait until some rank finished ``step`` (read from the script's step log)."""

@@ -165,9 +165,10 @@ def live(
     deadline = t0 + timeout
     try:
         job.start_all([f"node{i}" for i in range(nnodes)])
-        job.wait_for(lambda s: s["generation"] is not None, max(1.0, deadline - time.time()), "the job's first generation")
+        # Polled once a second: each look is a `ctl status` process, CPU the job's workers need.
+        job.wait_for(lambda s: s["generation"] is not None, max(1.0, deadline - time.time()), "the job's first generation", 1.0)
         job.start("spare")
-        job.wait_parked("spare", timeout=max(1.0, deadline - time.time()))
+        job.wait_parked("spare", timeout=max(1.0, deadline - time.time()), interval=1.0)
         open(hold, "w").close()
         run.codes = job.wait(timeout=max(1.0, deadline - time.time()))
     except (TimeoutError, RuntimeError) as e:
