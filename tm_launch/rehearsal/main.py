@@ -114,13 +114,17 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     workdir = args.workdir or tempfile.mkdtemp(prefix="tm-rehearse-")
     os.makedirs(workdir, exist_ok=True)
+    keep = args.workdir is not None or bool(os.environ.get("TM_REHEARSE_KEEP"))
     try:
-        return _rehearse(args, workdir)
+        code = _rehearse(args, workdir)
+        keep = keep or code != 0  # the logs of what failed stay for the user to read
+        return code
     except UsageError as e:
+        keep = True
         print(f"tm-launch rehearse: error: {e} (logs: {workdir})", file=sys.stderr, flush=True)
         return EXIT_USAGE
     finally:
-        if args.workdir is None and not os.environ.get("TM_REHEARSE_KEEP"):
+        if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
