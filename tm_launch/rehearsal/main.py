@@ -117,7 +117,9 @@ def main(argv: list[str]) -> int:
     keep = args.workdir is not None or bool(os.environ.get("TM_REHEARSE_KEEP"))
     try:
         code = _rehearse(args, workdir)
-        keep = keep or code != 0  # the logs of what failed stay for the user to read
+        if code != 0:  # the logs of what failed stay for the user to read
+            keep = True
+            print(f"logs and every rank's state: {workdir}", flush=True)
         return code
     except UsageError as e:
         keep = True
