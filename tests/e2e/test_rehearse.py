@@ -49,7 +49,7 @@ def test_a_known_divergence_is_named_with_its_cause(tmp_path):
         assert any(d["key"] == "~attr/Sequential.drift" for d in rank["differences"])
         assert any(d["role"] == "param" for d in rank["differences"])
     assert "likely cause: state the script keeps outside job.register" in out.stdout
-    assert out.stdout.rstrip().endswith("FAIL: 0 of 1 fault(s) ended bitwise equal to the fault-free run on every rank")
+    assert "\nFAIL: 0 of 1 fault(s) ended bitwise equal to the fault-free run on every rank\n" in out.stdout
 
 
 @pytest.mark.parametrize(
