@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import time
 
 import torch
@@ -226,6 +227,11 @@ def flatten(value, prefix: str = "") -> dict:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             out.update(flatten(v, f"{prefix}.{i}" if prefix else str(i)))
+    elif isinstance(value, bytes) and value[:1] == b"\x80":  # a pickle (Lightning's checkpoint rest): its parts, named
+        try:
+            out.update(flatten(pickle.loads(value), prefix))
+        except Exception:  # noqa: BLE001 -- not a pickle after all: compared as bytes
+            out[prefix] = value
     elif value is None or isinstance(value, (bool, int, float, str, bytes)):
         out[prefix] = value
     else:

@@ -1,6 +1,7 @@
 """The rehearsal's worker side: the state dump (what a rank ends with) and the phase kill points,
 in one process (the kill is recorded instead of done)."""
 
+import pickle
 import types
 
 import pytest
@@ -68,6 +69,8 @@ def test_collect_saves_a_dtensor_as_its_local_shard():
         ({"a": {"b": 1, "c": [2, 3]}}, {"a.b": 1, "a.c.0": 2, "a.c.1": 3}),
         ({"f": print}, {"f": "<builtin_function_or_method>"}),  # no repr: it may hold an address
         ({"n": None, "s": "x"}, {"n": None, "s": "x"}),
+        ({"rest": pickle.dumps({"loops": {"ready": 3}})}, {"rest.loops.ready": 3}),  # a pickled part, by its keys
+        ({"raw": b"\x80not a pickle"}, {"raw": b"\x80not a pickle"}),
     ],
 )
 def test_flatten(value, flat):
