@@ -3,7 +3,8 @@
 ``--rdzv-backend c10d`` and ``static`` (torchrun's default) are handed to torchrun itself, so
 they behave exactly as under torchrun. ``etcd-v3``, ``etcd`` and ``etcd-v2`` (and
 ``--standalone``, which starts a private etcd) run tm-launch's agent: spares, generations and
-live substitution. ``tm-launch ctl ...`` is the operator interface (see ``tm_launch.ctl``).
+live substitution. ``tm-launch ctl ...`` is the operator interface (see ``tm_launch.ctl``);
+``tm-launch rehearse SCRIPT`` rehearses a script's live recovery (see ``tm_launch.rehearsal``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from .ctl.commands import main as ctl_main
 
         return ctl_main(argv[1:])
+    if argv[:1] == ["rehearse"]:
+        from .rehearsal.main import main as rehearse_main
+
+        return rehearse_main(argv[1:])
     logger(prog="tm-launch", libraries=logging.WARNING)  # tm-launch's lines, and libraries' warnings
     logging.getLogger("health").setLevel(logging.INFO)  # e.g. "GPU health monitor off: NVML unavailable"
     try:

@@ -9,6 +9,9 @@
   nor torch (``ctl status`` answers in well under a second).
 * What every process imports (``tm_launch.settings``, the settings table, and ``tm_launch.logs``,
   the logging convention) loads the standard library only.
+* The rehearsal (``tm-launch rehearse``, ``tm_launch.rehearsal``) runs on the operator's side: it
+  starts agents and torchrun as processes and reads the state files workers wrote; it loads no
+  worker or agent code, and no worker loads it.
 """
 
 import os
@@ -40,14 +43,14 @@ def under(modules: set[str], *roots: str) -> list[str]:
 def test_a_training_process_imports_only_the_protocol_and_torch(entry):
     loaded = loaded_after(entry, "tm_launch.worker.job.live")
     assert under(loaded, *ETCD_CLIENTS, "rendezvous", "health") == []
-    assert under(loaded, "tm_launch.launcher", "tm_launch.ctl", "tm_launch.local", "tm_launch.joblog") == []
+    assert under(loaded, "tm_launch.launcher", "tm_launch.ctl", "tm_launch.local", "tm_launch.joblog", "tm_launch.rehearsal") == []
     assert "tm_launch.protocol" in loaded
 
 
 @pytest.mark.parametrize("entry", ["tm_launch.cli", "tm_launch.launcher.agent"])
 def test_the_agent_imports_no_worker_or_plotting_code(entry):
     loaded = loaded_after(entry)
-    assert under(loaded, "tm_launch.worker", "tm_launch.ctl", "tm_launch.local", "matplotlib") == []
+    assert under(loaded, "tm_launch.worker", "tm_launch.ctl", "tm_launch.local", "tm_launch.rehearsal", "matplotlib") == []
 
 
 def test_the_operators_commands_import_neither_agent_nor_worker_nor_torch():
@@ -60,14 +63,14 @@ def test_the_operators_commands_import_neither_agent_nor_worker_nor_torch():
 WORKER_LAYERS = [
     {"__main__"},  # python -m tm_launch.worker: runs the script
     {"integrations"},
-    {"job"},
+    {"job", "rehearsal_dump"},  # rehearsal_dump: the state a rehearsal compares, armed by init()
     {"spare"},
     {"generation"},
     {"torch_patches"},
     {"snapshots"},
     {"state"},
     {"comms"},
-    {"agent_client", "step_report", "failpoints", "exit_notice", "api", "log", "__init__"},
+    {"agent_client", "step_report", "failpoints", "phase_faults", "exit_notice", "api", "log", "__init__"},
 ]
 
 
@@ -120,3 +123,10 @@ def test_what_every_process_imports_loads_the_standard_library_only(entry):
     loaded = loaded_after(entry)
     assert under(loaded, "torch", "yaml", "numpy", *ETCD_CLIENTS, "rendezvous", "health") == []
     assert under(loaded, "tm_launch") == sorted({"tm_launch", entry})
+
+
+def test_the_rehearsal_imports_no_worker_or_agent_code():
+    loaded = loaded_after(
+        "tm_launch.rehearsal.main", "tm_launch.rehearsal.runs", "tm_launch.rehearsal.compare", "tm_launch.rehearsal.report"
+    )
+    assert under(loaded, "tm_launch.worker", "tm_launch.launcher", "tm_launch.ctl", "health") == []

@@ -51,6 +51,7 @@ class LocalJob:
     script_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
+    cwd: str | None = None  # the agents' (and so the workers') working directory; default the repository
 
     @property
     def step_log(self) -> str:
@@ -92,7 +93,9 @@ class LocalJob:
             **(extra_env or {}),
         }
         log_path = os.path.join(self.workdir, f"{name}.log")
-        proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env, cwd=self.cwd or REPO, start_new_session=True
+        )
         node = Node(name, proc, log_path)
         self.nodes[name] = node
         return node
@@ -130,7 +133,7 @@ class LocalJob:
             time.sleep(interval)
         raise TimeoutError(f"timed out waiting for {what}; last status: {json.dumps(last)[:2000]}\n{self.logs_tail()}")
 
-    def wait_parked(self, node: str, timeout: float = 120) -> None:
+    def wait_parked(self, node: str, timeout: float = 120, interval: float = 0.2) -> None:
         """Wait until a spare's sandboxed workers have warmed up and parked, and its agent has
         said so in etcd (its warm marker: a plan promotes it before cold spares)."""
 
@@ -146,7 +149,7 @@ class LocalJob:
                     return True
             return False
 
-        self.wait_for(parked, timeout, f"spare {node} to park")
+        self.wait_for(parked, timeout, f"spare {node} to park", interval)
 
     def wait_step(self, step: int, timeout: float = 120) -> None:
         """Wait until some rank finished ``step`` (read from the script's step log)."""

@@ -5,7 +5,8 @@ commit vote; ``TM_FAILPOINT="<name>:<rank>:<step>[:<marker file>]"`` SIGKILLs th
 ``<rank>`` when it reaches point ``<name>`` at the first step >= ``<step>``. With a marker file it
 fires once per job, whichever process holds the rank (etcd's gofail, in spirit).
 
-Points: ``vote`` (this rank's vote is counted, the decision not yet read), ``last-vote`` (the
+Points (the phases of the script's own step, ``forward`` ``backward`` ``optimizer`` ``after-step``, are in
+``phase_faults``): ``vote`` (this rank's vote is counted, the decision not yet read), ``last-vote`` (the
 same, when this vote completed the count: every other rank then waits for a decision that this
 rank was to write), ``snapshot`` (the step's snapshot is taken and about to be sent to its
 holder: the holder never gets it). A name ending in ``/node`` (``last-vote/node``) SIGKILLs the worker's agent

@@ -34,6 +34,10 @@ a DataLoader's                 its new iterators give the global RNG back as the
 ``_get_iterator``              (``keep_rng_across_iterators``): the seed draw must not move a
                                rank's per-rank state between a commit and the next step.
 =============================  ==================================================================
+
+Outside this module, one place adds torch hooks, on purpose: ``phase_faults`` (the kill points
+of ``tm-launch rehearse``) registers global module-forward and optimizer hooks in a rehearsal's
+runs only (armed by ``TM_FAILPOINT``), below the communicators that call it; ``disarm`` removes them.
 """
 
 from __future__ import annotations

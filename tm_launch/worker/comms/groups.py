@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FakeProcessGroup, _create_work_from_future
 
+from .. import phase_faults
 from . import communicators
 from . import telemetry as collective_telemetry
 
@@ -370,6 +371,7 @@ class LiveGroup(dist.ProcessGroup):
 
     # -- collectives (methods added below by _forward) ---------------------------------------
     def _call(self, name: str, result, args, kwargs):
+        phase_faults.at_collective()  # tm-launch rehearse's ``after-step`` kill point (a no-op unless armed)
         self.last_submit = time.perf_counter()
         if self._poison.active:
             self._poison.release_broken()

@@ -8,6 +8,7 @@ spare running the script again for other ranks gets the same one back); otherwis
 from __future__ import annotations
 
 from ...protocol import WorkerEnv
+from .. import rehearsal_dump
 from ..api import Job
 from ..step_report import process_reporter
 from . import optimizer_steps
@@ -27,11 +28,11 @@ def init(backend: str | None = None, rng_per_rank: bool = True) -> Job:
     if env.live:
         from .live import LiveJob  # the live runtime, imported only where a worker goes live
 
-        _LIVE = LiveJob(env, backend, rng_per_rank)
+        _LIVE = rehearsal_dump.arm(LiveJob(env, backend, rng_per_rank))  # tm-launch rehearse: nothing unless its variables are set
         return _LIVE
     from .plain import PlainJob
 
-    return PlainJob(backend)
+    return rehearsal_dump.arm(PlainJob(backend))
 
 
 def live_job():

@@ -11,7 +11,7 @@ So tm-launch owns the iterator, and the epochs:
 * **A step that runs again gets the batch of its first attempt.** Every batch handed out since the
   current step began is kept (``Batches.step_begins``, called at each step's start, forgets the
   older ones) under the position it was drawn at. The per-rank machinery
-  (``tm_launch.worker.per_rank``) snapshots this object's state at every step's start and loads it
+  (``tm_launch.worker.state.per_rank``) snapshots this object's state at every step's start and loads it
   back when the step runs again; ``next()`` then finds the batch of that position kept, and the
   loader's iterator, already past it, goes on from where it is.
 * **A joiner continues at the lost rank's epoch and position, without loading what lies before.**

@@ -1,0 +1,122 @@
+"""``tm-launch rehearse`` end to end: real torchrun, real agents and etcd, gloo, real SIGKILLs.
+
+The rehearsal passes on the tests' deterministic DDP script, names the cause on a script with a
+known divergence (per-rank state in a plain attribute it never registers:
+``tests/scripts/unregistered_state.py``), and says bad input in one line. The slow test runs it
+on every example and reports what passes: it asserts only that each example's rehearsal ran to
+a verdict (the runtime's gaps it finds are reported, not fixed, here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPTS = os.path.join(REPO, "tests", "scripts")
+EXAMPLES = os.path.join(REPO, "examples")
+
+
+def rehearse(tmp_path, *argv, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict | None]:
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-m", "tm_launch.cli", "rehearse", "--json", str(report), "--workdir", str(tmp_path / "runs"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tmp_path,
+    )
+    return out, json.loads(report.read_text()) if report.exists() else None
+
+
+@pytest.mark.timeout(600)  # two whole jobs: torchrun's and one fault's
+def test_a_known_divergence_is_named_with_its_cause(tmp_path):
+    """One fault (rank 1 killed in the forward): every rank differs, the plain attribute is
+    named, and the cause is state the script never registered; exit 1."""
+    out, report = rehearse(tmp_path, "--phases", "forward", "--no-control", os.path.join(SCRIPTS, "unregistered_state.py"), "--steps", "8")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert report is not None and not report["passed"]
+    (fault,) = report["faults"]
+    assert fault["fired"] and fault["victim"] == 1
+    for rank in fault["ranks"]:
+        assert not rank["equal"] and rank["causes"] == ["unregistered"], rank
+        assert any(d["key"] == "~attr/Sequential.drift" for d in rank["differences"])
+        assert any(d["role"] == "param" for d in rank["differences"])
+    assert "likely cause: state the script keeps outside job.register" in out.stdout
+    assert "\nFAIL: 0 of 1 fault(s) ended bitwise equal to the fault-free run on every rank\n" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        ([], "no training script given"),
+        (["no/such/train.py"], "no/such/train.py: no such file"),
+        (["--phases", "sideways", os.path.join(SCRIPTS, "train.py")], "unknown phase(s) sideways"),
+        (["--nnodes", "1", os.path.join(SCRIPTS, "train.py")], "at least 2 ranks"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, argv, said):
+    out, _ = rehearse(tmp_path, *argv, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tm-launch rehearse: error:") and said in lines[0], out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_script_that_fails_without_a_fault_is_one_line(tmp_path):
+    out, _ = rehearse(tmp_path, os.path.join(SCRIPTS, "unregistered_state.py"), "--crash", timeout=600)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("tm-launch rehearse: error:")]
+    assert len(errors) == 1 and "failed without any fault under torchrun" in errors[0] and "fails on purpose" in errors[0], out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a torchrun run, a control and five faults, each a whole job on a loaded 2-core machine
+def test_the_tests_training_script_rehearses_bitwise_at_every_phase(tmp_path):
+    """tests/scripts/train.py with its loss all-reduced after the optimizer step: the control and
+    every phase's fault (ranks 1 and 0 alternately) end bitwise equal on every rank; exit 0."""
+    out, report = rehearse(tmp_path, os.path.join(SCRIPTS, "train.py"), "--steps", "16", "--log-loss")
+    assert report is not None, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout
+    assert [f["phase"] for f in report["faults"]] == ["forward", "backward", "commit", "optimizer", "after-step"]
+    assert all(f["fired"] for f in report["faults"])
+    assert all(r["equal"] for r in report["control"]["ranks"])
+
+
+EXAMPLE_RUNS = {
+    "train.py": ["--steps", "16"],
+    "layouts.py --layout fsdp": ["--layout", "fsdp", "--steps", "12"],
+    "layouts.py --layout ddp-tp": ["--layout", "ddp-tp", "--steps", "12"],
+    "layouts.py --layout zero": ["--layout", "zero", "--steps", "12"],
+    "accelerate_train.py": ["--epochs", "1"],
+    "lightning_train.py": ["--epochs", "1"],
+    "hf_train.py": ["--output-dir", "out", "--epochs", "1"],
+    "restart_mode.py": ["--steps", "20"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("example", list(EXAMPLE_RUNS))
+def test_every_example_rehearses_to_a_verdict(tmp_path, example):
+    """Each example gets a verdict (pass: exit 0; a divergence: exit 1 with a cause named for
+    every rank that differs); a script with nothing live to rehearse (restart mode) is refused
+    in one line. What each example got is printed (``-s``) for the docs."""
+    script = os.path.join(EXAMPLES, example.split()[0])
+    phases = os.environ.get("TM_REHEARSE_PHASES")  # fewer phases for a quicker pass over the examples
+    out, report = rehearse(tmp_path, "--no-control", *(["--phases", phases] if phases else []), script, *EXAMPLE_RUNS[example])
+    print(f"\n=== {example}: exit {out.returncode}\n{out.stdout}{out.stderr[-1500:] if out.returncode == 2 else ''}")
+    if example == "restart_mode.py":
+        assert out.returncode == 2 and "never called tm_launch.init()" in out.stderr
+        return
+    assert report is not None and out.returncode in (0, 1), out.stderr[-3000:]
+    for fault in report["faults"]:
+        for rank in fault["ranks"]:
+            assert rank["equal"] or rank["missing"] or rank["causes"], rank

@@ -1,0 +1,148 @@
+"""The rehearsal's comparison and cause classification: pure, on small dumps."""
+
+import pytest
+import torch
+
+from tm_launch.rehearsal.compare import Difference, cause_of, classify, compare_rank, compare_runs, describe, maybe_unseeded, unstable_keys
+
+
+def dump(steps=4, **entries):
+    """A dump as rehearsal_dump writes it: entries given as key=(role, value), "__" for "/"."""
+    flat = {k.replace("__", "/"): v for k, (_, v) in entries.items()}
+    roles = {k.replace("__", "/"): r for k, (r, _) in entries.items()}
+    return {"meta": {"rank": 0, "steps": steps, "objects": {}}, "entries": flat, "roles": roles}
+
+
+W = torch.arange(4.0)
+BASE = {
+    "model__0.weight": ("param", W),
+    "model__bn.running_mean": ("buffer", torch.zeros(2)),
+    "optimizer__state.0.momentum_buffer": ("optim", W / 2),
+    "optimizer__state.0.step": ("optim", torch.tensor(4.0)),
+    "scheduler__last_epoch": ("sched", 4),
+    "rng__torch": ("rng", torch.arange(3, dtype=torch.uint8)),
+    "data__generator": ("data", torch.arange(3, dtype=torch.uint8)),
+    "~rng__torch": ("global-rng", torch.arange(5, dtype=torch.uint8)),
+    "~attr__Sequential.drift": ("attr", torch.ones(2)),
+}
+
+
+def changed(**changes):
+    return dump(**{**BASE, **changes})
+
+
+CASES = [
+    ("identical", {}, []),
+    (
+        "buffer and the parameters it steered",
+        {"model__bn.running_mean": ("buffer", torch.ones(2)), "model__0.weight": ("param", W + 1)},
+        ["buffer"],
+    ),
+    (
+        "unregistered global RNG",
+        {"~rng__torch": ("global-rng", torch.zeros(5, dtype=torch.uint8)), "model__0.weight": ("param", W + 1)},
+        ["rng"],
+    ),
+    ("registered RNG", {"rng__torch": ("rng", torch.zeros(3, dtype=torch.uint8))}, ["rng"]),
+    ("data position", {"data__generator": ("data", torch.zeros(3, dtype=torch.uint8)), "model__0.weight": ("param", W + 1)}, ["data"]),
+    (
+        "a tensor in a plain attribute",
+        {"~attr__Sequential.drift": ("attr", torch.zeros(2)), "model__0.weight": ("param", W + 1)},
+        ["unregistered"],
+    ),
+    (
+        "only parameters and optimizer state: something unregistered",
+        {"model__0.weight": ("param", W + 1), "optimizer__state.0.momentum_buffer": ("optim", W)},
+        ["unregistered"],
+    ),
+    ("an optimizer step count", {"optimizer__state.0.step": ("optim", torch.tensor(5.0)), "model__0.weight": ("param", W + 1)}, ["steps"]),
+    ("a scheduler step count", {"scheduler__last_epoch": ("sched", 5)}, ["steps"]),
+    (
+        "two causes, most specific first",
+        {"~attr__Sequential.drift": ("attr", torch.zeros(2)), "model__bn.running_mean": ("buffer", torch.ones(2))},
+        ["buffer", "unregistered"],
+    ),
+]
+
+
+@pytest.mark.parametrize("name,changes,causes", CASES, ids=[c[0] for c in CASES])
+def test_causes(name, changes, causes):
+    verdict = compare_rank(0, dump(**BASE), changed(**changes))
+    assert verdict.causes == causes
+    assert verdict.equal == (not causes)
+    assert {d.key.replace("/", "__") for d in verdict.differences} == set(changes) - {
+        k for k, v in changes.items() if torch.equal(torch.as_tensor(v[1]), torch.as_tensor(BASE[k][1]))
+    }
+
+
+def test_steps_that_differ_name_the_step_count():
+    verdict = compare_rank(0, dump(steps=4, **BASE), dump(steps=5, **BASE))
+    assert verdict.causes == ["steps"] and [d.key for d in verdict.differences] == ["~meta/steps"]
+
+
+def test_an_object_registered_in_one_run_only():
+    extra = dump(**BASE, extra__x=("other", torch.ones(1)))
+    verdict = compare_rank(0, dump(**BASE), extra)
+    assert [(d.key, d.detail) for d in verdict.differences] == [("extra/x", "only in the run with the fault")]
+    assert verdict.causes == ["unregistered"]
+
+
+@pytest.mark.parametrize(
+    "a,b,said",
+    [
+        (torch.ones(2), torch.ones(2), None),
+        (torch.tensor([float("nan")]), torch.tensor([float("nan")]), None),  # bitwise: the same NaN is equal
+        (torch.ones(2), torch.tensor([1.0, 1.5]), "max |diff| 0.5"),
+        (torch.ones(2), torch.ones(3), "shape (2,) -> (3,)"),
+        (torch.ones(2), torch.ones(2, dtype=torch.float64), "dtype torch.float32 -> torch.float64"),
+        (torch.tensor([1, 2]), torch.tensor([1, 3]), "1 of 2 elements"),
+        (3, 3, None),
+        (3, 4, "3 -> 4"),
+        ("<function>", "<function>", None),
+    ],
+)
+def test_describe(a, b, said):
+    assert describe(a, b) == said
+
+
+@pytest.mark.parametrize(
+    "role,key,cause",
+    [
+        ("param", "model/0.weight", None),
+        ("buffer", "model/bn.num_batches_tracked", "buffer"),
+        ("optim", "optimizer/state.0.exp_avg", None),
+        ("optim", "optimizer/state.0.step", "steps"),
+        ("sched", "scheduler/_step_count", "steps"),
+        ("sched", "scheduler/base_lrs.0", None),
+        ("other", "lightning/state_dict.w", None),
+    ],
+)
+def test_cause_of_one_difference(role, key, cause):
+    assert cause_of(Difference(key, role, "max |diff| 1")) == cause
+
+
+def test_classify_nothing():
+    assert classify([]) == []
+
+
+def test_a_rank_without_state_is_named():
+    verdicts = compare_runs({0: dump(**BASE), 1: dump(**BASE)}, {0: dump(**BASE)})
+    assert [v.equal for v in verdicts] == [True, False]
+    assert "no state written" in verdicts[1].missing
+
+
+def test_keys_that_differ_without_a_fault_are_left_out():
+    noisy = changed(**{"~rng__torch": ("global-rng", torch.zeros(5, dtype=torch.uint8))})
+    unstable = unstable_keys({0: dump(**BASE)}, {0: noisy})
+    assert unstable == {"~rng/torch"}
+    assert compare_rank(0, dump(**BASE), noisy, unstable).equal
+
+
+def test_generators_the_script_may_never_have_seeded_can_be_left_out():
+    """A registered RNGState's Python and numpy generators start from OS entropy unless seeded:
+    without a control run they are left out; they name the RNG when they count."""
+    base = dump(**BASE, rng__python=("rng-os", 5))
+    other = dump(**BASE, rng__python=("rng-os", 6))
+    assert maybe_unseeded({0: base}) == {"rng/python"}
+    assert compare_rank(0, base, other, maybe_unseeded({0: base})).equal
+    assert compare_rank(0, base, other).causes == ["rng"]

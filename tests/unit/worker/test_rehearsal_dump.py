@@ -1,0 +1,179 @@
+"""The rehearsal's worker side: the state dump (what a rank ends with) and the phase kill points,
+in one process (the kill is recorded instead of done)."""
+
+import pickle
+import types
+
+import pytest
+import torch
+
+from tm_launch.worker import failpoints, phase_faults, rehearsal_dump
+from tm_launch.worker.rehearsal_dump import Registry, collect, flatten, object_kind
+
+
+class Cursor:
+    def __init__(self):
+        self.position = 3
+
+    def state_dict(self):
+        return {"position": self.position, "order": torch.arange(4)}
+
+
+def model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    m.drift = torch.full((2,), 7.0)  # a plain attribute: state the runtime cannot see
+    return m
+
+
+def test_collect_names_every_registered_tensor_by_role():
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    reg = Registry()
+    reg.objects = {"model": (m, False), "optimizer": (opt, False), "data": (Cursor(), True)}
+    reg.steps = 5
+    d = collect(1, 2, "plain", reg)
+    roles = d["roles"]
+    assert roles["model/0.weight"] == "param" and roles["model/1.running_mean"] == "buffer"
+    assert roles["model/1.num_batches_tracked"] == "buffer"
+    assert roles["optimizer/state.0.momentum_buffer"] == "optim"
+    assert roles["data/position"] == "data" and d["entries"]["data/position"] == 3
+    assert roles["~attr/Sequential.drift"] == "attr" and torch.equal(d["entries"]["~attr/Sequential.drift"], m.drift)
+    assert roles["~rng/torch"] == "global-rng"
+    assert d["meta"] == {
+        "format": 1,
+        "rank": 1,
+        "world_size": 2,
+        "mode": "plain",
+        "steps": 5,
+        "objects": {"model": "module", "optimizer": "optim", "data": "data"},
+    }
+    m.drift += 1  # the dump holds copies
+    assert torch.equal(d["entries"]["~attr/Sequential.drift"], torch.full((2,), 7.0))
+
+
+def test_collect_saves_a_dtensor_as_its_local_shard():
+    class FakeDTensor(torch.Tensor):
+        pass
+
+    t = torch.ones(2).as_subclass(FakeDTensor)
+    t.to_local = lambda: torch.zeros(1)
+    assert torch.equal(flatten({"w": t})["w"], torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    "value,flat",
+    [
+        ({"a": {"b": 1, "c": [2, 3]}}, {"a.b": 1, "a.c.0": 2, "a.c.1": 3}),
+        ({"f": print}, {"f": "<builtin_function_or_method>"}),  # no repr: it may hold an address
+        ({"n": None, "s": "x"}, {"n": None, "s": "x"}),
+        ({"rest": pickle.dumps({"loops": {"ready": 3}})}, {"rest.loops.ready": 3}),  # a pickled part, by its keys
+        ({"raw": b"\x80not a pickle"}, {"raw": b"\x80not a pickle"}),
+    ],
+)
+def test_flatten(value, flat):
+    assert flatten(value) == flat
+
+
+@pytest.mark.parametrize(
+    "obj,per_rank,name,kind",
+    [
+        (torch.nn.Linear(1, 1), False, "model", "module"),
+        (torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1), False, "opt", "optim"),
+        (Cursor(), True, "data", "data"),
+        (Cursor(), False, "sampler", "data"),
+        (Cursor(), False, "counter", "other"),
+    ],
+)
+def test_object_kind(obj, per_rank, name, kind):
+    assert object_kind(obj, per_rank, name) == kind
+
+
+def test_rng_state_is_the_rng_kind():
+    from tm_launch.worker.state.per_rank import RNGState
+
+    assert object_kind(RNGState(), True, "rng") == "rng"
+
+
+@pytest.fixture
+def fired(monkeypatch):
+    """The phase points' kills, recorded: [(point, rank, step)]."""
+    calls = []
+    monkeypatch.setattr(failpoints, "reached", lambda name, rank, step: calls.append((name, rank, step)))
+    yield calls
+    phase_faults.uninstall()
+
+
+def live_job(rank=1, step=3):
+    state = types.SimpleNamespace(step=step)
+    return types.SimpleNamespace(rank=rank, state=state, in_sandbox=False, _in_step=True)
+
+
+def armed(monkeypatch, point, job, rank=1, step=3):
+    monkeypatch.setenv("TM_FAILPOINT", f"{point}:{rank}:{step}")
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    reg = Registry()
+    reg.objects = {"model": (m, False), "optimizer": (opt, False)}
+    assert phase_faults.armed_point() == point
+    phase_faults.install(job, reg, point)
+    return m, opt
+
+
+def one_step(m, opt, log=None):
+    loss = m(torch.randn(4, 3)).sum()
+    loss.backward()
+    opt.step()
+    if log is not None:
+        log.append("collective")
+        phase_faults.at_collective()
+
+
+@pytest.mark.parametrize("point", ["forward", "backward", "optimizer", "after-step"])
+def test_each_phase_point_fires_on_its_rank_at_its_step(monkeypatch, fired, point):
+    job = live_job()
+    m, opt = armed(monkeypatch, point, job)
+    one_step(m, opt, log=[])
+    assert fired == [(point, 1, 3)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rank": 0},  # another rank
+        {"step": 2},  # before the step
+        {"in_sandbox": True},  # a spare warming up
+        {"_in_step": False},  # outside a step
+    ],
+)
+def test_a_phase_point_stays_quiet_elsewhere(monkeypatch, fired, change):
+    job = live_job()
+    step = change.pop("step", None)
+    if step is not None:
+        job.state.step = step
+    for k, v in change.items():
+        setattr(job, k, v)
+    m, opt = armed(monkeypatch, "forward", job)
+    one_step(m, opt)
+    assert fired == []
+
+
+def test_after_step_without_a_collective_fires_at_the_next_forward(monkeypatch, fired):
+    job = live_job()
+    m, opt = armed(monkeypatch, "after-step", job)
+    one_step(m, opt)
+    assert fired == []
+    job.state.step = 4
+    m(torch.randn(4, 3))
+    assert fired == [("after-step", 1, 4)]
+
+
+def test_nothing_is_armed_without_the_variables(monkeypatch):
+    for name in ("TM_FAILPOINT", "TM_REHEARSAL_DUMP", "TM_REHEARSAL_HOLD"):
+        monkeypatch.delenv(name, raising=False)
+    job = live_job()
+    assert rehearsal_dump.arm(job) is job and not hasattr(job, "_tm_rehearsal")
+    monkeypatch.setenv("TM_FAILPOINT", "vote:1:3")  # a runtime point: not a phase
+    assert phase_faults.armed_point() is None

@@ -1,0 +1,191 @@
+"""Which tensors of a rank's state differ from the fault-free run, and the likely cause.
+
+Pure: it reads two dumps (``tm_launch.worker.rehearsal_dump``: flat ``entries`` and their
+``roles``) and decides. Why causes are read off roles: a recovery that went wrong leaves its
+mark on what it could not see or restore, while parameters and optimizer state are what every
+cause spoils in the end. So parameters that differ name no cause by themselves; a buffer, an
+RNG, a data position or a plain attribute that differs does. When only parameters (and the
+optimizer state that follows them) differ, every registered object came back right and
+training still went elsewhere: something the script never registered steered it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Root causes, most specific first: (title, suggestion).
+CAUSES: dict[str, tuple[str, str]] = {
+    "steps": (
+        "the number of steps applied (an optimizer's or scheduler's step count)",
+        "a step ran twice or not at all on this rank: guard effects of your own with `if job.commit():` and "
+        "keep one optimizer step per job.steps() step; if the script already does, report it with this output",
+    ),
+    "buffer": (
+        "a module buffer (e.g. BatchNorm running statistics, a counter changed in the forward)",
+        "make the buffer identical on every rank (nn.SyncBatchNorm.convert_sync_batchnorm(model), or "
+        "broadcast it), or keep per-rank statistics in an object registered with job.register(per_rank=True, ...)",
+    ),
+    "rng": (
+        "the random number generators (dropout, random augmentation)",
+        "register them: job.register(per_rank=True, rng=tm_launch.RNGState()) after seeding each rank",
+    ),
+    "data": (
+        "the data position (a sampler's or loader's state)",
+        "register the sampler or loader with job.register(per_rank=True, data=...) (it needs state_dict()/"
+        "load_state_dict()), or make each step's batch a function of the step",
+    ),
+    "unregistered": (
+        "state the script keeps outside job.register (a tensor in a plain attribute, a counter, a cache)",
+        "give it state_dict()/load_state_dict() and register it (per_rank=True if each rank holds its own), or derive it from the step",
+    ),
+}
+ORDER = list(CAUSES)
+
+ROLE_CAUSE = {"buffer": "buffer", "rng": "rng", "rng-os": "rng", "global-rng": "rng", "data": "data", "attr": "unregistered"}
+# Seeded from the OS unless the script seeds them (Python's and numpy's generators): they may
+# differ between two fault-free runs, so only a control run can say whether they count.
+MAYBE_UNSEEDED = "rng-os"
+STEP_COUNTERS = ("step", "last_epoch", "_step_count")
+
+
+@dataclass(frozen=True)
+class Difference:
+    key: str  # the dump's flat key: "<object>/<state_dict key>", "~rng/torch", "~attr/<module>.<path>"
+    role: str  # param, buffer, optim, sched, rng, data, other, attr, global-rng
+    detail: str  # "max |diff| 0.0123", "shape (2,) -> (3,)", "3 -> 4", "only in the fault-free run"
+
+    @property
+    def obj(self) -> str:
+        """The object the key belongs to, as a user knows it."""
+        head, _, _ = self.key.partition("/")
+        return {"~rng": "global RNG (not registered)", "~attr": "plain attributes (not registered)"}.get(head, head)
+
+    @property
+    def tensor(self) -> str:
+        return self.key.partition("/")[2]
+
+
+@dataclass
+class RankVerdict:
+    rank: int
+    differences: list[Difference] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)
+    missing: str | None = None  # why there is nothing to compare (no dump)
+
+    @property
+    def equal(self) -> bool:
+        return self.missing is None and not self.differences
+
+
+def describe(a, b) -> str | None:
+    """None when ``a`` and ``b`` are bitwise equal, else what differs (tensors: the largest
+    absolute difference; NaN equals NaN at the same place, as a bitwise comparison has it)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype:
+            return f"dtype {a.dtype} -> {b.dtype}"
+        if a.shape != b.shape:
+            return f"shape {tuple(a.shape)} -> {tuple(b.shape)}"
+        if torch.equal(a, b) or _same_bits(a, b):
+            return None
+        if a.is_floating_point() or a.is_complex():
+            d = (a.double() - b.double()).abs()
+            return f"max |diff| {d.max().item():.3g}"
+        return f"{int((a != b).sum())} of {a.numel()} elements"
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return f"{type(a).__name__} -> {type(b).__name__}"
+    return None if a == b else f"{a!r} -> {b!r}"[:120]
+
+
+def _same_bits(a, b) -> bool:
+    if a.numel() == 0:
+        return True
+    try:
+        return bool(a.contiguous().view(-1).view(_int_of(a)).equal(b.contiguous().view(-1).view(_int_of(b))))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _int_of(t):
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), torch.uint8)
+
+
+def differences(ref: dict, got: dict, unstable: frozenset = frozenset()) -> list[Difference]:
+    """Every key of two dumps' ``entries`` whose value differs (keys in ``unstable``, which
+    differ without any fault, left out)."""
+    out = []
+    r_entries, g_entries = ref["entries"], got["entries"]
+    roles = {**got.get("roles", {}), **ref.get("roles", {})}
+    for key in sorted(set(r_entries) | set(g_entries)):
+        if key in unstable:
+            continue
+        if key not in g_entries:
+            detail = "only in the fault-free run"
+        elif key not in r_entries:
+            detail = "only in the run with the fault"
+        else:
+            detail = describe(r_entries[key], g_entries[key])
+        if detail is not None:
+            out.append(Difference(key, roles.get(key, "other"), detail))
+    return out
+
+
+def cause_of(d: Difference) -> str | None:
+    """The root cause one difference names by itself; None for a consequence (a parameter,
+    the optimizer state that follows it, another object's state)."""
+    if d.role in ROLE_CAUSE:
+        return ROLE_CAUSE[d.role]
+    leaf = d.key.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
+    if d.role in ("optim", "sched") and leaf in STEP_COUNTERS:
+        return "steps"
+    if d.detail.startswith("only in"):
+        return "unregistered"  # registered in one run only
+    return None
+
+
+def classify(diffs: list[Difference], steps_differ: bool = False) -> list[str]:
+    """The likely causes of one rank's differences, most specific first (``ORDER``)."""
+    if not diffs and not steps_differ:
+        return []
+    found = {c for c in map(cause_of, diffs) if c is not None}
+    if steps_differ:
+        found.add("steps")
+    if not found:
+        found.add("unregistered")  # every registered object's own state came back right
+    return [c for c in ORDER if c in found]
+
+
+def compare_rank(rank: int, ref: dict | None, got: dict | None, unstable: frozenset = frozenset()) -> RankVerdict:
+    if ref is None:
+        return RankVerdict(rank, missing="the fault-free run wrote no state for this rank")
+    if got is None:
+        return RankVerdict(rank, missing="no state written: no process held this rank at the end (the job failed)")
+    diffs = differences(ref, got, unstable)
+    steps_differ = ref["meta"].get("steps") != got["meta"].get("steps") and "~meta/steps" not in unstable
+    if steps_differ:
+        diffs.append(Difference("~meta/steps", "meta", f"{ref['meta'].get('steps')} -> {got['meta'].get('steps')} steps"))
+    return RankVerdict(rank, diffs, classify(diffs, steps_differ))
+
+
+def compare_runs(ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset()) -> list[RankVerdict]:
+    """Per rank of the fault-free run (and any extra rank of the other)."""
+    return [compare_rank(r, ref.get(r), got.get(r), unstable) for r in sorted(set(ref) | set(got))]
+
+
+def maybe_unseeded(dumps: dict[int, dict]) -> frozenset:
+    """The keys of generators that may start from OS entropy (``MAYBE_UNSEEDED``)."""
+    return frozenset(k for d in dumps.values() for k, role in d.get("roles", {}).items() if role == MAYBE_UNSEEDED)
+
+
+def unstable_keys(ref: dict[int, dict], control: dict[int, dict]) -> frozenset:
+    """Keys that differ between two fault-free runs (the script is not reproducible there):
+    a fault cannot be blamed for them."""
+    keys = set()
+    for r in set(ref) & set(control):
+        keys |= {d.key for d in differences(ref[r], control[r])}
+        if ref[r]["meta"].get("steps") != control[r]["meta"].get("steps"):
+            keys.add("~meta/steps")
+    return frozenset(keys)
