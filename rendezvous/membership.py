@@ -514,10 +514,6 @@ class Membership:
         self.kv.put(f"state/drain/{node}", json.dumps({"reason": reason, "time": time.time()}))
 
     @_writes_state
-    def clear_drain(self, node: str) -> None:
-        self.kv.delete(f"state/drain/{node}")
-
-    @_writes_state
     def set_live(self) -> None:
         self.kv.create("state/live", "1")
 

@@ -102,7 +102,7 @@ def test_snapshot_parses_roles(kv_factory):
     m.unmark_warm("c")  # no marker: nothing to do
     assert m.snapshot().view.warm == frozenset()
     m.uncordon("d")
-    m.clear_drain("b")
+    m.uncordon("b")  # `ctl uncordon` also takes back a drain request
     m.leave("c")
     snap = m.snapshot()
     assert set(snap.view.alive) == set("abd") and snap.view.failed == {} and snap.view.drains == {}
