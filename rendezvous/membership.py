@@ -135,9 +135,23 @@ class Membership:
 
     # -- registration ---------------------------------------------------------------------
     @_writes_state
-    def register(self, info: NodeInfo, ttl: float) -> Lease:
+    def register(self, info: NodeInfo, ttl: float, again: bool = False) -> Lease:
+        """Register ``info`` on a new lease of ``ttl``; ValueError when the id is taken.
+
+        ``again``: a running agent registers anew after its lease expired. Its earlier attempt
+        may have created the record and lost the answer (etcd went away before answering: the
+        outcome of a create is then unknown); a record equal to its own (the same process,
+        address and join time) is that attempt's, on a lease this agent never learned of, so it
+        is replaced rather than taken for another agent's."""
+        key = f"state/nodes/{info.id}"
         lease = self.kv.grant(ttl)
-        if not self.kv.create(f"state/nodes/{info.id}", info.to_json(), lease=lease):
+        created = self.kv.create(key, info.to_json(), lease=lease)
+        if not created and again:
+            mine = self.kv.get(key)
+            if mine is not None and mine.value == info.to_json():
+                self.kv.delete(key)
+                created = self.kv.create(key, info.to_json(), lease=lease)
+        if not created:
             lease.revoke()
             raise ValueError(
                 f"node id '{info.id}' is already registered in this job; pick another --node-id or wait for the old node's lease to expire"

@@ -4,6 +4,7 @@ with --enable-v2). v2 has no leases and no multi-key transactions: see ``_V2Leas
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from urllib.parse import quote
@@ -26,6 +27,11 @@ from .api import (
     _url,
     _whole_seconds,
 )
+
+# python-etcd logs an ERROR line for every request to an endpoint that does not answer; this
+# client fails over, retries and says what matters in one line of its own (a KVError, the
+# agent's "lost contact with etcd"), so an outage is not a screenful per second.
+logging.getLogger("etcd.client").setLevel(logging.CRITICAL)
 
 
 class _V2Lease(Lease):

@@ -147,7 +147,7 @@ class PlanExecutor:
         whenever the joiner fetched after it was gone, and every worker restarted from the
         script's checkpoint."""
         self.session.close()
-        members = self.session.members
+        members = self.session.direct  # not retried: the deadline below bounds this wait, etcd or not
         deadline = time.time() + max(60.0, self.cfg.collective_timeout)
         self.say(
             f"generation {plan.generation}: serving this node's store until the new generation completes a step "
@@ -216,11 +216,15 @@ class PlanExecutor:
     def _wait_saying(self, done: Callable[[], object], limit: float, waiting_for: str, what: Callable[[], str], poll: float):
         """Poll ``done`` every ``poll`` seconds until it returns something true (returned) or
         ``limit`` seconds passed (None), saying every few seconds what this node waits for
-        (``what()``) and for how long: a wait that says nothing looks like a hung agent."""
+        (``what()``) and for how long: a wait that says nothing looks like a hung agent. Time
+        ``done`` spent waiting for etcd to answer (its requests are retried under the retry
+        policy) does not count: an etcd outage must not end a wait for a peer."""
         deadline = time.time() + limit
         ticker = Every()
         while time.time() < deadline:
+            asked = time.time()
             got = done()
+            deadline += max(time.time() - asked - 1.0, 0.0)
             if got:
                 return got
             if ticker.due():
