@@ -77,6 +77,14 @@ def schedule(seed: int, faults: int) -> list[tuple[str, float]]:
     return out
 
 
+def budget(plan: list[tuple[str, float]], step_sleep: float) -> int:
+    """Steps enough for ``plan`` (pure): setup, each fault's outage and the gap after it, a
+    worker kill's recovery and a fresh spare's warm-up, at one step per ``step_sleep`` and a
+    fifth more (a step takes longer than its sleep: 18 steps a second were measured at 0.03 s)."""
+    seconds = 60.0 + sum(down + 6.0 + (90.0 if kind == "worker-kill-in-outage" else 0.0) for kind, down in plan)
+    return int(1.2 * seconds / max(step_sleep, 0.01))
+
+
 def max_gap(times: list[float]) -> float | None:
     """The longest wait between two consecutive step times (pure)."""
     times = sorted(times)
@@ -108,7 +116,10 @@ class EtcdChaos:
             backend="etcd-v3" if api == "v3" else "etcd-v2",
             launcher_args=["--lease-ttl", str(TTL), "--max-restarts", "3"],
         )
-        common = ["--steps", "100000", "--step-sleep", str(step_sleep), "--step-log", self.job.step_log, "--chaos-dir", self.chaos]
+        # The script's step budget (``budget``); the driver ends the run 20 steps after the last
+        # fault (``DIR/end``), and the steps left over after that run empty, at full speed.
+        self.steps = budget(self.plan, step_sleep)
+        common = ["--steps", str(self.steps), "--step-sleep", str(step_sleep), "--step-log", self.job.step_log, "--chaos-dir", self.chaos]
         if layout == "ddp":
             self.out = os.path.join(workdir, "params.pt")
             self.job.script_args = [*common, "--out", self.out]
@@ -212,6 +223,8 @@ class EtcdChaos:
         self.wait(lambda: self.max_step() >= start + 20, 120, "training to run")
         try:
             for i, (kind, down) in enumerate(self.plan):
+                if self.max_step() > self.steps - 200:
+                    raise SoakError(f"the step budget ({self.steps}) ran out after {i} faults: a slower machine than budget() allows")
                 result = self.inject(kind, down)
                 records = [t for t, r, _, _, _ in self.job.step_records() if r == 0]
                 time.sleep(self.rng.uniform(2.0, 4.0))  # the next fault may land on a renewal or a re-registration

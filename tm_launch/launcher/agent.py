@@ -40,6 +40,7 @@ from ..waits import Every
 from .config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
+from .fencing import plans_while_settling
 from .observers import (
     AlarmWatch,
     DowntimeStamps,
@@ -225,7 +226,19 @@ class Agent:
             self.state_changed = True  # plan on a view that includes this iteration's reports
             return None
         decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
-        if decision is not None and decision.state != SUCCEEDED and view.plan is not None and self.session.settling():
+        if (
+            decision is not None
+            and decision.state != SUCCEEDED
+            and view.plan is not None
+            and self.session.settling()
+            and not plans_while_settling(
+                live=decision.live,
+                finished=decision.finished,
+                removed=set(decision.removed),
+                replaced=set(decision.replaced.values()),
+                reported=set(view.reports) | set(view.failed),
+            )
+        ):
             decision = None  # right after an etcd outage: let every node re-register first
         sent_at = time.time()
         if decision is not None and self.session.members.publish(

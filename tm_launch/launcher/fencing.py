@@ -95,3 +95,14 @@ def peers_cut_off(my_last_contact: float, peers_last_contact: list[float | None]
         return False
     window = max(1.0, ttl / 3) + 0.25
     return all(t is not None and t <= my_last_contact + window for t in peers_last_contact)
+
+
+def plans_while_settling(*, live: bool, finished: bool, removed: set[str], replaced: set[str], reported: set[str]) -> bool:
+    """May a planner publish this plan while the agents may still be re-registering after an
+    outage (``settling_after_outage``)? Only one that no expired lease can have caused: a live
+    substitution whose every removed node reported its own failure (or was cordoned) and was
+    replaced by a spare that is registered. A worker killed while etcd was away then recovers as
+    soon as etcd is back, not two TTLs later; a plan that removes a node for its missing lease
+    alone, fails the job or restarts every worker still waits (the lease, or a spare's, may only
+    be on its way back)."""
+    return live and not finished and bool(removed) and removed <= reported and removed <= replaced

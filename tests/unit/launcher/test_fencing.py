@@ -4,7 +4,7 @@
 import pytest
 
 from tm_launch.launcher.etcd_retry import GIVE_UP, RETRY, gone_after, outage_decision, retry_delay
-from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, peers_cut_off, settling_after_outage
+from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, peers_cut_off, plans_while_settling, settling_after_outage
 
 TTL, LIMIT = 5.0, 8.0
 
@@ -104,3 +104,18 @@ def test_outage_decision(silent_for, ttl, running, want):
 )
 def test_peers_cut_off(mine, peers, want):
     assert peers_cut_off(mine, peers, ttl=3.0) is want
+
+
+@pytest.mark.parametrize(
+    "live, finished, removed, replaced, reported, want",
+    [
+        (True, False, {"a"}, {"a"}, {"a"}, True),  # a's worker was killed in the outage, the spare takes its ranks
+        (True, False, {"a", "b"}, {"a", "b"}, {"a"}, False),  # b is out for its lease alone: it may be re-registering
+        (True, False, {"a"}, set(), {"a"}, False),  # nobody takes a's ranks: a restart at a smaller size
+        (False, False, {"a"}, {"a"}, {"a"}, False),  # restart mode: every worker starts afresh
+        (True, True, {"a"}, {"a"}, {"a"}, False),  # the job would end (no spare left: the spare may be re-registering)
+        (True, False, set(), set(), set(), False),  # nothing removed: nothing urgent
+    ],
+)
+def test_only_a_reported_failure_is_planned_while_nodes_rejoin(live, finished, removed, replaced, reported, want):
+    assert plans_while_settling(live=live, finished=finished, removed=removed, replaced=replaced, reported=reported) is want
