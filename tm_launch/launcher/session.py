@@ -286,7 +286,9 @@ class EtcdSession:
         recovering, stalled = self.local_progress()
         facts = dict(
             lease_gone=lost,
-            unreachable_for=(time.time() - self.lease_ok_at) if self.lease_failing else None,
+            # etcd's silence counts while it lasts: once etcd answers again, a lease it no longer
+            # has is the lost-lease branch's (register again, or fence if a plan replaced us)
+            unreachable_for=(time.time() - self.lease_ok_at) if self.lease_failing and not self.etcd_ok else None,
             ttl=self.ttl,
             active=plan is not None and me in plan.nodes and not plan.finished,
             replaced=replaced,
@@ -298,7 +300,9 @@ class EtcdSession:
         if decision == FENCE and not replaced and not lost:
             # Before stopping the workers for etcd's silence: is etcd down for the peers too?
             decision = lease_decision(**facts, peers_cut_off=self._peers_cut_off())
-            if decision != FENCE and self.sparing is None:
+            if decision == FENCE and self._etcd_answers_now():
+                decision = lease_decision(**{**facts, "unreachable_for": None})  # the peers heard from etcd because it is back
+            if decision != FENCE and facts["unreachable_for"] is not None and self.sparing is None:
                 self.sparing = f"{facts['unreachable_for']:.1f}s"
                 self.say(
                     f"etcd unreachable for {self.sparing} while this node's workers "
@@ -329,6 +333,16 @@ class EtcdSession:
                 "lease had expired (etcd unreachable or this agent stalled) but nobody took this node's ranks: registered again",
                 kind="rejoined",
             )
+
+    def _etcd_answers_now(self) -> bool:
+        """One last request before fencing for etcd's silence (the peers say etcd answers them:
+        it may just have come back while this agent waited out a retry's delay)."""
+        try:
+            self.direct.kv.current_revision(timeout=min(1.0, self.ttl / 3))
+        except Exception:
+            return False
+        self.note_etcd(True)
+        return True
 
     def _peers_cut_off(self) -> bool:
         """``fencing.peers_cut_off`` on the peers' answers, asked at most every quarter second

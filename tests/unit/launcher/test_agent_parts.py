@@ -70,16 +70,36 @@ def test_session_says_once_when_etcd_goes_and_once_when_it_is_back(members):
     assert s.settling()  # right after an outage planners wait for every node to re-register
 
 
-def test_session_fences_when_etcd_is_silent_and_the_workers_are_stuck(members):
+def silent(session: EtcdSession) -> EtcdSession:
+    """``session`` as etcd left it: a TTL without a lease refresh, and no answer to anything."""
+    session.lease_failing, session.lease_ok_at = True, time.time() - 2.0
+    session.note_etcd(False, KVError("connection refused"))
+    return session
+
+
+@pytest.fixture
+def unreachable(refusing_port):
+    """A ``Membership`` whose etcd does not answer (a port that refuses connections)."""
+    from rendezvous.kv.v3 import EtcdV3
+
+    kv = EtcdV3(EtcdOptions(endpoints=(f"127.0.0.1:{refusing_port}",), timeout=0.5))
+    yield Membership(kv)
+    kv.close()
+
+
+def test_session_fences_when_etcd_is_silent_and_the_workers_are_stuck(unreachable, members):
     plan = Plan(generation=0, nodes=("n1", "n2"), nproc=1)
-    stuck = session_for(members, Said(), progress=(True, None))
-    stuck.lease_failing, stuck.lease_ok_at = True, time.time() - 2.0  # a TTL without a refresh
+    stuck = silent(session_for(unreachable, Said(), progress=(True, None)))
     with pytest.raises(Fenced, match="etcd unreachable .* recovering from a failed collective"):
         stuck.apply_fencing_rule(plan)
     # the same outage while the workers make progress: etcd is what is down, keep training
-    training = session_for(members, Said(), progress=(False, 0.1))
-    training.lease_failing, training.lease_ok_at = True, time.time() - 2.0
+    training = silent(session_for(unreachable, Said(), progress=(False, 0.1)))
     training.apply_fencing_rule(plan)
+    # etcd answers again (the last request before fencing finds it back): the lost lease, if
+    # any, is the next fresh read's to decide, not etcd's silence
+    back = silent(session_for(members, Said(), progress=(True, None)))
+    back.apply_fencing_rule(plan)
+    assert back.etcd_ok
     # a spare owns no rank: never fenced for unreachability
     stuck.apply_fencing_rule(Plan(generation=0, nodes=("n2",), nproc=1))
 
