@@ -162,7 +162,13 @@ class EtcdV3(_EtcdClient):
             self._cur = idx
             self._count(len(resp.content))
             if resp.status_code == 200:
-                return resp.json()
+                try:
+                    return resp.json()
+                except ValueError as e:  # a member going down mid-answer: not etcd's JSON
+                    if not idempotent:
+                        raise KVError(f"etcd at {url} answered {path} with something that is not JSON, so its outcome is unknown") from e
+                    errors.append((url, f"an answer that is not JSON ({_reason(e)})"))
+                    continue
             msg = _gateway_message(resp)
             if "invalid auth token" in msg and _relogin:
                 client.session.headers.pop("Authorization", None)
