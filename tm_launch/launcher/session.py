@@ -128,6 +128,7 @@ class EtcdSession:
             time.sleep(retry_delay(failed, self.ttl, random.random()) if failed else interval)
             if lease is not self.lease:
                 return
+            asked = time.time()
             try:
                 alive = lease.refresh()
             except Exception as e:  # KVError, or a client library's own error: not through either way
@@ -137,6 +138,8 @@ class EtcdSession:
                 continue
             failed = 0
             self.note_etcd(True)
+            if time.time() - asked > self.ttl / 3 or time.time() - self.lease_ok_at > 0.6 * self.ttl:
+                self.note_impaired()  # a renewal that came late: every lease may have lapsed, not just one
             if not alive:
                 self.lease_failing = True  # no lease keeps this node now: the fencing rule's clock runs
                 self.lost_lease.set()
@@ -174,6 +177,14 @@ class EtcdSession:
         else:
             self.say(f"lost contact with etcd: {error}; this node's workers keep training, retrying", kind="etcd_down", publish=False)
 
+    def note_impaired(self) -> None:
+        """etcd answered, but late, or this node's own lease lapsed: etcd was frozen (SIGSTOP, a
+        paused VM, an election that hung requests instead of refusing them) or this agent
+        stalled. Neither shows as a failed request, and both can expire every lease at once, so
+        planners hold back replacements as after an outage (``settling``)."""
+        with self._etcd_lock:
+            self.etcd_back_at = time.time()
+
     def answered(self) -> None:
         """A read of the job's state got through."""
         self.unreadable_plan = ""
@@ -188,6 +199,7 @@ class EtcdSession:
         this request cannot wait for)."""
         retried = False
         while True:
+            asked = time.time()
             try:
                 result = request()
             except LeaseExpired:
@@ -203,6 +215,8 @@ class EtcdSession:
             if retried:  # etcd answered the request it had failed (many calls read only local copies)
                 self.failed_in_a_row = 0
                 self.note_etcd(True)
+            if time.time() - asked > self.ttl / 3:
+                self.note_impaired()  # a read that hung while etcd was frozen: do not plan on the leases it shows
             return result
 
     def back_off(self, error: Exception, plan: Plan | None) -> None:
@@ -328,6 +342,7 @@ class EtcdSession:
                 raise Fenced("lease expired and another agent registered this node id") from None
             self.lease_ok_at, self.lease_failing = time.time(), False
             self.lost_lease.clear()
+            self.note_impaired()  # if ours lapsed, others' may have too: they register again meanwhile
             threading.Thread(target=self._keep_lease, daemon=True).start()
             self.say(
                 "lease had expired (etcd unreachable or this agent stalled) but nobody took this node's ranks: registered again",
