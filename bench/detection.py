@@ -109,8 +109,8 @@ def poll_cost() -> dict:
     """CPU per batched poll of 8 fake GPUs with 18 NVLink links each (the production code path)."""
     from health.__main__ import measure_poll_cost
     from health.config import HealthConfig
-    from health.fake_nvml import FakeNvml
     from health.nvml_monitor import NvmlMonitor
+    from tests.doubles.fake_nvml import FakeNvml
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write("gpus: 8\ninit: {nvlinks: 18}\nevents: []\n")

@@ -9,15 +9,18 @@ is a fatal alarm too.  Everything goes through ``AlarmFilter`` before ``on_alarm
 
 NVML missing (no driver, CPU machine, pynvml not importable): ``start()`` logs one info line
 and returns False; nothing else happens.  ``TM_FAKE_NVML=FILE`` swaps in the scripted fake
-(``health.fake_nvml``) at the pynvml boundary; this module is the same code either way.
+(``tests/doubles/fake_nvml.py`` of the source checkout this package runs from) at the pynvml
+boundary; this module is the same code either way.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import importlib.util
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +33,10 @@ from .xid import classify_xid, xid_name
 log = logging.getLogger(__name__)
 
 FAKE_ENV = "TM_FAKE_NVML"
+# The fake is a test double: it lives with the tests, not in the package. An agent finds it in
+# the checkout its ``health`` package comes from (a source or editable install: the demo, the
+# tests and the benchmarks run from one), whatever its working directory.
+FAKE_NVML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "doubles", "fake_nvml.py")
 
 # pynvml field ids read in the batched nvmlDeviceGetFieldValues call
 FI_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
@@ -80,14 +87,25 @@ def load_nvml():
     """(module, None) with the NVML binding to use, or (None, reason)."""
     path = os.environ.get(FAKE_ENV)
     if path:
-        from .fake_nvml import FakeNvml
-
-        return FakeNvml.from_file(path), None
+        if not os.path.exists(FAKE_NVML):
+            return None, f"{FAKE_ENV} is set but the fake NVML is not here ({FAKE_NVML}): it ships with the source checkout only"
+        return _fake_nvml().FakeNvml.from_file(path), None
     try:
         import pynvml
     except ImportError as e:
         return None, f"pynvml not importable: {e}"
     return pynvml, None
+
+
+def _fake_nvml():
+    """The fake's module, loaded once from the checkout (``FAKE_NVML``)."""
+    module = sys.modules.get("_tm_launch_fake_nvml")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_tm_launch_fake_nvml", FAKE_NVML)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up while it runs
+        spec.loader.exec_module(module)
+    return module
 
 
 class _Lost(Exception):

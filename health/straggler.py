@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time as _time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from .alarms import DEGRADED, Alarm
 
@@ -90,32 +90,3 @@ class StragglerDetector:
             ),
             time=_time.time() if now is None else now,
         )
-
-
-class WindowAggregator:
-    """Sums each rank's per-step compute seconds into windows of ``straggler_window`` steps.
-
-    ``add(rank, step, seconds)`` returns ``{rank: seconds}`` for a window once every expected
-    rank has reported all of its steps, else None.  Windows complete in order; a window that
-    some rank never finishes is dropped when a later one completes.
-    """
-
-    def __init__(self, window_steps: int, ranks: Iterable[int]):
-        self.window_steps = window_steps
-        self.ranks = set(ranks)
-        self._sums: dict[int, dict[int, float]] = {}
-        self._counts: dict[int, dict[int, int]] = {}
-
-    def add(self, rank: int, step: int, compute_seconds: float) -> dict[int, float] | None:
-        w = step // self.window_steps
-        self._sums.setdefault(w, {}).setdefault(rank, 0.0)
-        self._sums[w][rank] += compute_seconds
-        counts = self._counts.setdefault(w, {})
-        counts[rank] = counts.get(rank, 0) + 1
-        if all(counts.get(r, 0) >= self.window_steps for r in self.ranks):
-            done = {r: self._sums[w][r] for r in self.ranks}
-            for old in [k for k in self._sums if k <= w]:
-                del self._sums[old]
-                del self._counts[old]
-            return done
-        return None

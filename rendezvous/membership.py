@@ -135,9 +135,28 @@ class Membership:
 
     # -- registration ---------------------------------------------------------------------
     @_writes_state
-    def register(self, info: NodeInfo, ttl: float) -> Lease:
+    def register(self, info: NodeInfo, ttl: float, again: bool = False) -> Lease:
+        """Register ``info`` on a new lease of ``ttl``; ValueError when the id is taken.
+
+        ``again``: a running agent registers anew after its lease was lost. Its old record may
+        still be there (its TTL not quite run out: v2 expires each key on its own), or an earlier
+        attempt may have created it and lost the answer (the outcome of a create is then
+        unknown); a record equal to its own (the same process, address and join time) is one of
+        those, so it is replaced rather than taken for another agent's."""
+        key = f"state/nodes/{info.id}"
         lease = self.kv.grant(ttl)
-        if not self.kv.create(f"state/nodes/{info.id}", info.to_json(), lease=lease):
+        created = self.kv.create(key, info.to_json(), lease=lease)
+        if not created and again:
+            # Still there: the old lease's record, not expired yet or expiring this moment (gone by
+            # the time it is read), or the record of an attempt whose answer was lost. Ours
+            # either way when it is absent now or equal to ours (the same process, address and
+            # join time); another agent's otherwise.
+            mine = self.kv.get(key)
+            if mine is None or mine.value == info.to_json():
+                if mine is not None:
+                    self.kv.delete(key)
+                created = self.kv.create(key, info.to_json(), lease=lease)
+        if not created:
             lease.revoke()
             raise ValueError(
                 f"node id '{info.id}' is already registered in this job; pick another --node-id or wait for the old node's lease to expire"
@@ -512,10 +531,6 @@ class Membership:
     @_writes_state
     def request_drain(self, node: str, reason: str) -> None:
         self.kv.put(f"state/drain/{node}", json.dumps({"reason": reason, "time": time.time()}))
-
-    @_writes_state
-    def clear_drain(self, node: str) -> None:
-        self.kv.delete(f"state/drain/{node}")
 
     @_writes_state
     def set_live(self) -> None:

@@ -182,6 +182,26 @@ class KV(ABC):
         self.close()
 
 
+class _EtcdClient(KV):
+    """What both implementations build the same way: the options, the job's key prefix and one
+    client per endpoint (``_client``, the implementation's own), tried in order starting from
+    the last one that answered (``_cur``), and the first request that checks etcd answers."""
+
+    def __init__(self, options: EtcdOptions):
+        self.options = options
+        self._keys = _Keys(options.prefix)
+        self._clients = [self._client(scheme, host, port) for scheme, host, port in _endpoints(options)]
+        self._cur = 0
+
+    @abstractmethod
+    def _client(self, scheme: str, host: str, port: int):
+        """The client library's connection to one endpoint."""
+
+    def _check(self) -> None:
+        """``connect``'s check that etcd answers, within one timeout across every endpoint."""
+        self.current_revision(timeout=self.options.timeout / len(self._clients))
+
+
 # ---------------------------------------------------------------- shared helpers
 
 _FIX = "start etcd or fix --rdzv-endpoint"

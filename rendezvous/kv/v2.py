@@ -4,6 +4,7 @@ with --enable-v2). v2 has no leases and no multi-key transactions: see ``_V2Leas
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from urllib.parse import quote
@@ -12,7 +13,6 @@ import etcd
 import urllib3
 
 from .api import (
-    KV,
     AccessDenied,
     Entry,
     EtcdOptions,
@@ -20,14 +20,18 @@ from .api import (
     Lease,
     LeaseExpired,
     Listing,
-    _endpoints,
-    _Keys,
+    _EtcdClient,
     _one_line,
     _reason,
     _unreachable,
     _url,
     _whole_seconds,
 )
+
+# python-etcd logs an ERROR line for every request to an endpoint that does not answer; this
+# client fails over, retries and says what matters in one line of its own (a KVError, the
+# agent's "lost contact with etcd"), so an outage is not a screenful per second.
+logging.getLogger("etcd.client").setLevel(logging.CRITICAL)
 
 
 class _V2Lease(Lease):
@@ -99,35 +103,33 @@ def _no_transactions(also: dict[str, str] | None) -> None:
         raise ValueError("etcd's v2 API has no multi-key transaction: check KV.transactions before passing also=")
 
 
-class EtcdV2(KV):
+class EtcdV2(_EtcdClient):
     """etcd's v2 API via python-etcd, one ``etcd.Client`` per endpoint with our own failover
     (python-etcd's own reconnect asks the cluster for member URLs, which may differ from the
     ones the user gave, and retries connects several times past the timeout)."""
 
     def __init__(self, options: EtcdOptions):
-        self.options = options
-        self._keys = _Keys(options.prefix)
-        cert = (options.cert, options.key) if options.cert and options.key else options.cert
-        self._clients = []
-        for scheme, host, port in _endpoints(options):
-            c = etcd.Client(
-                host=host,
-                port=port,
-                protocol=scheme,
-                cert=cert,
-                ca_cert=options.cacert,
-                username=options.user,
-                password=options.password,
-                read_timeout=options.timeout,
-                allow_reconnect=False,
-            )
-            # One attempt per request: urllib3's default 3 retries would multiply the timeout.
-            c.http.connection_pool_kw["retries"] = urllib3.util.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=3)
-            c.http.clear()
-            self._clients.append((_url(scheme, host, port), c))
-        self._cur = 0
+        super().__init__(options)
         self._lock = threading.Lock()
         self._leased: dict[str, _V2Lease] = {}  # full key -> the lease keeping it alive
+
+    def _client(self, scheme: str, host: str, port: int) -> tuple[str, etcd.Client]:
+        options = self.options
+        c = etcd.Client(
+            host=host,
+            port=port,
+            protocol=scheme,
+            cert=(options.cert, options.key) if options.cert and options.key else options.cert,
+            ca_cert=options.cacert,
+            username=options.user,
+            password=options.password,
+            read_timeout=options.timeout,
+            allow_reconnect=False,
+        )
+        # One attempt per request: urllib3's default 3 retries would multiply the timeout.
+        c.http.connection_pool_kw["retries"] = urllib3.util.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=3)
+        c.http.clear()
+        return _url(scheme, host, port), c
 
     # -- transport
 
@@ -204,9 +206,6 @@ class EtcdV2(KV):
         if lease._dead:
             raise LeaseExpired("etcd lease expired or was revoked: re-register with a new lease")
         return lease._seconds
-
-    def _check(self) -> None:
-        self.current_revision(timeout=self.options.timeout / len(self._clients))
 
     # -- KV
 

@@ -13,7 +13,6 @@ import urllib3
 from etcd3gw.client import Etcd3Client
 
 from .api import (
-    KV,
     AccessDenied,
     Change,
     Entry,
@@ -23,8 +22,7 @@ from .api import (
     LeaseExpired,
     Listing,
     WatchNews,
-    _endpoints,
-    _Keys,
+    _EtcdClient,
     _one_line,
     _reason,
     _unreachable,
@@ -75,7 +73,7 @@ class _V3Lease(Lease):
         return f"Lease(v3 id={self.id:x}, ttl={self.ttl})"
 
 
-class EtcdV3(KV):
+class EtcdV3(_EtcdClient):
     """etcd's v3 API through its HTTP/JSON gateway, using etcd3gw's client for the session,
     TLS and URLs. Requests are built here because etcd3gw encodes str as latin-1 (no
     unicode), drops revisions from put's answer, cannot fail over, and has no login.
@@ -86,27 +84,24 @@ class EtcdV3(KV):
     transactions = True
 
     def __init__(self, options: EtcdOptions):
-        self.options = options
-        self._keys = _Keys(options.prefix)
-        self._clients = [
-            Etcd3Client(
-                host=host,
-                port=port,
-                protocol=scheme,
-                ca_cert=options.cacert,
-                cert_cert=options.cert,
-                cert_key=options.key,
-                timeout=options.timeout,
-                api_path="/v3/",
-            )
-            for scheme, host, port in _endpoints(options)
-        ]
+        super().__init__(options)
         # Per request, because requests lets $REQUESTS_CA_BUNDLE override session.verify.
         self._verify = {"verify": options.cacert} if options.cacert else {}
-        self._cur = 0
         self._auth = bool(options.user)
         self.received = 0
         self._received_lock = threading.Lock()  # the lease keeper thread shares this client
+
+    def _client(self, scheme: str, host: str, port: int) -> Etcd3Client:
+        return Etcd3Client(
+            host=host,
+            port=port,
+            protocol=scheme,
+            ca_cert=self.options.cacert,
+            cert_cert=self.options.cert,
+            cert_key=self.options.key,
+            timeout=self.options.timeout,
+            api_path="/v3/",
+        )
 
     # -- transport
 
@@ -167,7 +162,13 @@ class EtcdV3(KV):
             self._cur = idx
             self._count(len(resp.content))
             if resp.status_code == 200:
-                return resp.json()
+                try:
+                    return resp.json()
+                except ValueError as e:  # a member going down mid-answer: not etcd's JSON
+                    if not idempotent:
+                        raise KVError(f"etcd at {url} answered {path} with something that is not JSON, so its outcome is unknown") from e
+                    errors.append((url, f"an answer that is not JSON ({_reason(e)})"))
+                    continue
             msg = _gateway_message(resp)
             if "invalid auth token" in msg and _relogin:
                 client.session.headers.pop("Authorization", None)
@@ -203,9 +204,6 @@ class EtcdV3(KV):
         if not isinstance(lease, _V3Lease):
             raise TypeError("lease must come from this KV's grant()")
         return lease.id
-
-    def _check(self) -> None:
-        self.current_revision(timeout=self.options.timeout / len(self._clients))
 
     # -- KV
 
@@ -306,35 +304,28 @@ class EtcdV3(KV):
         here at 84 ms median. A watcher created at the current revision is synced at once and
         sees every later event within milliseconds; the caller covers the gap before it by
         comparing the created revision with its own read's (``tm_launch.launcher.wakeup.StateWatch``)."""
-        create = self._prefix_range(prefix)
-        connect_t = min(self.options.timeout, idle_timeout)
-        errors = []
-        n = len(self._clients)
-        for i in range(n):
-            client = self._clients[(self._cur + i) % n]
-            try:
-                if self._auth and "Authorization" not in client.session.headers:
-                    self._authenticate(client, connect_t)
-                resp = client.session.post(
-                    client.get_url("watch"), json={"create_request": create}, stream=True, timeout=(connect_t, idle_timeout), **self._verify
-                )
-            except requests.exceptions.ReadTimeout:
-                return
-            except requests.exceptions.RequestException as e:
-                errors.append((client.base_url, _reason(e)))
-                continue
-            try:
-                if resp.status_code != 200:
-                    raise self._rejected(client.base_url, "watch", resp.status_code, _gateway_message(resp))
-                yield from _stream_events(resp, self._count, self._keys.rel)
-                return
-            finally:
-                resp.close()
-        raise _unreachable(errors)
+        resp = self._open_watch(self._prefix_range(prefix), min(self.options.timeout, idle_timeout), idle_timeout)
+        if resp is None:
+            return
+        try:
+            yield from _stream_events(resp, self._count, self._keys.rel)
+        finally:
+            resp.close()
 
     def _watch_once(self, create: dict, remaining: float, deadline: float) -> bool | None:
         """True on an event, False on timeout, None if the stream ended early."""
-        connect_t = min(self.options.timeout, remaining)
+        resp = self._open_watch(create, min(self.options.timeout, remaining), remaining)
+        if resp is None:
+            return False
+        try:
+            return _first_event(resp, deadline, self._count)
+        finally:
+            resp.close()
+
+    def _open_watch(self, create: dict, connect_t: float, read_t: float) -> requests.Response | None:
+        """A watch stream (``create``) opened on the first member that answers, for ``wait``
+        and ``watch_stream`` alike; None when the member took longer than ``read_t`` to answer
+        (a wait's whole budget: nothing changed), KVError when none does or etcd refuses."""
         errors = []
         n = len(self._clients)
         for i in range(n):
@@ -343,19 +334,19 @@ class EtcdV3(KV):
                 if self._auth and "Authorization" not in client.session.headers:
                     self._authenticate(client, connect_t)
                 resp = client.session.post(
-                    client.get_url("watch"), json={"create_request": create}, stream=True, timeout=(connect_t, remaining), **self._verify
+                    client.get_url("watch"), json={"create_request": create}, stream=True, timeout=(connect_t, read_t), **self._verify
                 )
             except requests.exceptions.ReadTimeout:
-                return False
+                return None
             except requests.exceptions.RequestException as e:
                 errors.append((client.base_url, _reason(e)))
                 continue
-            try:
-                if resp.status_code != 200:
+            if resp.status_code != 200:
+                try:
                     raise self._rejected(client.base_url, "watch", resp.status_code, _gateway_message(resp))
-                return _first_event(resp, deadline, self._count)
-            finally:
-                resp.close()
+                finally:
+                    resp.close()
+            return resp
         raise _unreachable(errors)
 
     def close(self) -> None:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import time
 
-from rendezvous.kv import KV, KVError
+from rendezvous.kv import KV, KVError, LeaseExpired
 from rendezvous.membership import Membership
 from rendezvous.plan import SUCCEEDED, NodeInfo, Plan
 from rendezvous.planner import View, follows_only, next_plan, spares
@@ -40,6 +41,7 @@ from .collective_watch import CollectiveWatch
 from .config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
+from .fencing import plans_while_settling
 from .observers import (
     AlarmWatch,
     DowntimeStamps,
@@ -50,9 +52,9 @@ from .observers import (
     StragglerWatch,
     WarmSpareMarker,
 )
-from .peer_link import PeerLink, probe_targets, successor
+from .peer_link import ETCD_CONTACT, PeerLink, last_etcd_contacts, probe_targets, successor
 from .plan_executor import PlanExecutor
-from .session import EtcdSession, Fenced
+from .session import EtcdGone, EtcdSession, Fenced
 from .supervisor import WorkerSupervisor
 from .wakeup import StateWatch, Wakeup
 
@@ -74,7 +76,19 @@ class Agent:
         self.wakeup = Wakeup()
         self.state_watch = StateWatch(self.wakeup)
         self.supervisor = WorkerSupervisor(cfg, say, self.wakeup)
-        self.session = EtcdSession(members, cfg.node_id, cfg.lease_ttl, cfg.collective_timeout, say, self.supervisor.local_progress)
+        self.peer_addrs: list[tuple[str, int]] = []  # the agents this node asks before fencing for etcd's silence
+        self.session = EtcdSession(
+            members,
+            cfg.node_id,
+            cfg.lease_ttl,
+            cfg.collective_timeout,
+            say,
+            self.supervisor.local_progress,
+            worker_exits=lambda: self.supervisor.workers.poll() if self.supervisor.workers else {},
+            followed=lambda: self.executor.plan,
+            ask_peers=lambda: last_etcd_contacts(self.peer_addrs),
+            share_contact=lambda when: self.supervisor.store.set(ETCD_CONTACT, repr(when)),
+        )
         self.failures = FailureWatch(cfg, self.session, self.supervisor, say)
         self.collectives = CollectiveWatch(cfg, self.session, self.supervisor, say)  # stuck collectives (C4)
         self.executor = PlanExecutor(cfg, self.session, self.supervisor, self.failures, self.metrics, say)
@@ -94,8 +108,7 @@ class Agent:
 
     # -- start ------------------------------------------------------------------------------------
     def run(self) -> int:
-        members = self.session.members
-        current = members.plan()  # not a whole snapshot: N joiners would read N records each
+        current = self.session.direct.plan()  # not a whole snapshot: N joiners would read N records each
         if current and current.finished:
             raise SystemExit(
                 f"tm-launch: error: run id '{self.cfg.run_id}' already finished ({current.state}); start the job with a new --rdzv-id"
@@ -125,6 +138,11 @@ class Agent:
             self.say(f"lost membership: {e}; stopped this node's workers (fencing)", kind="fenced", publish=False)
             self.session.record_fenced(str(e))
             return 1
+        except EtcdGone as e:
+            self.supervisor.workers.stop(grace=0)
+            self.say(f"giving up on etcd: {e}", kind="etcd_gone", publish=False)
+            print(f"tm-launch: error: node {self.cfg.node_id}: {e}", file=sys.stderr, flush=True)
+            return e.code
         except KeyboardInterrupt:
             self.supervisor.workers.stop()
             return 130
@@ -139,31 +157,45 @@ class Agent:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _loop(self) -> int:
+        """Read, tick, repeat. Every etcd request in here goes through ``session.members``, which
+        retries it in place under the one retry policy (``EtcdSession.retrying``); the ``except``
+        below is a second net for anything that still raises (the iteration is then run again
+        from a fresh read) and the way back after a lease etcd no longer has (register anew)."""
         session = self.session
         snap, fresh_until = None, 0.0
         while True:
-            session.apply_fencing_rule(self.executor.plan)
-            if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until) or session.lost_lease.is_set():
-                try:  # after a lost lease, a read that shows whether etcd answers (not the mirror)
+            reading = False
+            try:
+                session.apply_fencing_rule(self.executor.plan)
+                if snap is None or self.state_changed or (self.planning and time.time() >= fresh_until) or session.lost_lease.is_set():
+                    reading = True  # after a lost lease, a read that shows whether etcd answers (not the mirror)
                     snap = session.members.refresh(snap, self.cfg.node_id, fresh=session.lost_lease.is_set())
                     snap = session.members.with_records(snap, self._peers(snap.view.plan))
-                except KVError as e:
-                    session.back_off(e, self.executor.plan)
-                    continue
-                session.answered()
-                session.apply_fencing_rule(self.executor.plan, snap)
-                # Re-read etcd when the watch saw a change, else (planners only) once a second:
-                # time-based rules (the join window, the grace of an exit report) still move on.
-                fresh_until = time.time() + 1.0
-            self.supervisor.new_iteration()
-            try:
+                    self._note_peer_addrs(snap)
+                    session.answered()
+                    session.apply_fencing_rule(self.executor.plan, snap)  # may register anew: retried like any request
+                    # Re-read etcd when the watch saw a change, else (planners only) once a second:
+                    # time-based rules (the join window, the grace of an exit report) still move on.
+                    fresh_until = time.time() + 1.0
+                    reading = False
+                self.supervisor.new_iteration()
                 code = self._tick(snap)
-            except KVError as e:  # etcd went away mid-iteration: nothing is half-done, go round again
+            except LeaseExpired:
+                snap = None  # a write named the lease etcd no longer has: read afresh and register anew
+                continue
+            except KVError as e:  # an unreadable plan (said once), or anything the retries did not hold
                 session.back_off(e, self.executor.plan)
-                snap = None
+                if not reading:
+                    snap = None
                 continue
             if code is not None:
                 return code
+
+    def _note_peer_addrs(self, snap) -> None:
+        """The agents this node would ask, before fencing itself for etcd's silence, whether etcd
+        answers them (``fencing.peers_cut_off``): the peers it probes (``peer_link.probe_targets``)."""
+        alive = snap.view.alive
+        self.peer_addrs = [(alive[n].addr, alive[n].store_port) for n in self._peers(snap.view.plan) if n in alive]
 
     def _tick(self, snap) -> int | None:
         """One pass of the loop over one consistent view; an exit code when the agent is done."""
@@ -197,7 +229,19 @@ class Agent:
             self.state_changed = True  # plan on a view that includes this iteration's reports
             return None
         decision = next_plan(self._with_last_call(view), self.cfg.limits) if self.planning else None
-        if decision is not None and decision.state != SUCCEEDED and view.plan is not None and self.session.settling():
+        if (
+            decision is not None
+            and decision.state != SUCCEEDED
+            and view.plan is not None
+            and self.session.settling()
+            and not plans_while_settling(
+                live=decision.live,
+                finished=decision.finished,
+                removed=set(decision.removed),
+                replaced=set(decision.replaced.values()),
+                reported=set(view.reports) | set(view.failed),
+            )
+        ):
             decision = None  # right after an etcd outage: let every node re-register first
         sent_at = time.time()
         if decision is not None and self.session.members.publish(

@@ -8,14 +8,16 @@ etcd gets its copy from a thread of its own, in the order said: an event is said
 what it announces (a worker's failure before its report, a promotion before the spare's
 workers are told, a plan before its planner follows it), and an etcd write there (4-20 ms on
 a loaded 2-core machine) delayed every recovery by as much (measured: a promoted spare's
-workers heard of their plan 10-19 ms after its survivors did). ``close`` lets the agent's last
-events reach etcd before it exits, within a bound.
+workers heard of their plan 10-19 ms after its survivors did). A record etcd does not take is
+retried (``etcd_retry.retry_delay``) until it goes, so that an outage loses no event. ``close``
+lets the agent's last events reach etcd before it exits, within a bound.
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import random
 import threading
 import time
 
@@ -23,6 +25,7 @@ from rendezvous.kv import KVError
 from rendezvous.membership import Membership
 
 from ..logs import logger
+from .etcd_retry import MAX_S, retry_delay
 
 log = logger(__name__)
 
@@ -36,6 +39,7 @@ class EventLog:
         self.members = members
         self.metrics = metrics  # observers.MetricsFeed: counts events by kind when serving
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # records for etcd, in order; None ends
+        self._closing = False  # set once close() waited its bound: a record etcd refuses is dropped
         self._publisher = threading.Thread(target=self._publish, daemon=True, name="tm-events")
         self._publisher.start()
 
@@ -59,13 +63,20 @@ class EventLog:
             if record is None:
                 return
             fields = {k: v for k, v in record.items() if k not in ("time", "node", "kind")}
-            try:
-                self.members.event(self.node_id, record["kind"], at=record["time"], **fields)
-            except KVError:
-                pass  # etcd unreachable: the line is on stderr and in --event-log
+            failed = 0
+            while True:  # etcd away: retried under the agent's retry policy, in order, until it goes
+                try:
+                    self.members.event(self.node_id, record["kind"], at=record["time"], **fields)
+                    break
+                except KVError:
+                    failed += 1
+                    if self._closing:
+                        break  # the agent exits: the line is on stderr and in --event-log
+                    time.sleep(retry_delay(failed, ttl=3 * MAX_S, jitter=random.random()))
 
     def close(self) -> bool:
         """Publish what is still queued (at most ``FLUSH_S``); True when all of it went."""
         self._outbox.put(None)
         self._publisher.join(self.FLUSH_S)
+        self._closing = True
         return not self._publisher.is_alive()

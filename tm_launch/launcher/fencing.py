@@ -13,6 +13,15 @@ Two faults look the same from inside an agent (etcd does not answer) and need op
 So: etcd silent for a while AND the workers stalled or recovering -> fence. etcd answering that
 the lease is gone -> rejoin as the same node if the current plan still gives it its ranks (a long
 pause of this agent, say), else fence. A newer plan without this node -> it was replaced: fence.
+
+One exception, because the stall may have a cause of its own: a peer's worker died while all of
+etcd was down (the job's other workers then wait for a plan nobody can publish yet). Fencing
+then would turn one lost worker into every node's loss. So before it fences, the agent asks the
+peers it probes (``peer_link.probe_targets``) whether etcd answers them: when every one of them
+answers that it does not either (``peers_cut_off``), etcd is down for the job, not for this node
+alone, and nobody can take this node's ranks until it is back (its planners then wait for every
+node to re-register first: ``settling_after_outage``). A peer that does not answer, or that
+reaches etcd, leaves the rule as it was: this node may be the one cut off.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ def lease_decision(
     recovering: bool,
     stalled_for: float | None,
     stall_limit: float,
+    peers_cut_off: bool = False,
 ) -> str:
     """What the agent does about its membership; one of KEEP, FENCE, REREGISTER.
 
@@ -43,6 +53,7 @@ def lease_decision(
     recovering      a local worker saw a collective fail and waits for a new generation
     stalled_for     seconds since a local worker last finished a step (None: no running workers)
     stall_limit     a stall longer than this means a collective is stuck (the collective timeout)
+    peers_cut_off   every peer asked answered that etcd does not answer it either (see above)
     """
     if replaced:
         return FENCE
@@ -57,7 +68,7 @@ def lease_decision(
     # from half of that when the workers are stuck too, so that they are gone before the node
     # can be replaced; while they make progress the peers are still with us: etcd is what is down.
     if unreachable_for >= ttl / 2 and (recovering or (stalled_for is not None and stalled_for > stall_limit)):
-        return FENCE
+        return KEEP if peers_cut_off else FENCE
     return KEEP
 
 
@@ -69,3 +80,29 @@ def settling_after_outage(since_back: float | None, ttl: float) -> bool:
     the outage too and rejoins within one refresh interval (ttl/3), so two TTLs is plenty.
     ``since_back``: seconds since this agent found etcd answering again (None: no outage)."""
     return since_back is not None and since_back < 2 * ttl
+
+
+def peers_cut_off(my_last_contact: float, peers_last_contact: list[float | None], ttl: float) -> bool:
+    """Does every peer asked say that etcd has not answered it since it last answered this node?
+
+    ``peers_last_contact``: the wall time each peer's agent last heard from etcd (None: it did not
+    answer). A healthy agent hears from etcd at least every max(1 s, ttl / 3) (its progress record,
+    its lease), so a peer whose last contact is no later than this node's own plus that interval
+    (and a quarter second for clocks and the moment of asking) has not heard from etcd since etcd
+    went silent for this node. One that has, or that does not answer, says this node may be the
+    one cut off. No peer asked (a node alone) proves nothing."""
+    if not peers_last_contact:
+        return False
+    window = max(1.0, ttl / 3) + 0.25
+    return all(t is not None and t <= my_last_contact + window for t in peers_last_contact)
+
+
+def plans_while_settling(*, live: bool, finished: bool, removed: set[str], replaced: set[str], reported: set[str]) -> bool:
+    """May a planner publish this plan while the agents may still be re-registering after an
+    outage (``settling_after_outage``)? Only one that no expired lease can have caused: a live
+    substitution whose every removed node reported its own failure (or was cordoned) and was
+    replaced by a spare that is registered. A worker killed while etcd was away then recovers as
+    soon as etcd is back, not two TTLs later; a plan that removes a node for its missing lease
+    alone, fails the job or restarts every worker still waits (the lease, or a spare's, may only
+    be on its way back)."""
+    return live and not finished and bool(removed) and removed <= reported and removed <= replaced

@@ -142,3 +142,34 @@ class PeerLink:
             except OSError:
                 pass
             sock.close()
+
+
+ETCD_CONTACT = "agent/etcd_contact"  # in each agent's own store: when etcd last answered it (wall time)
+
+
+def last_etcd_contacts(peers: list[tuple[str, int]], timeout: float = 0.5) -> list[float | None]:
+    """When etcd last answered each of ``peers`` (agent address, store port), read from the
+    peer's own store (``ETCD_CONTACT``, which every agent keeps current); None for a peer that
+    does not answer within ``timeout`` (asked in parallel). Used only when this node is about to
+    fence itself for etcd's silence (``fencing.peers_cut_off``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    answers: list[float | None] = [None] * len(peers)
+
+    def ask(i: int, addr: str, port: int) -> None:
+        try:
+            store = dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+            if store.check([ETCD_CONTACT]):
+                answers[i] = float(store.get(ETCD_CONTACT))
+        except Exception:  # refused, timed out, a value not a number: no answer
+            pass
+
+    threads = [threading.Thread(target=ask, args=(i, a, p), daemon=True) for i, (a, p) in enumerate(peers)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 2 * timeout
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0))
+    return list(answers)

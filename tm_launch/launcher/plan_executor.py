@@ -113,19 +113,16 @@ class PlanExecutor:
             self.session.close()
         if planned:
             sup.direct(plan)  # the leavers' workers hand over at the switch step, then exit
-            deadline = time.time() + max(60.0, self.cfg.collective_timeout)
-            ticker = Every()
-            while any(code is None for code in sup.workers.poll().values()) and time.time() < deadline:
-                if ticker.due():
-                    running = [lr for lr, code in sup.workers.poll().items() if code is None]
-                    self.say(
-                        f"generation {plan.generation}: drained; waiting for local worker(s) {running} to hand over their state "
-                        f"and exit ({ticker.elapsed:.0f} s of {deadline - time.time() + ticker.elapsed:.0f} s)",
-                        kind="waiting",
-                        waiting_for="leavers",
-                        elapsed_s=round(ticker.elapsed, 1),
-                    )
-                time.sleep(0.05)
+            self._wait_saying(
+                lambda: all(code is not None for code in sup.workers.poll().values()),
+                max(60.0, self.cfg.collective_timeout),
+                "leavers",
+                lambda: (
+                    f"generation {plan.generation}: drained; waiting for local worker(s) "
+                    f"{[lr for lr, code in sup.workers.poll().items() if code is None]} to hand over their state and exit"
+                ),
+                poll=0.05,
+            )
         sup.stop("this node left the job")
         successor = next((new for new, old in plan.replaced.items() if old == me), None)
         how = f"replaced by {successor}" if successor else "removed"
@@ -150,7 +147,7 @@ class PlanExecutor:
         whenever the joiner fetched after it was gone, and every worker restarted from the
         script's checkpoint."""
         self.session.close()
-        members = self.session.members
+        members = self.session.direct  # not retried: the deadline below bounds this wait, etcd or not
         deadline = time.time() + max(60.0, self.cfg.collective_timeout)
         self.say(
             f"generation {plan.generation}: serving this node's store until the new generation completes a step "
@@ -196,24 +193,46 @@ class PlanExecutor:
                 self.master_gen = plan.generation
                 members.publish_store(plan.generation, self.cfg.addr, self.master_store.port)
             return self.cfg.addr, self.master_store.port
-        limit = max(60.0, self.cfg.lease_ttl * 4)
-        deadline = time.time() + limit
-        ticker = Every()
-        while time.time() < deadline:
+
+        def published() -> dict | None:
             where = members.store_for(plan.generation)
-            if where:
-                return where["addr"], int(where["port"])
-            if self.session.lost_lease.is_set():
+            if not where and self.session.lost_lease.is_set():
                 raise Fenced("lease expired")
-            if ticker.due():
-                self.say(
-                    f"generation {plan.generation}: waiting for {plan.store.get('node')} to publish the workers' env:// store "
-                    f"({ticker.elapsed:.0f} s of {limit:.0f} s)",
-                    kind="waiting",
-                    waiting_for="store",
-                    elapsed_s=round(ticker.elapsed, 1),
-                )
-            time.sleep(0.02)
+            return where
+
+        where = self._wait_saying(
+            published,
+            max(60.0, self.cfg.lease_ttl * 4),
+            "store",
+            lambda: f"generation {plan.generation}: waiting for {plan.store.get('node')} to publish the workers' env:// store",
+            poll=0.02,
+        )
+        if where:
+            return where["addr"], int(where["port"])
         raise SystemExit(
             f"tm-launch: error: generation {plan.generation}'s store host {plan.store.get('node')} never published its store; is that node alive?"
         )
+
+    def _wait_saying(self, done: Callable[[], object], limit: float, waiting_for: str, what: Callable[[], str], poll: float):
+        """Poll ``done`` every ``poll`` seconds until it returns something true (returned) or
+        ``limit`` seconds passed (None), saying every few seconds what this node waits for
+        (``what()``) and for how long: a wait that says nothing looks like a hung agent. Time
+        ``done`` spent waiting for etcd to answer (its requests are retried under the retry
+        policy) does not count: an etcd outage must not end a wait for a peer."""
+        deadline = time.time() + limit
+        ticker = Every()
+        while time.time() < deadline:
+            asked = time.time()
+            got = done()
+            deadline += max(time.time() - asked - 1.0, 0.0)
+            if got:
+                return got
+            if ticker.due():
+                self.say(
+                    f"{what()} ({ticker.elapsed:.0f} s of {limit:.0f} s)",
+                    kind="waiting",
+                    waiting_for=waiting_for,
+                    elapsed_s=round(ticker.elapsed, 1),
+                )
+            time.sleep(poll)
+        return None

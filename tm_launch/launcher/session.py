@@ -1,30 +1,68 @@
 """This node's session with etcd: its registration and lease, whether etcd answers, the fencing
-rule that follows from both, and the reports the planner must see.
+rule that follows from both, the retry policy for everything the running agent asks of etcd, and
+the reports the planner must see.
 
 The lease keeper thread only records what happens (the last refresh that got through, refreshes
 failing, the lease gone); what that means for the workers (keep training, fence, register again)
 is decided by the main loop through ``apply_fencing_rule``, so one thread owns the workers' fate.
+
+Every request the main loop makes goes through ``session.members`` (a ``PatientMembership``):
+a request etcd does not answer is retried in place under ``etcd_retry``'s policy (``back_off``),
+with the fencing rule applied while it waits; fencing (``Fenced``) and giving up on an etcd that
+is gone while this node has nothing left to run (``EtcdGone``) are the only ways out. The agent's
+other threads (the lease keeper, the event log, the watch streams) retry on their own with the
+same delays (``etcd_retry.retry_delay``) and leave the decisions to the loop. Only the requests
+made before the agent runs (the first read, the first registration) use ``direct``: their
+failure is the start-up refusal.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
 
-from rendezvous.kv import KVError, Lease
+from rendezvous.kv import KVError, Lease, LeaseExpired
 from rendezvous.membership import Membership, UnreadablePlan
 from rendezvous.plan import NodeInfo, Plan
 
 from ..logs import logger
 from ..waits import Every
-from .fencing import FENCE, REREGISTER, lease_decision, settling_after_outage
+from .etcd_retry import GIVE_UP, gone_after, outage_decision, retry_delay
+from .fencing import FENCE, REREGISTER, lease_decision, peers_cut_off, settling_after_outage
 
 log = logger(__name__)
 
 
 class Fenced(Exception):
     """This node lost its lease: it no longer owns any rank."""
+
+
+class EtcdGone(Exception):
+    """etcd has been silent for ``etcd_retry.gone_after`` and this node has nothing left to run."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class PatientMembership:
+    """``Membership`` as the running agent's loop uses it: every method call that etcd does not
+    answer is retried in place by ``EtcdSession.retrying`` (the one retry policy), so no request
+    of the loop can raise an etcd error into it. Calls from other threads, and attributes that
+    are not methods, go straight to the ``Membership`` (``direct``)."""
+
+    def __init__(self, members: Membership, session: EtcdSession):
+        self.direct = members
+        self._session = session
+        self._owner = threading.get_ident()  # the thread the fencing rule may act on: the loop's
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.direct, name)
+        if not callable(attr) or threading.get_ident() != self._owner:
+            return attr
+        return lambda *args, **kwargs: self._session.retrying(lambda: attr(*args, **kwargs))
 
 
 class EtcdSession:
@@ -36,13 +74,27 @@ class EtcdSession:
         stall_limit: float,
         say: Callable[..., None],
         local_progress: Callable[[], tuple[bool, float | None]],
+        worker_exits: Callable[[], dict[int, int | None]] = dict,
+        followed: Callable[[], Plan | None] = lambda: None,
+        ask_peers: Callable[[], list[float | None]] = list,
+        share_contact: Callable[[float], None] = lambda when: None,
     ):
-        self.members = members
+        self.direct = members  # before the agent runs: a failure here is the start-up refusal
+        self.members = PatientMembership(members, self)
         self.node_id = node_id
         self.ttl = lease_ttl
         self.stall_limit = stall_limit  # a worker stalled longer than this is stuck in a collective
         self.say = say
         self.local_progress = local_progress  # (recovering, seconds since the last step): the fencing rule's input
+        self.worker_exits = worker_exits  # local rank -> exit code, None while it runs
+        self.followed = followed  # the generation the agent follows (the executor's plan)
+        self.ask_peers = ask_peers  # when etcd last answered each peer this node asks (I/O: peer_link)
+        self.share_contact = share_contact  # tell the peers when etcd last answered this node (its store)
+        self.etcd_ok_at = time.time()  # the last request of this agent that etcd answered
+        self.shared_contact = 0.0
+        self.asked_peers: tuple[float, bool] = (0.0, False)  # (when, whether they were cut off too)
+        self.failed_in_a_row = 0  # requests of the loop that etcd did not answer, since one it did
+        self.sparing: str | None = None  # said once: a fence not done because etcd is down for the peers too
         self.info: NodeInfo | None = None
         self.lease: Lease | None = None
         self.given_back: Lease | None = None  # the lease ``close`` revoked
@@ -63,7 +115,7 @@ class EtcdSession:
         """Register this node on a fresh lease and keep the lease alive from a thread."""
         self.info = info
         try:
-            self.lease = self.members.register(info, self.ttl)
+            self.lease = self.direct.register(info, self.ttl)
         except ValueError as e:
             raise SystemExit(f"tm-launch: error: {e}") from None
         threading.Thread(target=self._keep_lease, daemon=True).start()
@@ -73,16 +125,25 @@ class EtcdSession:
         means (keep training, fence, rejoin) is the main loop's job: see apply_fencing_rule."""
         interval = max(self.ttl / 3.0, 0.1)
         lease = self.lease
+        failed = 0  # refreshes in a row that did not get through: the next comes sooner (etcd_retry)
         while not self.lost_lease.is_set() and lease is self.lease:
-            time.sleep(interval)
+            time.sleep(retry_delay(failed, self.ttl, random.random()) if failed else interval)
+            if lease is not self.lease:
+                return
+            asked = time.time()
             try:
                 alive = lease.refresh()
-            except KVError as e:
+            except Exception as e:  # KVError, or a client library's own error: not through either way
+                failed += 1
                 self.lease_failing = True
-                self.note_etcd(False, e)
+                self.note_etcd(False, e if isinstance(e, KVError) else KVError(f"{type(e).__name__}: {e}"))
                 continue
+            failed = 0
             self.note_etcd(True)
+            if time.time() - asked > self.ttl / 3 or time.time() - self.lease_ok_at > 0.6 * self.ttl:
+                self.note_impaired()  # a renewal that came late: every lease may have lapsed, not just one
             if not alive:
+                self.lease_failing = True  # no lease keeps this node now: the fencing rule's clock runs
                 self.lost_lease.set()
                 return
             self.lease_ok_at, self.lease_failing = time.time(), False
@@ -102,6 +163,8 @@ class EtcdSession:
     # -- reachability ---------------------------------------------------------------------------
     def note_etcd(self, ok: bool, error: Exception | None = None) -> None:
         """Say once when etcd stops answering and once when it answers again (not per retry)."""
+        if ok:
+            self.etcd_ok_at = time.time()
         with self._etcd_lock:
             if ok == self.etcd_ok:
                 return
@@ -116,16 +179,55 @@ class EtcdSession:
         else:
             self.say(f"lost contact with etcd: {error}; this node's workers keep training, retrying", kind="etcd_down", publish=False)
 
+    def note_impaired(self) -> None:
+        """etcd answered, but late, or this node's own lease lapsed: etcd was frozen (SIGSTOP, a
+        paused VM, an election that hung requests instead of refusing them) or this agent
+        stalled. Neither shows as a failed request, and both can expire every lease at once, so
+        planners hold back replacements as after an outage (``settling``)."""
+        with self._etcd_lock:
+            self.etcd_back_at = time.time()
+
     def answered(self) -> None:
         """A read of the job's state got through."""
         self.unreadable_plan = ""
+        self.failed_in_a_row = 0
         self.note_etcd(True)
 
+    def retrying(self, request: Callable[[], object]):
+        """``request()``, asked again under the retry policy until etcd answers: the one place a
+        running agent's loop retries etcd. Leaves only by the fencing rule (``Fenced``), by
+        ``EtcdGone`` (etcd silent for ``etcd_retry.gone_after`` and nothing left to run), or by
+        ``LeaseExpired`` (a write on a lease etcd no longer has: the loop registers again, which
+        this request cannot wait for)."""
+        retried = False
+        while True:
+            asked = time.time()
+            try:
+                result = request()
+            except LeaseExpired:
+                self.lease_failing = True
+                self.lost_lease.set()
+                raise
+            except UnreadablePlan:
+                raise  # etcd answered: the loop says it once and waits for an operator
+            except KVError as e:
+                self.back_off(e, self.followed())
+                retried = True
+                continue
+            if retried:  # etcd answered the request it had failed (many calls read only local copies)
+                self.failed_in_a_row = 0
+                self.note_etcd(True)
+            if time.time() - asked > self.ttl / 3:
+                self.note_impaired()  # a read that hung while etcd was frozen: do not plan on the leases it shows
+            return result
+
     def back_off(self, error: Exception, plan: Plan | None) -> None:
-        """Wait a little before asking etcd again, applying the fencing rule meanwhile: a worker
-        that starts recovering must get this node fenced at once, not at the next retry. Said once
-        when etcd goes (and once when it is back), with a progress line every few seconds between;
-        an unreadable plan is said once: it stays until an operator restores it."""
+        """Wait before asking etcd again (``etcd_retry.retry_delay``: from 50 ms, doubling, to a
+        second), applying the fencing rule meanwhile: a worker that starts recovering must get
+        this node fenced at once, not at the next retry. Said once when etcd goes (and once when
+        it is back), with a progress line every few seconds between; an unreadable plan is said
+        once: it stays until an operator restores it. Raises ``EtcdGone`` once etcd has been
+        silent for ``etcd_retry.gone_after`` while this node has nothing left to run."""
         if isinstance(error, UnreadablePlan):
             if str(error) != self.unreadable_plan:
                 self.unreadable_plan = str(error)
@@ -142,10 +244,34 @@ class EtcdSession:
                     publish=False,
                     elapsed_s=round(self.etcd_wait.elapsed, 1),
                 )
-        until = time.time() + min(1.0, self.ttl / 3)
-        while time.time() < until:
+            self.failed_in_a_row += 1
+            self._give_up_if_gone(error, plan)
+        until = time.time() + (
+            retry_delay(self.failed_in_a_row, self.ttl, random.random()) if self.failed_in_a_row else min(1.0, self.ttl / 3)
+        )
+        while True:
             self.apply_fencing_rule(plan)
-            time.sleep(0.05)
+            left = until - time.time()
+            if left <= 0:
+                return
+            time.sleep(min(0.05, left))
+
+    def _give_up_if_gone(self, error: Exception, plan: Plan | None) -> None:
+        """``EtcdGone`` when ``etcd_retry.outage_decision`` says this agent has asked long enough."""
+        exits = self.worker_exits()
+        active = plan is not None and self.node_id in plan.nodes and not plan.finished
+        running = active and any(code is None for code in exits.values())
+        with self._etcd_lock:
+            silent_for = None if self.etcd_ok else time.time() - self.etcd_down_at
+        if outage_decision(silent_for=silent_for, ttl=self.ttl, workers_running=running) != GIVE_UP:
+            return
+        finished = bool(exits) and all(code == 0 for code in exits.values())
+        what = "its workers finished" if finished else ("its workers ended" if exits else "it runs no worker: a spare, or not started yet")
+        raise EtcdGone(
+            f"etcd unreachable for {silent_for:.0f}s ({error}), and this node has nothing left to run ({what}): stopped "
+            f"retrying after {gone_after(self.ttl):.0f}s. If the job goes on, its state is in etcd: start this node again once etcd is back",
+            0 if finished else 1,
+        )
 
     def settling(self) -> bool:
         """Right after an etcd outage: planners wait for every node to re-register first."""
@@ -158,6 +284,9 @@ class EtcdSession:
         follows. With ``snap`` (a fresh read, so etcd answers) a lost lease is either rejoined or
         fenced; without, only unreachability counts. Raises Fenced."""
         me = self.node_id
+        if self.etcd_ok_at - self.shared_contact >= 0.05:
+            self.shared_contact = self.etcd_ok_at
+            self.share_contact(self.etcd_ok_at)
         lost = self.lost_lease.is_set() and snap is not None
         if not lost and not self.lease_failing:
             return
@@ -171,9 +300,11 @@ class EtcdSession:
             and me not in latest.nodes
         )
         recovering, stalled = self.local_progress()
-        decision = lease_decision(
+        facts = dict(
             lease_gone=lost,
-            unreachable_for=(time.time() - self.lease_ok_at) if self.lease_failing else None,
+            # etcd's silence counts while it lasts: once etcd answers again, a lease it no longer
+            # has is the lost-lease branch's (register again, or fence if a plan replaced us)
+            unreachable_for=(time.time() - self.lease_ok_at) if self.lease_failing and not self.etcd_ok else None,
             ttl=self.ttl,
             active=plan is not None and me in plan.nodes and not plan.finished,
             replaced=replaced,
@@ -181,6 +312,24 @@ class EtcdSession:
             stalled_for=stalled,
             stall_limit=self.stall_limit,
         )
+        decision = lease_decision(**facts)
+        if decision == FENCE and not replaced and not lost:
+            # Before stopping the workers for etcd's silence: is etcd down for the peers too?
+            decision = lease_decision(**facts, peers_cut_off=self._peers_cut_off())
+            if decision == FENCE and self._etcd_answers_now():
+                decision = lease_decision(**{**facts, "unreachable_for": None})  # the peers heard from etcd because it is back
+            if decision != FENCE and facts["unreachable_for"] is not None and self.sparing is None:
+                self.sparing = f"{facts['unreachable_for']:.1f}s"
+                self.say(
+                    f"etcd unreachable for {self.sparing} while this node's workers "
+                    f"{'recover from a failed collective' if recovering else 'make no progress'}, and the peers asked cannot "
+                    "reach etcd either: nobody can take this node's ranks until it is back, so its workers keep waiting",
+                    kind="etcd_down_everywhere",
+                    publish=False,
+                )
+        if decision != FENCE:
+            if not self.lease_failing:
+                self.sparing = None
         if decision == FENCE:
             if lost:
                 raise Fenced(f"lease expired and generation {latest.generation} no longer has this node")
@@ -189,17 +338,37 @@ class EtcdSession:
                 f"while this node's workers {'are recovering from a failed collective' if recovering else 'made no progress'}"
             )
         if decision == REREGISTER and lost:
-            try:
-                self.lease = self.members.register(self.info, self.ttl)
+            try:  # a request like any other: etcd may go again meanwhile (retried, with this rule)
+                self.lease = self.members.register(self.info, self.ttl, again=True)
             except ValueError:
                 raise Fenced("lease expired and another agent registered this node id") from None
             self.lease_ok_at, self.lease_failing = time.time(), False
             self.lost_lease.clear()
+            self.note_impaired()  # if ours lapsed, others' may have too: they register again meanwhile
             threading.Thread(target=self._keep_lease, daemon=True).start()
             self.say(
                 "lease had expired (etcd unreachable or this agent stalled) but nobody took this node's ranks: registered again",
                 kind="rejoined",
             )
+
+    def _etcd_answers_now(self) -> bool:
+        """One last request before fencing for etcd's silence (the peers say etcd answers them:
+        it may just have come back while this agent waited out a retry's delay)."""
+        try:
+            self.direct.kv.current_revision(timeout=min(1.0, self.ttl / 3))
+        except Exception:
+            return False
+        self.note_etcd(True)
+        return True
+
+    def _peers_cut_off(self) -> bool:
+        """``fencing.peers_cut_off`` on the peers' answers, asked at most every quarter second
+        (each ask connects to a few peers' agents)."""
+        when, verdict = self.asked_peers
+        if time.time() - when >= 0.25:
+            verdict = peers_cut_off(self.etcd_ok_at, self.ask_peers(), self.ttl)
+            self.asked_peers = (time.time(), verdict)
+        return verdict
 
     def record_fenced(self, why: str) -> None:
         """After fencing: once etcd answers, cordon this node (state/failed, so it is never
@@ -208,9 +377,9 @@ class EtcdSession:
         deadline = time.time() + max(60.0, 12 * self.ttl)
         while True:
             try:
-                latest = self.members.snapshot().view.plan
-                self.members.cordon(me, f"fenced: {why}")
-                self.members.event(me, "fenced", message=f"fenced: {why}; cordoned")  # for `ctl events`
+                latest = self.direct.snapshot().view.plan
+                self.direct.cordon(me, f"fenced: {why}")
+                self.direct.event(me, "fenced", message=f"fenced: {why}; cordoned")  # for `ctl events`
                 break
             except KVError:
                 if time.time() > deadline:

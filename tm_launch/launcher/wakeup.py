@@ -20,12 +20,15 @@ rules):
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 from rendezvous.kv import WatchNews
+
+from .etcd_retry import MAX_S, retry_delay
 
 
 class Wakeup:
@@ -109,7 +112,7 @@ class StateWatch:
 
     WIDEST = "state"
 
-    def __init__(self, wakeup: Wakeup, retry_s: float = 0.5):
+    def __init__(self, wakeup: Wakeup, retry_s: float = MAX_S):
         self._wakeup = wakeup
         self._retry_s = retry_s
         self._lock = threading.Lock()
@@ -140,9 +143,11 @@ class StateWatch:
         return wanted[1] if wanted is not None and wanted[0] == scope and not self._closed else None
 
     def _follow(self, scope: str, open_stream) -> None:
+        failed = 0  # reopenings in a row that failed
         while True:
             try:
                 for kind, revision, _ in open_stream():
+                    failed = 0
                     with self._lock:
                         wanted = self._wanted_revision(scope)
                         if wanted is None:
@@ -157,7 +162,8 @@ class StateWatch:
                         self._wakeup.set("etcd")
             except Exception:  # etcd unreachable, or anything else: the loop's own read says what
                 self._wakeup.set("etcd")
-                time.sleep(self._retry_s)
+                failed += 1  # reopened under the agent's retry policy: soon after a blip, once a second in an outage
+                time.sleep(retry_delay(failed, ttl=3 * self._retry_s, jitter=random.random()))
             with self._lock:
                 if self._wanted_revision(scope) is None:
                     return self._end(scope)

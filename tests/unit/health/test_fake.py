@@ -7,7 +7,7 @@ import time
 import pynvml
 import pytest
 
-from health.fake_nvml import FakeNvml
+from tests.doubles.fake_nvml import FakeNvml
 
 
 class Clock:
@@ -290,7 +290,7 @@ def test_format_md_documents_every_key():
     import re
 
     from health.config import HealthConfig
-    from health.fake_nvml import EVENT_KEYS, STATE_KEYS
+    from tests.doubles.fake_nvml import EVENT_KEYS, STATE_KEYS
 
     text = (pathlib.Path(__file__).resolve().parents[3] / "health" / "FORMAT.md").read_text()
     documented = set(re.findall(r"`([a-z_]+)`", text))

@@ -13,8 +13,8 @@ from test_nvml_real import DRIVER
 from health import __main__ as health_main
 from health.alarms import DEGRADED, FATAL, INFO
 from health.config import HealthConfig
-from health.fake_nvml import FakeNvml
 from health.nvml_monitor import NvmlMonitor, gpus_for_local_ranks
+from tests.doubles.fake_nvml import FakeNvml
 
 
 class Clock:

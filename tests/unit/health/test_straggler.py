@@ -6,7 +6,7 @@ import pytest
 
 from health.alarms import DEGRADED
 from health.config import HealthConfig
-from health.straggler import StragglerDetector, WindowAggregator, robust_z
+from health.straggler import StragglerDetector, robust_z
 
 
 def test_robust_z_by_hand():
@@ -115,20 +115,3 @@ def test_alarm_for():
     a = det.alarm_for(5, "node-b", gpu=1, now=100.0)
     assert (a.node, a.gpu, a.signal, a.value, a.severity, a.time) == ("node-b", 1, "straggler", 5, DEGRADED, 100.0)
     assert "2.00x median" in a.message and "3 of the last 5" in a.message
-
-
-def test_window_aggregator():
-    agg = WindowAggregator(2, ranks=[0, 1])
-    assert agg.add(0, 0, 1.0) is None
-    assert agg.add(0, 1, 1.0) is None
-    assert agg.add(1, 0, 1.5) is None
-    assert agg.add(1, 1, 1.5) == {0: 2.0, 1: 3.0}
-    # window 2 never completes for rank 1; window 3 completing drops it
-    agg.add(0, 4, 1.0)
-    agg.add(0, 5, 1.0)
-    agg.add(1, 4, 1.0)
-    for step in (6, 7):
-        agg.add(0, step, 1.0)
-    agg.add(1, 6, 2.0)
-    assert agg.add(1, 7, 2.0) == {0: 2.0, 1: 4.0}
-    assert agg._sums == {}

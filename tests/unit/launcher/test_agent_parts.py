@@ -70,16 +70,36 @@ def test_session_says_once_when_etcd_goes_and_once_when_it_is_back(members):
     assert s.settling()  # right after an outage planners wait for every node to re-register
 
 
-def test_session_fences_when_etcd_is_silent_and_the_workers_are_stuck(members):
+def silent(session: EtcdSession) -> EtcdSession:
+    """``session`` as etcd left it: a TTL without a lease refresh, and no answer to anything."""
+    session.lease_failing, session.lease_ok_at = True, time.time() - 2.0
+    session.note_etcd(False, KVError("connection refused"))
+    return session
+
+
+@pytest.fixture
+def unreachable(refusing_port):
+    """A ``Membership`` whose etcd does not answer (a port that refuses connections)."""
+    from rendezvous.kv.v3 import EtcdV3
+
+    kv = EtcdV3(EtcdOptions(endpoints=(f"127.0.0.1:{refusing_port}",), timeout=0.5))
+    yield Membership(kv)
+    kv.close()
+
+
+def test_session_fences_when_etcd_is_silent_and_the_workers_are_stuck(unreachable, members):
     plan = Plan(generation=0, nodes=("n1", "n2"), nproc=1)
-    stuck = session_for(members, Said(), progress=(True, None))
-    stuck.lease_failing, stuck.lease_ok_at = True, time.time() - 2.0  # a TTL without a refresh
+    stuck = silent(session_for(unreachable, Said(), progress=(True, None)))
     with pytest.raises(Fenced, match="etcd unreachable .* recovering from a failed collective"):
         stuck.apply_fencing_rule(plan)
     # the same outage while the workers make progress: etcd is what is down, keep training
-    training = session_for(members, Said(), progress=(False, 0.1))
-    training.lease_failing, training.lease_ok_at = True, time.time() - 2.0
+    training = silent(session_for(unreachable, Said(), progress=(False, 0.1)))
     training.apply_fencing_rule(plan)
+    # etcd answers again (the last request before fencing finds it back): the lost lease, if
+    # any, is the next fresh read's to decide, not etcd's silence
+    back = silent(session_for(members, Said(), progress=(True, None)))
+    back.apply_fencing_rule(plan)
+    assert back.etcd_ok
     # a spare owns no rank: never fenced for unreachability
     stuck.apply_fencing_rule(Plan(generation=0, nodes=("n2",), nproc=1))
 
@@ -108,6 +128,94 @@ def test_session_registers_again_after_its_lease_expired_unless_replaced(members
     with pytest.raises(Fenced, match="generation 1 no longer has this node"):
         s.apply_fencing_rule(followed, members.snapshot())
     s.close()
+
+
+@pytest.fixture
+def one_member(tmp_path):
+    """A 1-member etcd cluster (fixed ports, so that it comes back where it was) and a
+    ``Membership`` on it, for outages: ``.cluster.kill(0)``, ``.cluster.restart(0)``. Over the
+    v2 API, whose TTLs run on wall-clock time: a lease expires during an outage longer than its
+    TTL (v3 renews every lease when a member becomes leader)."""
+    from rendezvous.etcd_server import EtcdCluster
+
+    cluster = EtcdCluster(size=1).start()
+    kv = connect("v2", EtcdOptions(endpoints=tuple(cluster.endpoints), prefix=f"/tests/outage-{uuid.uuid4().hex[:10]}", timeout=1.0))
+    m = Membership(kv)
+    m.cluster = cluster
+    yield m
+    kv.close()
+    cluster.stop()
+
+
+def test_a_running_agents_request_waits_out_an_etcd_outage_under_the_retry_policy(one_member):
+    """A report written while etcd is down is retried (not raised) until etcd is back: said once
+    each way; the lease expired meanwhile is registered again the same way, under the same id.
+    (The agent's loop runs in a thread here: etcd must be restarted by the thread that started
+    it, which its parent-death signal is tied to.)"""
+    import threading
+
+    said, out = Said(), {}
+    plan = Plan(generation=0, nodes=("n1", "n2"), nproc=1)
+    registered, killed = threading.Event(), threading.Event()
+
+    def agent():
+        s = EtcdSession(
+            one_member, "n1", lease_ttl=2.0, stall_limit=30.0, say=said, local_progress=lambda: (False, 0.1),
+            worker_exits=lambda: {0: None}, followed=lambda: plan,
+        )  # fmt: skip
+        s.register(node("n1"))
+        registered.set()
+        killed.wait()
+        t0 = time.time()
+        s.members.report_failure(0, "n2", "worker 0 killed by SIGKILL")  # returns once etcd took it
+        out["waited"] = time.time() - t0
+        deadline = time.time() + 10
+        while not s.lost_lease.is_set() and time.time() < deadline:  # the lease ran out in the outage
+            time.sleep(0.05)
+        out["lost"] = s.lost_lease.is_set()
+        s.apply_fencing_rule(plan, s.members.snapshot())  # the loop's fresh read: register again
+        out["rejoined"] = not s.lost_lease.is_set() and "n1" in one_member.snapshot().view.alive
+        s.close()
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    assert registered.wait(20)
+    one_member.cluster.kill(0)
+    killed.set()
+    time.sleep(3.0)  # longer than the lease TTL
+    one_member.cluster.restart(0)
+    thread.join(60)
+    assert out.get("waited", 0) >= 2.5 and out["lost"] and out["rejoined"], out
+    assert one_member.reports_for(0)["n2"]["reason"] == "worker 0 killed by SIGKILL"
+    assert said.kinds().count("etcd_down") == 1 and said.kinds().count("etcd_back") == 1, said
+    assert "rejoined" in said.kinds()
+
+
+@pytest.mark.parametrize("exits, code", [({0: 0, 1: 0}, 0), ({0: 1, 1: -9}, 1), ({}, 1)])
+def test_an_agent_with_nothing_left_to_run_gives_up_on_an_etcd_that_is_gone(one_member, exits, code):
+    """Workers finished (or failed, or none: a spare) and etcd silent past ``gone_after``: one
+    line and an exit, not retries for ever. Workers still running keep the agent asking."""
+    from tm_launch.launcher.etcd_retry import gone_after
+    from tm_launch.launcher.session import EtcdGone
+
+    plan = Plan(generation=0, nodes=("n1", "n2"), nproc=1)
+    s = EtcdSession(
+        one_member, "n1", lease_ttl=2.0, stall_limit=30.0, say=Said(), local_progress=lambda: (False, None),
+        worker_exits=lambda: exits, followed=lambda: plan,
+    )  # fmt: skip
+    one_member.cluster.kill(0)
+    s.note_etcd(False, KVError("connection refused"))
+    s.etcd_down_at = time.time() - gone_after(2.0)  # silent for that long already
+    with pytest.raises(EtcdGone, match="etcd unreachable for .* nothing left to run") as gone:
+        s.members.plan()
+    assert gone.value.code == code
+    running = EtcdSession(
+        one_member, "n1", lease_ttl=2.0, stall_limit=30.0, say=Said(), local_progress=lambda: (False, 0.1),
+        worker_exits=lambda: {0: None}, followed=lambda: plan,
+    )  # fmt: skip
+    running.note_etcd(False, KVError("connection refused"))
+    running.etcd_down_at = time.time() - 10 * gone_after(2.0)
+    running.back_off(KVError("connection refused"), plan)  # workers still run: no EtcdGone, however long
 
 
 def test_session_reports_make_the_loop_read_again(members):

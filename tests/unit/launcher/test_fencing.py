@@ -1,13 +1,15 @@
-"""The fencing rule as a table: an etcd outage must not stop training; a cut-off node must."""
+"""The fencing rule and the etcd retry policy as tables: an etcd outage must not stop training
+(the agent keeps asking, the workers keep training); a cut-off node must stop."""
 
 import pytest
 
-from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, settling_after_outage
+from tm_launch.launcher.etcd_retry import GIVE_UP, RETRY, gone_after, outage_decision, retry_delay
+from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, peers_cut_off, plans_while_settling, settling_after_outage
 
 TTL, LIMIT = 5.0, 8.0
 
 CASES = [
-    # lease_gone, unreachable_for, active, replaced, recovering, stalled_for -> decision
+    # lease_gone, unreachable_for, active, replaced, recovering, stalled_for[, peers_cut_off] -> decision
     ("healthy", False, None, True, False, False, 0.1, KEEP),
     ("etcd blip (leader election)", False, 1.0, True, False, False, 0.1, KEEP),
     ("all of etcd down, training goes on", False, 60.0, True, False, False, 0.2, KEEP),
@@ -21,11 +23,17 @@ CASES = [
     ("lease gone, spare: rejoin", True, None, False, False, False, None, REREGISTER),
     ("a plan replaced us", True, None, True, True, False, 0.1, FENCE),
     ("a plan replaced us, lease still alive", False, None, True, True, False, 0.1, FENCE),
+    # a peer's worker died while all of etcd was down: every peer asked is cut off from etcd too
+    ("all of etcd down, a peer's worker died: nobody can take our ranks", False, 2.6, True, False, True, 1.0, KEEP, True),
+    ("all of etcd down, a collective blocks past its limit", False, 9.0, True, False, False, 9.0, KEEP, True),
+    ("peers cut off too, but a plan replaced us", False, 9.0, True, True, True, 1.0, FENCE, True),
+    ("peers cut off too, lease gone and etcd answers: rejoin", True, None, True, False, True, 1.0, REREGISTER, True),
 ]
 
 
-@pytest.mark.parametrize("name,gone,unreach,active,replaced,recovering,stalled,want", CASES, ids=[c[0] for c in CASES])
-def test_lease_decision(name, gone, unreach, active, replaced, recovering, stalled, want):
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_lease_decision(case):
+    name, gone, unreach, active, replaced, recovering, stalled, want, *peers = case
     got = lease_decision(
         lease_gone=gone,
         unreachable_for=unreach,
@@ -35,6 +43,7 @@ def test_lease_decision(name, gone, unreach, active, replaced, recovering, stall
         recovering=recovering,
         stalled_for=stalled,
         stall_limit=LIMIT,
+        peers_cut_off=bool(peers and peers[0]),
     )
     assert got == want
 
@@ -42,3 +51,71 @@ def test_lease_decision(name, gone, unreach, active, replaced, recovering, stall
 @pytest.mark.parametrize("since_back,want", [(None, False), (0.5, True), (5.9, True), (6.0, False), (60.0, False)])
 def test_no_replacement_while_nodes_rejoin_after_an_outage(since_back, want):
     assert settling_after_outage(since_back, ttl=3.0) is want
+
+
+@pytest.mark.parametrize(
+    "attempt, ttl, jitter, want",
+    [
+        (0, 3.0, 0.0, 0.0),  # nothing failed yet
+        (1, 3.0, 0.0, 0.05),  # the first retry comes at once: an election is over in a moment
+        (2, 3.0, 0.0, 0.1),
+        (3, 3.0, 0.0, 0.2),
+        (5, 3.0, 0.0, 0.8),
+        (6, 3.0, 0.0, 1.0),  # capped at a second
+        (60, 3.0, 0.0, 1.0),  # however long the outage
+        (6, 1.5, 0.0, 0.5),  # never later than a lease renewal (ttl / 3)
+        (1, 0.0, 0.0, 0.0),
+        (6, 3.0, 1.0, 0.8),  # jitter takes up to a fifth off
+        (6, 3.0, 0.5, 0.9),
+        (6, 3.0, 7.0, 0.8),  # a draw outside [0, 1] is clamped
+    ],
+)
+def test_retry_delay(attempt, ttl, jitter, want):
+    assert retry_delay(attempt, ttl, jitter) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(
+    "silent_for, ttl, running, want",
+    [
+        (None, 3.0, False, RETRY),  # etcd just answered
+        (5.0, 3.0, False, RETRY),  # a restart, an upgrade: keep asking
+        (59.9, 3.0, False, RETRY),
+        (60.0, 3.0, False, GIVE_UP),  # gone for a minute and nothing to protect: one line, exit
+        (3600.0, 3.0, True, RETRY),  # workers still train: they keep training, the agent keeps asking
+        (119.0, 10.0, False, RETRY),  # 12 TTLs when that is longer
+        (120.0, 10.0, False, GIVE_UP),
+    ],
+)
+def test_outage_decision(silent_for, ttl, running, want):
+    assert outage_decision(silent_for=silent_for, ttl=ttl, workers_running=running) == want
+    assert gone_after(ttl) == max(60.0, 12 * ttl)
+
+
+@pytest.mark.parametrize(
+    "mine, peers, want",
+    [
+        (100.0, [], False),  # alone: nothing proves etcd is down for anyone else
+        (100.0, [99.0, 100.5], True),  # nobody heard from etcd since (a peer's renewal came just after ours)
+        (100.0, [101.25], True),  # the peer's last contact is within its own interval of ours
+        (100.0, [101.3], False),  # etcd answered a peer after it stopped answering us: we may be cut off
+        (100.0, [99.0, None], False),  # a peer that does not answer may be cut off with us
+        (100.0, [None], False),
+    ],
+)
+def test_peers_cut_off(mine, peers, want):
+    assert peers_cut_off(mine, peers, ttl=3.0) is want
+
+
+@pytest.mark.parametrize(
+    "live, finished, removed, replaced, reported, want",
+    [
+        (True, False, {"a"}, {"a"}, {"a"}, True),  # a's worker was killed in the outage, the spare takes its ranks
+        (True, False, {"a", "b"}, {"a", "b"}, {"a"}, False),  # b is out for its lease alone: it may be re-registering
+        (True, False, {"a"}, set(), {"a"}, False),  # nobody takes a's ranks: a restart at a smaller size
+        (False, False, {"a"}, {"a"}, {"a"}, False),  # restart mode: every worker starts afresh
+        (True, True, {"a"}, {"a"}, {"a"}, False),  # the job would end (no spare left: the spare may be re-registering)
+        (True, False, set(), set(), set(), False),  # nothing removed: nothing urgent
+    ],
+)
+def test_only_a_reported_failure_is_planned_while_nodes_rejoin(live, finished, removed, replaced, reported, want):
+    assert plans_while_settling(live=live, finished=finished, removed=removed, replaced=replaced, reported=reported) is want

@@ -61,6 +61,23 @@ def test_register_twice_with_the_same_node_id_fails(kv_factory):
     other.register(info("n1"), ttl=10).revoke()
 
 
+def test_registering_again_replaces_only_this_agents_own_record(kv_factory):
+    """A running agent whose lease was lost registers again (``again``): its own record, still
+    there (a TTL not quite run out, or an attempt whose answer was lost), is replaced; another
+    agent's record under the same id (another process) is not."""
+    m = Membership(kv_factory("job"))
+    mine = info("n1", joined=5.0)
+    old = m.register(mine, ttl=10)
+    new = m.register(mine, ttl=10, again=True)
+    assert m.snapshot().view.alive["n1"] == mine
+    old.revoke()  # the old lease no longer holds the record: the new one does
+    assert m.snapshot().view.alive["n1"] == mine
+    with pytest.raises(ValueError, match="already registered"):
+        m.register(info("n1", joined=6.0), ttl=10, again=True)  # another agent's, not ours
+    new.revoke()
+    assert m.snapshot().view.alive == {}
+
+
 def test_snapshot_parses_roles(kv_factory):
     m = Membership(kv_factory("job"))
     t0 = time.time()
@@ -102,7 +119,7 @@ def test_snapshot_parses_roles(kv_factory):
     m.unmark_warm("c")  # no marker: nothing to do
     assert m.snapshot().view.warm == frozenset()
     m.uncordon("d")
-    m.clear_drain("b")
+    m.uncordon("b")  # `ctl uncordon` also takes back a drain request
     m.leave("c")
     snap = m.snapshot()
     assert set(snap.view.alive) == set("abd") and snap.view.failed == {} and snap.view.drains == {}

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tm_launch.local.localjob import REPO
 from tm_launch.protocol import WorkerEnv
 from tm_launch.worker.agent_client import AgentClient
-from tm_launch.worker.step_report import STATUS_INTERVAL, StepReporter
+from tm_launch.worker.step_report import STATUS_INTERVAL, StepReporter, StepStats
 
 
 @pytest.fixture
@@ -26,6 +26,22 @@ def agent_store():
 
 def status(store) -> dict:
     return json.loads(store.get("worker/0/status"))
+
+
+def test_straggler_windows_sum_each_steps_compute_and_only_complete_ones_are_reported():
+    """The straggler statistic's input: each rank sums its compute time into windows of
+    ``straggler_window`` steps and reports a window once it is complete (the agent compares a
+    window once every rank reported it: ``StragglerWatch.check``); old windows are dropped."""
+    stats = StepStats(window=2)
+    stats.record(0, 1.0)
+    assert stats.report(1)["windows"] == {}  # window 0 is not complete yet
+    stats.record(1, 1.5)
+    assert stats.report(2)["windows"] == {"0": 2.5}
+    stats.record(3, 0.5, steps=2)  # steps 2 and 3 reported together: 0.5 s each
+    assert stats.report(4)["windows"] == {"0": 2.5, "1": 1.0}
+    for step in range(4, 12):
+        stats.record(step, 1.0)
+    assert stats.report(12)["windows"] == {"2": 2.0, "3": 2.0, "4": 2.0, "5": 2.0}  # windows 0 and 1 dropped
 
 
 def test_reports_are_rate_limited_and_carry_the_step_times(agent_store):

@@ -17,10 +17,6 @@ import torch
 CHUNK = 1 << 16  # bytes of a share dealt to one stripe holder before the next (a multiple of 64): small, so stripes stay even
 
 
-def _total(chunks) -> int:
-    return sum(len(c) for c in chunks)
-
-
 def stripe(chunks, j: int, h: int, unit: int = CHUNK) -> list[memoryview]:
     """The pieces of a share (``chunks``: memoryviews of its bytes, in order) that make stripe
     ``j`` of ``h``: bytes ``[i * unit, (i + 1) * unit)`` for every ``i`` with ``i % h == j``."""
@@ -37,12 +33,6 @@ def stripe(chunks, j: int, h: int, unit: int = CHUNK) -> list[memoryview]:
             at += take
             pos += take
     return out
-
-
-def stripe_size(total: int, j: int, h: int, unit: int = CHUNK) -> int:
-    """Bytes of stripe ``j`` of ``h`` of a share of ``total`` bytes."""
-    full, rest = divmod(total, unit)
-    return (full // h + (1 if full % h > j else 0)) * unit + (rest if full % h == j else 0)
 
 
 def xor_into(acc: torch.Tensor, data: torch.Tensor) -> None:
@@ -63,15 +53,4 @@ def unstripe(stripes: list[torch.Tensor], total: int, unit: int = CHUNK) -> torc
         j, row = index % h, index // h
         a, b = index * unit, min((index + 1) * unit, total)
         out[a:b] = stripes[j][row * unit : row * unit + (b - a)]
-    return out
-
-
-def as_bytes(chunks) -> torch.Tensor:
-    """One uint8 tensor of a share's bytes (``chunks`` in order)."""
-    out = torch.empty(_total(chunks), dtype=torch.uint8)
-    pos = 0
-    for c in chunks:
-        n = len(memoryview(c).cast("B"))
-        out[pos : pos + n] = torch.frombuffer(c, dtype=torch.uint8) if n else out[pos:pos]
-        pos += n
     return out

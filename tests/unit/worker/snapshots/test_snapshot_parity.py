@@ -10,8 +10,19 @@ import torch
 
 from tm_launch.worker.generation.recovery import Holding, ObjectState, plan_recovery
 from tm_launch.worker.snapshots.link import SnapshotClient, SnapshotServer
-from tm_launch.worker.snapshots.parity import as_bytes, stripe, stripe_size, unstripe, xor_into
+from tm_launch.worker.snapshots.parity import stripe, unstripe, xor_into
 from tm_launch.worker.snapshots.placement import parity_group, parity_holders, stripes_held
+
+
+def stripe_size(total: int, j: int, h: int, unit: int) -> int:
+    """Bytes of stripe ``j`` of ``h`` of a share of ``total`` bytes (what ``stripe`` must give)."""
+    full, rest = divmod(total, unit)
+    return (full // h + (1 if full % h > j else 0)) * unit + (rest if full % h == j else 0)
+
+
+def as_bytes(pieces) -> torch.Tensor:
+    """One uint8 tensor of ``pieces`` (memoryviews) in order."""
+    return torch.cat([torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in pieces]) if pieces else torch.empty(0, dtype=torch.uint8)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import pynvml
 
-from .checks import CLOCK_REASONS, RECOVERY_NAMES
+from health.checks import CLOCK_REASONS, RECOVERY_NAMES
 
 _RECOVERY_BY_NAME = {name: value for value, name in RECOVERY_NAMES.items()}
 NVLINK_COUNTER_FIELDS = {
