@@ -27,7 +27,8 @@ from ..log import first_line, log
 from ..state.transfer import human_size
 from .image import Capture, StateImage, wire_size
 from .link import LinkError, SnapshotClient, SnapshotServer
-from .parity import stripe, unstripe, xor_into
+from .parity import stripe
+from .parity_rebuild import rebuild_from_parity
 from .placement import holder_of, parity_group, parity_holders, source_of, stripes_held
 
 
@@ -376,33 +377,8 @@ class Snapshots:
             return self._local.get(step)
 
     def rebuild(self, holders: list, group: int, of_rank: int, step: int, members: dict) -> tuple[StateImage, int]:
-        """``of_rank``'s snapshot of ``step``, rebuilt from its group's parity (stripe ``j`` from
-        ``holders[j]``) and the share of every other member that went into it (``members``:
-        rank -> object names, from that rank's own local image). Checked against the
-        fingerprints the lost rank sent with it: a wrong byte is an error, never a state.
-        Returns the image and the bytes received for it."""
-        parts, meta, moved = [], None, 0
-        for j, holder in enumerate(holders):
-            got = self._ask(holder, lambda client: client.get_stripe(group, of_rank, step))
-            if got is None:
-                raise LinkError(f"rank {holder} no longer keeps stripe {j} of the parity of rank {of_rank}'s group at step {step}")
-            reply, data = got
-            if (reply["stripe"], reply["stripes"]) != (j, len(holders)) or set(reply["members"]) != set(members) | {of_rank}:
-                raise LinkError(f"rank {holder}'s parity stripe of step {step} is not the one the plan counted on")
-            parts.append(data)
-            meta, moved = reply["meta"], moved + data.numel()
-        share = unstripe(parts, meta["nbytes"])
-        for member, names in sorted(members.items()):
-            own = self._ask(member, lambda client: client.get_own(step, names))
-            if own is None:
-                raise LinkError(f"rank {member} no longer holds its own snapshot of step {step}")
-            xor_into(share, own.flat[: min(own.flat.numel(), share.numel())])
-            moved += own.flat.numel()
-        image = StateImage.from_wire(step, meta["skeleton"], share, meta["per_rank"], meta["modules"])
-        rebuilt = image.fingerprints()
-        if any(rebuilt[name] != want for name, want in meta["digests"].items()):
-            raise LinkError(f"rank {of_rank}'s snapshot of step {step} rebuilt from parity does not match its fingerprints")
-        return image, moved
+        """``of_rank``'s snapshot of ``step`` rebuilt from its group's parity (``parity_rebuild``)."""
+        return rebuild_from_parity(self._ask, holders, group, of_rank, step, members)
 
     def needs_resend(self, step: int, holdings: list) -> bool:
         """True when one of this rank's holders (``holdings``: every rank's ``recovery.Holding``,
@@ -450,9 +426,8 @@ class Snapshots:
 
     @property
     def kept_images(self) -> int:
-        """Images of a rank kept at once, locally and on its holder (``_check_memory``): the one
-        the job may return to and the one being taken; with ``overlap`` and a snapshot every step,
-        the one on its way to the holder as well."""
+        """Images of a rank kept at once, locally and on its holder: the one the job may return to,
+        the one being taken and, with ``overlap`` and a snapshot every step, the one on its way."""
         return 3 if self.overlap_send and self.every == 1 else 2
 
     def close(self) -> None:
