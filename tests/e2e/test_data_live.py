@@ -10,11 +10,10 @@ generator, its data position) ends bitwise equal to plain torchrun's fault-free 
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from torchrun_reference import run_torchrun
 
 from tm_launch.local.localjob import REPO
 
@@ -36,11 +35,7 @@ def reference(tmp_path_factory):
     def get(extra: tuple) -> dict:
         if extra not in cache:
             out = os.path.join(str(tmp_path_factory.mktemp("ref-data")), "out")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT]
-            cmd += ["--steps", str(STEPS), "--out", out, *extra]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-            assert done.returncode == 0, done.stderr[-3000:]
+            run_torchrun(SCRIPT, ["--steps", str(STEPS), "--out", out, *extra])
             cache[extra] = load(out)
             assert sorted(cache[extra]) == ["rank0", "rank1"]
         return cache[extra]

@@ -10,11 +10,10 @@ under plain torchrun, bit for bit.
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from torchrun_reference import run_torchrun
 
 from tm_launch.local.localjob import REPO
 
@@ -38,11 +37,7 @@ def reference(tmp_path_factory):
     def get(*extra: str) -> dict:
         if extra not in cache:
             out = str(tmp_path_factory.mktemp("ref"))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", ORDINARY]
-            cmd += ["--steps", str(STEPS), "--out", out, *extra]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-            run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
-            assert run.returncode == 0, run.stderr[-3000:]
+            run_torchrun(ORDINARY, ["--steps", str(STEPS), "--out", out, *extra])
             cache[extra] = load(out)
             assert sorted(cache[extra]) == ["rank0", "rank1"]
         return cache[extra]
