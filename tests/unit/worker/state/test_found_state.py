@@ -143,3 +143,31 @@ def test_a_frameworks_checkpoint_carries_the_buffers_left_out_of_what_replicas_c
     kept = per_rank.without_buffers("trainer", Checkpoint().state_dict())
     assert sorted(kept["model"]) == sorted(kept["copy"]) == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"]
     assert kept["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.randn(4, 3).t(),  # not contiguous
+        torch.arange(6, dtype=torch.int64),
+        torch.tensor(7, dtype=torch.int64),  # 0-dim, as num_batches_tracked
+        torch.randn(5).to(torch.bfloat16),  # no numpy dtype of its own
+        torch.tensor([True, False, True]),
+        torch.empty(0, 3),
+        torch.get_rng_state(),
+    ],
+    ids=["float", "transposed", "int64", "0-dim", "bf16", "bool", "empty", "rng"],
+)
+def test_a_per_rank_record_reads_back_bitwise_with_plain_pickle(tensor):
+    import pickle
+
+    from tm_launch.worker.state.per_rank import dumps_record
+
+    record = {"step": 3, "exact": True, "states": {"x": {"flat": {"a": tensor}, "layout": "[]"}, "py": random.getstate()}}
+    back = pickle.loads(dumps_record(record))
+    got = back["states"]["x"]["flat"]["a"]
+    assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor)
+    assert back["states"]["py"] == record["states"]["py"] and back["step"] == 3
+    got.add_(1) if got.dtype != torch.bool else got.logical_not_()  # owns its memory: writable, not the original's
+    assert not torch.equal(got, tensor) or tensor.numel() == 0
