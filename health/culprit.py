@@ -13,7 +13,8 @@ group's collectives take, something stopped, and the records say what:
    *frozen* (its process stopped, or its heartbeat thread silent: a wedged driver call holding
    the interpreter), it is the culprit at once. If it is alive (busy in Python, saving a
    checkpoint, waiting on its data loader), it is blamed only once its silence also passes the
-   *alive* threshold: a multiple of its median recent step with a floor of seconds (the
+   *alive* threshold (while it says it saves a checkpoint, ``job.checkpointing()``, at least the
+   checkpoint limit: a save on one rank while its peers wait at the next collective is normal): a multiple of its median recent step with a floor of seconds (the
    median, not the slowest: a pause or a checkpoint step would otherwise push it to minutes). A legal
    long compute phase on one rank looks exactly like a busy loop until then; a slow rank that
    completes never reaches it (the straggler statistic is its path, a drain, not a kill).
@@ -66,6 +67,7 @@ class RankRecord:
     idle: float  # seconds since it last entered or completed any collective (its compute phase so far)
     step_time: float  # its median recent step time (0: none known)
     groups: Mapping[str, GroupRecord] = field(default_factory=dict)
+    saving: float = 0.0  # seconds it has been saving a checkpoint (``job.checkpointing()``; 0: it is not)
 
 
 @dataclass(frozen=True)
@@ -74,12 +76,14 @@ class Limits:
     multiplier: float = 10.0  # ... nor before this multiple of the group's typical duration
     alive_floor: float = 10.0  # an alive rank that has not entered is blamed only after this many seconds
     alive_multiplier: float = 10.0  # ... and this multiple of its median recent step
+    checkpoint: float = 900.0  # ... and, while it says it saves a checkpoint, this many seconds
 
     def stuck_after(self, typical: float) -> float:
         return max(self.floor, self.multiplier * typical)
 
-    def alive_after(self, step_time: float) -> float:
-        return max(self.alive_floor, self.alive_multiplier * step_time)
+    def alive_after(self, step_time: float, saving: bool = False) -> float:
+        limit = max(self.alive_floor, self.alive_multiplier * step_time)
+        return max(limit, self.checkpoint) if saving else limit
 
 
 @dataclass(frozen=True)
@@ -173,8 +177,12 @@ def judge(
                 what = f"has not entered {s.group}#{s.seq} (last entered #{entered})"
                 if r.frozen:
                     frozen[m] = f"{what} and is frozen"
-                elif r.idle > limits.alive_after(r.step_time):
-                    alive[m] = f"{what}, busy outside any collective for {r.idle:.1f}s"
+                elif r.idle > limits.alive_after(r.step_time, r.saving > 0):
+                    alive[m] = f"{what}, busy outside any collective for {r.idle:.1f}s" + (
+                        f" (saving a checkpoint for {r.saving:.1f}s)" if r.saving else ""
+                    )
+                elif r.saving:
+                    doubts.append(f"rank {m} {what}: saving a checkpoint for {r.saving:.1f}s (blamed after {limits.checkpoint:.0f}s)")
                 else:
                     doubts.append(f"rank {m} {what}, busy for {r.idle:.1f}s: slow or stuck, not known yet")
             elif done >= s.seq:

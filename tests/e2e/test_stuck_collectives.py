@@ -51,9 +51,10 @@ def test_a_stalled_worker_is_named_from_the_collectives_and_replaced_bitwise(loc
 @pytest.mark.slow
 def test_long_steps_a_data_stall_and_a_slow_checkpoint_blame_nobody(local_job, reference):
     """No fault: every 15th step is 20x longer on every rank, rank 1 stalls 3 s on its data once,
-    rank 0 spends 4 s in a checkpoint once (its peers wait for it in the next all-reduce)."""
+    rank 0 spends 14 s in a checkpoint save once, marked with ``job.checkpointing()`` (its peers
+    wait for it in the next all-reduce: unmarked, it would be blamed after 10 s, as a busy loop is)."""
     script = ["--log-loss", "--long-every", "15", "--long-factor", "20", "--lag-rank", "1", "--lag-step", "30", "--lag-seconds", "3"]
-    script += ["--stall-rank", "0", "--stall-step", "45", "--stall-seconds", "4"]
+    script += ["--stall-rank", "0", "--stall-step", "45", "--stall-seconds", "14", "--stall-saving"]
     job, codes, params, _ = run_job(local_job, ["a", "b"], spares=0, script=script)
     assert set(codes.values()) == {0}, job.logs_tail()
     kinds = [e["kind"] for e in job.events()]

@@ -26,6 +26,7 @@ steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -75,6 +76,7 @@ def parse():
     )
     p.add_argument("--stall-step", type=int, default=-1)
     p.add_argument("--stall-seconds", type=float, default=0.0)
+    p.add_argument("--stall-saving", action="store_true", help="the stall is marked as a checkpoint save (job.checkpointing())")
     p.add_argument(
         "--ballast-mb",
         type=int,
@@ -202,7 +204,8 @@ def main():
             kill_now(faults, job, step, "checkpoint")  # dies with the new checkpoint half-written
             os.replace(tmp, os.path.join(args.ckpt_dir, "ckpt.pt"))
         if not job.in_sandbox and step == args.stall_step and job.rank == args.stall_rank:
-            time.sleep(args.stall_seconds)  # its peers wait for it in the step's first collective
+            with job.checkpointing() if args.stall_saving else contextlib.nullcontext():
+                time.sleep(args.stall_seconds)  # its peers wait for it in the step's first collective
         if args.long_every and step % args.long_every == 0 and not job.in_sandbox:
             time.sleep(max(args.step_sleep, 0.01) * (args.long_factor - 1))  # a long step on every rank
         kill_now(faults, job, step, "forward")

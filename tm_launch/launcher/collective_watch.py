@@ -76,6 +76,7 @@ def record_from_page(page, node: str, rank: int, now: float, frozen: bool, step_
         "idle": round(now - last, 4) if last else 0.0,
         "step": step_time,
         "groups": groups,
+        "saving": round(now - page.saving_since, 4) if page.saving_since > 0 else 0.0,
     }
 
 
@@ -87,11 +88,18 @@ def rank_record(d: dict) -> RankRecord:
         )
         for name, g in d["groups"].items()
     }
-    return RankRecord(int(d["rank"]), str(d["node"]), bool(d["frozen"]), float(d["idle"]), float(d["step"]), groups)
+    saving = float(d.get("saving", 0.0))  # absent in a record of an agent from before checkpoint marks
+    return RankRecord(int(d["rank"]), str(d["node"]), bool(d["frozen"]), float(d["idle"]), float(d["step"]), groups, saving)
 
 
 def limits_of(cfg) -> Limits:
-    return Limits(cfg.collective_floor, cfg.collective_multiplier, cfg.collective_alive_floor, cfg.collective_alive_multiplier)
+    return Limits(
+        cfg.collective_floor,
+        cfg.collective_multiplier,
+        cfg.collective_alive_floor,
+        cfg.collective_alive_multiplier,
+        cfg.hang_checkpoint_timeout,
+    )
 
 
 class CollectiveWatch:

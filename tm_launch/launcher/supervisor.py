@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from rendezvous.plan import Plan
 
-from .. import settings
+from .. import collective_page, settings
 from ..collective_page import page_path
 from ..protocol import (
     LATEST,
@@ -172,6 +172,11 @@ class WorkerSupervisor:
     def any_entered(self, generation: int) -> bool:
         return any(self.store.check([WorkerKeys(lr).entered(generation)]) for lr in self.workers.workers)
 
+    def _saving_checkpoint(self, local_rank: int) -> bool:
+        """The worker says it saves a checkpoint (``job.checkpointing()``, on its collective page)."""
+        page = collective_page.read(page_path(self.scratch, local_rank))
+        return page is not None and page.pid == self.workers.pids().get(local_rank) and page.saving_since > 0
+
     def watch_hangs(self, plan: Plan) -> None:
         """Kill a worker that stopped beating (SIGSTOP, a wedged process): its peers then fail
         fast and the node is replaced (live) or every worker restarts (restart mode). A worker
@@ -191,7 +196,7 @@ class WorkerSupervisor:
                 continue
             silent = now - float(self.store.get(key))
             recent = status.step_times or ([status.step_time] if status.step_time else [])
-            limit = hang_timeout(cfg, recent, status.steps_run or 0, False)
+            limit = hang_timeout(cfg, recent, status.steps_run or 0, self._saving_checkpoint(lr))
             worker = self.workers.workers[lr]
             # Killed already, or dying: its exit notice wakes this loop while the kernel still
             # frees its memory (the process is not reaped yet); one kill, one hang event.

@@ -88,6 +88,15 @@ class Job(abc.ABC):
         """Restart mode: a loop of its own finished global step ``step`` (the agent watches it)."""
 
     @abc.abstractmethod
+    def checkpointing(self):
+        """``with job.checkpointing(): torch.save(...)``: this rank is saving a checkpoint. A save
+        can take minutes, often on one rank while its peers already wait in the next collective;
+        unmarked, the agent takes it for a rank stuck outside its collectives after
+        ``collective_alive_floor`` (10 s) and replaces it. Marked, the limit is
+        ``hang_checkpoint_timeout`` (900 s). The integrations (Lightning, HF, torchtitan) mark
+        their saves themselves; outside a live tm-launch worker it does nothing."""
+
+    @abc.abstractmethod
     def enter_before_loop(self) -> None:
         """For framework loops that resume from the state they receive: a spare enters the job
         here, before its loop runs (nothing to do outside live mode)."""

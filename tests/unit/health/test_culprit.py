@@ -19,8 +19,8 @@ def done(seq, typical=0.01, gen=1, members=None):
     return GroupRecord(gen, seq, seq, 0.0, typical, members)
 
 
-def rank(r, node, groups, frozen=False, idle=0.0, step=0.05):
-    return RankRecord(r, node, frozen, idle, step, groups)
+def rank(r, node, groups, frozen=False, idle=0.0, step=0.05, saving=0.0):
+    return RankRecord(r, node, frozen, idle, step, groups, saving)
 
 
 def world(records, node_of, **kw):
@@ -85,6 +85,28 @@ def test_an_alive_rank_that_has_not_entered_is_slow_until_the_alive_limit():
     assert (v.action, v.ranks) == (KILL, (1,))
     v = world([*base, rank(1, "b", {"w": done(10)}, idle=10.5, step=2.0)], NODE3)
     assert v.action == WAIT  # its steps take 2 s: 20 s before it counts as stuck
+
+
+@pytest.mark.parametrize(
+    "idle, saving, frozen, action",
+    [
+        (10.5, 0.0, False, KILL),  # unmarked: a busy loop and a save look the same after 10 s
+        (10.5, 10.5, False, WAIT),  # marked (job.checkpointing()): the checkpoint limit applies
+        (899.0, 899.0, False, WAIT),
+        (901.0, 901.0, False, KILL),  # a save that never ends is still found
+        (3.0, 3.0, True, KILL),  # frozen while saving (SIGSTOP): at once, as ever
+    ],
+)
+def test_a_rank_saving_a_checkpoint_gets_the_checkpoint_limit(idle, saving, frozen, action):
+    """Rank 0 saves alone while its peers wait at the next all-reduce: normal for a rank-0 save."""
+    lim = Limits(floor=1.0, multiplier=10.0, alive_floor=10.0, alive_multiplier=10.0, checkpoint=900.0)
+    records = [rank(0, "a", {"w": done(10)}, idle=idle, saving=saving, frozen=frozen), rank(1, "b", {"w": waiting(11, idle)})]
+    v = judge({r.rank: r for r in records}, [0, 1], {0: "a", 1: "b"}, limits=lim)
+    assert v.action == action, v
+    if action == WAIT:
+        assert "saving a checkpoint" in v.why, v
+    else:
+        assert v.ranks == (0,), v
 
 
 def test_two_alive_candidates_on_two_nodes_wait():

@@ -44,3 +44,19 @@ def test_a_stopped_process_is_frozen():
         child.kill()
         child.wait()
     assert not frozen_process(child.pid)
+
+
+def test_a_saving_rank_is_judged_against_the_checkpoint_limit_after_the_exchange():
+    now = 100.0
+    waiting = PageView(11, 0, (slot("tm-world", 8, 7, now - 12.0),))
+    saving = PageView(12, 1, (slot("tm-world", 7, 7, now - 12.0),), saving_since=now - 11.0)
+    exchanged = [
+        json.loads(json.dumps(record_from_page(waiting, "a", 0, now, False, 0.05))),
+        json.loads(json.dumps(record_from_page(saving, "b", 1, now, False, 0.05))),
+    ]
+    assert exchanged[1]["saving"] == 11.0 and exchanged[0]["saving"] == 0.0
+    records = {d["rank"]: rank_record(d) for d in exchanged}
+    assert judge(records, [0, 1], {0: "a", 1: "b"}).action == "wait"  # 11 s of a save: not stuck
+    del exchanged[1]["saving"]  # a record from an agent without checkpoint marks: the alive limit
+    records = {d["rank"]: rank_record(d) for d in exchanged}
+    assert judge(records, [0, 1], {0: "a", 1: "b"}).ranks == (1,)

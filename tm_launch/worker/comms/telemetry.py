@@ -27,6 +27,7 @@ Without an agent (plain torchrun) or without a page path, every call returns at 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -183,3 +184,20 @@ def vote_entered(generation: int, rank: int):
 
 
 vote_done = completed
+
+
+@contextlib.contextmanager
+def checkpointing():
+    """``Job.checkpointing()``: this rank saves a checkpoint inside. While it saves, the agent
+    gives it ``hang_checkpoint_timeout`` before blaming it for a collective its peers wait in (a
+    rank-0-only save while the others wait at the next all-reduce is normal), and before its
+    watchdog fires. Nested saves count as one (the outermost)."""
+    p = _page if _opened else _open()
+    if p is None or p.words[page.H_SAVING]:
+        yield
+        return
+    p.words[page.H_SAVING] = _monotonic()
+    try:
+        yield
+    finally:
+        p.words[page.H_SAVING] = 0.0

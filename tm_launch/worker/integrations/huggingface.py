@@ -36,6 +36,7 @@ from transformers.trainer_callback import ExportableState
 
 import tm_launch
 
+from ..comms import telemetry
 from ..log import log
 from ..torch_patches import keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only, live_job, new_ddp_like
@@ -98,6 +99,12 @@ class LiveTrainer(Trainer):
         job.register(per_rank=True, rng=tm_launch.RNGState())
         job.enter_before_loop()
         return self._live_state.received
+
+    def _save_checkpoint(self, *args, **kwargs):
+        """The main process writes while the others wait at the next collective: marked as a
+        checkpoint save (``Job.checkpointing``), so that a long write is not taken for a stuck rank."""
+        with telemetry.checkpointing():
+            return super()._save_checkpoint(*args, **kwargs)
 
     def log(self, *args, **kwargs):
         """Metrics of a step whose collectives after its commit failed (the loss gathered for

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import tm_launch
 
+from ..comms import telemetry
 from ..log import log
 from ..torch_patches import gain_methods, keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only, live_job, new_ddp_like
@@ -90,6 +91,12 @@ class LiveStrategy(DDPStrategy):
                 f"tm_launch.lightning: resuming Lightning at step {self._state.received['global_step']} "
                 f"(epoch {self._state.received['epoch']}) from the state received"
             )
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        """Rank 0 writes while its peers wait at Lightning's barrier: marked as a checkpoint save
+        (``Job.checkpointing``), so that a long write is not taken for a stuck rank."""
+        with telemetry.checkpointing():
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         """A joining rank resumes from the live state, not from the checkpoint the script names."""

@@ -41,6 +41,7 @@ from torchtitan.trainer import Trainer
 import tm_launch
 
 from ...protocol import WorkerEnv
+from ..comms import telemetry
 from ..log import first_line, log
 from ..torch_patches import keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only
@@ -274,7 +275,8 @@ class CommittedCheckpoints:
                 log.info(f"tm_launch.torchtitan: step {curr_step}'s checkpoint not written: a collective of that step failed")
             return False
         try:
-            saved = self._inner.save(curr_step, last_step)
+            with telemetry.checkpointing():  # a long DCP save is not a stuck rank (Job.checkpointing)
+                saved = self._inner.save(curr_step, last_step)
         except Exception as e:  # DCP's planning meets the failed step's placeholder objects
             if job.step_ok:
                 raise

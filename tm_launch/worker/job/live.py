@@ -59,7 +59,7 @@ from ...protocol import EXIT_REFUSED, EXIT_STATE_LOST, FirstStepRecord, RefusedR
 from .. import torch_patches
 from ..agent_client import AgentClient
 from ..api import Job
-from ..comms import communicators
+from ..comms import communicators, telemetry
 from ..comms.groups import FAKE_NAMES, LiveGroup, LocalBackend, StepPoison, asks_fake, in_process_backend, unique_name
 from ..generation.audit import Audit
 from ..generation.commit import StepCommit
@@ -304,6 +304,9 @@ class LiveJob(Job):
         scheduler or scaler step, or at the end of the body); True when the step committed.
         Guard effects of your own with it: ``if job.commit(): write_metrics()``."""
         return self.guard.effect_allowed()
+
+    def checkpointing(self):
+        return telemetry.checkpointing()
 
     def enter_before_loop(self) -> None:
         """For loops that put themselves back at the right step from the state they receive

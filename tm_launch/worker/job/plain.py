@@ -10,6 +10,7 @@ import os
 import torch.distributed as dist
 
 from ..api import Job
+from ..comms import telemetry
 from ..state import data_loaders
 from ..step_report import process_reporter
 from . import optimizer_steps
@@ -55,6 +56,9 @@ class PlainJob(Job):
 
     def commit(self) -> bool:
         return True
+
+    def checkpointing(self):
+        return telemetry.checkpointing()
 
     def enter_before_loop(self) -> None:
         return None

@@ -78,3 +78,16 @@ def test_without_a_page_nothing_is_recorded(monkeypatch):
 def test_a_member_list_too_long_is_written_as_unknown():
     raw = collective_page.describe("big", range(200))
     assert len(raw) <= collective_page.DESC and b'"m": []' in raw
+
+
+def test_a_checkpoint_save_is_marked_on_the_page_and_nested_saves_count_once(page_file):
+    with ct.checkpointing():
+        started = collective_page.read(page_file).saving_since
+        assert started > 0
+        with ct.checkpointing():  # a framework's save inside the script's own
+            assert collective_page.read(page_file).saving_since == started
+        assert collective_page.read(page_file).saving_since == started
+    assert collective_page.read(page_file).saving_since == 0.0
+    with pytest.raises(OSError), ct.checkpointing():
+        raise OSError("disk full")
+    assert collective_page.read(page_file).saving_since == 0.0  # a failed save ends the mark too
