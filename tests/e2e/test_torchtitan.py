@@ -311,6 +311,74 @@ def test_live_fsdp2_two_faults_in_a_row_each_recovered_from_snapshots(local_job,
         print(f"\ntorchtitan live, FSDP2, two faults: {recovery(records, os.path.getmtime(marker))}")
 
 
+METRICS = ["--metrics.enable-tensorboard", "--metrics.save-for-all-ranks", "--metrics.log-freq", "1"]
+EXACT_TAGS = ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm")  # the others time the run
+
+
+def written_metrics(dump: str) -> list[tuple[str, str, int, float]]:
+    """Every scalar torchtitan's TensorBoard writers wrote under ``dump``: (writer's file, tag,
+    step, value), from every event file (a process that took a rank over writes its own)."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    out = []
+    for root, _, files in os.walk(os.path.join(dump, "tb")):
+        for name in (f for f in files if f.startswith("events.out.tfevents")):
+            for event in LegacyEventFileLoader(os.path.join(root, name)).Load():
+                out += [(name, v.tag, event.step, v.simple_value) for v in event.summary.value if v.tag in EXACT_TAGS]
+    return out
+
+
+LOG_LINE = re.compile(r"step:\s*(\d+)\s+\S*loss:\s*([0-9.]+)\s+\S*grad_norm:\s*([0-9.e+-]+|nan|inf)")
+
+
+@pytest.mark.slow
+def test_live_metrics_and_log_lines_hold_only_committed_steps(local_job, titan_assets, tmp_path):
+    """torchtitan live with its TensorBoard logger on (every rank, every step), rank 1 SIGKILLed at
+    the start of step 6's forward while a parked spare waits: the survivor's interrupted attempt
+    of that step (its failed collectives leave garbage: a loss of 6.40 and a grad norm of 5.7e17
+    before gating) and the spare's warm-up steps are never written. Every value in every event
+    file, and every loss line in every log, is the fault-free torchrun run's value for that step,
+    and every step has one."""
+    ref_dump = str(tmp_path / "torchrun")
+    run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HARNESS]
+        + titan_args(titan_assets, ref_dump, STEPS, CKPT_EVERY)
+        + METRICS,
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        timeout=300,
+    )
+    reference = {(tag, step): value for _, tag, step, value in written_metrics(ref_dump)}
+    assert {step for _, step in reference} == set(range(1, STEPS + 1)), sorted(reference)
+
+    job = local_job(nnodes="2", nproc=1, script=HARNESS, launcher_args=["--max-restarts", "3"])
+    dump = os.path.join(job.workdir, "titan")
+    marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-parked")
+    job.script_args = titan_args(titan_assets, dump, STEPS, CKPT_EVERY) + METRICS
+    job.env = {"TT_LIVE": "1", "TT_KILL_RANK": "1", "TT_KILL_STEP": str(KILL_STEP), "TT_KILL_MARKER": marker}
+    job.env.update({"TT_KILL_AFTER": go, "TT_KILL_PHASE": "forward"})
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
+    job.wait_parked("c", timeout=180)
+    open(go, "w").close()
+    codes = job.wait(timeout=240)
+    plan = next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+    assert plan is not None and plan["live"] and codes["c"] == 0, job.logs_tail()
+
+    written = written_metrics(dump)
+    wrong = [(tag, step, value, reference.get((tag, step))) for _, tag, step, value in written if reference.get((tag, step)) != value]
+    assert not wrong, f"written values no fault-free step has (tag, step, written, torchrun's): {wrong}"
+    for tag in EXACT_TAGS:
+        assert {step for _, t, step, _ in written if t == tag} == set(range(1, STEPS + 1)), sorted(written)
+    lines = [
+        (int(step), float(loss))
+        for node in job.nodes.values()
+        for step, loss, _ in LOG_LINE.findall(re.sub(r"\x1b\[[0-9;]*m", "", node.log()))
+    ]
+    want = {step: round(value, 5) for (tag, step), value in reference.items() if tag == EXACT_TAGS[0]}
+    assert lines and all(round(want[step], 5) == loss for step, loss in lines), (lines, want)
+
+
 def recovery(records, kill_time: float) -> str:
     """From the kill to the first step every rank completed after it (the kill waits for the
     spare to park, so the step before it ended long before), and the steps run twice."""
