@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tm_launch.worker.generation.audit import digests  # noqa: E402
-from tm_launch.worker.state.per_rank import PerRankState  # noqa: E402
+from tm_launch.worker.state.per_rank import PerRankState, dumps_record  # noqa: E402
 
 
 def bn_model(layers: int, channels: int) -> torch.nn.Module:
@@ -63,6 +64,21 @@ def main() -> None:
     print(
         f"per step: RNGs only {base:.3f} ms; + {a.bn_layers} BatchNorm layers x {a.channels} channels ({buffers / 2**10:.0f} KiB of buffers) {with_bn:.3f} ms"
     )
+    # The step's mirror record (written twice a step), torch's pickler against dumps_record,
+    # interleaved so that a loaded machine slows both alike.
+    per_rank = PerRankState(rng=True)
+    per_rank.add_buffers_of("model", model)
+    record = {"step": 1, "exact": True, "states": per_rank.states_now()}
+    torch_ms, ours_ms = [], []
+    for _ in range(a.repeat):
+        t0 = time.perf_counter()
+        pickle.dumps(record)
+        t1 = time.perf_counter()
+        dumps_record(record)
+        torch_ms.append((t1 - t0) * 1000)
+        ours_ms.append((time.perf_counter() - t1) * 1000)
+    t, o = statistics.median(torch_ms), statistics.median(ours_ms)
+    print(f"the step's mirror record: torch's pickler {t:.3f} ms, dumps_record {o:.3f} ms ({t / o:.1f}x)")
     for mib in a.state_mib:
         state = {f"w{i}": torch.randn(mib * 2**20 // 4 // 16) for i in range(16)}
         times = []
