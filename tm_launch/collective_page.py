@@ -11,7 +11,8 @@ own, nothing through etcd.
 Layout (little-endian float64 words; counters fit a double exactly up to 2**53):
 
 * header, ``HEADER`` words: ``MAGIC``, ``VERSION``, the writer's pid, its rank, slots in use,
-  since when it has been saving a checkpoint (``job.checkpointing()``; 0: it is not);
+  since when it has been saving a checkpoint (``job.checkpointing()``; 0: it is not), when its
+  last save ended (a save is activity: the rank's time outside collectives counts from there);
 * ``MAX_SLOTS`` slots of ``SLOT`` words, one per process group (``LiveGroup``), indexes below;
 * after them, ``DESC`` bytes per slot: the group's name and member ranks as JSON (``{"g": name,
   "m": [ranks] or null}``; null: the world), written once when the slot is taken.
@@ -39,7 +40,7 @@ DESC = 256
 # slot word indexes
 USED, GENERATION, ENTERED, DONE, T_ENTERED, T_PENDING, T_DONE, TYPICAL, P2P_ENTERED, P2P_DONE, T_P2P = range(11)
 # header word indexes
-H_MAGIC, H_VERSION, H_PID, H_RANK, H_SLOTS, H_SAVING = range(6)
+H_MAGIC, H_VERSION, H_PID, H_RANK, H_SLOTS, H_SAVING, H_SAVED = range(7)
 WORDS = HEADER + MAX_SLOTS * SLOT
 DESC_AT = WORDS * 8
 SIZE = DESC_AT + MAX_SLOTS * DESC
@@ -78,6 +79,7 @@ class PageView:
     rank: int
     slots: tuple[SlotView, ...]
     saving_since: float = 0.0  # the writer's time.monotonic() when its checkpoint save began (0: none)
+    saved_at: float = 0.0  # ... when its last checkpoint save ended (0: none yet)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -123,7 +125,7 @@ def parse(raw: bytes) -> PageView | None:
                 w[T_P2P],
             )
         )
-    return PageView(int(header[H_PID]), int(header[H_RANK]), tuple(slots), header[H_SAVING])
+    return PageView(int(header[H_PID]), int(header[H_RANK]), tuple(slots), header[H_SAVING], header[H_SAVED])
 
 
 def read(path: str) -> PageView | None:

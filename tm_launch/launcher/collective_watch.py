@@ -69,6 +69,7 @@ def record_from_page(page, node: str, rank: int, now: float, frozen: bool, step_
         waiting = now - s.t_pending if s.pending and s.t_pending > 0 else 0.0
         groups[s.group] = [s.generation, s.entered, s.done, round(waiting, 4), round(s.typical, 5), s.members]
         last = max(last, s.last_activity())
+    last = max(last, page.saved_at)  # a checkpoint save that just ended was activity, not a stall
     return {
         "rank": rank,
         "node": node,

@@ -60,3 +60,16 @@ def test_a_saving_rank_is_judged_against_the_checkpoint_limit_after_the_exchange
     del exchanged[1]["saving"]  # a record from an agent without checkpoint marks: the alive limit
     records = {d["rank"]: rank_record(d) for d in exchanged}
     assert judge(records, [0, 1], {0: "a", 1: "b"}).ranks == (1,)
+
+
+def test_a_save_that_just_ended_is_activity_not_a_stall():
+    """The save ended, the rank has not entered the next collective yet: its time outside
+    collectives counts from the save's end (it was replaced in that instant once)."""
+    now = 100.0
+    waiting = PageView(11, 0, (slot("tm-world", 8, 7, now - 15.0),))
+    saved = PageView(12, 1, (slot("tm-world", 7, 7, now - 15.0),), saving_since=0.0, saved_at=now - 0.2)
+    records = {
+        d["rank"]: rank_record(d)
+        for d in (record_from_page(waiting, "a", 0, now, False, 0.05), record_from_page(saved, "b", 1, now, False, 0.05))
+    }
+    assert records[1].idle == 0.2 and judge(records, [0, 1], {0: "a", 1: "b"}).action == "wait"

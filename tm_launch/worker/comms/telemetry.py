@@ -200,4 +200,5 @@ def checkpointing():
     try:
         yield
     finally:
+        p.words[page.H_SAVED] = _monotonic()  # first: the rank's idle time counts from here, never from before the save
         p.words[page.H_SAVING] = 0.0
