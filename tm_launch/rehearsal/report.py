@@ -33,7 +33,7 @@ def rank_lines(v: RankVerdict, indent: str = "      ") -> list[str]:
     if v.missing:
         return [f"{indent}rank {v.rank}: {v.missing}"]
     if v.equal:
-        return [f"{indent}rank {v.rank}: bitwise equal"]
+        return [f"{indent}rank {v.rank}: bitwise equal"] + attempt_lines(v, indent)
     lines = [f"{indent}rank {v.rank}: {len(v.differences)} tensor(s)/value(s) differ"]
     by_obj: dict[str, list] = {}
     for d in v.differences:
@@ -46,7 +46,16 @@ def rank_lines(v: RankVerdict, indent: str = "      ") -> list[str]:
         title, suggestion = CAUSES[cause]
         lines.append(f"{indent}  likely cause: {title}")
         lines.append(f"{indent}    suggestion: {suggestion}")
-    return lines
+    return lines + attempt_lines(v, indent)
+
+
+def attempt_lines(v: RankVerdict, indent: str) -> list[str]:
+    """The attempt counts a re-run step raised: named, not failing (``compare.ATTEMPT_COUNTS``)."""
+    if not v.attempts:
+        return []
+    named = ", ".join(f"{d.key} ({d.detail})" for d in v.attempts[:MAX_TENSORS])
+    more = f" and {len(v.attempts) - MAX_TENSORS} more" if len(v.attempts) > MAX_TENSORS else ""
+    return [f"{indent}  attempts counted (the re-run step; the completed counts are equal): {named}{more}"]
 
 
 def render(header: dict, reference: Run, control: tuple[Run, list[RankVerdict]] | None, faults: list[tuple[Run, list[RankVerdict]]]) -> str:
@@ -72,7 +81,7 @@ def render(header: dict, reference: Run, control: tuple[Run, list[RankVerdict]] 
         if run.fired is False:
             out.append("      the kill never happened: the script never reached that phase on that rank at or after that step")
             continue
-        if not all(v.equal for v in verdicts):
+        if not all(v.equal and not v.attempts for v in verdicts):
             out += rank_lines_all(verdicts)
         if run.error or any(v.missing for v in verdicts):
             out += [f"      | {line}" for line in run.tail.splitlines()[-8:]]
@@ -109,6 +118,7 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
                 "missing": v.missing,
                 "causes": v.causes,
                 "differences": [{"object": d.obj, "key": d.key, "role": d.role, "detail": d.detail} for d in v.differences],
+                "attempts": [{"object": d.obj, "key": d.key, "detail": d.detail} for d in v.attempts],
             }
             for v in vs
         ]
