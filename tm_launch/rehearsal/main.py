@@ -16,6 +16,11 @@ from .report import as_dict, passed, render, summary
 from .runs import PHASES, Run, live, reference, why
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
+NOT_LIVE = (
+    "{script} never called tm_launch.init(): under tm-launch it runs in restart mode (a failure restarts every worker "
+    "from its own checkpoint), with no live recovery to rehearse; to make it live, call tm_launch.init(), "
+    "job.register(...) its state and loop over job.steps() (README: The live API)"
+)
 
 
 class UsageError(Exception):
@@ -138,6 +143,8 @@ def _rehearse(args, workdir: str) -> int:
     ref = reference(workdir, args.script, args.args, world, args.timeout)
     if ref.error:
         raise UsageError(f"the script failed without any fault under torchrun ({ref.error}): {why(ref.tail)}")
+    if not ref.dumps:  # no rank called tm_launch.init(): nothing of it is live
+        raise UsageError(NOT_LIVE.format(script=os.path.basename(args.script)))
     ref_how = f"torchrun --standalone --nproc-per-node {world}"
     with EtcdServer(data_dir=os.path.join(workdir, "etcd")) as etcd:
 
@@ -187,4 +194,4 @@ def _rehearse(args, workdir: str) -> int:
 def _no_state(run: Run) -> str:
     if run.error:
         return f"the script failed without any fault under tm-launch live ({run.error}): {why(run.tail)}"
-    return "the script wrote no state: it never called tm_launch.init() (a restart-mode script has nothing live to rehearse)"
+    return NOT_LIVE.format(script="the script")
