@@ -143,8 +143,6 @@ def _rehearse(args, workdir: str) -> int:
     ref = reference(workdir, args.script, args.args, world, args.timeout)
     if ref.error:
         raise UsageError(f"the script failed without any fault under torchrun ({ref.error}): {why(ref.tail)}")
-    if not ref.dumps:  # no rank called tm_launch.init(): nothing of it is live
-        raise UsageError(NOT_LIVE.format(script=os.path.basename(args.script)))
     ref_how = f"torchrun --standalone --nproc-per-node {world}"
     with EtcdServer(data_dir=os.path.join(workdir, "etcd")) as etcd:
 
@@ -161,7 +159,7 @@ def _rehearse(args, workdir: str) -> int:
             ref = live_run("reference-live")
             ref_how = "tm-launch live, no fault (nothing is registered under torchrun)"
             if ref.error or not ref.dumps:
-                raise UsageError(_no_state(ref))
+                raise UsageError(_no_state(ref, args.script))
         # Without a control run, generators the script may never have seeded cannot be judged.
         unstable = maybe_unseeded(ref.dumps)
         if control is None and not args.no_control and ref.name == "reference":
@@ -191,7 +189,8 @@ def _rehearse(args, workdir: str) -> int:
     return 0 if passed(control, faults) else EXIT_FAILED
 
 
-def _no_state(run: Run) -> str:
+def _no_state(run: Run, script: str) -> str:
     if run.error:
         return f"the script failed without any fault under tm-launch live ({run.error}): {why(run.tail)}"
-    return NOT_LIVE.format(script="the script")
+    # Not even under tm-launch (a framework's integration calls it there only): restart mode.
+    return NOT_LIVE.format(script=os.path.basename(script))
