@@ -71,7 +71,7 @@ def run_live(local_job, extra: tuple, kills: list, spares: int = 1, nproc: int =
     spare_names = [f"s{i}" for i in range(spares)]
     for name in spare_names:
         job.start(name)
-        job.wait_parked(name)
+        job.wait_parked(name, timeout=300)  # 2 workers warming up on a loaded 2-core machine
     open(trigger, "w").close()
     codes = job.wait(timeout=300)
     return job, codes, load(out)
