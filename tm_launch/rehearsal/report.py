@@ -50,12 +50,16 @@ def rank_lines(v: RankVerdict, indent: str = "      ") -> list[str]:
 
 
 def attempt_lines(v: RankVerdict, indent: str) -> list[str]:
-    """The attempt counts a re-run step raised: named, not failing (``compare.ATTEMPT_COUNTS``)."""
-    if not v.attempts:
-        return []
-    named = ", ".join(f"{d.key} ({d.detail})" for d in v.attempts[:MAX_TENSORS])
-    more = f" and {len(v.attempts) - MAX_TENSORS} more" if len(v.attempts) > MAX_TENSORS else ""
-    return [f"{indent}  attempts counted (the re-run step; the completed counts are equal): {named}{more}"]
+    """What differs and fails nothing, named: attempt counts a re-run step raised
+    (``compare.ATTEMPT_COUNTS``) and wall-clock measurements (``compare.WALL_CLOCK``)."""
+    lines = []
+    for diffs, what in ((v.attempts, "attempts counted (the re-run step; the completed counts are equal)"),
+                        (v.timings, "wall-clock measurements (differ in any two runs)")):  # fmt: skip
+        if diffs:
+            named = ", ".join(f"{d.key} ({d.detail})" for d in diffs[:MAX_TENSORS])
+            more = f" and {len(diffs) - MAX_TENSORS} more" if len(diffs) > MAX_TENSORS else ""
+            lines.append(f"{indent}  {what}: {named}{more}")
+    return lines
 
 
 def render(header: dict, reference: Run, control: tuple[Run, list[RankVerdict]] | None, faults: list[tuple[Run, list[RankVerdict]]]) -> str:
@@ -81,7 +85,7 @@ def render(header: dict, reference: Run, control: tuple[Run, list[RankVerdict]] 
         if run.fired is False:
             out.append("      the kill never happened: the script never reached that phase on that rank at or after that step")
             continue
-        if not all(v.equal and not v.attempts for v in verdicts):
+        if not all(v.equal and not v.attempts and not v.timings for v in verdicts):
             out += rank_lines_all(verdicts)
         if run.error or any(v.missing for v in verdicts):
             out += [f"      | {line}" for line in run.tail.splitlines()[-8:]]
@@ -119,6 +123,7 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
                 "causes": v.causes,
                 "differences": [{"object": d.obj, "key": d.key, "role": d.role, "detail": d.detail} for d in v.differences],
                 "attempts": [{"object": d.obj, "key": d.key, "detail": d.detail} for d in v.attempts],
+                "timings": [{"object": d.obj, "key": d.key, "detail": d.detail} for d in v.timings],
             }
             for v in vs
         ]

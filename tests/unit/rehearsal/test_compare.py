@@ -180,3 +180,24 @@ def test_a_tensor_named_like_an_attempt_count_is_never_one():
     got = dump(**{"model__x.ready": ("buffer", torch.tensor(2)), "model__x.completed": ("buffer", torch.tensor(1))})
     v = compare_rank(0, ref, got)
     assert not v.equal and v.causes == ["buffer"] and not v.attempts
+
+
+def test_wall_clock_measurements_are_named_apart_and_the_losses_beside_them_compared():
+    def history(loss, runtime):
+        return dump(
+            **{
+                "trainer__rest.trainer_state.log_history.1.train_loss": ("other", loss),
+                "trainer__rest.trainer_state.log_history.1.train_runtime": ("other", runtime),
+                "trainer__rest.trainer_state.log_history.1.train_samples_per_second": ("other", 1000 / runtime),
+            }
+        )
+
+    v = compare_rank(0, history(0.5, 50.2), history(0.5, 38.8))
+    assert v.equal and [d.key.rsplit(".", 1)[1] for d in v.timings] == ["train_runtime", "train_samples_per_second"]
+    v = compare_rank(0, history(0.5, 50.2), history(0.25, 38.8))
+    assert not v.equal and [d.key.rsplit(".", 1)[1] for d in v.differences] == ["train_loss"]
+
+
+def test_a_tensor_named_like_a_timing_is_compared():
+    v = compare_rank(0, dump(model__x_runtime=("buffer", torch.ones(1))), dump(model__x_runtime=("buffer", torch.zeros(1))))
+    assert not v.equal and not v.timings
