@@ -4,14 +4,19 @@ beyond model, optimizer and scheduler, state the user never thinks of as state.
 - BatchNorm (``--bn``): running statistics are buffers every rank updates from its own batch;
   under DDP with ``--broadcast-buffers`` (torch's default) rank 0's are broadcast each forward,
   with ``--no-broadcast-buffers`` each rank keeps its own; under ``--layout fsdp`` nobody syncs them.
+- ``--layout ddp-tp``: a 2-D ``DeviceMesh`` (dp x tp, 4 ranks or any multiple of 2), an MLP
+  block after the BatchNorm split Megatron-style with ``parallelize_module`` (``ColwiseParallel``
+  / ``RowwiseParallel``) over ``tp``, and torch's DDP over the ``dp`` dimension
+  (``DDP(model, device_mesh=mesh["dp"])``, which localizes the DTensor parameters for its
+  buckets). Both ranks of a tp pair train on the same batch (seeded by the dp index).
 - Dropout (``--dropout``) drawn from torch's global RNG, seeded per rank, never registered.
 - A forward counter (``--counter``): a buffer every rank bumps identically in its forward.
 - ``--hidden``: a plain Python counter the script keeps and folds into the weights after each
   step, never registered: state tm-launch cannot see (a joiner starts it at 0).
 
 Each rank writes its whole state at the end, ``--out DIR/rank<r>.pt``: the model's
-``state_dict()`` (buffers included; a DTensor as its local shard), the optimizer's and the
-scheduler's. Fault points: ``tests/scripts/faults.py`` (``--kill-rank``, ``--kill-phase`` ...).
+``state_dict()`` (buffers included; a DTensor as its local shard), the optimizer's, the
+scheduler's, and the tensors the optimizer trains. Fault points: ``tests/scripts/faults.py`` (``--kill-rank``, ``--kill-phase`` ...).
 """
 
 from __future__ import annotations
@@ -32,11 +37,15 @@ import tm_launch  # noqa: E402
 
 
 class Net(nn.Module):
-    def __init__(self, width: int, bn: bool, dropout: float, counter: bool):
+    def __init__(self, width: int, bn: bool, dropout: float, counter: bool, mlp: bool = False):
         super().__init__()
         self.inp = nn.Linear(8, width)
         self.bn = nn.BatchNorm1d(width) if bn else nn.Identity()
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+        if mlp:  # the block tensor parallelism splits (--layout ddp-tp)
+            self.up = nn.Linear(width, 2 * width)
+            self.down = nn.Linear(2 * width, width)
+        self.mlp = mlp
         self.out = nn.Linear(width, 1)
         if counter:
             self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
@@ -45,7 +54,10 @@ class Net(nn.Module):
     def forward(self, x):
         if self.counter:
             self.calls += 1
-        return self.out(self.drop(torch.relu(self.bn(self.inp(x)))))
+        h = self.drop(torch.relu(self.bn(self.inp(x))))
+        if self.mlp:
+            h = h + self.down(torch.relu(self.up(h)))
+        return self.out(h)
 
 
 def local(t):
@@ -69,7 +81,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--width", type=int, default=16)
-    p.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--layout", choices=["ddp", "fsdp", "ddp-tp"], default="ddp")
     p.add_argument("--bn", action="store_true")
     p.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dropout", type=float, default=0.0)
@@ -84,9 +96,18 @@ def main():
     job = tm_launch.init()
     rank, world = job.rank, job.world_size
     torch.manual_seed(0)
-    model = Net(args.width, args.bn, args.dropout, args.counter)
+    model = Net(args.width, args.bn, args.dropout, args.counter, mlp=args.layout == "ddp-tp")
+    data_rank = rank  # whose batch this rank trains on
     if args.layout == "ddp":
         model = DDP(model, process_group=job.group, broadcast_buffers=args.broadcast_buffers)
+    elif args.layout == "ddp-tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        model = DDP(model, device_mesh=mesh["dp"], broadcast_buffers=args.broadcast_buffers)
+        data_rank = mesh["dp"].get_local_rank()
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -101,7 +122,7 @@ def main():
     faults.arm_backward(model, job)
     for step in job.steps(args.steps):
         faults.step = step
-        g = torch.Generator().manual_seed(1 + step * 97 + rank)
+        g = torch.Generator().manual_seed(1 + step * 97 + data_rank)
         x = torch.randn(16, 8, generator=g)
         y = x[:, :1] * 0.5 + torch.randn(16, 1, generator=g) * 0.1
         faults.at(job, "forward")
@@ -123,6 +144,10 @@ def main():
     state: dict = {}
     flat("model", model.state_dict(), state)
     flat("optimizer", opt.state_dict(), state)
+    # What the optimizer trains, by position: DDP x TP's wrapper (torch's _pre_dp_module_transform)
+    # leaves the tensor-parallel weights as plain attributes after the first forward, outside
+    # state_dict().
+    flat("trained", [p for group in opt.param_groups for p in group["params"]], state)
     flat("scheduler", sched.state_dict(), state)
     os.makedirs(args.out, exist_ok=True)
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))

@@ -46,6 +46,21 @@ ROLE_CAUSE = {"buffer": "buffer", "rng": "rng", "rng-os": "rng", "global-rng": "
 # differ between two fault-free runs, so only a control run can say whether they count.
 MAYBE_UNSEEDED = "rng-os"
 STEP_COUNTERS = ("step", "last_epoch", "_step_count")
+# A progress tracker's attempt counts. Lightning's loops (``lightning.pytorch.loops.progress``)
+# count every attempt at a batch or an optimizer step in ``ready`` and ``started``, and the work
+# done in ``processed`` and ``completed``; after a restart, ``reset_on_restart`` rolls the
+# ``current`` attempt counts back to ``completed`` and keeps the ``total`` ones, by design: they
+# count the attempts a restart interrupted too. A live recovery runs the interrupted step again
+# on the rank that takes over, so its ``total`` attempt counts may be higher than the fault-free
+# run's. Such a count is the attempt, not state: it is reported apart and fails no verdict, only
+# when it is a plain integer, not lower than the fault-free run's, and the same tracker's
+# ``completed`` count is equal in both runs.
+ATTEMPT_COUNTS = ("ready", "started")
+# Wall-clock measurements a framework logs with its metrics (Hugging Face's ``speed_metrics``:
+# ``train_runtime``, ``train_samples_per_second``, ``train_steps_per_second`` in its
+# ``TrainerState.log_history``): they differ between any two runs, faults or not. A float under
+# a key ending so is reported apart and fails no verdict; the logged losses beside it are compared.
+WALL_CLOCK = ("_runtime", "_per_second")
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,8 @@ class RankVerdict:
     differences: list[Difference] = field(default_factory=list)
     causes: list[str] = field(default_factory=list)
     missing: str | None = None  # why there is nothing to compare (no dump)
+    attempts: list[Difference] = field(default_factory=list)  # attempt counts a re-run step raised (``is_attempt_count``)
+    timings: list[Difference] = field(default_factory=list)  # wall-clock measurements (``is_wall_clock``)
 
     @property
     def equal(self) -> bool:
@@ -133,6 +150,27 @@ def differences(ref: dict, got: dict, unstable: frozenset = frozenset()) -> list
     return out
 
 
+def is_attempt_count(key: str, ref_entries: dict, got_entries: dict) -> bool:
+    """Whether ``key`` is a progress tracker's attempt count that differs as an attempt count
+    may (``ATTEMPT_COUNTS``): an int not lower than the fault-free run's, beside an equal
+    ``completed`` count of the same tracker."""
+    head, _, leaf = key.rpartition(".")
+    if leaf not in ATTEMPT_COUNTS or not head:
+        return False
+    ref, got = ref_entries.get(key), got_entries.get(key)
+    done = f"{head}.completed"
+    ref_done, got_done = ref_entries.get(done), got_entries.get(done)
+    ints = all(type(v) is int for v in (ref, got, ref_done, got_done))
+    return ints and got >= ref and ref_done == got_done
+
+
+def is_wall_clock(key: str, ref_entries: dict, got_entries: dict) -> bool:
+    """Whether ``key`` is a wall-clock measurement a framework logged (``WALL_CLOCK``): a float
+    in both runs under a key ending in one of those names."""
+    leaf = key.rsplit(".", 1)[-1].rsplit("/", 1)[-1]
+    return leaf.endswith(WALL_CLOCK) and type(ref_entries.get(key)) is float and type(got_entries.get(key)) is float
+
+
 def cause_of(d: Difference) -> str | None:
     """The root cause one difference names by itself; None for a consequence (a parameter,
     the optimizer state that follows it, another object's state)."""
@@ -164,10 +202,13 @@ def compare_rank(rank: int, ref: dict | None, got: dict | None, unstable: frozen
     if got is None:
         return RankVerdict(rank, missing="no state written: no process held this rank at the end (the job failed)")
     diffs = differences(ref, got, unstable)
+    attempts = [d for d in diffs if is_attempt_count(d.key, ref["entries"], got["entries"])]
+    timings = [d for d in diffs if is_wall_clock(d.key, ref["entries"], got["entries"])]
+    diffs = [d for d in diffs if d not in attempts and d not in timings]
     steps_differ = ref["meta"].get("steps") != got["meta"].get("steps") and "~meta/steps" not in unstable
     if steps_differ:
         diffs.append(Difference("~meta/steps", "meta", f"{ref['meta'].get('steps')} -> {got['meta'].get('steps')} steps"))
-    return RankVerdict(rank, diffs, classify(diffs, steps_differ))
+    return RankVerdict(rank, diffs, classify(diffs, steps_differ), attempts=attempts, timings=timings)
 
 
 def compare_runs(ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset()) -> list[RankVerdict]:

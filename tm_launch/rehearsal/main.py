@@ -16,6 +16,11 @@ from .report import as_dict, passed, render, summary
 from .runs import PHASES, Run, live, reference, why
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
+NOT_LIVE = (
+    "{script} never called tm_launch.init(): under tm-launch it runs in restart mode (a failure restarts every worker "
+    "from its own checkpoint), with no live recovery to rehearse; to make it live, call tm_launch.init(), "
+    "job.register(...) its state and loop over job.steps() (README: The live API)"
+)
 
 
 class UsageError(Exception):
@@ -154,7 +159,7 @@ def _rehearse(args, workdir: str) -> int:
             ref = live_run("reference-live")
             ref_how = "tm-launch live, no fault (nothing is registered under torchrun)"
             if ref.error or not ref.dumps:
-                raise UsageError(_no_state(ref))
+                raise UsageError(_no_state(ref, args.script))
         # Without a control run, generators the script may never have seeded cannot be judged.
         unstable = maybe_unseeded(ref.dumps)
         if control is None and not args.no_control and ref.name == "reference":
@@ -184,7 +189,8 @@ def _rehearse(args, workdir: str) -> int:
     return 0 if passed(control, faults) else EXIT_FAILED
 
 
-def _no_state(run: Run) -> str:
+def _no_state(run: Run, script: str) -> str:
     if run.error:
         return f"the script failed without any fault under tm-launch live ({run.error}): {why(run.tail)}"
-    return "the script wrote no state: it never called tm_launch.init() (a restart-mode script has nothing live to rehearse)"
+    # Not even under tm-launch (a framework's integration calls it there only): restart mode.
+    return NOT_LIVE.format(script=os.path.basename(script))

@@ -33,7 +33,7 @@ def rank_lines(v: RankVerdict, indent: str = "      ") -> list[str]:
     if v.missing:
         return [f"{indent}rank {v.rank}: {v.missing}"]
     if v.equal:
-        return [f"{indent}rank {v.rank}: bitwise equal"]
+        return [f"{indent}rank {v.rank}: bitwise equal"] + attempt_lines(v, indent)
     lines = [f"{indent}rank {v.rank}: {len(v.differences)} tensor(s)/value(s) differ"]
     by_obj: dict[str, list] = {}
     for d in v.differences:
@@ -46,6 +46,19 @@ def rank_lines(v: RankVerdict, indent: str = "      ") -> list[str]:
         title, suggestion = CAUSES[cause]
         lines.append(f"{indent}  likely cause: {title}")
         lines.append(f"{indent}    suggestion: {suggestion}")
+    return lines + attempt_lines(v, indent)
+
+
+def attempt_lines(v: RankVerdict, indent: str) -> list[str]:
+    """What differs and fails nothing, named: attempt counts a re-run step raised
+    (``compare.ATTEMPT_COUNTS``) and wall-clock measurements (``compare.WALL_CLOCK``)."""
+    lines = []
+    for diffs, what in ((v.attempts, "attempts counted (the re-run step; the completed counts are equal)"),
+                        (v.timings, "wall-clock measurements (differ in any two runs)")):  # fmt: skip
+        if diffs:
+            named = ", ".join(f"{d.key} ({d.detail})" for d in diffs[:MAX_TENSORS])
+            more = f" and {len(diffs) - MAX_TENSORS} more" if len(diffs) > MAX_TENSORS else ""
+            lines.append(f"{indent}  {what}: {named}{more}")
     return lines
 
 
@@ -72,7 +85,7 @@ def render(header: dict, reference: Run, control: tuple[Run, list[RankVerdict]] 
         if run.fired is False:
             out.append("      the kill never happened: the script never reached that phase on that rank at or after that step")
             continue
-        if not all(v.equal for v in verdicts):
+        if not all(v.equal and not v.attempts and not v.timings for v in verdicts):
             out += rank_lines_all(verdicts)
         if run.error or any(v.missing for v in verdicts):
             out += [f"      | {line}" for line in run.tail.splitlines()[-8:]]
@@ -109,6 +122,8 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
                 "missing": v.missing,
                 "causes": v.causes,
                 "differences": [{"object": d.obj, "key": d.key, "role": d.role, "detail": d.detail} for d in v.differences],
+                "attempts": [{"object": d.obj, "key": d.key, "detail": d.detail} for d in v.attempts],
+                "timings": [{"object": d.obj, "key": d.key, "detail": d.detail} for d in v.timings],
             }
             for v in vs
         ]

@@ -146,3 +146,58 @@ def test_generators_the_script_may_never_have_seeded_can_be_left_out():
     assert maybe_unseeded({0: base}) == {"rng/python"}
     assert compare_rank(0, base, other, maybe_unseeded({0: base})).equal
     assert compare_rank(0, base, other).causes == ["rng"]
+
+
+def _progress(**counts):
+    """A Lightning-style progress tracker in a framework checkpoint ("other" role), flattened."""
+    return dump(**{f"lightning__rest.loops.fit_loop.batch_progress.total.{k}": ("other", v) for k, v in counts.items()})
+
+
+def test_attempt_counts_a_re_run_raised_are_named_apart_and_fail_nothing():
+    ref = _progress(ready=16, started=16, processed=15, completed=15)
+    got = _progress(ready=17, started=17, processed=15, completed=15)
+    v = compare_rank(1, ref, got)
+    assert v.equal and v.causes == []
+    assert [d.key.rsplit(".", 1)[1] for d in v.attempts] == ["ready", "started"]
+
+
+@pytest.mark.parametrize(
+    "got",
+    [
+        pytest.param(dict(ready=17, started=17, processed=16, completed=16), id="a completed count differs: work, not attempts"),
+        pytest.param(dict(ready=15, started=15, processed=15, completed=15), id="fewer attempts than the fault-free run"),
+        pytest.param(dict(ready=17.0, started=16, processed=15, completed=15), id="not an integer count"),
+    ],
+)
+def test_counts_that_are_not_just_attempts_still_differ(got):
+    ref = _progress(ready=16, started=16, processed=15, completed=15)
+    v = compare_rank(1, ref, _progress(**got))
+    assert not v.equal and v.differences
+
+
+def test_a_tensor_named_like_an_attempt_count_is_never_one():
+    ref = dump(**{"model__x.ready": ("buffer", torch.tensor(1)), "model__x.completed": ("buffer", torch.tensor(1))})
+    got = dump(**{"model__x.ready": ("buffer", torch.tensor(2)), "model__x.completed": ("buffer", torch.tensor(1))})
+    v = compare_rank(0, ref, got)
+    assert not v.equal and v.causes == ["buffer"] and not v.attempts
+
+
+def test_wall_clock_measurements_are_named_apart_and_the_losses_beside_them_compared():
+    def history(loss, runtime):
+        return dump(
+            **{
+                "trainer__rest.trainer_state.log_history.1.train_loss": ("other", loss),
+                "trainer__rest.trainer_state.log_history.1.train_runtime": ("other", runtime),
+                "trainer__rest.trainer_state.log_history.1.train_samples_per_second": ("other", 1000 / runtime),
+            }
+        )
+
+    v = compare_rank(0, history(0.5, 50.2), history(0.5, 38.8))
+    assert v.equal and [d.key.rsplit(".", 1)[1] for d in v.timings] == ["train_runtime", "train_samples_per_second"]
+    v = compare_rank(0, history(0.5, 50.2), history(0.25, 38.8))
+    assert not v.equal and [d.key.rsplit(".", 1)[1] for d in v.differences] == ["train_loss"]
+
+
+def test_a_tensor_named_like_a_timing_is_compared():
+    v = compare_rank(0, dump(model__x_runtime=("buffer", torch.ones(1))), dump(model__x_runtime=("buffer", torch.zeros(1))))
+    assert not v.equal and not v.timings

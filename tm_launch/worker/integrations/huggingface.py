@@ -96,7 +96,9 @@ class LiveTrainer(Trainer):
         self._loop = LiveLoop(job)
         self._live_state = TrainerCheckpoint(self)
         job.register(trainer=self._live_state)
-        job.register(per_rank=True, rng=tm_launch.RNGState())
+        self._logging = LoggingState(self)
+        self.add_callback(self._logging)
+        job.register(per_rank=True, rng=tm_launch.RNGState(), logging=self._logging)
         job.enter_before_loop()
         return self._live_state.received
 
@@ -149,6 +151,51 @@ class LiveTrainer(Trainer):
         """A new generation: this rank continues with a new DDP, as a joining rank does."""
         if isinstance(self.model_wrapped, DistributedDataParallel):
             self.model_wrapped = new_ddp_like(self.model_wrapped)
+
+
+class LoggingState(TrainerCallback):
+    """What the ``Trainer`` logs from, per rank (``_inner_training_loop``'s logging state on the
+    trainer): this rank's loss summed since the last log (``_tr_loss``, all-gathered at the next
+    log), the sum drained so far (``train_loss`` at the end), the step of the last log and the
+    step this ``train()`` started at (what those averages divide by). Not in the ``Trainer``'s
+    checkpoint: a resumed ``Trainer`` starts them afresh, so a joiner's first logged loss (the
+    mean over ranks, divided by the steps since the resume) and everyone's ``train_loss``
+    differed from the fault-free run's (found by ``tm-launch rehearse``). Registered per-rank: a
+    joiner continues from the lost rank's. The loop sets them when it starts, after the joiner
+    received them: they are put in place then (``on_train_begin``)."""
+
+    KEYS = ("_tr_loss", "_total_loss_scalar", "_globalstep_last_logged", "_initial_global_step")
+
+    def __init__(self, trainer: LiveTrainer):
+        self.trainer = trainer
+        self.pending: dict | None = None
+
+    def state_dict(self) -> dict:
+        if self.pending is not None or not hasattr(self.trainer, "_tr_loss"):
+            return dict(self.pending or {})
+        t = self.trainer
+        return {k: getattr(t, k).detach().clone() if isinstance(getattr(t, k), torch.Tensor) else getattr(t, k) for k in self.KEYS}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        if hasattr(self.trainer, "_tr_loss") and self.pending is None:  # inside the loop (a step that runs again)
+            self._apply(state)
+        else:
+            self.pending = dict(state)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._apply(pending)
+
+    def _apply(self, state: dict) -> None:
+        t = self.trainer
+        for k in self.KEYS:
+            if k == "_tr_loss":
+                t._tr_loss = state[k].to(t.args.device).clone()
+            else:
+                setattr(t, k, state[k])
 
 
 class TrainerCheckpoint:

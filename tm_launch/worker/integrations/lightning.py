@@ -64,6 +64,7 @@ class LiveStrategy(DDPStrategy):
         self._loop: LiveLoop | None = None  # while this run is live
         self._state: LightningState | None = None
         self._loops_at_step_start: dict | None = None
+        self._zero_grad_at_step_start: dict | None = None
 
     # -- set-up --------------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -86,6 +87,7 @@ class LiveStrategy(DDPStrategy):
         job.register(per_rank=True, rng=tm_launch.RNGState())
         job.enter_before_loop()  # a spare parks here; promoted, it receives the state at once
         if self._state.received is not None:
+            _stepped_once_more(self._state.received)
             trainer._checkpoint_connector._loaded_checkpoint = self._state.received
             log.info(
                 f"tm_launch.lightning: resuming Lightning at step {self._state.received['global_step']} "
@@ -131,12 +133,27 @@ class LiveStrategy(DDPStrategy):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
             tm_launch.report_step(trainer.global_step + 1)  # Lightning counts it when this returns
             return result
-        result = self._loop.run(trainer.global_step, closure, on_new_generation=self._new_ddp, on_new_step=self._snapshot_loops)
+        attempts = 0
+
+        def attempt():
+            nonlocal attempts
+            if attempts:  # the step runs again: its interrupted attempt's zero_grad never happened
+                self._zero_grad_progress().load_state_dict(copy.deepcopy(self._zero_grad_at_step_start))
+            attempts += 1
+            return closure()
+
+        result = self._loop.run(trainer.global_step, attempt, on_new_generation=self._new_ddp, on_new_step=self._snapshot_loops)
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
+    def _zero_grad_progress(self):
+        """Lightning's count of ``zero_grad`` calls, which its closure makes once per attempt."""
+        return self.lightning_module.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+
     def _snapshot_loops(self, step: int) -> None:
-        """What the loops look like at the start of a step: the position a joining rank resumes at."""
+        """What the loops look like at the start of a step: the position a joining rank resumes at
+        (and the ``zero_grad`` count a step that runs again starts from)."""
         self._loops_at_step_start = copy.deepcopy(self.lightning_module.trainer.fit_loop.state_dict())
+        self._zero_grad_at_step_start = copy.deepcopy(self._zero_grad_progress().state_dict())
 
     def _new_ddp(self) -> None:
         """A new generation: this rank continues with a new DDP, as a joining rank does
@@ -149,6 +166,18 @@ class LiveStrategy(DDPStrategy):
         if self._loop is not None:
             self._loop.close()
         super().on_train_end()
+
+
+def _stepped_once_more(ckpt: dict) -> None:
+    """Undo in ``ckpt`` (loops as of a step's start, inside its batch) what Lightning's restore
+    adds: its training epoch loop's ``reset()`` on a restart counts the checkpoint's batch as
+    stepped (``_batches_that_stepped += 1``: Lightning saves after a batch's end, before that
+    count moves, unless it saved at the epoch's last batch), where this batch has not stepped
+    yet and will count itself when it does. Left alone, a joining rank's loggers would log one
+    step ahead of the fault-free run from then on."""
+    epoch_loop = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict")
+    if isinstance(epoch_loop, dict) and epoch_loop.get("_batches_that_stepped", 0) > 0:
+        epoch_loop["_batches_that_stepped"] -= 1
 
 
 class ReportSteps(Callback):

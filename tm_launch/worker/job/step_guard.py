@@ -15,6 +15,7 @@ import torch
 from .. import torch_patches
 from ..generation.directives import Directives
 from ..snapshots import Snapshots
+from ..state.ddp_tp import LocalizedTP, localized_parameters
 from ..state.zero import ZeroPartition, is_zero
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -34,7 +35,9 @@ class StepGuard:
 
     def guard(self, obj, rank: int):
         """``register``: guard what ``obj`` steps; returns what to carry for it and who else
-        holds it (``None``: as declared). A ZeRO optimizer is carried as this rank's partition."""
+        holds it (``None``: as declared). A ZeRO optimizer is carried as this rank's partition, a
+        module whose tensor-parallel parameters DDP localized with those parameters as DTensors
+        (``state.ddp_tp``)."""
         scheduler = _wrapped(obj, "scheduler", _SCHEDULERS)  # accelerate's AcceleratedScheduler steps the one it wraps
         if scheduler is not None:
             torch_patches.guard_method(scheduler, "step", self.effect_allowed, None)
@@ -42,6 +45,10 @@ class StepGuard:
             torch_patches.guard_method(obj, "update", self.effect_allowed, _reset_scaler)
         elif is_zero(obj):  # each rank's own partition: held by this rank alone
             return ZeroPartition(obj), (rank,)
+        elif isinstance(obj, torch.nn.Module):
+            localized = localized_parameters(obj)
+            if localized:
+                return LocalizedTP(obj, localized), None
         return obj, None
 
     def effect_allowed(self) -> bool:

@@ -7,6 +7,7 @@ For each tensor the set of ranks holding an identical copy is:
   (``Shard``, ``_StridedShard``) or partial on; replicated dimensions and dimensions outside its
   mesh do not split it (FSDP2 on ``dp`` x TP on ``tp``: nobody; HSDP ``(Replicate, Shard)``: the
   ``replicate`` peers; TP under DDP on ``dp``: the ranks with the same ``tp`` coordinate);
+* a local parameter DDP x TP's wrapper made of a DTensor (``state.ddp_tp``): as that DTensor;
 * a plain tensor: the members of the group the script declared with
   ``job.register(..., replicas=group)`` (a pipeline stage's data-parallel peers), else the whole
   world (plain DDP).
@@ -43,11 +44,22 @@ def mesh_replicas(mesh_ranks: list, sharded_dims: set[int], rank: int) -> frozen
     return frozenset(r for r, c in coords.items() if all(c[d] == mine[d] for d in sharded_dims))
 
 
-def _dtensor_replicas(t, rank: int) -> frozenset[int]:
+def _layout(t):
+    """(mesh, placements) of a DTensor, or of a local parameter that stands for one (DDP x TP's
+    wrapper keeps the layout in ``_st_info``: ``state.ddp_tp``); None for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.device_mesh, t.placements
+    spec = getattr(t, "_st_info", None)
+    return (spec.mesh, spec.placements) if spec is not None else None
+
+
+def _dtensor_replicas(layout, rank: int) -> frozenset[int]:
     from torch.distributed.tensor import Replicate
 
-    mesh = t.device_mesh
-    sharded = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    mesh, placements = layout
+    sharded = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
     if not sharded:
         root = mesh._get_root_mesh()
         return frozenset(int(r) for r in root.mesh.flatten().tolist())
@@ -80,13 +92,12 @@ def _tensors(obj):
 def replica_set(states: dict, declared: dict, rank: int, world: int) -> frozenset[int]:
     """``states``: name -> state dict; ``declared``: name -> ranks replicating that object (or
     None: the world). The ranks holding everything this rank holds, itself included."""
-    from torch.distributed.tensor import DTensor
-
     out = frozenset(range(world))
     for name, state in states.items():
         plain = frozenset(declared.get(name) or range(world))
         for t in _tensors(state):
-            out &= _dtensor_replicas(t, rank) if isinstance(t, DTensor) else plain
+            layout = _layout(t)
+            out &= _dtensor_replicas(layout, rank) if layout is not None else plain
     return out | {rank}
 
 
