@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ...protocol import WorkerEnv
+from ..log import first_line, log
 
 
 def live_job():
@@ -79,7 +80,18 @@ class LiveLoop:
                 if self._generation is not None and self._generation != self.job.generation and on_new_generation:
                     on_new_generation()
                 self._generation = self.job.generation
-                result = body()
+                try:
+                    result = body()
+                except Exception as e:
+                    if self.job.step_ok:
+                        raise
+                    # The step was interrupted: the framework met what a failed collective left
+                    # (torchtitan stops on a loss that is not finite: the failed all-reduce's
+                    # NaN). Not the training's fault; the step runs again.
+                    log.info(
+                        f"step {step} interrupted; the framework stopped on what its failed collectives left ({first_line(e)}): it runs again"
+                    )
+                    result = None
                 if self.job.commit() and step >= max(framework_step, self._join_at or 0):
                     self._join_at = None
                     return result

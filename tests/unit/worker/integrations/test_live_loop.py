@@ -13,6 +13,7 @@ class ScriptedJob:
     def __init__(self, commits, generations):
         self.commits, self.generations = list(commits), list(generations)
         self.generation, self.step, self.closed, self.ended = 0, None, False, None
+        self.step_ok = True
 
     def steps(self, total, start=0):
         self.step = start
@@ -143,3 +144,26 @@ def test_metrics_are_published_only_when_final():
     job.in_sandbox = False
     log(2, loss=0.4)
     assert published == [(1, {"loss": 0.5}), (2, {"loss": 0.4})]
+
+
+def test_what_the_framework_raises_in_an_interrupted_step_runs_the_step_again():
+    """torchtitan stops on a loss that is not finite, which is what a failed all-reduce leaves:
+    in an interrupted step (``step_ok`` false) that is no failure of the training."""
+    job = ScriptedJob([False, True], [0, 1])
+    loop, attempts = LiveLoop(job), []
+
+    def body():
+        attempts.append(1)
+        if len(attempts) == 1:
+            job.step_ok = False  # the collective failed
+            raise RuntimeError("Loss is not finite (global_avg_loss=nan) at step 6. Stopping training.")
+        job.step_ok = True
+        return "done"
+
+    assert loop.run(5, body) == "done" and len(attempts) == 2
+
+
+def test_what_the_framework_raises_in_a_healthy_step_is_raised():
+    job = ScriptedJob([True], [0])
+    with pytest.raises(ValueError, match="a real bug"):
+        LiveLoop(job).run(5, lambda: (_ for _ in ()).throw(ValueError("a real bug")))
