@@ -85,8 +85,12 @@ def classify(method: str, target: str, body: bytes) -> frozenset:
                 req = json.loads(body or b"{}")
             except ValueError:
                 return frozenset()
-            # A txn's writes sit in success/failure; its compares name the same keys.
-            writes = _v3_keys({k: v for k, v in req.items() if k != "compare"}) if path == "/v3/kv/txn" else _v3_keys(req)
+            # A txn's writes are its request_puts (its compares and request_ranges read).
+            if path == "/v3/kv/txn":
+                ops = [op for branch in ("success", "failure") for op in req.get(branch) or [] if isinstance(op, dict)]
+                writes = _v3_keys([op.get("request_put") for op in ops])
+            else:
+                writes = _v3_keys(req)
             if any(_is_plan(k) for k in writes):
                 tags.add("plan")
             if any(_is_node(k) for k in writes):
