@@ -54,6 +54,22 @@ def test_no_replacement_while_nodes_rejoin_after_an_outage(since_back, want):
 
 
 @pytest.mark.parametrize(
+    "since_back, renewal_age, want",
+    [
+        (None, 0.2, False),  # renewals on time (every ttl/3 = 1 s)
+        (None, 1.3, False),  # one renewal's round trip on top of the interval
+        (None, 1.9, True),  # a renewal late (past 0.6 TTL): etcd slow for this agent too
+        (None, 30.0, True),  # still not through
+        (60.0, 2.5, True),
+        (0.5, 0.2, True),  # right after an outage, renewals on time again
+        (60.0, None, False),  # no lease (not registered yet): the outage rule alone
+    ],
+)
+def test_no_replacement_while_this_agents_own_renewal_is_late(since_back, renewal_age, want):
+    assert settling_after_outage(since_back, ttl=3.0, renewal_age=renewal_age) is want
+
+
+@pytest.mark.parametrize(
     "attempt, ttl, jitter, want",
     [
         (0, 3.0, 0.0, 0.0),  # nothing failed yet
