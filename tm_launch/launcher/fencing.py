@@ -114,3 +114,14 @@ def plans_while_settling(*, live: bool, finished: bool, removed: set[str], repla
     alone, fails the job or restarts every worker still waits (the lease, or a spare's, may only
     be on its way back)."""
     return live and not finished and bool(removed) and removed <= reported and removed <= replaced
+
+
+def lapsed_but_alive(contacts: list[float | None], now: float, ttl: float) -> bool:
+    """May a planner replace nodes for a lapsed lease alone? Not while one of them is evidently
+    alive and talking to etcd: ``contacts`` are the wall times at which etcd last answered each
+    such node, read from its agent's own store (None: its agent did not answer). One that
+    answers and heard from etcd within two TTLs renews late (etcd slow on its way: a slowed or
+    overloaded member) and registers again as soon as it sees its lease gone; replacing it would
+    fence a healthy node. A node whose agent does not answer (dead, frozen, cut off) or that
+    has not heard from etcd for longer is replaced as before."""
+    return any(c is not None and now - c < 2 * ttl for c in contacts)

@@ -4,7 +4,16 @@
 import pytest
 
 from tm_launch.launcher.etcd_retry import GIVE_UP, RETRY, gone_after, outage_decision, retry_delay
-from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, peers_cut_off, plans_while_settling, settling_after_outage
+from tm_launch.launcher.fencing import (
+    FENCE,
+    KEEP,
+    REREGISTER,
+    lapsed_but_alive,
+    lease_decision,
+    peers_cut_off,
+    plans_while_settling,
+    settling_after_outage,
+)
 
 TTL, LIMIT = 5.0, 8.0
 
@@ -135,3 +144,20 @@ def test_peers_cut_off(mine, peers, want):
 )
 def test_only_a_reported_failure_is_planned_while_nodes_rejoin(live, finished, removed, replaced, reported, want):
     assert plans_while_settling(live=live, finished=finished, removed=removed, replaced=replaced, reported=reported) is want
+
+
+@pytest.mark.parametrize(
+    "contacts, want",
+    [
+        ([], False),  # no address known: replaced as before
+        ([None], False),  # its agent does not answer: dead, frozen or cut off
+        ([99.0], True),  # answers, etcd answered it 1 s ago: a late renewal (the v2 FSDP2 soak, etcd slowed)
+        ([94.1], True),
+        ([94.0], False),  # answers, but etcd has not for two TTLs: cut off from etcd, replaced
+        ([50.0], False),
+        ([None, 99.0], True),  # one of two alive: hold (the other is replaced once that one is back)
+        ([None, 10.0], False),
+    ],
+)
+def test_a_lapsed_lease_is_not_replaced_while_its_agent_answers_and_hears_from_etcd(contacts, want):
+    assert lapsed_but_alive(contacts, now=100.0, ttl=3.0) is want
