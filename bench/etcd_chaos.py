@@ -395,8 +395,12 @@ def soak(
         proxies.stop()
     job, events = run_.job, run_.job.events()
     records = job.step_records()
-    replaced = {e["node"] for e in events if e["kind"] == "left"}
+    # A worker kill's node is replaced: it leaves, or (its lease lapsed while etcd was away, then
+    # it read the plan without it) it fences itself, rightly; no other node may do either.
+    victims = {r["node"] for r in run_.results if r["kind"] in WORKER_KILLS and "node" in r}
+    replaced = {e["node"] for e in events if e["kind"] == "left"} | victims
     failed_nodes = {n: c for n, c in run["codes"].items() if c != 0 and n not in replaced}
+    fenced = [{"node": e["node"], "why": e["message"]} for e in events if e["kind"] in ("fenced", "etcd_gone")]
     ranks0 = [t for t, r, _, _, _ in records if r == 0]
     calm = [r["max_step_gap_s"] for r in run_.results if r["kind"] not in WORKER_KILLS and r["max_step_gap_s"] is not None]
     report = {
@@ -409,7 +413,9 @@ def soak(
         "job_failures": len(failed_nodes) + sum(1 for e in events if e["kind"] == "job_failed"),
         "failed_nodes": failed_nodes,
         "worker_restarts": restarts(records, run_.taken),
-        "fencings": [{"node": e["node"], "why": e["message"]} for e in events if e["kind"] in ("fenced", "etcd_gone")],
+        "fencings": [f for f in fenced if f["node"] not in victims],
+        "fencings_of_replaced_nodes": [f for f in fenced if f["node"] in victims],
+        "kept_lapsed_alive": sum(1 for e in events if e["kind"] == "lapsed_alive"),
         "rejoined": sum(1 for e in events if e["kind"] == "rejoined"),
         "kept_while_etcd_down_everywhere": sum(1 for e in events if e["kind"] == "etcd_down_everywhere"),
         "generation_changes": sorted({g for _, _, _, g, _ in records}),
@@ -455,7 +461,8 @@ def headline(report: dict) -> str:
     return (
         f"etcd chaos soak ({report['layout']}, etcd {report['api']}), seed {report['seed']}: {len(report['results'])} faults in "
         f"{report['seconds']:.0f} s, {report['steps']} steps; job failures {report['job_failures']}, worker restarts of ranks no "
-        f"fault took {sum(report['worker_restarts'].values())}, fencings {len(report['fencings'])}, re-registrations "
+        f"fault took {sum(report['worker_restarts'].values())}, fencings {len(report['fencings'])} (and {len(report['fencings_of_replaced_nodes'])} of nodes a worker kill replaced), "
+        f"lapsed leases kept (agent alive) {report['kept_lapsed_alive']}, re-registrations "
         f"{report['rejoined']}, longest stall {report['longest_stall_s'] or 0:.2f} s "
         f"({report['longest_stall_without_worker_kill_s'] or 0:.2f} s without the worker kill); every rank's final state "
         f"{'bitwise equal to' if report.get('bitwise_equal') else 'DIFFERENT from'} the fault-free run"
