@@ -559,7 +559,7 @@ def reference_params(endpoint: str, workdir: str, steps: int, nnodes: int = ACTI
         launcher_args=["--lease-ttl", "15"],
         script_args=["--steps", str(steps), "--out", out],
     )
-    job.start_all([f"r{i}" for i in range(ACTIVE)])
+    job.start_all([f"r{i}" for i in range(nnodes)])
     try:
         codes = job.wait(timeout=300)
     finally:
