@@ -544,21 +544,22 @@ class Chaos:
         return info
 
 
-def reference_params(endpoint: str, workdir: str, steps: int):
-    """The fault-free run's final parameters (same script, same steps, no step sleep)."""
+def reference_params(endpoint: str, workdir: str, steps: int, nnodes: int = ACTIVE, nproc: int = 1, name: str = "chaos"):
+    """The fault-free run's final parameters (same script, nodes and steps, no step sleep);
+    ``bench/etcd_chaos.py`` uses it too, with its own nodes."""
     import torch
 
     out = os.path.join(workdir, "reference.pt")
     job = LocalJob(
         endpoint=endpoint,
-        run_id=f"chaos-ref-{uuid.uuid4().hex[:8]}",
+        run_id=f"{name}-ref-{uuid.uuid4().hex[:8]}",
         workdir=os.path.join(workdir, "reference"),
-        nnodes=str(ACTIVE),
-        nproc=1,
+        nnodes=str(nnodes),
+        nproc=nproc,
         launcher_args=["--lease-ttl", "15"],
         script_args=["--steps", str(steps), "--out", out],
     )
-    job.start_all([f"r{i}" for i in range(ACTIVE)])
+    job.start_all([f"r{i}" for i in range(nnodes)])
     try:
         codes = job.wait(timeout=300)
     finally:

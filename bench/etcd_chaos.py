@@ -4,6 +4,7 @@ etcd faults, and the promise that none of them makes the job notice.
 
     .venv/bin/python bench/etcd_chaos.py --seed 1 --faults 12                  # DDP, etcd's v3 API
     .venv/bin/python bench/etcd_chaos.py --seed 1 --faults 12 --api v2 --layout fsdp
+    .venv/bin/python bench/etcd_chaos.py --seed 1 --faults 8 --kinds slow,slow-member,kill-on-plan
 
 One job (2 active nodes x 2 workers and 1 parked spare; ``tests/scripts/train.py`` under DDP, or
 ``tests/scripts/hybrid.py --layout fsdp``, where no live rank replicates a rank's state) trains
@@ -19,6 +20,22 @@ while the driver injects etcd faults one after another, each a real signal to re
                    every member SIGKILLed, an active node's worker SIGKILLed 1 s later, etcd back
                    after 1-10 s: the job must recover live once etcd is back (the spare takes the
                    node's ranks); a fresh spare is then started and parked
+
+The agents reach etcd through ``bench/etcd_proxy.py`` (a delaying TCP proxy per member, which
+names the requests going by), and these kinds use it:
+
+  slow             every member slowed for 3-10 s: each byte 0.2-1.5 s late, each way
+  slow-member      the member the agents use slowed for 3-10 s, 1-6 s each way (past the
+                   5 s request timeout: the agents must fail over)
+  stop-on-renewal  every member SIGSTOPped the instant a lease renewal passes (before it reaches
+                   etcd, or just after), for 1-10 s
+  kill-on-reregister
+                   every member SIGSTOPped for 2 TTLs + 1 s (the leases lapse when etcd thaws),
+                   then every member SIGKILLed the instant a node re-registers (v3: its lease
+                   grant; v2: the create of its record), back 1-5 s later
+  kill-on-plan     an active node's worker SIGKILLed, and every member SIGKILLed the instant the
+                   plan replacing it is written (before it reaches etcd, or just after: the
+                   planner cannot know whether it went in), back 1-5 s later; then a fresh spare
 
 Faults come 2-4 s apart, so some land on lease renewals, on re-registrations after an expired
 v2 lease, and on the recovery of the previous one. Reported: job failures (must be 0), worker
@@ -40,48 +57,83 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import NamedTuple
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, REPO)
 sys.path.insert(0, BENCH)
 
-from chaos import HYBRID, SoakError, bitwise_diff, in_generation, load_ranks, reference_state  # noqa: E402
+from chaos import HYBRID, SoakError, bitwise_diff, in_generation, load_ranks, reference_params, reference_state  # noqa: E402
+from etcd_proxy import EtcdProxies  # noqa: E402
 
 from tm_launch.local.localjob import LocalJob  # noqa: E402
 
-KINDS = ("member-kill", "leader-kill", "member-restart", "all-stop", "all-kill", "worker-kill-in-outage")
+KINDS = (
+    "member-kill",
+    "leader-kill",
+    "member-restart",
+    "all-stop",
+    "all-kill",
+    "worker-kill-in-outage",
+    "slow",
+    "slow-member",
+    "stop-on-renewal",
+    "kill-on-reregister",
+    "kill-on-plan",
+)
+WORKER_KILLS = ("worker-kill-in-outage", "kill-on-plan")  # each uses up a spare: once per soak
 LAYOUTS = ("ddp", "fsdp")
 ACTIVE, NPROC = 2, 2
 TTL = 3.0
 
 
-def schedule(seed: int, faults: int) -> list[tuple[str, float]]:
-    """Every kind once, the rest drawn at random, each with how long etcd (or the member) stays
-    down: (kind, seconds), in a seeded random order (pure). At most one worker kill per soak
-    beyond the first: each uses up a spare, which the driver replaces and waits to park."""
-    if faults < len(KINDS):
-        raise ValueError(f"--faults must be at least {len(KINDS)} (one of each kind), got {faults}")
+class Fault(NamedTuple):
+    kind: str
+    down: float  # how long etcd, a member, or the slowness lasts (s)
+    delay: float = 0.0  # slow kinds: each byte's delay, each way (s)
+    after: bool = False  # triggered kinds: fire just after the request went on to etcd
+
+
+def _fault(kind: str, rng: random.Random) -> Fault:
+    if kind in ("all-stop", "all-kill", "worker-kill-in-outage", "stop-on-renewal"):
+        return Fault(kind, round(rng.uniform(1.0, 10.0), 2), after=kind == "stop-on-renewal" and rng.random() < 0.5)
+    if kind == "member-restart":
+        return Fault(kind, 0.0)
+    if kind == "slow":
+        return Fault(kind, round(rng.uniform(3.0, 10.0), 2), round(rng.uniform(0.2, 1.5), 2))
+    if kind == "slow-member":
+        return Fault(kind, round(rng.uniform(3.0, 10.0), 2), round(rng.uniform(1.0, 6.0), 2))
+    return Fault(kind, round(rng.uniform(1.0, 5.0), 2), after=kind == "kill-on-plan" and rng.random() < 0.5)
+
+
+def schedule(seed: int, faults: int, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
+    """Every one of ``kinds`` once, the rest drawn at random, each a ``Fault`` (how long etcd, a
+    member or the slowness lasts; a slow kind's delay; a triggered kind's side of the request),
+    in a seeded random order (pure). A worker kill (``WORKER_KILLS``) comes once at most: each
+    uses up a spare, which the driver replaces and waits to park."""
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"unknown fault kinds {unknown} (known: {', '.join(KINDS)})")
+    kinds = tuple(dict.fromkeys(kinds))
+    if faults < len(kinds):
+        raise ValueError(f"--faults must be at least {len(kinds)} (one of each kind), got {faults}")
     rng = random.Random(seed)
-    calm = [k for k in KINDS if k != "worker-kill-in-outage"]
-    kinds = list(KINDS) + [rng.choice(calm) for _ in range(faults - len(KINDS))]
-    rng.shuffle(kinds)
-    out = []
-    for kind in kinds:
-        if kind in ("all-stop", "all-kill", "worker-kill-in-outage"):
-            out.append((kind, round(rng.uniform(1.0, 10.0), 2)))
-        elif kind == "member-restart":
-            out.append((kind, 0.0))
-        else:
-            out.append((kind, round(rng.uniform(1.0, 5.0), 2)))
-    return out
+    calm = [k for k in kinds if k not in WORKER_KILLS]
+    if faults > len(kinds) and not calm:
+        raise ValueError(f"--faults must be {len(kinds)} for only worker kills ({', '.join(kinds)}): each uses up a spare")
+    drawn = list(kinds) + [rng.choice(calm) for _ in range(faults - len(kinds))]
+    rng.shuffle(drawn)
+    return [_fault(kind, rng) for kind in drawn]
 
 
-def budget(plan: list[tuple[str, float]], step_sleep: float) -> int:
+def budget(plan: list[Fault], step_sleep: float) -> int:
     """Steps enough for ``plan`` (pure): setup, each fault's outage and the gap after it, a
-    worker kill's recovery and a fresh spare's warm-up, at one step per ``step_sleep`` and a
-    fifth more (a step takes longer than its sleep: 18 steps a second were measured at 0.03 s)."""
-    seconds = 60.0 + sum(down + 6.0 + (90.0 if kind == "worker-kill-in-outage" else 0.0) for kind, down in plan)
+    worker kill's recovery and a fresh spare's warm-up, a lease left to lapse, at one step per
+    ``step_sleep`` and a fifth more (a step takes longer than its sleep: 18 steps a second were
+    measured at 0.03 s)."""
+    extra = {"worker-kill-in-outage": 90.0, "kill-on-plan": 120.0, "kill-on-reregister": 2 * TTL + 20.0, "stop-on-renewal": 5.0}
+    seconds = 60.0 + sum(f.down + 6.0 + extra.get(f.kind, 0.0) for f in plan)
     return int(1.2 * seconds / max(step_sleep, 0.01))
 
 
@@ -101,14 +153,22 @@ def restarts(records, taken: set[int]) -> dict[int, int]:
 
 
 class EtcdChaos:
-    def __init__(self, cluster, workdir: str, seed: int, faults: int, api: str, layout: str, step_sleep: float, log=print):
-        self.cluster, self.workdir, self.seed, self.api, self.layout, self.log = cluster, workdir, seed, api, layout, log
+    def __init__(self, cluster, proxies, workdir: str, seed: int, plan: list[Fault], api: str, layout: str, step_sleep: float, log=print):
+        self.cluster, self.proxies, self.workdir, self.seed, self.api, self.layout, self.log = (
+            cluster,
+            proxies,
+            workdir,
+            seed,
+            api,
+            layout,
+            log,
+        )
         self.rng = random.Random(seed * 104729 + 3)
-        self.plan = schedule(seed, faults)
+        self.plan = plan
         self.chaos = os.path.join(workdir, "chaos")
         os.makedirs(self.chaos, exist_ok=True)
         self.job = LocalJob(
-            endpoint=",".join(cluster.endpoints),
+            endpoint=",".join(proxies.endpoints),  # the agents reach etcd through the proxies
             run_id=f"etcd-chaos-{seed}-{uuid.uuid4().hex[:8]}",
             workdir=workdir,
             nnodes=str(ACTIVE),
@@ -138,7 +198,8 @@ class EtcdChaos:
         from rendezvous.membership import Membership
         from rendezvous.rdzv_conf import etcd_options
 
-        return Membership(connect(self.api, etcd_options(self.job.endpoint, self.job.run_id, None)))
+        # The driver reads etcd directly, never slowed down.
+        return Membership(connect(self.api, etcd_options(",".join(self.cluster.endpoints), self.job.run_id, None)))
 
     def status(self) -> dict:
         from rendezvous.kv import KVError
@@ -170,8 +231,42 @@ class EtcdChaos:
             if m.pid is not None:
                 os.kill(m.pid, sig)
 
-    def inject(self, kind: str, down: float) -> dict:
-        cluster = self.cluster
+    def _kill_all(self, *_) -> None:
+        for i in range(len(self.cluster.members)):
+            self.cluster.kill(i)
+
+    def _fire_on(self, tag: str, fault, after: bool, within: float) -> float | None:
+        """Arm the proxies to call ``fault`` when the next ``tag`` request passes; when it fired
+        (None if no such request came ``within`` seconds)."""
+        trigger = self.proxies.arm(tag, fault, after=after)
+        if not trigger.fired.wait(within):
+            self.proxies.disarm()
+            return None
+        if trigger.error is not None:
+            raise SoakError(f"the {tag} fault failed: {trigger.error!r}")
+        return trigger.request.at
+
+    def _worker_kill(self, info: dict, outage) -> None:
+        """Kill an active node's worker (``outage`` takes etcd away around it), then wait for the
+        plan that replaces the node and every rank stepping in it; a fresh spare, parked."""
+        s = self.status()
+        gen = s["generation"]
+        victim = self.rng.choice([n for n in s["nodes"] if n["role"] == "active"])
+        outage(lambda: info.update(node=victim["id"], worker=self.job.kill_worker(victim["id"])))
+        self.cluster.restart()
+        info["etcd_back"] = time.time()
+        self.wait(lambda: (self.status()["generation"] or 0) > gen, 120, "a plan after the worker kill")
+        after = self.status()["generation"]
+        self.wait(lambda: in_generation(self.job.step_records(), after), 120, f"every rank stepping in generation {after}")
+        info["recovered_s"] = round(time.time() - info["etcd_back"], 2)
+        self.taken |= set(victim["ranks"])
+        self.spares += 1
+        spare = f"s{self.spares}"
+        self.job.start(spare)
+        self.job.wait_parked(spare, timeout=180)
+
+    def inject(self, fault: Fault) -> dict:
+        cluster, kind, down = self.cluster, fault.kind, fault.down
         info: dict = {"kind": kind, "down_s": down, "start": time.time()}
         if kind in ("member-kill", "leader-kill", "member-restart"):
             victim = cluster.leader() if kind == "leader-kill" else self.rng.randrange(len(cluster.members))
@@ -185,31 +280,57 @@ class EtcdChaos:
             time.sleep(down)
             self._signal_all(signal.SIGCONT)
         elif kind == "all-kill":
-            for i in range(len(cluster.members)):
-                cluster.kill(i)
+            self._kill_all()
             time.sleep(down)
             cluster.restart()
+        elif kind in ("slow", "slow-member"):
+            busiest = max(range(len(self.proxies.requests)), key=lambda i: self.proxies.requests[i])
+            members = None if kind == "slow" else [busiest]
+            info.update(delay_s=fault.delay, member=busiest if members else "all")
+            self.proxies.set_delay(fault.delay, members)
+            time.sleep(down)
+            self.proxies.set_delay(0.0)
+        elif kind == "stop-on-renewal":
+            info["after"] = fault.after
+            fired = self._fire_on("renewal", lambda _: self._signal_all(signal.SIGSTOP), fault.after, 30)
+            info["fired"] = fired
+            if fired is not None:
+                info["start"] = fired
+                time.sleep(down)
+                self._signal_all(signal.SIGCONT)
+        elif kind == "kill-on-reregister":
+            self._signal_all(signal.SIGSTOP)  # long enough that every lease lapses when it thaws
+            time.sleep(2 * TTL + 1.0)
+            trigger = self.proxies.arm("grant" if self.api == "v3" else "register", self._kill_all)
+            self._signal_all(signal.SIGCONT)
+            info["fired"] = trigger.request.at if trigger.fired.wait(20) else None
+            if info["fired"] is None:
+                self.proxies.disarm()  # no lease lapsed: nothing re-registered
+            else:
+                time.sleep(down)
+                cluster.restart()
         elif kind == "worker-kill-in-outage":
-            s = self.status()
-            gen = s["generation"]
-            actives = [n for n in s["nodes"] if n["role"] == "active"]
-            victim = self.rng.choice(actives)
-            for i in range(len(cluster.members)):
-                cluster.kill(i)
-            time.sleep(min(1.0, down / 2))
-            info["node"], info["worker"] = victim["id"], self.job.kill_worker(victim["id"])
-            time.sleep(max(down - 1.0, 0.0))
-            cluster.restart()
-            info["etcd_back"] = time.time()
-            self.wait(lambda: (self.status()["generation"] or 0) > gen, 120, "a plan after the worker kill")
-            after = self.status()["generation"]
-            self.wait(lambda: in_generation(self.job.step_records(), after), 120, f"every rank stepping in generation {after}")
-            info["recovered_s"] = round(time.time() - info["etcd_back"], 2)
-            self.taken |= set(victim["ranks"])
-            self.spares += 1
-            spare = f"s{self.spares}"
-            self.job.start(spare)
-            self.job.wait_parked(spare, timeout=180)
+
+            def outage(kill):
+                self._kill_all()
+                time.sleep(min(1.0, down / 2))
+                kill()
+                time.sleep(max(down - 1.0, 0.0))
+
+            self._worker_kill(info, outage)
+        elif kind == "kill-on-plan":
+            info["after"] = fault.after
+
+            def outage(kill):
+                trigger = self.proxies.arm("plan", self._kill_all, after=fault.after)
+                kill()
+                if not trigger.fired.wait(60):
+                    self.proxies.disarm()
+                    raise SoakError("no plan was written within 60 s of the worker kill")
+                info["fired"] = trigger.request.at
+                time.sleep(down)
+
+            self._worker_kill(info, outage)
         info["end"] = time.time()
         return info
 
@@ -222,10 +343,11 @@ class EtcdChaos:
         start = self.max_step()
         self.wait(lambda: self.max_step() >= start + 20, 120, "training to run")
         try:
-            for i, (kind, down) in enumerate(self.plan):
+            for i, fault in enumerate(self.plan):
+                kind = fault.kind
                 if self.max_step() > self.steps - 200:
                     raise SoakError(f"the step budget ({self.steps}) ran out after {i} faults: a slower machine than budget() allows")
-                result = self.inject(kind, down)
+                result = self.inject(fault)
                 records = [t for t, r, _, _, _ in self.job.step_records() if r == 0]
                 time.sleep(self.rng.uniform(2.0, 4.0))  # the next fault may land on a renewal or a re-registration
                 during = [t for t in [t for t, r, _, _, _ in self.job.step_records() if r == 0] if result["start"] - 1 <= t]
@@ -243,34 +365,26 @@ class EtcdChaos:
         return {"seconds": time.time() - t0, "codes": codes}
 
 
-def reference_ddp(endpoint: str, workdir: str, steps: int):
-    """The DDP job's fault-free final parameters: the same script, nodes and steps, no faults."""
+def soak(
+    cluster,
+    workdir: str,
+    seed: int,
+    faults: int,
+    api: str,
+    layout: str,
+    step_sleep: float = 0.03,
+    log=print,
+    kinds: tuple[str, ...] = KINDS,
+) -> dict:
+    """Run the soak (the agents behind one ``EtcdProxies`` per member) and the reference; the
+    report (pure data, JSON-able)."""
+    from urllib.parse import urlsplit
+
     import torch
 
-    out = os.path.join(workdir, "reference.pt")
-    job = LocalJob(
-        endpoint=endpoint,
-        run_id=f"etcd-chaos-ref-{uuid.uuid4().hex[:8]}",
-        workdir=os.path.join(workdir, "reference"),
-        nnodes=str(ACTIVE),
-        nproc=NPROC,
-        script_args=["--steps", str(steps), "--out", out],
-    )
-    job.start_all([f"r{i}" for i in range(ACTIVE)])
-    try:
-        codes = job.wait(timeout=300)
-    finally:
-        job.stop()
-    if set(codes.values()) != {0}:
-        raise SoakError(f"the reference run failed: {codes}\n{job.logs_tail()}")
-    return torch.load(out)
-
-
-def soak(cluster, workdir: str, seed: int, faults: int, api: str, layout: str, step_sleep: float = 0.03, log=print) -> dict:
-    """Run the soak and the reference; the report (pure data, JSON-able)."""
-    import torch
-
-    run_ = EtcdChaos(cluster, workdir, seed, faults, api, layout, step_sleep, log=log)
+    plan = schedule(seed, faults, kinds)
+    proxies = EtcdProxies([(urlsplit(e).hostname, urlsplit(e).port) for e in cluster.endpoints]).start()
+    run_ = EtcdChaos(cluster, proxies, workdir, seed, plan, api, layout, step_sleep, log=log)
     try:
         run = run_.run()
     except BaseException:
@@ -278,12 +392,17 @@ def soak(cluster, workdir: str, seed: int, faults: int, api: str, layout: str, s
         raise
     finally:
         run_.job.stop()
+        proxies.stop()
     job, events = run_.job, run_.job.events()
     records = job.step_records()
-    replaced = {e["node"] for e in events if e["kind"] == "left"}
+    # A worker kill's node is replaced: it leaves, or (its lease lapsed while etcd was away, then
+    # it read the plan without it) it fences itself, rightly; no other node may do either.
+    victims = {r["node"] for r in run_.results if r["kind"] in WORKER_KILLS and "node" in r}
+    replaced = {e["node"] for e in events if e["kind"] == "left"} | victims
     failed_nodes = {n: c for n, c in run["codes"].items() if c != 0 and n not in replaced}
+    fenced = [{"node": e["node"], "why": e["message"]} for e in events if e["kind"] in ("fenced", "etcd_gone")]
     ranks0 = [t for t, r, _, _, _ in records if r == 0]
-    calm = [r["max_step_gap_s"] for r in run_.results if r["kind"] != "worker-kill-in-outage" and r["max_step_gap_s"] is not None]
+    calm = [r["max_step_gap_s"] for r in run_.results if r["kind"] not in WORKER_KILLS and r["max_step_gap_s"] is not None]
     report = {
         "api": api,
         "layout": layout,
@@ -294,7 +413,9 @@ def soak(cluster, workdir: str, seed: int, faults: int, api: str, layout: str, s
         "job_failures": len(failed_nodes) + sum(1 for e in events if e["kind"] == "job_failed"),
         "failed_nodes": failed_nodes,
         "worker_restarts": restarts(records, run_.taken),
-        "fencings": [{"node": e["node"], "why": e["message"]} for e in events if e["kind"] in ("fenced", "etcd_gone")],
+        "fencings": [f for f in fenced if f["node"] not in victims],
+        "fencings_of_replaced_nodes": [f for f in fenced if f["node"] in victims],
+        "kept_lapsed_alive": sum(1 for e in events if e["kind"] == "lapsed_alive"),
         "rejoined": sum(1 for e in events if e["kind"] == "rejoined"),
         "kept_while_etcd_down_everywhere": sum(1 for e in events if e["kind"] == "etcd_down_everywhere"),
         "generation_changes": sorted({g for _, _, _, g, _ in records}),
@@ -310,22 +431,29 @@ def soak(cluster, workdir: str, seed: int, faults: int, api: str, layout: str, s
     if got is None:
         report["bitwise_equal"], report["error"] = False, f"no final state: the job ended with {run['codes']}\n{job.logs_tail()}"
         return report
-    ref = reference_ddp(",".join(cluster.endpoints), workdir, run_.end) if layout == "ddp" else reference_state(workdir, layout, run_.end)
+    if layout == "ddp":
+        ref = reference_params(",".join(cluster.endpoints), workdir, run_.end, nnodes=ACTIVE, nproc=NPROC, name="etcd-chaos")
+    else:
+        ref = reference_state(workdir, layout, run_.end)
     report["diff"] = bitwise_diff(got, ref)
     report["bitwise_equal"] = not report["diff"]
     return report
 
 
 def table(report: dict) -> str:
-    rows = ["| fault | injected | etcd/member down (s) | max step gap, median / max (s) |", "|---|---:|---:|---:|"]
+    rows = [
+        "| fault | injected | fired on its request | etcd/member down or slowed (s; @ delay each way) | max step gap, median / max (s) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for kind in KINDS:
         mine = [r for r in report["results"] if r["kind"] == kind]
         if not mine:
             continue
         gaps = [r["max_step_gap_s"] for r in mine if r["max_step_gap_s"] is not None]
-        downs = ", ".join(f"{r['down_s']:g}" for r in mine)
+        downs = ", ".join(f"{r['down_s']:g}" + (f" @ {r['delay_s']:g}" if "delay_s" in r else "") for r in mine)
+        fired = f"{sum(1 for r in mine if r.get('fired'))}/{len(mine)}" if "fired" in mine[0] else "—"
         gap = f"{statistics.median(gaps):.2f} / {max(gaps):.2f}" if gaps else "—"
-        rows.append(f"| {kind} | {len(mine)} | {downs} | {gap} |")
+        rows.append(f"| {kind} | {len(mine)} | {fired} | {downs} | {gap} |")
     return "\n".join(rows)
 
 
@@ -333,7 +461,8 @@ def headline(report: dict) -> str:
     return (
         f"etcd chaos soak ({report['layout']}, etcd {report['api']}), seed {report['seed']}: {len(report['results'])} faults in "
         f"{report['seconds']:.0f} s, {report['steps']} steps; job failures {report['job_failures']}, worker restarts of ranks no "
-        f"fault took {sum(report['worker_restarts'].values())}, fencings {len(report['fencings'])}, re-registrations "
+        f"fault took {sum(report['worker_restarts'].values())}, fencings {len(report['fencings'])} (and {len(report['fencings_of_replaced_nodes'])} of nodes a worker kill replaced), "
+        f"lapsed leases kept (agent alive) {report['kept_lapsed_alive']}, re-registrations "
         f"{report['rejoined']}, longest stall {report['longest_stall_s'] or 0:.2f} s "
         f"({report['longest_stall_without_worker_kill_s'] or 0:.2f} s without the worker kill); every rank's final state "
         f"{'bitwise equal to' if report.get('bitwise_equal') else 'DIFFERENT from'} the fault-free run"
@@ -350,6 +479,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
     p.add_argument("--faults", type=int, default=12)
+    p.add_argument("--kinds", default=",".join(KINDS), help="a comma-separated subset of the kinds (default: all)")
     p.add_argument("--api", choices=("v3", "v2"), default="v3")
     p.add_argument("--layout", choices=LAYOUTS, default="ddp")
     p.add_argument("--step-sleep", type=float, default=0.03)
@@ -357,8 +487,9 @@ def main() -> int:
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1, 10**6)
     print(f"[etcd-chaos] seed {seed}", flush=True)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     try:
-        schedule(seed, args.faults)
+        schedule(seed, args.faults, kinds)
     except ValueError as e:
         print(f"etcd-chaos: error: {e}", file=sys.stderr)
         return 2
@@ -367,7 +498,7 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix=f"tm-{name}-")
     cluster = EtcdCluster().start()
     try:
-        report = soak(cluster, workdir, seed, args.faults, args.api, args.layout, args.step_sleep)
+        report = soak(cluster, workdir, seed, args.faults, args.api, args.layout, args.step_sleep, kinds=kinds)
     except SoakError as e:
         print(f"etcd-chaos: error: {e}", file=sys.stderr)
         return 1

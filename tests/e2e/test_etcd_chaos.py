@@ -1,7 +1,8 @@
 """The control-plane chaos soak (bench/etcd_chaos.py): a live job on a 3-member etcd cluster
 through a seeded random schedule of etcd faults (members and the leader killed, every member
 stopped or killed for 1-10 s, a member restarted on its data dir, a worker killed while etcd is
-away) ends with no job failure, no worker restarted that no fault took, no fencing, and every
+away, etcd slowed down, every member stopped or killed the instant a lease renewal, a
+re-registration or a plan write passes) ends with no job failure, no worker restarted that no fault took, no fencing, and every
 rank bitwise equal to the fault-free run; its schedule (pure)."""
 
 import os
@@ -15,25 +16,56 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 import etcd_chaos  # noqa: E402  (bench/etcd_chaos.py)
 
 
-@pytest.mark.parametrize("seed, faults", [(1, 6), (1, 12), (7, 20)])
+@pytest.mark.parametrize("seed, faults", [(1, 11), (1, 12), (7, 20), (3, 30)])
 def test_schedule_covers_every_kind_and_is_seeded(seed, faults):
     plan = etcd_chaos.schedule(seed, faults)
-    kinds = [k for k, _ in plan]
+    kinds = [f.kind for f in plan]
     assert len(plan) == faults and set(kinds) == set(etcd_chaos.KINDS)
-    assert kinds.count("worker-kill-in-outage") == 1  # each one uses up a spare
+    assert kinds.count("worker-kill-in-outage") == 1 and kinds.count("kill-on-plan") == 1  # each uses up a spare
     assert plan == etcd_chaos.schedule(seed, faults) and plan != etcd_chaos.schedule(seed + 1, faults)
-    for kind, down in plan:
-        if kind in ("all-stop", "all-kill", "worker-kill-in-outage"):
+    for kind, down, delay, after in plan:
+        if kind in ("all-stop", "all-kill", "worker-kill-in-outage", "stop-on-renewal"):
             assert 1.0 <= down <= 10.0
         elif kind == "member-restart":
             assert down == 0.0
+        elif kind in ("slow", "slow-member"):
+            assert 3.0 <= down <= 10.0
         else:
             assert 1.0 <= down <= 5.0
+        assert (0.2 <= delay <= 1.5) if kind == "slow" else (1.0 <= delay <= 6.0) if kind == "slow-member" else delay == 0.0
+        assert not after or kind in ("stop-on-renewal", "kill-on-plan")
+    sides = [f.after for f in etcd_chaos.schedule(3, 30) if f.kind in ("stop-on-renewal", "kill-on-plan")]
+    assert True in sides and False in sides  # both sides of a request are drawn
 
 
-def test_schedule_refuses_too_few_faults():
-    with pytest.raises(ValueError, match="at least 6"):
-        etcd_chaos.schedule(1, 3)
+@pytest.mark.parametrize(
+    "kinds, faults, error",
+    [
+        (etcd_chaos.KINDS, 3, "at least 11"),
+        (("slow", "kill-on-plan"), 1, "at least 2"),
+        (("kill-on-plan",), 2, "must be 1 for only worker kills"),
+        (("slow", "netem"), 4, "unknown fault kinds"),
+        ((), 4, "unknown fault kinds"),
+    ],
+)
+def test_schedule_refuses_what_it_cannot_run(kinds, faults, error):
+    with pytest.raises(ValueError, match=error):
+        etcd_chaos.schedule(1, faults, kinds)
+
+
+def test_schedule_of_a_subset_draws_only_from_it():
+    plan = etcd_chaos.schedule(5, 9, ("slow", "kill-on-plan", "stop-on-renewal"))
+    kinds = [f.kind for f in plan]
+    assert set(kinds) == {"slow", "kill-on-plan", "stop-on-renewal"} and kinds.count("kill-on-plan") == 1
+
+
+def test_budget_pays_for_the_worker_kills_and_lapsed_leases():
+    calm = [etcd_chaos.Fault("slow", 5.0, 1.0)]
+    assert etcd_chaos.budget(calm, 0.03) == int(1.2 * (60 + 11) / 0.03)
+    assert (
+        etcd_chaos.budget([etcd_chaos.Fault("kill-on-plan", 2.0)], 0.03)
+        > etcd_chaos.budget([etcd_chaos.Fault("all-kill", 2.0)], 0.03) + 3000
+    )
 
 
 def test_restarts_count_only_ranks_no_fault_took():
@@ -44,7 +76,7 @@ def test_restarts_count_only_ranks_no_fault_took():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3000)  # FSDP2 under load: 10 min of faults, ~8 min of empty steps to the budget, the torchrun reference
 @pytest.mark.parametrize("api, layout", [("v3", "ddp"), ("v2", "fsdp")])
 def test_etcd_chaos_soak_no_job_notices(tmp_path, api, layout):
     """Seeded (``TM_ETCD_CHAOS_SEED``, else random; printed): rerun a failure with its seed."""
@@ -54,7 +86,7 @@ def test_etcd_chaos_soak_no_job_notices(tmp_path, api, layout):
     print(f"[etcd-chaos] seed {seed} (rerun: TM_ETCD_CHAOS_SEED={seed})", flush=True)
     cluster = EtcdCluster().start()
     try:
-        report = etcd_chaos.soak(cluster, str(tmp_path), seed, int(os.environ.get("TM_ETCD_CHAOS_FAULTS", "8")), api, layout)
+        report = etcd_chaos.soak(cluster, str(tmp_path), seed, int(os.environ.get("TM_ETCD_CHAOS_FAULTS", "11")), api, layout)
     finally:
         cluster.stop()
     print(etcd_chaos.headline(report))

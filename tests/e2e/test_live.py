@@ -35,7 +35,7 @@ def run_job(local_job, nodes, spares=1, nproc=2, script=(), launcher=(), fault=N
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
     job.start_all(nodes[active:])
     if spares and parked:
-        job.wait_parked(nodes[-1])
+        job.wait_parked(nodes[-1], timeout=300)  # a spare's 2 workers import torch in its sandbox: 120 s ran out at load 20
 
     def release():
         open(trigger, "w").close()

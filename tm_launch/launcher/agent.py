@@ -41,7 +41,7 @@ from .collective_watch import CollectiveWatch
 from .config import AgentConfig
 from .events import EventLog
 from .failures import FailureWatch
-from .fencing import plans_while_settling
+from .fencing import lapsed_but_alive, plans_while_settling
 from .observers import (
     AlarmWatch,
     DowntimeStamps,
@@ -77,6 +77,8 @@ class Agent:
         self.state_watch = StateWatch(self.wakeup)
         self.supervisor = WorkerSupervisor(cfg, say, self.wakeup)
         self.peer_addrs: list[tuple[str, int]] = []  # the agents this node asks before fencing for etcd's silence
+        self.agent_addrs: dict[str, tuple[str, int]] = {}  # every node's agent store seen registered (for lapsed leases)
+        self.said_lapsed: set[str] = set()  # nodes said to have lapsed alive
         self.session = EtcdSession(
             members,
             cfg.node_id,
@@ -191,11 +193,33 @@ class Agent:
             if code is not None:
                 return code
 
+    def _lapsed_but_alive(self, view) -> bool:
+        """``fencing.lapsed_but_alive`` for the active nodes whose lease lapsed (no report, no
+        cordon), asked of their agents' stores; said once per such node."""
+        lapsed = [n for n in view.plan.nodes if n not in view.alive and n not in view.reports and n not in view.failed]
+        addrs = [self.agent_addrs[n] for n in lapsed if n in self.agent_addrs]
+        if not addrs:
+            return False
+        contacts = last_etcd_contacts(addrs)
+        if not lapsed_but_alive(contacts, time.time(), self.cfg.lease_ttl):
+            return False
+        news = set(lapsed) - self.said_lapsed
+        if news:
+            self.said_lapsed |= news
+            self.say(
+                f"{', '.join(sorted(news))}: lease lapsed, but its agent answers and etcd answered it within "
+                f"{2 * self.cfg.lease_ttl:g}s (a late renewal): not replaced, waiting for it to register again",
+                kind="lapsed_alive",
+                nodes=sorted(news),
+            )
+        return True
+
     def _note_peer_addrs(self, snap) -> None:
         """The agents this node would ask, before fencing itself for etcd's silence, whether etcd
         answers them (``fencing.peers_cut_off``): the peers it probes (``peer_link.probe_targets``)."""
         alive = snap.view.alive
         self.peer_addrs = [(alive[n].addr, alive[n].store_port) for n in self._peers(snap.view.plan) if n in alive]
+        self.agent_addrs.update((n, (info.addr, info.store_port)) for n, info in alive.items())
 
     def _tick(self, snap) -> int | None:
         """One pass of the loop over one consistent view; an exit code when the agent is done."""
@@ -243,6 +267,8 @@ class Agent:
             )
         ):
             decision = None  # right after an etcd outage: let every node re-register first
+        if decision is not None and decision.state != SUCCEEDED and view.plan is not None and self._lapsed_but_alive(view):
+            decision = None  # a lease lapsed on a late renewal: its node registers again
         sent_at = time.time()
         if decision is not None and self.session.members.publish(
             decision, snap.plan_entry, view.alive, len(spares(dataclasses.replace(view, plan=decision)))

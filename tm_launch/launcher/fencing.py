@@ -72,14 +72,22 @@ def lease_decision(
     return KEEP
 
 
-def settling_after_outage(since_back: float | None, ttl: float) -> bool:
+def settling_after_outage(since_back: float | None, ttl: float, renewal_age: float | None = None) -> bool:
     """True while the agents may still be re-registering after an etcd outage: do not publish a
     plan that replaces nodes yet. Leases that expired during the outage (the v2 API keeps TTLs
     in wall-clock time, so a full outage longer than the TTL expires every node at once) would
     otherwise read as every node lost at the same moment: a failover storm. Every agent saw
     the outage too and rejoins within one refresh interval (ttl/3), so two TTLs is plenty.
-    ``since_back``: seconds since this agent found etcd answering again (None: no outage)."""
-    return since_back is not None and since_back < 2 * ttl
+    ``since_back``: seconds since this agent found etcd answering again (None: no outage).
+
+    ``renewal_age``: seconds since this agent's own lease renewal last got through (renewals go
+    every ttl/3). Past 0.6 TTL one is late: etcd is slow for this agent too (a slowed or
+    overloaded etcd, a renewal still on its way), and everyone's renewals may be as late, so a
+    lease that lapsed meanwhile is no sign that its node is gone (the control-plane soak, v2:
+    every byte 1.2 s late, 3 refreshes a round, both active nodes' leases lapsed and the spare
+    failed the job for want of a spare before its own late renewal came back)."""
+    late = renewal_age is not None and renewal_age > 0.6 * ttl
+    return late or (since_back is not None and since_back < 2 * ttl)
 
 
 def peers_cut_off(my_last_contact: float, peers_last_contact: list[float | None], ttl: float) -> bool:
@@ -106,3 +114,14 @@ def plans_while_settling(*, live: bool, finished: bool, removed: set[str], repla
     alone, fails the job or restarts every worker still waits (the lease, or a spare's, may only
     be on its way back)."""
     return live and not finished and bool(removed) and removed <= reported and removed <= replaced
+
+
+def lapsed_but_alive(contacts: list[float | None], now: float, ttl: float) -> bool:
+    """May a planner replace nodes for a lapsed lease alone? Not while one of them is evidently
+    alive and talking to etcd: ``contacts`` are the wall times at which etcd last answered each
+    such node, read from its agent's own store (None: its agent did not answer). One that
+    answers and heard from etcd within two TTLs renews late (etcd slow on its way: a slowed or
+    overloaded member) and registers again as soon as it sees its lease gone; replacing it would
+    fence a healthy node. A node whose agent does not answer (dead, frozen, cut off) or that
+    has not heard from etcd for longer is replaced as before."""
+    return any(c is not None and now - c < 2 * ttl for c in contacts)

@@ -274,9 +274,11 @@ class EtcdSession:
         )
 
     def settling(self) -> bool:
-        """Right after an etcd outage: planners wait for every node to re-register first."""
+        """Right after an etcd outage, or while this agent's own renewal is late: planners wait
+        for every node to re-register first."""
         since_back = time.time() - self.etcd_back_at if self.etcd_back_at else None
-        return settling_after_outage(since_back, self.ttl)
+        renewal_age = time.time() - self.lease_ok_at if self.lease is not None else None
+        return settling_after_outage(since_back, self.ttl, renewal_age)
 
     # -- fencing --------------------------------------------------------------------------------
     def apply_fencing_rule(self, plan: Plan | None, snap=None) -> None:

@@ -4,7 +4,16 @@
 import pytest
 
 from tm_launch.launcher.etcd_retry import GIVE_UP, RETRY, gone_after, outage_decision, retry_delay
-from tm_launch.launcher.fencing import FENCE, KEEP, REREGISTER, lease_decision, peers_cut_off, plans_while_settling, settling_after_outage
+from tm_launch.launcher.fencing import (
+    FENCE,
+    KEEP,
+    REREGISTER,
+    lapsed_but_alive,
+    lease_decision,
+    peers_cut_off,
+    plans_while_settling,
+    settling_after_outage,
+)
 
 TTL, LIMIT = 5.0, 8.0
 
@@ -51,6 +60,22 @@ def test_lease_decision(case):
 @pytest.mark.parametrize("since_back,want", [(None, False), (0.5, True), (5.9, True), (6.0, False), (60.0, False)])
 def test_no_replacement_while_nodes_rejoin_after_an_outage(since_back, want):
     assert settling_after_outage(since_back, ttl=3.0) is want
+
+
+@pytest.mark.parametrize(
+    "since_back, renewal_age, want",
+    [
+        (None, 0.2, False),  # renewals on time (every ttl/3 = 1 s)
+        (None, 1.3, False),  # one renewal's round trip on top of the interval
+        (None, 1.9, True),  # a renewal late (past 0.6 TTL): etcd slow for this agent too
+        (None, 30.0, True),  # still not through
+        (60.0, 2.5, True),
+        (0.5, 0.2, True),  # right after an outage, renewals on time again
+        (60.0, None, False),  # no lease (not registered yet): the outage rule alone
+    ],
+)
+def test_no_replacement_while_this_agents_own_renewal_is_late(since_back, renewal_age, want):
+    assert settling_after_outage(since_back, ttl=3.0, renewal_age=renewal_age) is want
 
 
 @pytest.mark.parametrize(
@@ -119,3 +144,20 @@ def test_peers_cut_off(mine, peers, want):
 )
 def test_only_a_reported_failure_is_planned_while_nodes_rejoin(live, finished, removed, replaced, reported, want):
     assert plans_while_settling(live=live, finished=finished, removed=removed, replaced=replaced, reported=reported) is want
+
+
+@pytest.mark.parametrize(
+    "contacts, want",
+    [
+        ([], False),  # no address known: replaced as before
+        ([None], False),  # its agent does not answer: dead, frozen or cut off
+        ([99.0], True),  # answers, etcd answered it 1 s ago: a late renewal (the v2 FSDP2 soak, etcd slowed)
+        ([94.1], True),
+        ([94.0], False),  # answers, but etcd has not for two TTLs: cut off from etcd, replaced
+        ([50.0], False),
+        ([None, 99.0], True),  # one of two alive: hold (the other is replaced once that one is back)
+        ([None, 10.0], False),
+    ],
+)
+def test_a_lapsed_lease_is_not_replaced_while_its_agent_answers_and_hears_from_etcd(contacts, want):
+    assert lapsed_but_alive(contacts, now=100.0, ttl=3.0) is want
