@@ -280,6 +280,7 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
     sys.stderr = open(opts["log"], "a", buffering=1)
     from rendezvous.planner import Limits
     from tm_launch.launcher.agent import AgentConfig
+    from tm_launch.launcher.peer_link import ETCD_CONTACT
 
     StandIn = _standin_class()
     lim = Limits(**limits)
@@ -337,6 +338,10 @@ def tm_child(conn, endpoint: str, run_id: str, ids: list[str], limits: dict, opt
         elif cmd == "kill":
             s = standins[arg]
             s.kv.freeze()
+            # A dead node's agent store answers no one; a stand-in's lives on in this process, so
+            # it forgets when etcd last answered it (else planners take it for a node whose
+            # renewal is only late: fencing.lapsed_but_alive).
+            s.supervisor.store.delete_key(ETCD_CONTACT)
             t0 = time.time()
             s.session.lease.inner.revoke()  # the lease expiring, without the TTL's wait
             conn.send(t0)
