@@ -202,6 +202,18 @@ def test_standalone_tm_launch_runs_torchtitan_as_torchrun_does(titan_assets, tor
     assert_same_state(final_state(dump, STEPS), torchrun_reference[0])
 
 
+def kill_with_a_parked_spare(job, go: str):
+    """Nodes a and b train, spare c joins and parks, then the kill waiting for file ``go`` fires:
+    (every node's exit code, the plan of generation 1 or None)."""
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("c")
+    job.wait_parked("c", timeout=180)
+    open(go, "w").close()
+    codes = job.wait(timeout=240)
+    return codes, next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "victim_rank, phase",
@@ -230,14 +242,7 @@ def test_live_fsdp2_worker_sigkill_recovers_from_snapshot(local_job, titan_asset
         "TT_KILL_PHASE": phase,
         "TT_STEP_LOG": job.step_log,
     }
-    job.start_all(["a", "b"])
-    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
-    job.start("c")
-    job.wait_parked("c", timeout=180)
-    open(go, "w").close()
-    codes = job.wait(timeout=240)
-
-    plan = next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+    codes, plan = kill_with_a_parked_spare(job, go)
     assert plan is not None, job.logs_tail()
     victim = plan["replaced"]["c"]
     survivor = ({"a", "b"} - {victim}).pop()
@@ -360,13 +365,7 @@ def test_live_metrics_and_log_lines_hold_only_committed_steps(local_job, titan_a
     job.script_args = titan_args(titan_assets, dump, STEPS, CKPT_EVERY) + METRICS
     job.env = {"TT_LIVE": "1", "TT_KILL_RANK": "1", "TT_KILL_STEP": str(KILL_STEP), "TT_KILL_MARKER": marker}
     job.env.update({"TT_KILL_AFTER": go, "TT_KILL_PHASE": "forward"})
-    job.start_all(["a", "b"])
-    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
-    job.start("c")
-    job.wait_parked("c", timeout=180)
-    open(go, "w").close()
-    codes = job.wait(timeout=240)
-    plan = next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+    codes, plan = kill_with_a_parked_spare(job, go)
     assert plan is not None and plan["live"] and codes["c"] == 0, job.logs_tail()
 
     written = written_metrics(dump)
