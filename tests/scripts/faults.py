@@ -232,9 +232,9 @@ class ChaosDir:
             return steps
 
     def over(self, step: int) -> bool:
-        """The soak is over at ``step``: the script skips it, so the state is that of a run of
-        exactly ``end`` steps (not a break: ``steps()`` must run out and report the worker
-        finished, or the hang watchdog sees a silent "running" worker at exit)."""
+        """The soak is over at ``step``: the script ends its loop there (``job.end_loop()``, then
+        ``break``: the worker counts as finished, not as having left), so the state is that of a
+        run of exactly ``end`` steps, however many the budget allowed."""
         return step >= self.end(step + 1)
 
     def hold(self, job) -> None:

@@ -260,8 +260,9 @@ def main():
         return buf.to(device)
 
     for step in job.steps(args.steps, start=start):
-        if chaos.over(step):  # the soak is over: the remaining steps do nothing
-            continue
+        if chaos.over(step):  # the soak is over: the loop ends here, on every rank at this step
+            job.end_loop()
+            break
         chaos.hold(job)
         chaos.start_step(job, step)
         faults.step = step

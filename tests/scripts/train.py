@@ -191,8 +191,9 @@ def main():
             x = torch.randn(16, 32, generator=g)
             y = torch.randn(16, 8, generator=g)
         x, y = x.to(device), y.to(device)
-        if chaos.over(step):  # the soak is over: the remaining steps do nothing
-            continue
+        if chaos.over(step):  # the soak is over: the loop ends here, on every rank at this step
+            job.end_loop()
+            break
         chaos.hold(job)
         chaos.start_step(job, step)
         if args.ckpt_dir and job.rank == 0 and step > start and step % args.ckpt_every == 0 and not job.in_sandbox:
