@@ -22,11 +22,18 @@ while the driver injects etcd faults one after another, each a real signal to re
                    node's ranks); a fresh spare is then started and parked
 
 The agents reach etcd through ``bench/etcd_proxy.py`` (a delaying TCP proxy per member, which
-names the requests going by), and these kinds use it:
+names the requests going by), and the members reach each other through a second set of them
+(``EtcdCluster.advertise_peers_at``). These kinds use them:
 
   slow             every member slowed for 3-10 s: each byte 0.2-1.5 s late, each way
   slow-member      the member the agents use slowed for 3-10 s, 1-6 s each way (past the
-                   5 s request timeout: the agents must fail over)
+                   5 s request timeout: the agents must fail over), its links to the other
+                   members too
+  slow-peers       the traffic between members slowed for 3-10 s, 0.2-2 s each way: commits
+                   wait for raft's round trips, and past raft's 1 s election timeout the
+                   members hold elections while it lasts
+  drop-on-renewal  the connection carrying the next lease renewal reset, before the renewal
+                   reaches etcd or just after (its answer is lost)
   stop-on-renewal  every member SIGSTOPped the instant a lease renewal passes (before it reaches
                    etcd, or just after), for 1-10 s
   kill-on-reregister
@@ -36,6 +43,9 @@ names the requests going by), and these kinds use it:
   kill-on-plan     an active node's worker SIGKILLed, and every member SIGKILLed the instant the
                    plan replacing it is written (before it reaches etcd, or just after: the
                    planner cannot know whether it went in), back 1-5 s later; then a fresh spare
+  drop-on-plan     an active node's worker SIGKILLed, and the connection carrying the plan that
+                   replaces it reset, before the write reaches etcd or just after; then a fresh
+                   spare
 
 Faults come 2-4 s apart, so some land on lease renewals, on re-registrations after an expired
 v2 lease, and on the recovery of the previous one. Reported: job failures (must be 0), worker
@@ -78,11 +88,15 @@ KINDS = (
     "worker-kill-in-outage",
     "slow",
     "slow-member",
+    "slow-peers",
     "stop-on-renewal",
+    "drop-on-renewal",
     "kill-on-reregister",
     "kill-on-plan",
+    "drop-on-plan",
 )
-WORKER_KILLS = ("worker-kill-in-outage", "kill-on-plan")  # each uses up a spare: once per soak
+WORKER_KILLS = ("worker-kill-in-outage", "kill-on-plan", "drop-on-plan")  # each uses up a spare: once per soak
+SIDED = ("stop-on-renewal", "drop-on-renewal", "kill-on-plan", "drop-on-plan")  # before or after their request went on
 LAYOUTS = ("ddp", "fsdp")
 ACTIVE, NPROC = 2, 2
 TTL = 3.0
@@ -97,14 +111,13 @@ class Fault(NamedTuple):
 
 def _fault(kind: str, rng: random.Random) -> Fault:
     if kind in ("all-stop", "all-kill", "worker-kill-in-outage", "stop-on-renewal"):
-        return Fault(kind, round(rng.uniform(1.0, 10.0), 2), after=kind == "stop-on-renewal" and rng.random() < 0.5)
-    if kind == "member-restart":
-        return Fault(kind, 0.0)
-    if kind == "slow":
-        return Fault(kind, round(rng.uniform(3.0, 10.0), 2), round(rng.uniform(0.2, 1.5), 2))
-    if kind == "slow-member":
-        return Fault(kind, round(rng.uniform(3.0, 10.0), 2), round(rng.uniform(1.0, 6.0), 2))
-    return Fault(kind, round(rng.uniform(1.0, 5.0), 2), after=kind == "kill-on-plan" and rng.random() < 0.5)
+        return Fault(kind, round(rng.uniform(1.0, 10.0), 2), after=kind in SIDED and rng.random() < 0.5)
+    if kind in ("member-restart", "drop-on-renewal", "drop-on-plan"):
+        return Fault(kind, 0.0, after=kind in SIDED and rng.random() < 0.5)
+    slow = {"slow": (0.2, 1.5), "slow-member": (1.0, 6.0), "slow-peers": (0.2, 2.0)}
+    if kind in slow:
+        return Fault(kind, round(rng.uniform(3.0, 10.0), 2), round(rng.uniform(*slow[kind]), 2))
+    return Fault(kind, round(rng.uniform(1.0, 5.0), 2), after=kind in SIDED and rng.random() < 0.5)
 
 
 def schedule(seed: int, faults: int, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
@@ -132,7 +145,8 @@ def budget(plan: list[Fault], step_sleep: float) -> int:
     worker kill's recovery and a fresh spare's warm-up, a lease left to lapse, at one step per
     ``step_sleep`` and a fifth more (a step takes longer than its sleep: 18 steps a second were
     measured at 0.03 s)."""
-    extra = {"worker-kill-in-outage": 90.0, "kill-on-plan": 120.0, "kill-on-reregister": 2 * TTL + 20.0, "stop-on-renewal": 5.0}
+    extra = {"worker-kill-in-outage": 90.0, "kill-on-plan": 120.0, "drop-on-plan": 120.0, "kill-on-reregister": 2 * TTL + 20.0}
+    extra["stop-on-renewal"] = extra["drop-on-renewal"] = 5.0
     seconds = 60.0 + sum(f.down + 6.0 + extra.get(f.kind, 0.0) for f in plan)
     return int(1.2 * seconds / max(step_sleep, 0.01))
 
@@ -153,7 +167,10 @@ def restarts(records, taken: set[int]) -> dict[int, int]:
 
 
 class EtcdChaos:
-    def __init__(self, cluster, proxies, workdir: str, seed: int, plan: list[Fault], api: str, layout: str, step_sleep: float, log=print):
+    def __init__(
+        self, cluster, proxies, peers, workdir: str, seed: int, plan: list[Fault], api: str, layout: str, step_sleep: float, log=print
+    ):
+        self.peers = peers  # the proxies between the members
         self.cluster, self.proxies, self.workdir, self.seed, self.api, self.layout, self.log = (
             cluster,
             proxies,
@@ -177,7 +194,7 @@ class EtcdChaos:
             launcher_args=["--lease-ttl", str(TTL), "--max-restarts", "3"],
         )
         # The script's step budget (``budget``); the driver ends the run 20 steps after the last
-        # fault (``DIR/end``), and the steps left over after that run empty, at full speed.
+        # fault (``DIR/end``), where the script's loop ends (``job.end_loop()``).
         self.steps = budget(self.plan, step_sleep)
         common = ["--steps", str(self.steps), "--step-sleep", str(step_sleep), "--step-log", self.job.step_log, "--chaos-dir", self.chaos]
         if layout == "ddp":
@@ -235,10 +252,10 @@ class EtcdChaos:
         for i in range(len(self.cluster.members)):
             self.cluster.kill(i)
 
-    def _fire_on(self, tag: str, fault, after: bool, within: float) -> float | None:
-        """Arm the proxies to call ``fault`` when the next ``tag`` request passes; when it fired
-        (None if no such request came ``within`` seconds)."""
-        trigger = self.proxies.arm(tag, fault, after=after)
+    def _fire_on(self, tag: str, fault, after: bool, within: float, drop: bool = False) -> float | None:
+        """Arm the proxies to call ``fault`` (and ``drop`` the connection) when the next ``tag``
+        request passes; when it fired (None if no such request came ``within`` seconds)."""
+        trigger = self.proxies.arm(tag, fault, after=after, drop=drop)
         if not trigger.fired.wait(within):
             self.proxies.disarm()
             return None
@@ -283,13 +300,16 @@ class EtcdChaos:
             self._kill_all()
             time.sleep(down)
             cluster.restart()
-        elif kind in ("slow", "slow-member"):
+        elif kind in ("slow", "slow-member", "slow-peers"):
             busiest = max(range(len(self.proxies.requests)), key=lambda i: self.proxies.requests[i])
-            members = None if kind == "slow" else [busiest]
+            members = [busiest] if kind == "slow-member" else None
             info.update(delay_s=fault.delay, member=busiest if members else "all")
-            self.proxies.set_delay(fault.delay, members)
+            links = {"slow": [self.proxies], "slow-member": [self.proxies, self.peers], "slow-peers": [self.peers]}[kind]
+            for proxies in links:
+                proxies.set_delay(fault.delay, members)
             time.sleep(down)
-            self.proxies.set_delay(0.0)
+            for proxies in links:
+                proxies.set_delay(0.0)
         elif kind == "stop-on-renewal":
             info["after"] = fault.after
             fired = self._fire_on("renewal", lambda _: self._signal_all(signal.SIGSTOP), fault.after, 30)
@@ -298,6 +318,10 @@ class EtcdChaos:
                 info["start"] = fired
                 time.sleep(down)
                 self._signal_all(signal.SIGCONT)
+        elif kind == "drop-on-renewal":
+            info["after"] = fault.after
+            info["fired"] = self._fire_on("renewal", None, fault.after, 30, drop=True)
+            info["start"] = info["fired"] or info["start"]
         elif kind == "kill-on-reregister":
             self._signal_all(signal.SIGSTOP)  # long enough that every lease lapses when it thaws
             time.sleep(2 * TTL + 1.0)
@@ -318,11 +342,12 @@ class EtcdChaos:
                 time.sleep(max(down - 1.0, 0.0))
 
             self._worker_kill(info, outage)
-        elif kind == "kill-on-plan":
+        elif kind in ("kill-on-plan", "drop-on-plan"):
             info["after"] = fault.after
+            kill_etcd = kind == "kill-on-plan"
 
             def outage(kill):
-                trigger = self.proxies.arm("plan", self._kill_all, after=fault.after)
+                trigger = self.proxies.arm("plan", self._kill_all if kill_etcd else None, after=fault.after, drop=not kill_etcd)
                 kill()
                 if not trigger.fired.wait(60):
                     self.proxies.disarm()
@@ -366,7 +391,6 @@ class EtcdChaos:
 
 
 def soak(
-    cluster,
     workdir: str,
     seed: int,
     faults: int,
@@ -376,15 +400,29 @@ def soak(
     log=print,
     kinds: tuple[str, ...] = KINDS,
 ) -> dict:
-    """Run the soak (the agents behind one ``EtcdProxies`` per member) and the reference; the
-    report (pure data, JSON-able)."""
-    from urllib.parse import urlsplit
-
-    import torch
+    """Run the soak on a fresh 3-member cluster (the agents behind one ``EtcdProxies`` per
+    member, the members behind another) and the reference; the report (pure data, JSON-able)."""
+    from rendezvous.etcd_server import EtcdCluster
 
     plan = schedule(seed, faults, kinds)
-    proxies = EtcdProxies([(urlsplit(e).hostname, urlsplit(e).port) for e in cluster.endpoints]).start()
-    run_ = EtcdChaos(cluster, proxies, workdir, seed, plan, api, layout, step_sleep, log=log)
+    cluster = EtcdCluster()
+    peers = EtcdProxies(cluster.peer_addresses, parse=False).start()
+    proxies = None
+    try:
+        cluster.advertise_peers_at(peers.ports).start()
+        proxies = EtcdProxies([(cluster.host, m.ports[0]) for m in cluster.members]).start()
+        return _soak(cluster, proxies, peers, workdir, seed, plan, api, layout, step_sleep, log)
+    finally:
+        if proxies is not None:
+            proxies.stop()
+        cluster.stop()
+        peers.stop()
+
+
+def _soak(cluster, proxies, peers, workdir, seed, plan, api, layout, step_sleep, log) -> dict:
+    import torch
+
+    run_ = EtcdChaos(cluster, proxies, peers, workdir, seed, plan, api, layout, step_sleep, log=log)
     try:
         run = run_.run()
     except BaseException:
@@ -392,7 +430,6 @@ def soak(
         raise
     finally:
         run_.job.stop()
-        proxies.stop()
     job, events = run_.job, run_.job.events()
     records = job.step_records()
     # A worker kill's node is replaced: it leaves, or (its lease lapsed while etcd was away, then
@@ -474,8 +511,6 @@ def ok(report: dict) -> bool:
 
 
 def main() -> int:
-    from rendezvous.etcd_server import EtcdCluster
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
     p.add_argument("--faults", type=int, default=12)
@@ -496,14 +531,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     name = f"etcd-chaos-{args.api}-{args.layout}-{seed}"
     workdir = tempfile.mkdtemp(prefix=f"tm-{name}-")
-    cluster = EtcdCluster().start()
     try:
-        report = soak(cluster, workdir, seed, args.faults, args.api, args.layout, args.step_sleep, kinds=kinds)
+        report = soak(workdir, seed, args.faults, args.api, args.layout, args.step_sleep, kinds=kinds)
     except SoakError as e:
         print(f"etcd-chaos: error: {e}", file=sys.stderr)
         return 1
-    finally:
-        cluster.stop()
     os.makedirs(args.out_dir, exist_ok=True)
     text = headline(report) + "\n\n" + table(report) + "\n"
     with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:

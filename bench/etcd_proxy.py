@@ -6,12 +6,21 @@ can be fired the instant a lease renewal, a registration or a plan write passes.
     proxies.endpoints                      # give these to the agents (--rdzv-endpoint)
     proxies.set_delay(0.8)                 # every byte, each way, 0.8 s late; 0: pass-through
     proxies.arm("renewal", fault)          # fault(request) once, before the renewal goes on
+    proxies.arm("plan", drop=True, after=True)  # reset the connection once the plan write went on
     proxies.stop()
+
+    peers = EtcdProxies(cluster.peer_addresses, parse=False).start()   # between the members
+    cluster.advertise_peers_at(peers.ports).start()
 
 Bytes keep their order in each direction whatever the delay does (each direction is one FIFO
 queue, written by one task). The delay applies to a chunk from the moment it was read, so a
 long-poll watch (v2 ``?wait=true``, v3's ``/v3/watch`` stream) is held back like any answer.
-Only the agents' client traffic goes through a proxy: etcd's members talk to each other directly.
+A second set of proxies (``parse=False``: raft's streams are not requests to name) can sit
+between the members, so that their traffic can be slowed too.
+
+An armed request can also ``drop`` its connection: the client's side is reset (RST) before the
+request reaches etcd, or (``after``) once it has been handed to etcd, which then still answers
+into the void: the client cannot know whether its request went in.
 
 ``classify`` (pure, table-tested) names a request from its method, target and body: ``renewal``
 (v3 ``lease/keepalive``; v2 a TTL refresh), ``grant`` (v3 ``lease/grant``), ``register`` (a
@@ -143,11 +152,20 @@ class HttpRequests:
             self.buf = self.buf[end + 4 + size :]
 
 
+class _Drop(Exception):
+    """Raised in a connection's task: reset the client's side of this connection now."""
+
+    def __init__(self, after: bool):
+        super().__init__("dropped")
+        self.after = after
+
+
 @dataclass
 class _Trigger:
     tag: str
-    fault: Callable[[Request], None]
+    fault: Callable[[Request], None] | None
     after: bool  # fire once the request has been handed to etcd, not before
+    drop: bool = False  # reset the client's connection as it fires
     fired: threading.Event = field(default_factory=threading.Event)
     request: Request | None = None
     error: BaseException | None = None
@@ -156,8 +174,8 @@ class _Trigger:
 class EtcdProxies:
     """One delaying, listening proxy per etcd member, on an asyncio loop of their own thread."""
 
-    def __init__(self, upstreams: list[tuple[str, int]], host: str = "127.0.0.1"):
-        self.upstreams, self.host = upstreams, host
+    def __init__(self, upstreams: list[tuple[str, int]], host: str = "127.0.0.1", parse: bool = True):
+        self.upstreams, self.host, self.parse = upstreams, host, parse
         self.delays = [0.0] * len(upstreams)
         self.ports: list[int] = []
         self.seen: list[Request] = []  # every classified request (tags non-empty), in order
@@ -202,10 +220,12 @@ class EtcdProxies:
         for i in range(len(self.delays)) if members is None else members:
             self.delays[i] = seconds
 
-    def arm(self, tag: str, fault: Callable[[Request], None], after: bool = False) -> _Trigger:
+    def arm(self, tag: str, fault: Callable[[Request], None] | None = None, after: bool = False, drop: bool = False) -> _Trigger:
         """Call ``fault`` once, on the proxy's thread, when the next request tagged ``tag`` passes:
-        before it goes on to etcd, or (``after``) just after it has been written to etcd."""
-        trigger = _Trigger(tag, fault, after)
+        before it goes on to etcd, or (``after``) just after it has been written to etcd. With
+        ``drop``, the client's connection is reset there too (before: the request never reaches
+        etcd; after: its answer never reaches the client)."""
+        trigger = _Trigger(tag, fault, after, drop)
         with self._lock:
             self._trigger = trigger
         return trigger
@@ -225,7 +245,8 @@ class EtcdProxies:
     @staticmethod
     def _fire(t: _Trigger) -> None:
         try:
-            t.fault(t.request)
+            if t.fault is not None:
+                t.fault(t.request)
         except BaseException as e:  # the driver reads it from the trigger
             t.error = e
         finally:
@@ -235,22 +256,26 @@ class EtcdProxies:
         try:
             ureader, uwriter = await asyncio.open_connection(*self.upstreams[i])
         except OSError:
-            # The member is down: reset the connection (as close to a refusal as a proxy gets).
-            sock = cwriter.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            cwriter.close()
+            _reset(cwriter)  # the member is down: as close to a refusal as a proxy gets
             return
         up: asyncio.Queue = asyncio.Queue()
         down: asyncio.Queue = asyncio.Queue()
         tasks = [
-            asyncio.ensure_future(self._read(i, creader, up, HttpRequests())),
+            asyncio.ensure_future(self._read(i, creader, up, HttpRequests() if self.parse else None)),
             asyncio.ensure_future(self._write(up, uwriter)),
             asyncio.ensure_future(self._read(i, ureader, down, None)),
             asyncio.ensure_future(self._write(down, cwriter)),
         ]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            drop = next((t.exception() for t in done if isinstance(t.exception(), _Drop)), None)
+            if drop is not None:
+                _reset(cwriter)
+                if drop.after:
+                    # etcd has the request: let it answer (into the void) instead of cancelling it
+                    # with a closed connection, as a client whose network failed would leave it.
+                    tasks[1].cancel()
+                    await asyncio.wait([tasks[2]], timeout=5.0)
         except asyncio.CancelledError:
             pass  # stop(): asyncio would print a cancelled connection callback's traceback
         finally:
@@ -274,6 +299,8 @@ class EtcdProxies:
                     t = self._take(req)
                     if t is not None and not t.after:
                         self._fire(t)
+                        if t.drop:
+                            raise _Drop(after=False)  # this chunk (the request) never goes on
                     elif t is not None:
                         after.append(t)
             await queue.put((due, data, after))
@@ -294,3 +321,14 @@ class EtcdProxies:
             await writer.drain()
             for t in after:
                 self._fire(t)
+            if any(t.drop for t in after):
+                raise _Drop(after=True)
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close a connection with a reset (RST), not an orderly end: the peer's next read or write
+    fails at once, as when a network path or a middlebox drops the connection."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()

@@ -95,6 +95,9 @@ class EtcdServer:
         # so that a killed member can come back on the same data dir and the same URLs.
         self.ports: tuple[int, int, int] | None = None
         self.initial_cluster: str | None = None
+        # The peer URL the other members are told to use, when it is not the one this member
+        # listens on (EtcdCluster.advertise_peers_at: a relay in between, for fault injection).
+        self.advertised_peer_url: str | None = None
         self.extra_args = list(extra_args)
         self.scheme = "https" if "--cert-file" in self.extra_args else "http"
         self._data_dir = data_dir
@@ -140,6 +143,7 @@ class EtcdServer:
         self.endpoint = f"{self.scheme}://{self.host}:{client}"
         self.metrics_url = f"http://{self.host}:{metrics}"
         peer_url = f"http://{self.host}:{peer}"
+        advertised = self.advertised_peer_url or peer_url
         args = [
             binary,
             "--name",
@@ -153,9 +157,9 @@ class EtcdServer:
             "--listen-peer-urls",
             peer_url,
             "--initial-advertise-peer-urls",
-            peer_url,
+            advertised,
             "--initial-cluster",
-            self.initial_cluster or f"{self.name}={peer_url}",
+            self.initial_cluster or f"{self.name}={advertised}",
             "--initial-cluster-state",
             "new",  # ignored by etcd when the data dir has a member
             "--listen-metrics-urls",
@@ -268,6 +272,24 @@ class EtcdCluster:
     @property
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
+
+    @property
+    def peer_addresses(self) -> list[tuple[str, int]]:
+        """Where each member listens for its peers (raft traffic), as (host, port)."""
+        return [(self.host, m.ports[1]) for m in self.members]
+
+    def advertise_peers_at(self, ports: list[int]) -> EtcdCluster:
+        """Before ``start``: the members reach member ``i`` at ``ports[i]`` on this host (a relay
+        that forwards to ``peer_addresses[i]``) instead of at its own peer port, so that a test
+        can slow or cut the traffic between members (``bench/etcd_proxy.py``)."""
+        if any(m.pid is not None for m in self.members) or len(ports) != len(self.members):
+            raise ValueError("advertise_peers_at: one port per member, before the cluster starts")
+        for m, port in zip(self.members, ports):
+            m.advertised_peer_url = f"http://{self.host}:{port}"
+        cluster = ",".join(f"{m.name}={m.advertised_peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = cluster
+        return self
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
         binary = find_etcd_binary()

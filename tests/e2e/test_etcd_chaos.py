@@ -1,8 +1,9 @@
 """The control-plane chaos soak (bench/etcd_chaos.py): a live job on a 3-member etcd cluster
 through a seeded random schedule of etcd faults (members and the leader killed, every member
 stopped or killed for 1-10 s, a member restarted on its data dir, a worker killed while etcd is
-away, etcd slowed down, every member stopped or killed the instant a lease renewal, a
-re-registration or a plan write passes) ends with no job failure, no worker restarted that no fault took, no fencing, and every
+away, etcd slowed down, the links between members slowed down, every member stopped or killed
+the instant a lease renewal, a re-registration or a plan write passes, the connection carrying a
+renewal or a plan write reset) ends with no job failure, no worker restarted that no fault took, no fencing, and every
 rank bitwise equal to the fault-free run; its schedule (pure)."""
 
 import os
@@ -15,33 +16,37 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import etcd_chaos  # noqa: E402  (bench/etcd_chaos.py)
 
+DELAYS = {"slow": (0.2, 1.5), "slow-member": (1.0, 6.0), "slow-peers": (0.2, 2.0)}
 
-@pytest.mark.parametrize("seed, faults", [(1, 11), (1, 12), (7, 20), (3, 30)])
+
+@pytest.mark.parametrize("seed, faults", [(1, 14), (1, 15), (7, 20), (3, 30)])
 def test_schedule_covers_every_kind_and_is_seeded(seed, faults):
     plan = etcd_chaos.schedule(seed, faults)
     kinds = [f.kind for f in plan]
     assert len(plan) == faults and set(kinds) == set(etcd_chaos.KINDS)
-    assert kinds.count("worker-kill-in-outage") == 1 and kinds.count("kill-on-plan") == 1  # each uses up a spare
+    assert all(kinds.count(k) == 1 for k in ("worker-kill-in-outage", "kill-on-plan", "drop-on-plan"))  # each uses up a spare
     assert plan == etcd_chaos.schedule(seed, faults) and plan != etcd_chaos.schedule(seed + 1, faults)
     for kind, down, delay, after in plan:
         if kind in ("all-stop", "all-kill", "worker-kill-in-outage", "stop-on-renewal"):
             assert 1.0 <= down <= 10.0
-        elif kind == "member-restart":
+        elif kind in ("member-restart", "drop-on-renewal", "drop-on-plan"):
             assert down == 0.0
-        elif kind in ("slow", "slow-member"):
+        elif kind in DELAYS:
             assert 3.0 <= down <= 10.0
         else:
             assert 1.0 <= down <= 5.0
-        assert (0.2 <= delay <= 1.5) if kind == "slow" else (1.0 <= delay <= 6.0) if kind == "slow-member" else delay == 0.0
-        assert not after or kind in ("stop-on-renewal", "kill-on-plan")
-    sides = [f.after for f in etcd_chaos.schedule(3, 30) if f.kind in ("stop-on-renewal", "kill-on-plan")]
-    assert True in sides and False in sides  # both sides of a request are drawn
+        lo, hi = DELAYS.get(kind, (0.0, 0.0))
+        assert lo <= delay <= hi
+        assert not after or kind in etcd_chaos.SIDED
+    for kind in etcd_chaos.SIDED:  # both sides of a request are drawn
+        sides = {f.after for seed in range(1, 8) for f in etcd_chaos.schedule(seed, 30) if f.kind == kind}
+        assert sides == {True, False}, kind
 
 
 @pytest.mark.parametrize(
     "kinds, faults, error",
     [
-        (etcd_chaos.KINDS, 3, "at least 11"),
+        (etcd_chaos.KINDS, 3, "at least 14"),
         (("slow", "kill-on-plan"), 1, "at least 2"),
         (("kill-on-plan",), 2, "must be 1 for only worker kills"),
         (("slow", "netem"), 4, "unknown fault kinds"),
@@ -76,19 +81,14 @@ def test_restarts_count_only_ranks_no_fault_took():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3000)  # FSDP2 under load: 10 min of faults, ~8 min of empty steps to the budget, the torchrun reference
+@pytest.mark.timeout(3000)  # FSDP2 under load: ~15 min of faults and three worker kills, the reference
 @pytest.mark.parametrize("api, layout", [("v3", "ddp"), ("v2", "fsdp")])
 def test_etcd_chaos_soak_no_job_notices(tmp_path, api, layout):
     """Seeded (``TM_ETCD_CHAOS_SEED``, else random; printed): rerun a failure with its seed."""
-    from rendezvous.etcd_server import EtcdCluster
-
     seed = int(os.environ.get("TM_ETCD_CHAOS_SEED") or random.randrange(1, 10**6))
     print(f"[etcd-chaos] seed {seed} (rerun: TM_ETCD_CHAOS_SEED={seed})", flush=True)
-    cluster = EtcdCluster().start()
-    try:
-        report = etcd_chaos.soak(cluster, str(tmp_path), seed, int(os.environ.get("TM_ETCD_CHAOS_FAULTS", "11")), api, layout)
-    finally:
-        cluster.stop()
+    faults = int(os.environ.get("TM_ETCD_CHAOS_FAULTS", str(len(etcd_chaos.KINDS))))
+    report = etcd_chaos.soak(str(tmp_path), seed, faults, api, layout)
     print(etcd_chaos.headline(report))
     print(etcd_chaos.table(report))
     assert report["job_failures"] == 0, (seed, report["failed_nodes"], report.get("error"))

@@ -192,3 +192,79 @@ def test_a_dead_member_resets_the_connection(proxied):
             assert s.recv(10) == b""
         except ConnectionResetError:
             pass
+
+
+def _closed_without_answer(s) -> bool:
+    """The proxy reset (or ended) the connection and no answer came back."""
+    s.settimeout(5)
+    try:
+        return s.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_an_armed_drop_resets_the_connection_before_or_after_etcd_got_the_request(proxied, after):
+    """``drop``: the client's connection is reset at the armed request; before, etcd never sees
+    it; after, etcd has it and answers into the void. Other connections carry on."""
+    up, proxies = proxied
+    plan = b"PUT /v2/keys/tm-launch/r1/state/plan HTTP/1.1\r\nContent-Length: 7\r\n\r\nvalue=1\n"
+    trigger = proxies.arm("plan", drop=True, after=after)
+    with socket.create_connection(("127.0.0.1", proxies.ports[0])) as s:
+        s.sendall(b"POST /v3/kv/range HTTP/1.1\r\nContent-Length: 3\r\n\r\n{}\n")
+        assert _read_lines(s, 4)[3] == b"ok:{}"  # not the armed request: passed through
+        s.sendall(plan)
+        assert trigger.fired.wait(5) and trigger.error is None
+        assert _closed_without_answer(s)
+    deadline = time.monotonic() + 5
+    while after and b"value=1" not in up.raw and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (b"value=1" in up.raw) == after
+    with socket.create_connection(("127.0.0.1", proxies.ports[0])) as s:
+        s.sendall(plan)  # the trigger fired once: the next plan write goes through
+        assert _read_lines(s, 1)[0].startswith(b"ok:")
+
+
+def test_a_proxy_that_does_not_parse_passes_anything_through():
+    """``parse=False`` (the proxies between etcd members): bytes that are no HTTP request are
+    passed through, delayed like any others, and never named."""
+    up = _Upstream()
+    proxies = EtcdProxies([("127.0.0.1", up.port)], parse=False).start()
+    try:
+        with socket.create_connection(("127.0.0.1", proxies.ports[0])) as s:
+            proxies.set_delay(0.3)
+            t0 = time.monotonic()
+            s.sendall(b"PUT /v2/keys/tm-launch/r1/state/plan HTTP/1.1\r\nContent-Length: 0\r\n\r\n\n")
+            assert len(_read_lines(s, 2)) == 2
+            assert time.monotonic() - t0 >= 0.55
+        assert proxies.requests == [0] and proxies.seen == []
+    finally:
+        proxies.stop()
+        up.sock.close()
+
+
+def test_members_can_talk_through_proxies_that_slow_their_raft_traffic(tmp_path):
+    """A real 3-member cluster whose members reach each other only through proxies
+    (``EtcdCluster.advertise_peers_at``): it elects a leader and commits writes; with the links
+    between members slowed, a write waits for the leader's round trip to a follower."""
+    from rendezvous.etcd_server import EtcdCluster
+    from rendezvous.kv import EtcdOptions, connect
+
+    cluster = EtcdCluster()
+    peers = EtcdProxies(cluster.peer_addresses, parse=False).start()
+    try:
+        cluster.advertise_peers_at(peers.ports).start()
+        kv = connect("v3", EtcdOptions(endpoints=tuple(cluster.endpoints), prefix="peers", timeout=10))
+        kv.put("k", "1")
+        assert kv.get("k").value == "1"
+        peers.set_delay(0.3)
+        t0 = time.monotonic()
+        kv.put("k", "2")
+        slowed = time.monotonic() - t0
+        peers.set_delay(0.0)
+        assert kv.get("k").value == "2"
+        assert slowed >= 0.5, slowed  # 0.3 s each way between the leader and a follower
+        assert peers.requests == [0, 0, 0]  # raft's traffic was relayed, never parsed
+    finally:
+        cluster.stop()
+        peers.stop()
