@@ -191,7 +191,10 @@ class EtcdChaos:
             nnodes=str(ACTIVE),
             nproc=NPROC,
             backend="etcd-v3" if api == "v3" else "etcd-v2",
-            launcher_args=["--lease-ttl", str(TTL), "--max-restarts", "3"],
+            # Every replacement counts against --max-restarts, and a soak has three worker kills
+            # (WORKER_KILLS): a bound of 3 would fail the job on any other replacement instead of
+            # letting the report name it (a fencing of a node no fault took).
+            launcher_args=["--lease-ttl", str(TTL), "--max-restarts", "10"],
         )
         # The script's step budget (``budget``); the driver ends the run 20 steps after the last
         # fault (``DIR/end``), where the script's loop ends (``job.end_loop()``).

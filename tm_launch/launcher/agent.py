@@ -201,14 +201,15 @@ class Agent:
         if not addrs:
             return False
         contacts = last_etcd_contacts(addrs)
-        if not lapsed_but_alive(contacts, time.time(), self.cfg.lease_ttl):
+        request_timeout = self.kv.options.timeout if hasattr(self.kv, "options") else 0.0
+        if not lapsed_but_alive(contacts, time.time(), self.cfg.lease_ttl, request_timeout):
             return False
         news = set(lapsed) - self.said_lapsed
         if news:
             self.said_lapsed |= news
             self.say(
                 f"{', '.join(sorted(news))}: lease lapsed, but its agent answers and etcd answered it within "
-                f"{2 * self.cfg.lease_ttl:g}s (a late renewal): not replaced, waiting for it to register again",
+                f"{2 * self.cfg.lease_ttl + request_timeout:g}s (a late renewal): not replaced, waiting for it to register again",
                 kind="lapsed_alive",
                 nodes=sorted(news),
             )

@@ -116,12 +116,18 @@ def plans_while_settling(*, live: bool, finished: bool, removed: set[str], repla
     return live and not finished and bool(removed) and removed <= reported and removed <= replaced
 
 
-def lapsed_but_alive(contacts: list[float | None], now: float, ttl: float) -> bool:
+def lapsed_but_alive(contacts: list[float | None], now: float, ttl: float, request_timeout: float = 0.0) -> bool:
     """May a planner replace nodes for a lapsed lease alone? Not while one of them is evidently
     alive and talking to etcd: ``contacts`` are the wall times at which etcd last answered each
     such node, read from its agent's own store (None: its agent did not answer). One that
     answers and heard from etcd within two TTLs renews late (etcd slow on its way: a slowed or
     overloaded member) and registers again as soon as it sees its lease gone; replacing it would
     fence a healthy node. A node whose agent does not answer (dead, frozen, cut off) or that
-    has not heard from etcd for longer is replaced as before."""
-    return any(c is not None and now - c < 2 * ttl for c in contacts)
+    has not heard from etcd for longer is replaced as before.
+
+    ``request_timeout`` (the etcd client's) is added to the two TTLs: a renewal sent to a member
+    that hangs (stopped, or slowed past the timeout) is given up only then and sent to the next
+    member, so until then a healthy node cannot have heard from etcd. Without it a soak (v2,
+    FSDP2, one member slowed 4.9 s each way) replaced a healthy node 6.2 s after etcd last
+    answered it, 0.2 s before its renewal got through another member."""
+    return any(c is not None and now - c < 2 * ttl + request_timeout for c in contacts)

@@ -147,17 +147,21 @@ def test_only_a_reported_failure_is_planned_while_nodes_rejoin(live, finished, r
 
 
 @pytest.mark.parametrize(
-    "contacts, want",
+    "contacts, request_timeout, want",
     [
-        ([], False),  # no address known: replaced as before
-        ([None], False),  # its agent does not answer: dead, frozen or cut off
-        ([99.0], True),  # answers, etcd answered it 1 s ago: a late renewal (the v2 FSDP2 soak, etcd slowed)
-        ([94.1], True),
-        ([94.0], False),  # answers, but etcd has not for two TTLs: cut off from etcd, replaced
-        ([50.0], False),
-        ([None, 99.0], True),  # one of two alive: hold (the other is replaced once that one is back)
-        ([None, 10.0], False),
+        ([], 0.0, False),  # no address known: replaced as before
+        ([None], 0.0, False),  # its agent does not answer: dead, frozen or cut off
+        ([99.0], 0.0, True),  # answers, etcd answered it 1 s ago: a late renewal (the v2 FSDP2 soak, etcd slowed)
+        ([94.1], 0.0, True),
+        ([94.0], 0.0, False),  # answers, but etcd has not for two TTLs: cut off from etcd, replaced
+        ([50.0], 0.0, False),
+        ([None, 99.0], 0.0, True),  # one of two alive: hold (the other is replaced once that one is back)
+        ([None, 10.0], 0.0, False),
+        ([93.8], 5.0, True),  # 6.2 s: its renewal still waits out the client's 5 s on a hung member (soak seed 3)
+        ([89.1], 5.0, True),
+        ([89.0], 5.0, False),  # two TTLs and a request timeout: it would have failed over by now
+        ([None], 5.0, False),
     ],
 )
-def test_a_lapsed_lease_is_not_replaced_while_its_agent_answers_and_hears_from_etcd(contacts, want):
-    assert lapsed_but_alive(contacts, now=100.0, ttl=3.0) is want
+def test_a_lapsed_lease_is_not_replaced_while_its_agent_answers_and_hears_from_etcd(contacts, request_timeout, want):
+    assert lapsed_but_alive(contacts, now=100.0, ttl=3.0, request_timeout=request_timeout) is want
