@@ -391,7 +391,7 @@ class Chaos:
     def prepare(self, need: int, stock: int = 3) -> None:
         """Top the spares up to ``stock`` (new node names) and hold training until ``need`` are parked."""
         s = self.status()
-        used = {n for plan in self.members.history() for n in plan.nodes}  # ever active: not a spare any more
+        used = {n for plan in self.members.operator_log.history() for n in plan.nodes}  # ever active: not a spare any more
         have = [name for name, node in self.job.nodes.items() if node.proc.poll() is None and name not in used]
         for _ in range(stock - len(have)):
             self.new_spare()

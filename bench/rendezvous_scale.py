@@ -682,7 +682,7 @@ def _current_plan_nodes(endpoint: str, run_id: str) -> list[str]:
 
 def _history(endpoint: str, run_id: str) -> list[int]:
     with _job_kv(endpoint, run_id) as kv:
-        return [p.generation for p in Membership(kv).history()]
+        return [p.generation for p in Membership(kv).operator_log.history()]
 
 
 def run_c10d(n: int, procs: int, opts: dict, timeout: float) -> dict:

@@ -30,13 +30,7 @@ readers keep copies (``state_mirror``: the whole of ``state/`` for those that re
 for a follower) and read etcd only when a copy cannot be trusted; a follower is woken only by a
 new delta, a marker naming it or no marker left (``marker_watch``).
 
-``log/`` what operators read: ``log/history/<gen>`` (every plan), ``log/events/<t>-<node>``,
-``log/alarms/<node>/<signal>``, ``log/progress/<node>`` (leased: step, generation, role),
-``log/steps/<node>`` (not leased: a bounded list of [time, generation, rank, step, step_time,
-state] worker samples, rewritten with each progress publish; ``ctl timeline`` draws it),
-``log/breakdown/<gen>/plan`` and ``log/breakdown/<gen>/nodes/<node>`` (the stamps of a
-generation change, one write by the planner that published it and one per active node:
-``tm_launch.joblog``).
+``log/`` what operators read: ``operator_log.py`` has its keys (``Membership.operator_log``).
 
 Consistency: a plan changes only through compare-and-swap on ``state/plan``, one key, so a node
 killed while publishing leaves either the old plan or the new one, never half of each; its delta
@@ -51,11 +45,13 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from . import marker_watch
+from .json_values import ValueReader, json_object
 from .kv import KV, Entry, KVError, Lease, Listing, WatchNews
+from .operator_log import OperatorLog
 from .plan import DeltaMismatch, NodeInfo, Plan, PlanDelta, apply_delta, fresh_nodes, plan_delta, plan_digest
 from .planner import PLANNERS, View, follows_only, planners, spares
 from .state_mirror import StateMirror
@@ -112,26 +108,15 @@ def _writes_state(method):
 class Membership:
     def __init__(self, kv: KV):
         self.kv = kv
-        self.skipped: dict[str, str] = {}  # key -> why it was ignored (each is logged once)
+        self.values = ValueReader(kv)  # reads JSON values; records the keys skipped (operator_log too)
+        self.operator_log = OperatorLog(kv, self.values)  # log/, what operators read
         self.state_mirror = StateMirror()  # a whole reader's copy of state/, between reads
         self.feed_mirror = StateMirror(max_age_s=None)  # a follower's copy of the plan feed
 
-    def _where(self, key: str) -> str:
-        options = getattr(self.kv, "options", None)
-        where = (options.prefix.rstrip("/") + "/" if options and options.prefix else "") + key
-        return ascii(where)[1:-1]  # a key is input too: no newlines or terminal escapes in logs
-
-    def _skip(self, key: str, error: Exception) -> None:
-        """Ignore one unreadable value, and say so once per key: what it is and how to fix it."""
-        why = " ".join(str(error).split())[:100] or type(error).__name__
-        if key not in self.skipped:
-            log.warning(
-                "ignoring etcd key %s: unreadable (%s); tm-launch never wrote that, delete it (etcdctl del %s)",
-                self._where(key),
-                why,
-                self._where(key),
-            )
-        self.skipped[key] = why
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Key -> why it was ignored, for every unreadable key under ``state/`` or ``log/``."""
+        return self.values.skipped
 
     # -- registration ---------------------------------------------------------------------
     @_writes_state
@@ -199,7 +184,7 @@ class Membership:
                 elif kind == "drain":
                     drains[parts[2]] = _reason(entry.value, "drain requested")
                 elif kind == "warm":
-                    _object(entry.value)
+                    json_object(entry.value)
                     warm.add(parts[2])
                 elif kind in ("reports", "done", "stores") and not parts[2].isdigit():
                     raise ValueError("the generation in the key is not a number")
@@ -207,14 +192,14 @@ class Membership:
                     reason, report_kind, when = _report(entry.value)
                     reports[parts[3]], kinds[parts[3]], times[parts[3]] = reason, report_kind, when
                 elif kind == "done" and parts[2] == str(gen):
-                    _object(entry.value)
+                    json_object(entry.value)
                     done.add(parts[3])
                 elif kind == "live" and entry.value != "1":
                     raise ValueError("not the value tm-launch writes ('1')")
                 elif kind == "stores":
                     _store(entry.value)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                self._skip(key, e)  # a garbage value under our keys is ignored, never fatal
+                self.values.skip(key, e)  # a garbage value under our keys is ignored, never fatal
                 continue
         view = View(
             plan=plan,
@@ -268,11 +253,11 @@ class Membership:
         if not follows_only(previous.view, node, node in previous.planners):
             return self._whole(fresh)
         revision, feed = self._feed(fresh)
-        markers = self._markers(feed)
+        markers = _markers(feed, self.values.skip)
         chosen = tuple(sorted({name for names in markers.values() for name in names}))
         if not markers or node in chosen:
             return self._whole(fresh)
-        moved = self._delta_plan(previous.view.plan, feed.get(DELTA))
+        moved = _delta_plan(previous.view.plan, feed.get(DELTA), self.values.skip)
         if moved is None:
             return self._whole(fresh)
         plan, delta = moved
@@ -290,7 +275,7 @@ class Membership:
         else (a plan already published, planners still being chosen, a marker naming it) is a
         whole read."""
         revision, feed = self._feed(fresh)
-        chosen = tuple(sorted({name for names in self._markers(feed).values() for name in names}))
+        chosen = tuple(sorted({name for names in _markers(feed, self.values.skip).values() for name in names}))
         if DELTA in feed or len(chosen) < PLANNERS or node in chosen:
             return self._whole(fresh)
         view = View(plan=None, alive={}, failed={}, reports={}, drains={}, done=frozenset(), live=False, now=time.time())
@@ -325,6 +310,10 @@ class Membership:
         """How many nodes are registered now, without reading their records."""
         return self.kv.count("state/nodes/")
 
+    def reports_for(self, generation: int) -> dict[str, dict]:
+        """The failure reports of ``generation`` ({node: {reason, kind, time}})."""
+        return {key.rsplit("/", 1)[-1]: v for key, v in self.values.objects(f"state/reports/{generation}/").items()}
+
     def _whole(self, fresh: bool) -> Snapshot:
         listing = None if fresh else self.state_mirror.listing()
         if listing is None:
@@ -332,39 +321,6 @@ class Membership:
             self.state_mirror.seed(listing)
             self.feed_mirror.seed(Listing([e for e in listing if e.key.startswith(FEED)], listing.revision))
         return self.snapshot(listing=listing)
-
-    def _markers(self, entries: dict[str, Entry]) -> dict[str, tuple[str, ...]]:
-        """The readable planner markers among ``entries``: key -> the planners it names."""
-        markers = {}
-        for key, entry in entries.items():
-            if not key.startswith(PLANNER_MARKERS):
-                continue
-            try:
-                if "/" in key[len(PLANNER_MARKERS) :]:
-                    raise ValueError("a key of an unexpected shape")
-                markers[key] = _marker_names(entry.value)
-            except ValueError as e:
-                self._skip(key, e)
-        return markers
-
-    def _delta_plan(self, held: Plan | None, entry: Entry | None) -> tuple[Plan | None, PlanDelta | None] | None:
-        """The published plan, from ``held`` and the feed's delta, with the delta that moved it
-        on (None when the plan stands); None when only a whole read can tell (no delta, an
-        unreadable one, or one that does not fit ``held``)."""
-        if entry is None:
-            return (None, None) if held is None else None  # no plan yet: generation 0 forms
-        try:
-            delta = PlanDelta.from_json(entry.value)
-        except ValueError as e:
-            self._skip(DELTA, e)
-            return None
-        if held is not None and delta.generation == held.generation and delta.digest == plan_digest(held):
-            return held, None  # woken by a marker, or by nothing: the plan stands
-        try:
-            return apply_delta(held, delta), delta
-        except DeltaMismatch as e:
-            log.debug("plan delta for generation %s not applied (%s): reading the whole state", delta.generation, e)
-            return None
 
     def _moved_on(self, before: View, plan: Plan | None, records: tuple[NodeInfo, ...]) -> View:
         """``before`` moved on to ``plan``: the registrations of its ``fresh_nodes`` are those
@@ -400,7 +356,7 @@ class Membership:
         try:
             return _node_record(node, entry.value) if entry is not None else None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            self._skip(f"state/nodes/{node}", e)
+            self.values.skip(f"state/nodes/{node}", e)
             return None
 
     def plan(self) -> Plan | None:
@@ -414,7 +370,7 @@ class Membership:
             # Never guess over a plan we cannot read: agents stop changing the job and say why.
             why = " ".join(f"{type(e).__name__}: {e}".split())[:120]
             raise UnreadablePlan(
-                f"the job's plan (etcd key {self._where('state/plan')}) is unreadable ({why}); nothing "
+                f"the job's plan (etcd key {self.values.where('state/plan')}) is unreadable ({why}); nothing "
                 "changes until it is restored (put back the newest log/history/ entry) or the job "
                 "starts under a new --rdzv-id"
             ) from None
@@ -469,7 +425,7 @@ class Membership:
         if expected is not None:
             try:
                 replaced = Plan.from_json(expected.value)
-                self.kv.create(f"log/history/{replaced.generation:08d}", expected.value)
+                self.operator_log.plan_published(replaced.generation, expected.value, backfill=True)
             except (ValueError, TypeError, KeyError):
                 pass
         # The delta from the plan this one replaces (from nothing if that was unreadable: then
@@ -480,7 +436,7 @@ class Membership:
         else:
             ok = self.kv.replace("state/plan", plan.to_json(), expected.revision, also=feed)
         if ok:
-            self.kv.put(f"log/history/{plan.generation:08d}", plan.to_json())
+            self.operator_log.plan_published(plan.generation, plan.to_json())
         return ok
 
     @_writes_state
@@ -499,7 +455,7 @@ class Membership:
         try:
             return _store(entry.value) if entry else None
         except (ValueError, TypeError) as e:
-            self._skip(f"state/stores/{generation}", e)
+            self.values.skip(f"state/stores/{generation}", e)
             return None
 
     @_writes_state
@@ -536,111 +492,6 @@ class Membership:
     def set_live(self) -> None:
         self.kv.create("state/live", "1")
 
-    # -- operator log -------------------------------------------------------------------------
-    def event(self, node: str, kind: str, at: float | None = None, **fields) -> dict:
-        """One event under ``log/events/``, keyed by when it happened (``at``; default now)."""
-        at = time.time() if at is None else at
-        record = {"time": at, "node": node, "kind": kind, **fields}
-        self.kv.put(f"log/events/{int(at * 1e9):020d}-{node}", json.dumps(record, sort_keys=True))
-        return record
-
-    def _json_values(self, prefix: str) -> dict[str, dict]:
-        """Key -> JSON object under ``prefix``, skipping anything else (etcd content is input:
-        a garbage value must not break ``ctl status``)."""
-        out = {}
-        for e in self.kv.get_prefix(prefix):
-            try:
-                out[e.key] = _object(e.value)
-            except ValueError as err:
-                self._skip(e.key, err)
-        return out
-
-    def events(self) -> list[dict]:
-        return list(self._json_values("log/events/").values())
-
-    def alarm(self, node: str, name: str, record: dict) -> None:
-        self.kv.put(f"log/alarms/{node}/{name}", json.dumps(record, sort_keys=True))
-
-    def alarms(self) -> list[dict]:
-        return list(self._json_values("log/alarms/").values())
-
-    def progress(self, node: str, record: dict, lease: Lease | None) -> None:
-        self.kv.put(f"log/progress/{node}", json.dumps(record, sort_keys=True), lease=lease)
-
-    def all_progress(self) -> dict[str, dict]:
-        """Node -> its progress record; records whose shape others rely on (``workers``: local
-        rank -> a mapping) are checked here, once, so that readers can trust them."""
-        return self._progress_records(self._json_values("log/progress/"))
-
-    def progress_of(self, nodes: Iterable[str]) -> dict[str, dict]:
-        """``all_progress`` for ``nodes`` alone, in one request: those whose agents publish one."""
-        values = {}
-        for key, entry in self.kv.get_many(f"log/progress/{n}" for n in nodes).items():
-            try:
-                values[key] = _object(entry.value)
-            except ValueError as err:
-                self._skip(key, err)
-        return self._progress_records(values)
-
-    def _progress_records(self, values: dict[str, dict]) -> dict[str, dict]:
-        out = {}
-        for key, value in values.items():
-            workers = value.get("workers", {})
-            if key.count("/") != 2 or not isinstance(workers, dict) or not all(isinstance(w, dict) for w in workers.values()):
-                self._skip(key, ValueError("not a progress record"))
-                continue
-            out[key.rsplit("/", 1)[-1]] = value
-        return out
-
-    def steps(self, node: str, samples: list) -> None:
-        """Replace ``node``'s step series (bounded by the caller: tm_launch.joblog.append_samples)."""
-        self.kv.put(f"log/steps/{node}", json.dumps({"node": node, "samples": samples}))
-
-    def all_steps(self) -> dict[str, list]:
-        return {
-            key.rsplit("/", 1)[-1]: v["samples"] for key, v in self._json_values("log/steps/").items() if isinstance(v.get("samples"), list)
-        }
-
-    def downtime_stamps(self, generation: int, node: str | None, record: dict) -> None:
-        """Record one agent's stamps of generation ``generation``'s change: the publishing
-        planner's (``node`` None) or an active node's (once per generation, never per step)."""
-        part = "plan" if node is None else f"nodes/{node}"
-        self.kv.put(f"log/breakdown/{generation:08d}/{part}", json.dumps(record, sort_keys=True))
-
-    def stamped_nodes(self, generation: int) -> set[str]:
-        """The nodes that recorded their stamps of generation ``generation`` (``downtime_stamps``):
-        each does once all its workers completed a step in it."""
-        return {e.key.rsplit("/", 1)[-1] for e in self.kv.get_prefix(f"log/breakdown/{generation:08d}/nodes/")}
-
-    def all_downtime_stamps(self) -> dict[int, dict]:
-        """Generation -> {"plan": record or None, "nodes": {node: record}}; keys of any other
-        shape are skipped like every unreadable value."""
-        out: dict[int, dict] = {}
-        for key, value in self._json_values("log/breakdown/").items():
-            parts = key.split("/")
-            if len(parts) < 4 or not parts[2].isdigit() or not (parts[3:] == ["plan"] or (len(parts) == 5 and parts[3] == "nodes")):
-                self._skip(key, ValueError("a key of an unexpected shape"))
-                continue
-            entry = out.setdefault(int(parts[2]), {"plan": None, "nodes": {}})
-            if parts[3] == "plan":
-                entry["plan"] = value
-            else:
-                entry["nodes"][parts[4]] = value
-        return out
-
-    def reports_for(self, generation: int) -> dict[str, dict]:
-        """The failure reports of ``generation`` ({node: {reason, kind, time}})."""
-        return {key.rsplit("/", 1)[-1]: v for key, v in self._json_values(f"state/reports/{generation}/").items()}
-
-    def history(self) -> list[Plan]:
-        plans = []
-        for e in self.kv.get_prefix("log/history/"):
-            try:
-                plans.append(Plan.from_json(e.value))
-            except (ValueError, TypeError, KeyError) as err:
-                self._skip(e.key, err)
-        return plans
-
 
 # Keys under state/ by kind and the number of path segments tm-launch writes for each.
 _DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "warm": 3, "reports": 4, "done": 4, "stores": 3}
@@ -655,37 +506,60 @@ def _node_record(node: str, text: str) -> NodeInfo:
     return info
 
 
-def _object(text: str) -> dict:
-    """A JSON object, else ValueError (NaN and Infinity, which Python's json accepts, included)."""
-    try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"a JSON {type(value).__name__}, not an object")
-    return value
-
-
 def _marker_names(text: str) -> tuple[str, ...]:
-    names = _object(text).get("planners")
+    names = json_object(text).get("planners")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError("'planners' is not a list of node ids")
     return tuple(names)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
+def _markers(entries: dict[str, Entry], skip: Callable[[str, Exception], None]) -> dict[str, tuple[str, ...]]:
+    """The readable planner markers among ``entries``: key -> the planners it names (``skip``: the
+    others)."""
+    markers = {}
+    for key, entry in entries.items():
+        if not key.startswith(PLANNER_MARKERS):
+            continue
+        try:
+            if "/" in key[len(PLANNER_MARKERS) :]:
+                raise ValueError("a key of an unexpected shape")
+            markers[key] = _marker_names(entry.value)
+        except ValueError as e:
+            skip(key, e)
+    return markers
+
+
+def _delta_plan(
+    held: Plan | None, entry: Entry | None, skip: Callable[[str, Exception], None]
+) -> tuple[Plan | None, PlanDelta | None] | None:
+    """The published plan, from ``held`` and the feed's delta, with the delta that moved it
+    on (None when the plan stands); None when only a whole read can tell (no delta, an
+    unreadable one, or one that does not fit ``held``)."""
+    if entry is None:
+        return (None, None) if held is None else None  # no plan yet: generation 0 forms
+    try:
+        delta = PlanDelta.from_json(entry.value)
+    except ValueError as e:
+        skip(DELTA, e)
+        return None
+    if held is not None and delta.generation == held.generation and delta.digest == plan_digest(held):
+        return held, None  # woken by a marker, or by nothing: the plan stands
+    try:
+        return apply_delta(held, delta), delta
+    except DeltaMismatch as e:
+        log.debug("plan delta for generation %s not applied (%s): reading the whole state", delta.generation, e)
+        return None
 
 
 def _reason(text: str, default: str) -> str:
-    reason = _object(text).get("reason", default)
+    reason = json_object(text).get("reason", default)
     if not isinstance(reason, str):
         raise ValueError("'reason' is not a string")
     return reason
 
 
 def _report(text: str) -> tuple[str, str, float]:
-    d = _object(text)
+    d = json_object(text)
     reason, kind, when = d["reason"], d.get("kind", "lost"), d.get("time", 0.0)
     if not isinstance(reason, str) or kind not in _REPORT_KINDS:
         raise ValueError("'reason' is not a string or 'kind' is unknown")
@@ -695,7 +569,7 @@ def _report(text: str) -> tuple[str, str, float]:
 
 
 def _store(text: str) -> dict:
-    d = _object(text)
+    d = json_object(text)
     addr, port = d.get("addr"), d.get("port")
     if not isinstance(addr, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError("not {addr: str, port: 1-65535}")

@@ -146,7 +146,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return False
         if self._m.publish(new, snap.plan_entry, snap.view.alive):
             log.info("etcd-v3 rendezvous: published generation %d %s (%s)", new.generation, new.nodes, new.cause)
-            self._m.event(self.node, "rdzv-plan", generation=new.generation, nodes=list(new.nodes), cause=new.cause)
+            self._m.operator_log.event(self.node, "rdzv-plan", generation=new.generation, nodes=list(new.nodes), cause=new.cause)
         return True
 
     # -- RendezvousHandler --------------------------------------------------------------------
@@ -230,7 +230,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._gen, self._waiting = plan.generation, (0.0, 0)  # a cached answer was about the old round
         info = RendezvousStoreInfo.build(rank, store, local_addr=self.addr)
         log.info("etcd-v3 rendezvous: node %s is group rank %d of %d in generation %d", self.node, rank, len(plan.nodes), plan.generation)
-        self._m.event(self.node, "rdzv-join", generation=plan.generation, rank=rank)
+        self._m.operator_log.event(self.node, "rdzv-join", generation=plan.generation, rank=rank)
         return RendezvousInfo(store, rank, len(plan.nodes), info)
 
     def num_nodes_waiting(self) -> int:

@@ -114,15 +114,16 @@ def test_every_hostile_value_is_skipped_and_named_once(members, caplog):
     p0 = Plan(generation=0, nodes=("a", "b"), nproc=1, store={"node": "a", "addr": "127.0.0.1", "port": 1000})
     assert m.publish(p0, None)
     m.set_live()
-    m.event("a", "plan", message="published generation 0")
+    m.operator_log.event("a", "plan", message="published generation 0")
     clean = m.snapshot().view
     for key, value in {**HOSTILE_STATE, **HOSTILE_LOG, **ODD_BUT_OBJECTS}.items():
         kv.put(key, value)
-    with caplog.at_level(logging.WARNING, logger="rendezvous.membership"):
+    with caplog.at_level(logging.WARNING, logger="rendezvous.json_values"):
         t0 = time.monotonic()
         snap = m.snapshot()
         m.snapshot()  # a second read names nothing again
-        events, alarms, progress, history = m.events(), m.alarms(), m.all_progress(), m.history()
+        oplog = m.operator_log
+        events, alarms, progress, history = oplog.events(), oplog.alarms(), oplog.all_progress(), oplog.history()
         elapsed = time.monotonic() - t0
     view = snap.view
     # Exactly the job it was, with the garbage ignored.
@@ -198,8 +199,8 @@ def test_nan_and_huge_numbers_are_not_json(members):
     m.kv.put("log/events/n", '{"time": NaN}')
     m.kv.put("log/events/i", '{"time": Infinity}')
     m.kv.put("log/events/ok", '{"time": 1.5}')
-    assert [e["time"] for e in m.events()] == [1.5]
-    assert not any(isinstance(v, float) and math.isnan(v) for e in m.events() for v in e.values())
+    assert [e["time"] for e in m.operator_log.events()] == [1.5]
+    assert not any(isinstance(v, float) and math.isnan(v) for e in m.operator_log.events() for v in e.values())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def test_spare_agent_replaces_killed_node(etcd_endpoint, tmp_path):
     outputs = [log.read_text() for log in logs]
     assert procs[0].returncode == 0, outputs[0][-6000:]
     assert procs[2].returncode == 0, outputs[2][-6000:]
-    history = m.history()
+    history = m.operator_log.history()
     substituted = [p for p in history if p.replaced]
     assert substituted and "lease expired" in substituted[0].cause, [(p.generation, p.cause) for p in history]
     assert history[-1].state == "succeeded"

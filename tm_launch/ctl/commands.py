@@ -83,8 +83,8 @@ def status(members, run_id: str) -> dict:
     if snap.plan_error:
         logger(__name__).warning("%s", snap.plan_error)
     view, plan = snap.view, snap.view.plan
-    progress = members.all_progress()
-    departed = departures(members.history())
+    progress = members.operator_log.all_progress()
+    departed = departures(members.operator_log.history())
     ids = set(view.alive) | set(view.failed) | set(plan.nodes if plan else ()) | set(progress) | set(departed)
     nodes = []
     for node in sorted(ids, key=lambda n: (plan.group_rank(n) if plan and plan.group_rank(n) is not None else 10**9, n)):
@@ -131,7 +131,7 @@ def status(members, run_id: str) -> dict:
         "cause": plan.cause if plan else "",
         "spares_left": len(spares(view)),  # not the removed node that has yet to exit, nor a draining one
         "nodes": nodes,
-        "alarms": members.alarms(),
+        "alarms": members.operator_log.alarms(),
     }
 
 
@@ -246,7 +246,7 @@ def main(argv: list[str]) -> int:
         elif args.command == "events":
             seen = 0
             while True:
-                events = members.events()
+                events = members.operator_log.events()
                 for e in events[seen:]:
                     print(json.dumps(e, sort_keys=True) if args.json else _format_event(e), flush=True)
                 seen = len(events)
@@ -257,15 +257,15 @@ def main(argv: list[str]) -> int:
             _timeline(members, run_id, args)
         elif args.command == "drain":
             members.request_drain(args.node, "operator: tm-launch ctl drain")
-            members.event("operator", "drain_requested", message=f"tm-launch ctl drain {args.node}", target=args.node)
+            members.operator_log.event("operator", "drain_requested", message=f"tm-launch ctl drain {args.node}", target=args.node)
             print(f"drain requested for {args.node}: its ranks move to a spare at a step boundary")
         elif args.command == "cordon":
             members.cordon(args.node, "operator: tm-launch ctl cordon")
-            members.event("operator", "cordoned", message=f"tm-launch ctl cordon {args.node}", target=args.node)
+            members.operator_log.event("operator", "cordoned", message=f"tm-launch ctl cordon {args.node}", target=args.node)
             print(f"{args.node} cordoned: it is replaced if active and never chosen as a spare")
         elif args.command == "uncordon":
             existed = members.uncordon(args.node)
-            members.event("operator", "uncordoned", message=f"tm-launch ctl uncordon {args.node}", target=args.node)
+            members.operator_log.event("operator", "uncordoned", message=f"tm-launch ctl uncordon {args.node}", target=args.node)
             print(f"{args.node} uncordoned" if existed else f"{args.node} was not cordoned")
     except AccessDenied as e:
         log.error("permission denied for run %s: %s", args.rdzv_id, e)

@@ -107,7 +107,8 @@ def read(members, run_id: str) -> dict:
     """Collect the keys ``build`` needs from etcd (a handful of range reads)."""
     from dataclasses import asdict
 
-    history = [asdict(p) for p in members.history()]
+    oplog = members.operator_log
+    history = [asdict(p) for p in oplog.history()]
     reports: dict[int, dict] = {}
     for e in members.kv.get_prefix("state/reports/"):
         parts = e.key.split("/")
@@ -119,7 +120,7 @@ def read(members, run_id: str) -> dict:
             continue
         if isinstance(value, dict):
             reports.setdefault(int(parts[2]), {})[parts[3]] = value
-    return build(run_id, history, reports, members.events(), members.all_steps(), members.all_downtime_stamps())
+    return build(run_id, history, reports, oplog.events(), oplog.all_steps(), oplog.all_downtime_stamps())
 
 
 def by_generation(samples: list[dict]) -> list[list[dict]]:

@@ -211,7 +211,7 @@ class CollectiveWatch:
         if not unreachable:
             return set()
         try:
-            progress = self.session.members.progress_of(sorted(unreachable))
+            progress = self.session.members.operator_log.progress_of(sorted(unreachable))
         except KVError:
             return set(unreachable)
         now, silent = time.time(), set()

@@ -66,7 +66,7 @@ class EventLog:
             failed = 0
             while True:  # etcd away: retried under the agent's retry policy, in order, until it goes
                 try:
-                    self.members.event(self.node_id, record["kind"], at=record["time"], **fields)
+                    self.members.operator_log.event(self.node_id, record["kind"], at=record["time"], **fields)
                     break
                 except KVError:
                     failed += 1

@@ -239,7 +239,7 @@ class FailureWatch:
         generation, read_at, warming = self.warming
         if generation != plan.generation or time.time() - read_at >= 1.0:
             try:
-                progress = self.session.members.progress_of(plan.joiners)
+                progress = self.session.members.operator_log.progress_of(plan.joiners)
             except KVError:
                 progress = {}
             warming = joiners_warming_up(plan, progress, time.time())

@@ -156,7 +156,7 @@ class AlarmWatch:
             except queue.Empty:
                 return
             record = alarm.to_json()
-            self.session.members.alarm(me, f"{alarm.signal}-gpu{alarm.gpu}", record)
+            self.session.members.operator_log.alarm(me, f"{alarm.signal}-gpu{alarm.gpu}", record)
             self.say(f"alarm {alarm.severity}: {alarm.message}", kind="alarm", alarm=record)
             if plan is None or me not in plan.nodes:
                 if alarm.severity == FATAL:
@@ -191,7 +191,7 @@ class StragglerWatch:
             self.window, self.flagged = -1, set()
         by_window: dict[int, dict[int, float]] = {}
         owner: dict[int, str] = {}
-        for node, record in self.session.members.all_progress().items():
+        for node, record in self.session.members.operator_log.all_progress().items():
             if node not in plan.nodes or record.get("generation") != plan.generation:
                 continue
             for worker in record.get("workers", {}).values():
@@ -215,7 +215,7 @@ class StragglerWatch:
                     continue
                 self.flagged.add(node)  # one alarm per node and generation: the drain is pending
                 alarm = self.detector.alarm_for(rank, node)
-                self.session.members.alarm(node, f"straggler-rank{rank}", alarm.to_json())
+                self.session.members.operator_log.alarm(node, f"straggler-rank{rank}", alarm.to_json())
                 self.session.request_drain(node, alarm.message)
                 self.say(f"alarm degraded: {alarm.message} on {node}: requesting a planned migration", kind="alarm", alarm=alarm.to_json())
                 self.detector.reset(rank)
@@ -266,13 +266,13 @@ class ProgressPublisher:
             for s in statuses.values()
             if s.state.trained and s.step is not None
         ]
-        members = self.session.members
+        oplog = self.session.members.operator_log
         try:
-            members.progress(self.node_id, record, self.session.lease)
+            oplog.progress(self.node_id, record, self.session.lease)
             unchanged = bool(rows) and [r[1:] for r in self.step_series[-len(rows) :]] == [r[1:] for r in rows]
             if rows and not (unchanged and all(r[5] in ("finished", "left") for r in rows)):  # after the end: no more writes
                 self.step_series = append_samples(self.step_series, rows)
-                members.steps(self.node_id, self.step_series)
+                oplog.steps(self.node_id, self.step_series)
             self.stragglers.check(plan, self.supervisor.live_seen)
         except KVError:
             pass
@@ -345,15 +345,15 @@ class DowntimeStamps:
     def write(self) -> None:
         """Write what is complete: the planner's stamps, and a generation whose local workers all
         completed a step in it. A KVError leaves the rest for the next call."""
-        members, sup = self.session.members, self.supervisor
+        oplog, sup = self.session.members.operator_log, self.supervisor
         for gen in sorted(self.published):
-            members.downtime_stamps(gen, None, self.published[gen])
+            oplog.downtime_stamps(gen, None, self.published[gen])
             del self.published[gen]
         for gen in sorted(self.seen):
             firsts = sup.first_steps(gen)
             entered = sup.entered(gen) if firsts else None
             if entered and firsts:
-                members.downtime_stamps(gen, self.node_id, node_stamps(self.seen[gen], sup.directed_at.get(gen), entered, firsts))
+                oplog.downtime_stamps(gen, self.node_id, node_stamps(self.seen[gen], sup.directed_at.get(gen), entered, firsts))
                 del self.seen[gen]
 
     def flush(self) -> None:

@@ -141,7 +141,7 @@ class PlanExecutor:
         it leaves (``tm_launch.worker.state.per_rank``): a rank that takes over from one that left fetches its
         RNG and data position there. So the store keeps serving, with the workers stopped and the
         registration given back (no longer a spare nor a planner), until every node of a later
-        live generation has completed a step in it (its stamps, ``Membership.stamped_nodes``: the
+        live generation has completed a step in it (its stamps, ``OperatorLog.stamped_nodes``: the
         mirrors are in that generation's store by then), the job ended or restarted, or
         max(60 s, --collective-timeout) passed. An agent that left at once took the mirrors along
         whenever the joiner fetched after it was gone, and every worker restarted from the
@@ -160,7 +160,7 @@ class PlanExecutor:
                     current is None
                     or current.finished
                     or not current.live
-                    or set(current.nodes) <= members.stamped_nodes(current.generation)
+                    or set(current.nodes) <= members.operator_log.stamped_nodes(current.generation)
                 ):
                     return
             except KVError:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from rendezvous.kv import KVError, Lease, LeaseExpired
 from rendezvous.membership import Membership, UnreadablePlan
+from rendezvous.operator_log import OperatorLog
 from rendezvous.plan import NodeInfo, Plan
 
 from ..logs import logger
@@ -47,14 +48,15 @@ class EtcdGone(Exception):
         self.code = code
 
 
-class PatientMembership:
-    """``Membership`` as the running agent's loop uses it: every method call that etcd does not
-    answer is retried in place by ``EtcdSession.retrying`` (the one retry policy), so no request
-    of the loop can raise an etcd error into it. Calls from other threads, and attributes that
-    are not methods, go straight to the ``Membership`` (``direct``)."""
+class Patient:
+    """An object that asks etcd (``Membership``, its ``OperatorLog``) as the running agent's loop
+    uses it: every method call that etcd does not answer is retried in place by
+    ``EtcdSession.retrying`` (the one retry policy), so no request of the loop can raise an etcd
+    error into it. Calls from other threads, and attributes that are not methods, go straight to
+    the object (``direct``)."""
 
-    def __init__(self, members: Membership, session: EtcdSession):
-        self.direct = members
+    def __init__(self, direct: Membership | OperatorLog, session: EtcdSession):
+        self.direct = direct
         self._session = session
         self._owner = threading.get_ident()  # the thread the fencing rule may act on: the loop's
 
@@ -63,6 +65,15 @@ class PatientMembership:
         if not callable(attr) or threading.get_ident() != self._owner:
             return attr
         return lambda *args, **kwargs: self._session.retrying(lambda: attr(*args, **kwargs))
+
+
+class PatientMembership(Patient):
+    """``Membership`` as the running agent's loop uses it (``Patient``), its ``operator_log``
+    too: a progress record or an alarm the loop writes is a request like any other."""
+
+    def __init__(self, members: Membership, session: EtcdSession):
+        super().__init__(members, session)
+        self.operator_log = Patient(members.operator_log, session)
 
 
 class EtcdSession:
@@ -381,7 +392,7 @@ class EtcdSession:
             try:
                 latest = self.direct.snapshot().view.plan
                 self.direct.cordon(me, f"fenced: {why}")
-                self.direct.event(me, "fenced", message=f"fenced: {why}; cordoned")  # for `ctl events`
+                self.direct.operator_log.event(me, "fenced", message=f"fenced: {why}; cordoned")  # for `ctl events`
                 break
             except KVError:
                 if time.time() > deadline:

@@ -209,6 +209,8 @@ def test_an_agent_with_nothing_left_to_run_gives_up_on_an_etcd_that_is_gone(one_
     with pytest.raises(EtcdGone, match="etcd unreachable for .* nothing left to run") as gone:
         s.members.plan()
     assert gone.value.code == code
+    with pytest.raises(EtcdGone):  # the operator log's requests take the same policy
+        s.members.operator_log.progress_of(["n2"])
     running = EtcdSession(
         one_member, "n1", lease_ttl=2.0, stall_limit=30.0, say=Said(), local_progress=lambda: (False, 0.1),
         worker_exits=lambda: {0: None}, followed=lambda: plan,
@@ -371,7 +373,7 @@ def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(
         )
     supervisor.store.set(WorkerKeys(0).first_step(2), FirstStepRecord(time=seen + 0.5, step=7).to_json())
     stamps.write()
-    assert members.all_downtime_stamps() == {
+    assert members.operator_log.all_downtime_stamps() == {
         2: {"plan": {"planner": "n2", "published": seen - 0.01, "detected": seen - 0.2, "detected_by": "n3"}, "nodes": {}}
     }  # worker 1 has yet to complete a step
     supervisor.store.set(WorkerKeys(1).first_step(2), FirstStepRecord(time=seen + 0.6, step=7).to_json())
@@ -379,7 +381,7 @@ def test_downtime_stamps_are_written_once_per_generation_after_every_first_step(
     revision = members.kv.current_revision()
     stamps.write()
     assert members.kv.current_revision() == revision  # written once
-    record = members.all_downtime_stamps()[2]["nodes"]["n2"]
+    record = members.operator_log.all_downtime_stamps()[2]["nodes"]["n2"]
     assert record["seen"] == seen and seen <= record["directed"] < seen + 5 and record["last_step"] == seen - 1.0
     assert (record["communicator"], record["entered"], record["first_step"]) == pytest.approx((seen + 0.3, seen + 0.35, seen + 0.6))
     for gen in (3, 4, 5):  # superseded before any step: only the newest two are still waited for

@@ -366,14 +366,15 @@ def test_garbage_values_are_ignored(kv_factory):
     assert v.warm == frozenset()
     # the planner runs on it without trouble, and the operator views skip garbage too
     next_plan(v, Limits(min_nodes=1, max_nodes=1, nproc=1, max_restarts=3))
-    assert m.events() == [] and m.alarms() == [] and m.all_progress() == {} and m.progress_of(["x", "nobody"]) == {}
-    m.progress("a", {"node": "a", "workers": {"0": {"state": "sandbox"}}, "time": 1.0}, lease)
-    assert m.progress_of(["a", "x"]) == {"a": {"node": "a", "workers": {"0": {"state": "sandbox"}}, "time": 1.0}}
-    assert [p.generation for p in m.history()] == [0]
-    assert m.all_downtime_stamps() == {}
-    m.downtime_stamps(1, None, {"published": 2.0})
-    m.downtime_stamps(1, "a", {"seen": 3.0})
-    assert m.all_downtime_stamps() == {1: {"plan": {"published": 2.0}, "nodes": {"a": {"seen": 3.0}}}}
+    oplog = m.operator_log
+    assert oplog.events() == [] and oplog.alarms() == [] and oplog.all_progress() == {} and oplog.progress_of(["x", "nobody"]) == {}
+    oplog.progress("a", {"node": "a", "workers": {"0": {"state": "sandbox"}}, "time": 1.0}, lease)
+    assert oplog.progress_of(["a", "x"]) == {"a": {"node": "a", "workers": {"0": {"state": "sandbox"}}, "time": 1.0}}
+    assert [p.generation for p in oplog.history()] == [0]
+    assert oplog.all_downtime_stamps() == {}
+    oplog.downtime_stamps(1, None, {"published": 2.0})
+    oplog.downtime_stamps(1, "a", {"seen": 3.0})
+    assert oplog.all_downtime_stamps() == {1: {"plan": {"published": 2.0}, "nodes": {"a": {"seen": 3.0}}}}
     lease.revoke()
 
 
@@ -616,7 +617,7 @@ def test_a_follower_reads_the_whole_state_whenever_the_delta_cannot_tell(kv_fact
     at2 = dataclasses.replace(held, view=dataclasses.replace(held.view, plan=gen2))
     whole(m, m.refresh(at2, "d"), "d is group rank 0 now")
     # Garbage in the feed: named once, never fatal, the whole state read instead.
-    with caplog.at_level(logging.WARNING, logger="rendezvous.membership"):
+    with caplog.at_level(logging.WARNING, logger="rendezvous.json_values"):
         for garbage in ("garbage {", "[" * 100_000 + "]" * 100_000, json.dumps({"previous": 2}), "{}"):
             kv.put("state/plan-feed/delta", garbage)
             whole(m, m.refresh(at2, "d"), garbage[:20])
