@@ -14,6 +14,9 @@ while the driver injects etcd faults one after another, each a real signal to re
   member-kill      a random member SIGKILLed, restarted on its data dir 1-5 s later
   leader-kill      the leader SIGKILLed (the others elect one), restarted 1-5 s later
   member-restart   a random member SIGKILLed and restarted at once, on its data dir
+  member-stop      the member the agents use most SIGSTOPped for 3-10 s (a frozen VM): it takes
+                   connections and answers nothing, so each request waits out the client's 5 s
+                   timeout before it tries another member, longer than the 3 s leases
   all-stop         every member SIGSTOPped for 1-10 s (a frozen VM, a paused container), then SIGCONT
   all-kill         every member SIGKILLed for 1-10 s, then restarted on their data dirs
   worker-kill-in-outage
@@ -83,6 +86,7 @@ KINDS = (
     "member-kill",
     "leader-kill",
     "member-restart",
+    "member-stop",
     "all-stop",
     "all-kill",
     "worker-kill-in-outage",
@@ -115,6 +119,8 @@ def _fault(kind: str, rng: random.Random) -> Fault:
     if kind in ("member-restart", "drop-on-renewal", "drop-on-plan"):
         return Fault(kind, 0.0, after=kind in SIDED and rng.random() < 0.5)
     slow = {"slow": (0.2, 1.5), "slow-member": (1.0, 6.0), "slow-peers": (0.2, 2.0)}
+    if kind == "member-stop":
+        return Fault(kind, round(rng.uniform(3.0, 10.0), 2))
     if kind in slow:
         return Fault(kind, round(rng.uniform(3.0, 10.0), 2), round(rng.uniform(*slow[kind]), 2))
     return Fault(kind, round(rng.uniform(1.0, 5.0), 2), after=kind in SIDED and rng.random() < 0.5)
@@ -255,6 +261,10 @@ class EtcdChaos:
         for i in range(len(self.cluster.members)):
             self.cluster.kill(i)
 
+    def _busiest(self) -> int:
+        """The member the agents sent the most requests to (through its proxy)."""
+        return max(range(len(self.proxies.requests)), key=lambda i: self.proxies.requests[i])
+
     def _fire_on(self, tag: str, fault, after: bool, within: float, drop: bool = False) -> float | None:
         """Arm the proxies to call ``fault`` (and ``drop`` the connection) when the next ``tag``
         request passes; when it fired (None if no such request came ``within`` seconds)."""
@@ -295,6 +305,12 @@ class EtcdChaos:
             cluster.kill(victim)
             time.sleep(down)
             cluster.restart(victim)
+        elif kind == "member-stop":
+            victim = self._busiest()
+            info["member"] = victim
+            os.kill(cluster.members[victim].pid, signal.SIGSTOP)
+            time.sleep(down)
+            os.kill(cluster.members[victim].pid, signal.SIGCONT)
         elif kind == "all-stop":
             self._signal_all(signal.SIGSTOP)
             time.sleep(down)
@@ -304,7 +320,7 @@ class EtcdChaos:
             time.sleep(down)
             cluster.restart()
         elif kind in ("slow", "slow-member", "slow-peers"):
-            busiest = max(range(len(self.proxies.requests)), key=lambda i: self.proxies.requests[i])
+            busiest = self._busiest()
             members = [busiest] if kind == "slow-member" else None
             info.update(delay_s=fault.delay, member=busiest if members else "all")
             links = {"slow": [self.proxies], "slow-member": [self.proxies, self.peers], "slow-peers": [self.peers]}[kind]

@@ -1,7 +1,7 @@
 """The control-plane chaos soak (bench/etcd_chaos.py): a live job on a 3-member etcd cluster
 through a seeded random schedule of etcd faults (members and the leader killed, every member
 stopped or killed for 1-10 s, a member restarted on its data dir, a worker killed while etcd is
-away, etcd slowed down, the links between members slowed down, every member stopped or killed
+away, the member the agents use frozen, etcd slowed down, the links between members slowed down, every member stopped or killed
 the instant a lease renewal, a re-registration or a plan write passes, the connection carrying a
 renewal or a plan write reset) ends with no job failure, no worker restarted that no fault took, no fencing, and every
 rank bitwise equal to the fault-free run; its schedule (pure)."""
@@ -19,7 +19,7 @@ import etcd_chaos  # noqa: E402  (bench/etcd_chaos.py)
 DELAYS = {"slow": (0.2, 1.5), "slow-member": (1.0, 6.0), "slow-peers": (0.2, 2.0)}
 
 
-@pytest.mark.parametrize("seed, faults", [(1, 14), (1, 15), (7, 20), (3, 30)])
+@pytest.mark.parametrize("seed, faults", [(1, 15), (1, 16), (7, 20), (3, 30)])
 def test_schedule_covers_every_kind_and_is_seeded(seed, faults):
     plan = etcd_chaos.schedule(seed, faults)
     kinds = [f.kind for f in plan]
@@ -31,7 +31,7 @@ def test_schedule_covers_every_kind_and_is_seeded(seed, faults):
             assert 1.0 <= down <= 10.0
         elif kind in ("member-restart", "drop-on-renewal", "drop-on-plan"):
             assert down == 0.0
-        elif kind in DELAYS:
+        elif kind in DELAYS or kind == "member-stop":
             assert 3.0 <= down <= 10.0
         else:
             assert 1.0 <= down <= 5.0
@@ -46,7 +46,7 @@ def test_schedule_covers_every_kind_and_is_seeded(seed, faults):
 @pytest.mark.parametrize(
     "kinds, faults, error",
     [
-        (etcd_chaos.KINDS, 3, "at least 14"),
+        (etcd_chaos.KINDS, 3, "at least 15"),
         (("slow", "kill-on-plan"), 1, "at least 2"),
         (("kill-on-plan",), 2, "must be 1 for only worker kills"),
         (("slow", "netem"), 4, "unknown fault kinds"),
