@@ -46,8 +46,13 @@ def test_fatal_xid_fails_over_to_the_spare(local_job, reference, tmp_path, mode)
 
 
 @pytest.mark.slow
-def test_straggler_is_migrated_to_the_spare(local_job, reference):
-    # Node b's worker needs ~50% more compute per step (0.16 s -> 0.24 s here).
+def test_straggler_is_migrated_to_the_spare(local_job, reference, tmp_path):
+    # Node b's worker needs ~50% more compute per step (0.16 s -> 0.24 s here), from when the
+    # spare has parked (``DIR/slow.b``): slow from the start, b was found a straggler before a
+    # loaded machine had warmed the spare up, the migration then went to the cold spare, and the
+    # test waited for a spare that was no longer one to park.
+    chaos = tmp_path / "chaos"
+    chaos.mkdir()
     launcher = ["--health-straggler-window", "5", "--health-straggler-need", "3", "--health-straggler-of", "5"]
     job, trigger, out = _start(
         local_job,
@@ -55,9 +60,10 @@ def test_straggler_is_migrated_to_the_spare(local_job, reference):
         "c",
         1,
         launcher=launcher,
-        script=["--steps", "120", "--step-sleep", "0.1", "--slow-node", "b", "--slow-factor", "0.8"],
+        script=["--steps", "120", "--step-sleep", "0.1", "--chaos-dir", str(chaos), "--slow-factor", "0.8"],
     )
     job.wait_parked("c")
+    (chaos / "slow.b").touch()
     open(trigger, "w").close()
     codes = job.wait(timeout=240)
     assert codes == {"a": 0, "b": 0, "c": 0, "d": 0}, job.logs_tail()
