@@ -45,6 +45,7 @@ def same_under_both(tmp_path, example: str, args: list[str], logged: str) -> dic
     return lines
 
 
+@pytest.mark.slow  # the fast tier's kills compare tests/scripts/train.py's weights with torchrun's
 def test_train_ends_with_the_same_weights_under_torchrun_and_tm_launch(tmp_path):
     same_under_both(tmp_path, "train.py", ["--steps", "30", "--out", "weights.pt"], r"^step \d+: loss \S+$")
     ours, theirs = (torch.load(tmp_path / name / "weights.pt") for name in ("tm-launch", "torchrun"))

@@ -180,6 +180,7 @@ def test_a_change_at_8_ranks_rebuilds_one_communicator(local_job, reference):
     assert all(connects_its_world_once(e, 8) for e in entered.values()), entered
 
 
+@pytest.mark.slow  # the fast tier's kills promote a spare into the ranks it warmed up for
 def test_spare_runs_the_script_again_for_the_ranks_of_another_node_bitwise(local_job, reference):
     """The worker of rank 0 SIGKILLs itself: the spare, warmed up as the last node's ranks, runs
     the script again for ranks 0 and 1 with one warm-up step and DDP's bucket rebuild done
@@ -488,6 +489,7 @@ def assert_breakdown_is_the_downtime(job, fault_time, nodes):
     assert -0.05 <= d["downtime_s"] - b["total_s"] <= step + 0.1, (b, d, step)
 
 
+@pytest.mark.slow  # a planned migration: test_health_e2e's straggler case too (slow tier)
 def test_planned_drain(local_job, reference):
     def drain(job, release):
         # Requested while training is held at the pause step: the switch happens in the steps after.
@@ -603,6 +605,7 @@ def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference
         assert comms[(r, 0)] != comms[(r, 1)], comms  # the victim's: rebuilt by the spare
 
 
+@pytest.mark.slow  # the fast tier keeps the subgroup case above; unit tests cover in-process groups
 def test_groups_of_one_rank_and_fake_groups_are_never_connected(local_job, reference):
     """A group of one rank per rank and a group of every rank made with torch's "fake" backend
     (torchtitan makes both for its mesh dimensions of degree 1); b's worker dies. No such group

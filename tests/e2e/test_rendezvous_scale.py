@@ -16,6 +16,10 @@ import rendezvous_scale as bench  # noqa: E402
 
 from rendezvous.planner import PLANNERS  # noqa: E402
 
+# Slow tier (~40-60 s for the two sizes): the fast tier keeps the follower's rules in
+# tests/unit/rendezvous (marker_watch, state_mirror, planner) and make test under ~10 minutes.
+pytestmark = pytest.mark.slow
+
 
 def run(etcd_endpoint, tmp_path, n: int) -> dict:
     opts = {"lease_ttl": 600.0, "monitor_interval": 60.0, "log": str(tmp_path / f"children-{n}.log")}

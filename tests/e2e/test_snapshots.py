@@ -145,7 +145,7 @@ def test_a_lost_shard_comes_back_from_its_snapshot(local_job, reference, layout,
     assert "received this rank's snapshot of step" in text and f"from rank {holder} in" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("layout", ["fsdp-tp", pytest.param("hsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [pytest.param("fsdp-tp", marks=pytest.mark.slow), pytest.param("hsdp", marks=pytest.mark.slow)])
 def test_a_rank_late_to_its_boundary_frees_the_peers_already_in_the_next_step(local_job, reference, layout):
     """Rank 2 is still finishing step KILL - 1 (after its commit) when rank 3 dies at the start
     of step KILL; ranks 0 and 1 are already in step KILL, rank 0 waiting for rank 2 in their
@@ -318,7 +318,7 @@ def test_a_zero_rank_lost_after_its_step_committed_recovers_live(local_job, refe
 @pytest.mark.parametrize(
     "rank, phase",
     [
-        (1, "backward"),
+        pytest.param(1, "backward", marks=pytest.mark.slow),  # the fast tier: a snapshot copy, not parity
         pytest.param(2, "vote", marks=pytest.mark.slow),
         pytest.param(0, "snapshot", marks=pytest.mark.slow),
     ],
