@@ -32,12 +32,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-# The fast tier in two runs. The end-to-end cases keep both cores busy (agents and workers
-# importing torch, gloo steps): one at a time. The unit tests mostly wait (etcd round trips, real
-# sockets, short timeouts): three at a time (pytest-xdist) use the cores they leave idle.
 test: lint
-	$(PY) -m pytest -q -m "not slow" tests/e2e
-	$(PY) -m pytest -q -m "not slow" -n 3 tests/unit
+	$(PY) -m pytest -q -m "not slow"
 
 test-all: $(TITAN)
 	$(PY) -m pytest -q
