@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.d
 # not a ring neighbour from 4 ranks on).
 RANK = textwrap.dedent(
     """
-    import datetime, sys
+    import datetime, os, sys
     import torch, torch.distributed as dist
     from tm_launch.worker.comms import communicators, connections
     from tm_launch.worker.state.transfer import allgather_objects
@@ -45,6 +45,11 @@ RANK = textwrap.dedent(
     print("PAIRS", len(communicators.pair_sockets(pg)), flush=True)
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{r}" for r in range(size)])
+    # Out without the interpreter's teardown: a bare communicator (no tm-launch runtime to free
+    # it first) destroyed there sometimes ends the process in C++'s "terminate called without an
+    # active exception" (gloo's threads), a non-zero exit that says nothing of what was measured.
+    communicators.release(pg)
+    os._exit(0)
     """
 )
 
