@@ -32,6 +32,7 @@ def reference(tmp_path_factory):
         pytest.param(2, "vote", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.timeout(900)  # a live run and a torchrun run (> 300 s on a loaded 2-core machine)
 def test_a_tp_position_with_nothing_declared_recovers_live_from_its_found_replica(local_job, reference, rank, phase):
     job, codes, got = run_live(local_job, LAYOUT, kill=(rank, phase))
     assert_live(job, codes, rank)
@@ -43,6 +44,7 @@ def test_a_tp_position_with_nothing_declared_recovers_live_from_its_found_replic
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_both_copies_of_a_tp_position_lost_restart_from_the_checkpoint_and_the_job_finishes(local_job, reference):
     """Ranks 0 and 2 (tp position 0's only two copies, found replicated: no snapshot of them)
     lose their nodes together: the state is lost, every worker restarts from the script's

@@ -165,6 +165,7 @@ class LiveJob(Job):
         self.gens = Generations(self.state, self.agent, self.status, env, self.devices, self.snapshots)
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)
         self.guard.install()
+        self.guard.on_lost = self._state_lost
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
         self.audit = Audit(self.state, self.gens.exchange, env.audit_every)
         self.survey = ReplicaSurvey(self.state)
@@ -392,6 +393,7 @@ class LiveJob(Job):
             self._survey_replicas()
             self._snapshot_boundary()
             state.commit.begin(state.step)
+            self.guard.start_step()
             state.poison.armed = self.guard.in_step = True
             self.audit.run(state.step)  # after a change: replicas still agree (else StateLost)
             closing = False
