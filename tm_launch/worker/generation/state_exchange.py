@@ -155,8 +155,11 @@ class StateExchange:
         that all run the same rounds from here; what this rank snapshots follows it."""
         state = self.state
         found = most_surveyed(h.found for h in holdings)
-        if found is not None and found != state.found_replicas:
-            state.found_replicas = found
+        if found is None or found == state.found_replicas:
+            return  # a survivor (every rank of an ordinary job): nothing to do on the recovery's path
+        state.found_replicas = found
+        narrowed = [n for n in state.objects if state.declared.get(n) is None and len(found.of(n, rank, world)) < world]
+        if narrowed:  # only what the survey found held by fewer than the world can have become this rank's own
             self.snapshots.set_remote(self.unreplicated(rank, world), state.generation)
 
     def _send_live(self, pg, sends: list) -> None:
