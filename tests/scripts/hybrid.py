@@ -1,6 +1,6 @@
 """Hybrid-parallel training the way torchtitan and Megatron users write it, live under tm-launch.
 
-One script, six layouts (4 ranks unless said otherwise; ``pp`` on 2 ranks has no
+One script, seven layouts (4 ranks unless said otherwise; ``pp`` on 2 ranks has no
 data-parallel peer):
 
 * ``fsdp-tp``: FSDP2 (``fully_shard``) over ``dp`` x DTensor tensor parallel
