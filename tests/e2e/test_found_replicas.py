@@ -9,13 +9,34 @@ at once restart every worker from the script's checkpoint, loudly, and the job f
 to the fault-free run (the audit never fails a fresh restart). Real agents, etcd, gloo, SIGKILL.
 """
 
+import os
+
 import pytest
-from test_live_layouts import assert_bitwise, assert_live, received, torchrun_reference
+from test_live_layouts import HYBRID, PAUSE, STEPS, assert_bitwise, assert_live, load, received, script, torchrun_reference
 from test_live_layouts import run as run_live
 from test_snapshots import logs, node_of
-from test_snapshots import run as run_with_spares
 
 LAYOUT = "tp-plain"
+
+
+def run_with_two_spares(local_job, fault):
+    """4 nodes of 1 worker and two parked spares (a loaded machine warms two up slowly);
+    ``fault(job)`` runs once both parked, while every rank holds at step PAUSE."""
+    job = local_job(nnodes="4", nproc=1, script=HYBRID, launcher_args=["--max-restarts", "3"])
+    job.env = {"OMP_NUM_THREADS": "1"}
+    trigger = os.path.join(job.workdir, "trigger")
+    job.script_args = script(LAYOUT, job.workdir, "--step-log", job.step_log, "--pause-step", str(PAUSE), "--pause-file", trigger)
+    job.start_all([f"n{i}" for i in range(4)])
+    job.wait_for(lambda s: s["generation"] is not None, 180, "generation 0")
+    for name in ("spare0", "spare1"):
+        job.start(name)
+    for name in ("spare0", "spare1"):
+        job.wait_parked(name, timeout=300)
+    fault(job)
+    open(trigger, "w").close()
+    codes = job.wait(timeout=400)
+    assert STEPS > PAUSE
+    return job, codes, load(job.workdir)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +65,7 @@ def test_a_tp_position_with_nothing_declared_recovers_live_from_its_found_replic
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_both_copies_of_a_tp_position_lost_restart_from_the_checkpoint_and_the_job_finishes(local_job, reference):
     """Ranks 0 and 2 (tp position 0's only two copies, found replicated: no snapshot of them)
     lose their nodes together: the state is lost, every worker restarts from the script's
@@ -55,7 +76,7 @@ def test_both_copies_of_a_tp_position_lost_restart_from_the_checkpoint_and_the_j
         job.kill_agent(a)
         job.kill_agent(b)
 
-    job, codes, got = run_with_spares(local_job, LAYOUT, spares=2, fault=lose_two)
+    job, codes, got = run_with_two_spares(local_job, lose_two)
     assert_bitwise(got, reference(LAYOUT))
     events = job.events()
     lost = [e for e in events if e["kind"] == "state_lost"]
