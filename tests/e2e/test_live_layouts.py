@@ -27,7 +27,7 @@ KILL = 14  # the kill happens at the first step >= KILL once released (checkpoin
 
 def script(layout: str, workdir: str, *extra: str) -> list[str]:
     args = ["--layout", layout, "--steps", str(STEPS), "--out", os.path.join(workdir, "out")]
-    if layout.startswith("fsdp"):
+    if layout.startswith("fsdp") or layout == "tp-plain":
         args += ["--ckpt-dir", os.path.join(workdir, "ckpt")]
     return [*args, *extra]
 

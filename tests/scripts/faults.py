@@ -7,7 +7,8 @@ communication for DDP/FSDP), ``vote`` (inside tm-launch's commit vote: its vote 
 decision not read), ``last-vote-node`` (its vote completed the count and the whole node dies:
 agent and workers, while the other ranks wait for the decision), ``snapshot`` / ``snapshot-node``
 (the step's snapshot taken, not yet on its holder: the worker, or its whole node, dies while
-the snapshot is on its way), ``optimizer`` (after the commit, before the update), ``logging`` (after the
+the snapshot is on its way), ``optimizer`` (after the commit, before the update), ``between`` (a
+script with two optimizer steps per step: between them, ``tests/scripts/two_optimizers.py``), ``logging`` (after the
 update, before the loss all-reduce) or ``logged`` (after it); a script may add points of its own
 (``tests/scripts/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
@@ -33,6 +34,7 @@ PHASES = [
     "snapshot",
     "snapshot-node",
     "optimizer",
+    "between",
     "logging",
     "logged",
     "checkpoint",

@@ -1,6 +1,6 @@
 """Hybrid-parallel training the way torchtitan and Megatron users write it, live under tm-launch.
 
-One script, six layouts (4 ranks unless said otherwise; ``pp`` on 2 ranks has no
+One script, seven layouts (4 ranks unless said otherwise; ``pp`` on 2 ranks has no
 data-parallel peer):
 
 * ``fsdp-tp``: FSDP2 (``fully_shard``) over ``dp`` x DTensor tensor parallel
@@ -19,6 +19,11 @@ data-parallel peer):
   says which steps were lost.
 * ``zero``: data parallel with ``ZeroRedundancyOptimizer`` (ZeRO-1): the parameters are
   replicated, each rank's optimizer state is its own partition.
+* ``tp-plain``: a ``(dp, tp)`` mesh whose ``tp`` positions hold different plain tensors (each
+  position's model seeded by its ``tp`` coordinate, as scripts that shard by hand do), gradients
+  all-reduced over ``dp``, registered without ``replicas=``: tm-launch must find that rank r's
+  replica is its ``dp`` peer. Its checkpoint is one ``torch.save`` per rank (DCP would save one
+  copy of a plain tensor for every rank).
 
 Runs unchanged under ``torchrun`` (``tm_launch.init`` is then ``init_process_group``). Everything
 rank-dependent is built after ``tm_launch.init()`` from ``job.rank``: a spare promoted to a rank
@@ -53,7 +58,7 @@ from faults import ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, bes
 
 import tm_launch  # noqa: E402
 
-LAYOUTS = ("fsdp-tp", "ddp-tp", "hsdp", "pp", "fsdp", "zero")
+LAYOUTS = ("fsdp-tp", "ddp-tp", "hsdp", "pp", "fsdp", "zero", "tp-plain")
 
 
 class Block(nn.Module):
@@ -130,6 +135,11 @@ def build(layout: str, rank: int, world: int, device: torch.device = torch.devic
     net = Net(h=width, dropout=dropout).to(device)  # initialised on the CPU: the same weights on every device
     if layout == "zero":  # data parallel, every rank's optimizer state its own partition (ZeRO-1)
         return net, dist.group.WORLD, rank, None, None
+    if layout == "tp-plain":  # each tp position its own plain tensors, nothing declared
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(mesh["tp"].get_local_rank())
+        net = Net(h=width, dropout=dropout).to(device)
+        return net, mesh["dp"].get_group(), mesh["dp"].get_local_rank(), None, mesh
     if layout in ("fsdp-tp", "ddp-tp"):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -187,8 +197,14 @@ def checkpoint(args, model, opt, sched, step: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(args.ckpt_dir, f"step{step}"))
+    if args.layout == "tp-plain":
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        own = {"model": model.state_dict(), "optim": opt.state_dict()}
+        torch.save(own, os.path.join(args.ckpt_dir, f"step{step}.rank{dist.get_rank()}"))
+        dist.barrier()  # every rank's file is complete before "latest" names the step
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(args.ckpt_dir, f"step{step}"))
     if dist.get_rank() == 0:
         with open(os.path.join(args.ckpt_dir, "latest.tmp"), "w") as f:
             f.write(f"{step} {sched.last_epoch}\n")
@@ -204,10 +220,15 @@ def resume(args, model, opt, sched) -> int:
             step, epoch = (int(x) for x in f.read().split())
     except (OSError, ValueError):
         return 0
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step{step}"))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if args.layout == "tp-plain":
+        own = torch.load(os.path.join(args.ckpt_dir, f"step{step}.rank{dist.get_rank()}"))
+        model.load_state_dict(own["model"])
+        opt.load_state_dict(own["optim"])
+    else:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step{step}"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sched.last_epoch = epoch
     sched._last_lr = [g["lr"] for g in opt.param_groups]
     print(f"[hybrid] rank {dist.get_rank()}: resumed from the checkpoint of step {step}", flush=True)

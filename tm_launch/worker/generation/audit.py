@@ -87,7 +87,11 @@ class Audit:
     def due(self, step: int) -> bool:
         generation = self.state.world.generation
         if generation != self._generation:
-            self._generation, self._left = generation, (AFTER_CHANGE if generation > 0 else 0)
+            # A generation every worker started in from the script (generation 0, or a restart
+            # from its checkpoint) received nothing: there is no recovery to check, and ranks
+            # the script set up differently are not replicas that diverged.
+            live_change = generation > 0 and generation != self.state.fresh_generation
+            self._generation, self._left = generation, (AFTER_CHANGE if live_change else 0)
         return self._left > 0 or (self.every > 0 and step > 0 and step % self.every == 0)
 
     def run(self, step: int) -> None:

@@ -14,7 +14,10 @@ The store is one linearizable place (torchft's ``should_commit`` in the same spi
 
 The vote is taken at the step's first effect (an optimizer, scheduler or scaler step) or at
 the end of the body; collectives after it (loss logging, metrics) can fail without undoing or
-redoing the step. If the store itself is lost mid-vote (its node died), a rank cannot know the
+redoing the step. A step with several optimizer steps (a GAN's two) votes again before each
+later one (``next_vote``: key ``<step>e<k>``, the same key on every rank, since every rank counts
+its own optimizer steps alike); the step is committed when its last vote is
+(``job.step_guard``). If the store itself is lost mid-vote (its node died), a rank cannot know the
 outcome: it counts the step as not done and says so; the next generation's agreement then finds
 which ranks are ahead, and a shard without a replica at the newest step falls back to a checkpoint.
 """
@@ -47,8 +50,8 @@ def commit_store(store: dist.Store, generation: int) -> dist.Store:
     return dist.PrefixStore(f"tm/g{generation}/commit/", store)
 
 
-def _write_abort(store: dist.Store, step: int) -> None:
-    """Settle ``step`` as aborted for the ranks waiting on its decision, without waiting for the
+def _write_abort(store: dist.Store, key: str) -> None:
+    """Settle vote ``key`` as aborted for the ranks waiting on its decision, without waiting for the
     store's answer (a thread of its own). A store whose node was cut off the network neither
     answers nor refuses, and torch's store client has no timeout for a compare-and-set: the
     directive watcher, or a rank whose step failed, would hang on it for good, and with them
@@ -56,7 +59,7 @@ def _write_abort(store: dist.Store, step: int) -> None:
 
     def write():
         try:
-            store.compare_set(f"{step}/d", "", ABORT.decode())
+            store.compare_set(f"{key}/d", "", ABORT.decode())
         except (RuntimeError, dist.DistError):
             pass
 
@@ -97,6 +100,8 @@ class StepCommit:
         self.store: dist.Store | None = None
         self.rank, self.world, self.generation = 0, 1, -1
         self.step = -1
+        self.key = ""  # the vote being taken: "<step>", then "<step>e<k>" before a later optimizer step
+        self._later_votes: dict[int, int] = {}  # step -> later votes it took (their keys are forgotten with it)
         self.decision: bool | None = None
         self.uncertain = False  # the store was lost mid-vote: the outcome is unknown here
         self.on_slow_vote: Callable[[bool], None] = lambda waiting: None  # True: still waiting after _SLOW_VOTE; False: decided
@@ -113,16 +118,28 @@ class StepCommit:
     def begin(self, step: int) -> None:
         with self._lock:
             self.step, self.decision, self.uncertain = step, None, False
+            self.key = str(step)
+            # A step run again (a new generation: a store prefix of its own) numbers its votes
+            # from the start, as a joiner does; only the last two steps' counts are still to forget.
+            self._later_votes = {s: k for s, k in self._later_votes.items() if step - 3 <= s < step}
+
+    def next_vote(self) -> None:
+        """A later optimizer step of a step whose votes so far committed: it gets a vote of its
+        own (a peer may have died since the last one), on the next key."""
+        with self._lock:
+            k = self._later_votes.get(self.step, 0) + 1
+            self._later_votes[self.step] = k
+            self.key, self.decision = f"{self.step}e{k}", None
 
     def abort(self, newer: int) -> None:
         """A peer is gone (generation ``newer``, unplanned, arrived): settle the current step as
         aborted unless it already committed. Called from the watcher thread; wakes a blocked
         voter. A no-op once this rank votes in ``newer`` or later itself."""
         with self._lock:
-            store, step = self._abort_store, self.step
+            store, step, key = self._abort_store, self.step, self.key
             if store is None or step < 0 or self.generation >= newer:
                 return
-        _write_abort(store, step)
+        _write_abort(store, key)
 
     def decide(
         self, ok: bool, newer_generation, before_count: Callable[[], bool] | None = None, peer_gone: Callable[[], bool] | None = None
@@ -167,12 +184,12 @@ class StepCommit:
                         return False
 
     def _vote(self, ok: bool, newer_generation, before_count) -> bool:
-        store, key = self.store, str(self.step)
+        store, key = self.store, self.key
         try:
             if ok and before_count is not None and not before_count():
                 ok = False
             if not ok:  # no commit without this rank's count: the decision is known here
-                _write_abort(self._abort_store, self.step)
+                _write_abort(self._abort_store, key)
                 return False
             votes = store.add(f"{key}/n", 1)
             failpoints.reached("vote", self.rank, self.step)
@@ -201,8 +218,10 @@ class StepCommit:
             return False
 
     def _forget(self, step: int) -> None:
+        keys = [str(step), *(f"{step}e{k}" for k in range(1, self._later_votes.pop(step, 0) + 1))]
         try:
-            self.store.delete_key(f"{step}/n")
-            self.store.delete_key(f"{step}/d")
+            for key in keys:
+                self.store.delete_key(f"{key}/n")
+                self.store.delete_key(f"{key}/d")
         except (RuntimeError, dist.DistError):
             pass

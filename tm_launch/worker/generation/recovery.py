@@ -49,6 +49,7 @@ class Holding:
     held: dict = field(default_factory=dict)  # source rank -> {"images": {step: names}, "mirrors": {tag: exact}}
     stripes: dict = field(default_factory=dict)  # (group, stripe, stripes) -> {step: {member rank: names}}: parity kept
     rebuild: frozenset = frozenset()  # subgroups (creation order) it cannot keep: every member rebuilds them
+    found: object = None  # its replica survey (``replicas.FoundReplicas``; None: a fresh process): handed to every rank
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from ..log import log
 from ..snapshots import Snapshots
-from ..state.replicas import fingerprints, replica_set
+from ..state.replicas import fingerprints, most_surveyed, replica_set
 from ..state.transfer import allgather_objects, human_size, recv_state, send_state
 from .recovery import Holding, ObjectState, plan_recovery
 
@@ -58,11 +58,17 @@ class StateExchange:
     def _replicas(self, name: str, obj, sd: dict, rank: int, world: int) -> frozenset:
         """The ranks holding an identical copy of ``obj``. An optimizer's state is laid out like
         its parameters (and may not exist yet, before its first step): its parameters count too
-        (a ZeRO partition's: the partition's)."""
+        (a ZeRO partition's: the partition's). Without ``replicas=``, its plain tensors are
+        replicated only across the ranks the survey found holding the same bytes
+        (``replica_survey``); before the survey's first round (a fault in the first step after a
+        fresh start) the world is the bound, and replicas that differ there are a conflict: loud."""
         tensors = [sd]
         if isinstance(getattr(obj, "param_groups", None), list):
             tensors.append([p for group in obj.param_groups for p in group["params"]])
-        return replica_set({name: tensors}, self.state.declared, rank, world)
+        bound = replica_set({name: tensors}, self.state.declared, rank, world)
+        if self.state.declared.get(name) is None:  # nothing declared: only the ranks found to hold the same
+            bound &= self.state.found_replicas.of(name, rank, world) | {rank}
+        return bound
 
     def gather_holdings(self, pg, rank: int, world: int, rebuild: frozenset) -> list:
         """Every rank says what it holds (``recovery.Holding``) and which subgroups it cannot
@@ -80,6 +86,7 @@ class StateExchange:
             held=snapshots.server.held(),
             stripes=snapshots.server.stripes_held(),
             rebuild=rebuild,
+            found=state.found_replicas if state.step is not None else None,
         )
         return allgather_objects(pg, world, mine)
 
@@ -90,13 +97,14 @@ class StateExchange:
         with it."""
         state, snapshots = self.state, self.snapshots
         plan = plan_recovery(holdings)
+        self._adopt_survey(holdings, rank, len(holdings))
         if plan.tried:
             log.info(f"steps the job cannot continue from: {'; '.join(f'{s}: {why}' for s, why in plan.tried.items())}")
         if plan.conflicts:
             a, b = plan.conflicts[0]
             raise StateLost(
-                f"ranks {a} and {b} should hold the same state (the registered objects are declared replicated across "
-                f"them) but it differs at step {plan.step}: declare which ranks replicate it, e.g. "
+                f"ranks {a} and {b} should hold the same state (the registered objects were found or declared "
+                f"replicated across them) but it differs at step {plan.step}: declare which ranks replicate it, e.g. "
                 f"job.register(model=m, replicas=dp_group)",
                 plan.step,
                 [a, b],
@@ -140,6 +148,19 @@ class StateExchange:
             tag, exact, record = state.per_rank.record_now(plan.step)
             snapshots.publish_mirror(tag, exact, record)
         return received
+
+    def _adopt_survey(self, holdings: list, rank: int, world: int) -> None:
+        """Every rank continues with the most complete replica survey any rank brought (a
+        joiner has none; a rank whose last round's all-gather failed has one round fewer), so
+        that all run the same rounds from here; what this rank snapshots follows it."""
+        state = self.state
+        found = most_surveyed(h.found for h in holdings)
+        if found is None or found == state.found_replicas:
+            return  # a survivor (every rank of an ordinary job): nothing to do on the recovery's path
+        state.found_replicas = found
+        narrowed = [n for n in state.objects if state.declared.get(n) is None and len(found.of(n, rank, world)) < world]
+        if narrowed:  # only what the survey found held by fewer than the world can have become this rank's own
+            self.snapshots.set_remote(self.unreplicated(rank, world), state.generation)
 
     def _send_live(self, pg, sends: list) -> None:
         """This rank's part of the plan's live transfers: the named objects to each receiver."""

@@ -64,6 +64,7 @@ from ..comms.groups import FAKE_NAMES, LiveGroup, LocalBackend, StepPoison, asks
 from ..generation.audit import Audit
 from ..generation.commit import StepCommit
 from ..generation.generations import Generations, StateLost
+from ..generation.replica_survey import ReplicaSurvey
 from ..log import log
 from ..snapshots import Snapshots
 from ..snapshots.service import SnapshotRefused
@@ -164,8 +165,10 @@ class LiveJob(Job):
         self.gens = Generations(self.state, self.agent, self.status, env, self.devices, self.snapshots)
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)
         self.guard.install()
+        self.guard.on_lost = self._state_lost
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
         self.audit = Audit(self.state, self.gens.exchange, env.audit_every)
+        self.survey = ReplicaSurvey(self.state)
         if spare:  # opened while it warms up, not in the moment it is promoted
             self.spare.keep_connections_ready()
         atexit.register(self._close)
@@ -174,6 +177,7 @@ class LiveJob(Job):
             # Every rank of this generation starts here, like init_process_group: DDP's own
             # broadcast from rank 0 makes the state consistent, nothing to agree on.
             self.gens.enter(self.gens.directives.wait_after(env.generation - 1), agree=False)
+            self.state.fresh_generation = self.generation  # nothing received: the audit has nothing to check here
         self.status.report(force=True)
 
     def detach(self, rank: int) -> None:
@@ -386,8 +390,10 @@ class LiveJob(Job):
             t0 = time.perf_counter()
             self.group.last_submit = 0.0
             self.guard.boundary_ok = state.per_rank.begin_step(state.step, self.snapshots.publish_mirror)
+            self._survey_replicas()
             self._snapshot_boundary()
             state.commit.begin(state.step)
+            self.guard.start_step()
             state.poison.armed = self.guard.in_step = True
             self.audit.run(state.step)  # after a change: replicas still agree (else StateLost)
             closing = False
@@ -424,6 +430,19 @@ class LiveJob(Job):
         if self._first_step_gen != self.generation:
             self._first_step_gen = self.generation
             self.agent.report_first_step(self.generation, FirstStepRecord(time=now, step=self.state.step))
+
+    def _survey_replicas(self) -> None:
+        """The first boundaries after a fresh start: measure which ranks hold the same copy of
+        each object (``replica_survey``), armed like the step; before this step's snapshot, so
+        that what was found unreplicated is in it."""
+        if not self.survey.due():
+            return
+        self.state.poison.armed = True
+        try:
+            if self.survey.run():
+                self.snapshots.set_remote(self.gens.exchange.unreplicated(self.rank, self.world_size), -1)
+        finally:
+            self.state.poison.armed = False
 
     def _snapshot_boundary(self) -> None:
         """The start of a step: take its snapshot (``snapshots``), once this generation knows

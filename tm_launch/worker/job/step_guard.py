@@ -1,11 +1,14 @@
-"""A step's effects wait for its job-wide commit: the vote asked at the step's first effect.
+"""A step's effects wait for its job-wide commit: the vote asked at the step's first effect,
+and again before each later optimizer step of the same step (``step_effects``).
 
 The vote itself is ``generation.commit`` (through the generation's store); this is where a
 step asks for it. An optimizer's step (torch's global pre-hook: every optimizer, registered or
 not, is checked), an LR scheduler's ``step`` and a GradScaler's ``update`` (their classes
 guarded at ``register``) run only on a step that commits; on one that does not, the
 optimizer's gradients are dropped so torch leaves parameters and state untouched, and the step
-runs again with nothing applied.
+runs again with nothing applied. Where a later optimizer step's vote fails after earlier ones
+applied, those are rolled back from the start-of-step copy (``step_effects``), or, without one,
+live mode ends loudly before the effect applies.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import torch
 
 from .. import torch_patches
 from ..generation.directives import Directives
+from ..generation.state_exchange import StateLost
+from ..log import log
 from ..snapshots import Snapshots
 from ..state.ddp_tp import LocalizedTP, localized_parameters
 from ..state.zero import ZeroPartition, is_zero
+from .step_effects import EffectCount, StartOfStep
 
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -29,6 +35,16 @@ class StepGuard:
         self._generation = generation  # () -> the generation this worker trains in
         self.in_step = False  # inside the body of a step of ``job.steps()``
         self.boundary_ok = True  # the step's start went as it should (its per-rank mirror reached the holder)
+        self.effects = EffectCount()  # optimizer steps per step, learned
+        self.start_copy = StartOfStep()  # multi-effect steps: the state before the first one applied
+        self.on_lost = None  # (StateLost) -> None: ends live mode (``LiveJob._state_lost``); set by the job
+        self._undone = False  # this step's earlier effects were rolled back already
+
+    def start_step(self) -> None:
+        """The top of a step (the sandbox's too): nothing applied yet."""
+        self.effects.start()
+        self.start_copy.drop()
+        self._undone = False
 
     def install(self) -> None:
         torch_patches.before_every_optimizer_step(self.before_optimizer_step)
@@ -94,19 +110,58 @@ class StepGuard:
 
     def before_optimizer_step(self, optimizer, args, kwargs):
         """Every optimizer's step asks for the commit; on a step that did not commit its
-        gradients are dropped, so torch's optimizers leave parameters and state untouched."""
-        if not self.in_step or self.state.in_sandbox:
+        gradients are dropped, so torch's optimizers leave parameters and state untouched. A
+        later optimizer step of a step whose earlier ones committed votes again; in a step known
+        to have several, the registered state is copied just before the first one applies."""
+        if self.state.in_sandbox:  # counted all the same (``Spare.warm_up``): a joiner knows its steps' effects
+            self.effects.applied()
+            return None
+        if not self.in_step:
             return None
         if not any(optimizer is obj for obj in self.state.carried()):
             raise RuntimeError(
                 f"tm-launch: an optimizer ({type(optimizer).__name__}) stepped in job.steps() but is not registered: a rank "
                 "that joins would not receive its state. Register it: job.register(optimizer=opt)"
             )
-        if not self.effect_allowed():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+        commit = self.state.commit
+        later = self.effects.this_step > 0
+        if later and commit.decision:
+            commit.next_vote()
+        if self.effect_allowed():
+            if not later and self.effects.several:
+                self.start_copy.take(self.state.objects)
+            self.effects.applied()
+            return None
+        if later and not self._undone:
+            self._undo(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
         return None
+
+    def _undo(self, optimizer) -> None:
+        """A later optimizer step of this step cannot commit after earlier ones applied: every
+        rank gets here at the same vote. Roll them back (the step runs again from its start),
+        or, with no copy of that start, end live mode before this effect applies."""
+        self._undone = True
+        step, done = self.state.commit.step, self.effects.this_step
+        if self.start_copy.held:
+            self.start_copy.restore(self.state.objects)
+            log.info(
+                f"step {step}: optimizer step {done + 1} ({type(optimizer).__name__}) could not commit after {done} applied; "
+                f"rolled back to the step's start, it runs again"
+            )
+            return
+        lost = StateLost(
+            f"step {step}: optimizer step {done + 1} ({type(optimizer).__name__}) could not commit after {done} had been "
+            f"applied (a peer failed between them), and this rank kept no copy of the step's start (its steps were not "
+            f"known to have several optimizer steps yet)",
+            step,
+            [self.state.rank],
+        )
+        if self.on_lost is None:
+            raise lost
+        self.on_lost(lost)
 
 
 def _wrapped(obj, attr: str, kind):

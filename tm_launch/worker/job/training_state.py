@@ -15,6 +15,7 @@ import torch
 from ..comms.groups import LiveGroup, StepPoison
 from ..generation.commit import StepCommit
 from ..state.per_rank import PerRankState
+from ..state.replicas import FoundReplicas
 from ..step_report import StepStats
 
 
@@ -31,6 +32,8 @@ class TrainingState:
     step: int | None = None  # committed steps (= the next step to run); None: no state yet
     step_done_at: float | None = None  # wall clock of the last step that completed cleanly
     in_sandbox: bool = True  # no peers yet: every collective is served locally
+    found_replicas: FoundReplicas = field(default_factory=FoundReplicas)  # who holds what this rank holds, measured
+    fresh_generation: int = -1  # the generation every worker started in from the script (nothing received)
 
     @property
     def groups(self) -> list[LiveGroup]:
@@ -73,3 +76,4 @@ class TrainingState:
         self.objects.clear()
         self.declared.clear()
         self.per_rank = self.per_rank.fresh()
+        self.found_replicas = FoundReplicas()

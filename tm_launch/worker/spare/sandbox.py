@@ -133,6 +133,7 @@ class Spare:
             sharding_decisions.adopt_meshes()
         for i in range(1 if again else self.sandbox_steps):
             self.status.report(force=True)
+            self.job.guard.start_step()  # its optimizer steps are counted per step (``step_effects``)
             yield start + i
         if again:  # the job waits for this process: one step, and DDP's second-step set-up now
             ddp_rebuild.rebuild_buckets_now()

@@ -9,8 +9,11 @@ For each tensor the set of ranks holding an identical copy is:
   ``replicate`` peers; TP under DDP on ``dp``: the ranks with the same ``tp`` coordinate);
 * a local parameter DDP x TP's wrapper made of a DTensor (``state.ddp_tp``): as that DTensor;
 * a plain tensor: the members of the group the script declared with
-  ``job.register(..., replicas=group)`` (a pipeline stage's data-parallel peers), else the whole
-  world (plain DDP).
+  ``job.register(..., replicas=group)`` (a pipeline stage's data-parallel peers); with nothing
+  declared, the ranks whose copy was found bitwise equal to this rank's at the first step
+  boundaries after a fresh start (``FoundReplicas``, surveyed by ``generation.replica_survey``):
+  plain DDP finds the world, a tensor-parallel-style script whose positions hold different plain
+  tensors finds each position's data-parallel peers. Nothing is assumed from a missing declaration.
 
 The rank's replica set is the intersection over all its tensors. A DTensor on a mesh whose
 dimensions the root mesh does not name (flattened or unflattened ones) counts the ranks of its own
@@ -21,6 +24,7 @@ The ``mesh_replicas`` rule is pure and table-tested; ``replica_set`` reads it of
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -128,3 +132,88 @@ def fingerprints(states: dict, modules: set) -> tuple[str, str]:
     for name in sorted(states):
         visit(name, states[name])
     return structure.hexdigest()[:16], values.hexdigest()[:16]
+
+
+# -- replicas found: which ranks hold the same plain tensors, measured -----------------------------
+SURVEY_ROUNDS = 2  # step boundaries compared after a fresh start (the first, and one after an update)
+
+
+@dataclass(frozen=True)
+class FoundReplicas:
+    """What the replica survey measured, the same on every rank (it is computed from one
+    all-gather, and a generation change hands the most complete one to every rank): for each
+    registered object, the classes of ranks whose plain tensors were bitwise equal at every
+    surveyed boundary. A class bounds the object's replica set from above, as a declaration
+    does; DTensor placements and ``replicas=`` stay authoritative (their objects are not surveyed)."""
+
+    rounds: int = 0  # boundaries surveyed so far
+    classes: dict = field(default_factory=dict)  # name -> tuple of sorted rank tuples (a partition of the world)
+
+    def of(self, name: str, rank: int, world: int) -> frozenset[int]:
+        """The ranks found to hold ``name`` as ``rank`` does (the world before the first round;
+        this rank alone for an object the survey never saw, registered after it)."""
+        if self.rounds == 0:
+            return frozenset(range(world))
+        for members in self.classes.get(name, ()):
+            if rank in members:
+                return frozenset(members)
+        return frozenset({rank})
+
+    @property
+    def done(self) -> bool:
+        return self.rounds >= SURVEY_ROUNDS
+
+
+def plain_digest(state, digest_of) -> str:
+    """One digest of every plain tensor (not a DTensor, nor a local parameter standing for one)
+    and every number, string, boolean and None in a nested state, in path order;
+    ``digest_of(tensor) -> str`` (an exact digest of its bytes). Other values (a scheduler's
+    function, an object whose repr names its address) are left out: they say nothing about
+    training state and would differ on every rank."""
+    parts = []
+
+    def visit(path, obj):
+        if isinstance(obj, torch.Tensor):
+            if _layout(obj) is None:
+                parts.append(f"{path}={digest_of(obj)}")
+        elif obj is None or isinstance(obj, (bool, int, float, str)):
+            parts.append(f"{path}:{type(obj).__name__}={obj!r}")
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                visit(f"{path}/{k}", obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(f"{path}/{i}", v)
+
+    visit("", state)
+    return hashlib.blake2b(";".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def refine(found: FoundReplicas, records: list) -> FoundReplicas:
+    """Pure: ``found`` narrowed by one more survey round. ``records``: every rank's ``(rank,
+    {name: digest})``; two ranks stay in one class only if they were in one before and their
+    digests of the object are equal now (an object a rank did not report is its own)."""
+    ranks = sorted(rank for rank, _ in records)
+    by_rank = dict(records)
+    names = sorted({name for _, digests in records for name in digests})
+    classes = {}
+    for name in names:
+        before = found.classes.get(name) if found.rounds else (tuple(ranks),)
+        if before is None:  # registered after an earlier round: nothing proves a replica
+            before = tuple((r,) for r in ranks)
+        out = []
+        for members in before:
+            groups: dict = {}
+            for r in members:
+                key = by_rank.get(r, {}).get(name)
+                groups.setdefault(key if key is not None else ("own", r), []).append(r)
+            out.extend(tuple(sorted(g)) for g in groups.values())
+        classes[name] = tuple(sorted(out))
+    return FoundReplicas(found.rounds + 1, classes)
+
+
+def most_surveyed(candidates) -> FoundReplicas | None:
+    """Pure: of the surveys ranks bring into a generation (None: a fresh process), the one with
+    the most rounds: every rank that completed a round computed it from the same all-gather."""
+    known = [f for f in candidates if f is not None]
+    return max(known, key=lambda f: f.rounds) if known else None
