@@ -70,6 +70,7 @@ from ..snapshots.service import SnapshotRefused
 from ..spare import sharding_decisions
 from ..spare.sandbox import Spare, freeze_what_exists
 from ..state import data_loaders
+from ..state.loop_loaders import LoopLoaders
 from ..state.per_rank import PerRankState
 from ..step_report import LiveStatus, StepReporter, StepStats
 from . import optimizer_steps
@@ -161,6 +162,9 @@ class LiveJob(Job):
         if env.sandbox:
             freeze_what_exists()
         torch_patches.refuse_rooted_objects_without_peers()
+        # A DataLoader the script iterates itself is kept exact like job.data()'s (state.loop_loaders).
+        loops = LoopLoaders(lambda: self.state.per_rank, lambda: self.guard.in_step, self._refused, log.info)
+        torch_patches.route_loader_iteration(loops.iterate)
         self.gens = Generations(self.state, self.agent, self.status, env, self.devices, self.snapshots)
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)
         self.guard.install()
