@@ -31,10 +31,10 @@ def verdict_word(run: Run, verdicts: list[RankVerdict]) -> str:
 
 def rank_lines(v: RankVerdict, indent: str = "      ") -> list[str]:
     if v.missing:
-        return [f"{indent}rank {v.rank}: {v.missing}"]
+        return [f"{indent}{v.title}: {v.missing}"]
     if v.equal:
-        return [f"{indent}rank {v.rank}: bitwise equal"] + attempt_lines(v, indent)
-    lines = [f"{indent}rank {v.rank}: {len(v.differences)} tensor(s)/value(s) differ"]
+        return [f"{indent}{v.title}: bitwise equal"] + attempt_lines(v, indent)
+    lines = [f"{indent}{v.title}: {len(v.differences)} tensor(s)/value(s)/file(s) differ"]
     by_obj: dict[str, list] = {}
     for d in v.differences:
         by_obj.setdefault(d.obj, []).append(d)
@@ -118,6 +118,7 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
         return [
             {
                 "rank": v.rank,
+                "files": v.rank is None,
                 "equal": v.equal,
                 "missing": v.missing,
                 "causes": v.causes,
