@@ -263,7 +263,9 @@ def compare_files(ref: dict | None, got: dict | None, unstable: frozenset = froz
     if ref is None or got is None:
         return RankVerdict(None, missing=f"the working directory of the {'fault-free run' if ref is None else 'run'} was not read")
     diffs = differences(ref, got, unstable)
-    return RankVerdict(None, diffs, classify(diffs))
+    timings = [d for d in diffs if is_wall_clock(d.key, ref["entries"], got["entries"])]
+    diffs = [d for d in diffs if d not in timings]
+    return RankVerdict(None, diffs, classify(diffs), timings=timings)
 
 
 def compare_runs(ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset()) -> list[RankVerdict]:

@@ -7,7 +7,13 @@ fault while every registered object came back right.
   each tensor or plain value in it is an entry ``~file/<path>:<key>``, compared bitwise;
 * a directory holding a DCP checkpoint (``torch.distributed.checkpoint``: its ``.metadata``) is
   read whole (``dcp_to_torch_save``, no process group) into entries ``~file/<dir>:<key>``;
+* a ``.json`` file (a framework's trainer state) is read as its values, ``~file/<path>:<key>``,
+  so that a wall-clock measurement in it is named apart as in a rank's state
+  (``compare.is_wall_clock``);
 * any other file is one entry ``~file/<path>``, compared byte for byte (``compare.FileBytes``).
+
+The run's own working directory, where a file holds its path (a framework's "best checkpoint"
+path), reads as ``<cwd>``: every run has a directory of its own.
 
 The rehearsal's own files never lie there (each run keeps its logs and dumps beside its
 working directory, ``runs``).
@@ -16,6 +22,7 @@ working directory, ``runs``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import zipfile
@@ -35,14 +42,14 @@ def read_files(cwd: str) -> dict:
         dirs.sort()
         rel_root = os.path.relpath(root, cwd)
         if DCP_METADATA in names:  # a DCP checkpoint: its shards read as one state dict
-            entries.update(_dcp(root, _rel(rel_root, "")))
+            entries.update(_dcp(root, _rel(rel_root, ""), cwd))
             dirs[:] = []
             continue
         for name in sorted(names):
             path = os.path.join(root, name)
             if os.path.islink(path) or not os.path.isfile(path):
                 continue
-            entries.update(_file(path, _rel(rel_root, name)))
+            entries.update(_file(path, _rel(rel_root, name), cwd))
     return {"entries": entries, "roles": dict.fromkeys(entries, "file")}
 
 
@@ -50,20 +57,39 @@ def _rel(root: str, name: str) -> str:
     return os.path.normpath(os.path.join(root, name)) if name else os.path.normpath(root)
 
 
-def _file(path: str, rel: str) -> dict:
+def _values(rel: str, value, cwd: str) -> dict:
+    return {f"{FILES}/{rel}:{k or '(value)'}": _unplaced(v, cwd) for k, v in flatten(value).items()}
+
+
+def _unplaced(value, cwd: str):
+    """``value`` with the run's own directory written ``<cwd>``."""
+    if isinstance(value, str):
+        return value.replace(cwd, "<cwd>")
+    if isinstance(value, bytes):
+        return value.replace(cwd.encode(), b"<cwd>")
+    return value
+
+
+def _file(path: str, rel: str, cwd: str) -> dict:
     loaded = _torch_load(path)
     if loaded is not None:
-        return {f"{FILES}/{rel}:{k}" if k else f"{FILES}/{rel}:(value)": v for k, v in flatten(loaded).items()}
-    digest, size = hashlib.blake2b(), 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-            size += len(chunk)
-    content = None
-    if size <= KEEP_BYTES:
+        return _values(rel, loaded, cwd)
+    if path.endswith(".json") and os.path.getsize(path) <= KEEP_BYTES:
+        try:
+            with open(path) as f:
+                return _values(rel, json.load(f), cwd)
+        except ValueError:
+            pass  # not JSON after all: its bytes
+    size = os.path.getsize(path)
+    if size > KEEP_BYTES:
+        digest = hashlib.blake2b()
         with open(path, "rb") as f:
-            content = f.read()
-    return {f"{FILES}/{rel}": FileBytes(size, digest.hexdigest(), content)}
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        return {f"{FILES}/{rel}": FileBytes(size, digest.hexdigest())}
+    with open(path, "rb") as f:
+        content = _unplaced(f.read(), cwd)
+    return {f"{FILES}/{rel}": FileBytes(len(content), hashlib.blake2b(content).hexdigest(), content)}
 
 
 def _torch_load(path: str):
@@ -81,7 +107,7 @@ def _torch_load(path: str):
         return None
 
 
-def _dcp(directory: str, rel: str) -> dict:
+def _dcp(directory: str, rel: str, cwd: str) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +118,7 @@ def _dcp(directory: str, rel: str) -> dict:
             return {f"{FILES}/{rel}:(unreadable)": f"{type(e).__name__}: {e}"[:200]}
         import torch
 
-        return {f"{FILES}/{rel}:{k}": v for k, v in flatten(torch.load(out, map_location="cpu", weights_only=False)).items()}
+        return _values(rel, torch.load(out, map_location="cpu", weights_only=False), cwd)
 
 
 def flatten(value, prefix: str = "") -> dict:

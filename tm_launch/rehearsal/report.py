@@ -118,7 +118,6 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
         return [
             {
                 "rank": v.rank,
-                "files": v.rank is None,
                 "equal": v.equal,
                 "missing": v.missing,
                 "causes": v.causes,
@@ -128,6 +127,11 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
             }
             for v in vs
         ]
+
+    def judged(vs: list[RankVerdict]) -> dict:
+        """Every rank's verdict, and the working directory's files apart."""
+        files = [v for v in vs if v.rank is None]
+        return {"ranks": verdicts_dict([v for v in vs if v.rank is not None]), "files": verdicts_dict(files)[0] if files else None}
 
     def run_dict(run: Run) -> dict:
         return {
@@ -146,6 +150,6 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
         **header,
         "passed": passed(control, faults),
         "reference": run_dict(reference),
-        "control": None if control is None else {**run_dict(control[0]), "ranks": verdicts_dict(control[1])},
-        "faults": [{**run_dict(run), "ranks": verdicts_dict(vs)} for run, vs in faults],
+        "control": None if control is None else {**run_dict(control[0]), **judged(control[1])},
+        "faults": [{**run_dict(run), **judged(vs)} for run, vs in faults],
     }

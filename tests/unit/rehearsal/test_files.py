@@ -2,6 +2,7 @@
 ``torch.save`` file as the tensors and values in it, a DCP checkpoint as its whole state dict,
 any other file as its bytes; symbolic links are not followed."""
 
+import json
 import os
 
 import torch
@@ -44,3 +45,20 @@ def test_a_dcp_checkpoint_is_read_whole_and_a_changed_tensor_in_it_is_named(tmp_
 def test_an_empty_or_missing_directory_has_no_files(tmp_path):
     assert read_files(str(tmp_path))["entries"] == {}
     assert read_files(str(tmp_path / "none"))["entries"] == {}
+
+
+def test_a_json_file_is_its_values_its_wall_clock_named_apart_and_the_runs_own_path_unplaced(tmp_path):
+    def run(name: str, runtime: float, loss: float) -> dict:
+        cwd = tmp_path / name
+        cwd.mkdir()
+        state = {"log_history": [{"loss": loss}, {"train_runtime": runtime}], "best": str(cwd / "checkpoint-2")}
+        (cwd / "trainer_state.json").write_text(json.dumps(state))
+        (cwd / "paths.txt").write_text(f"saved to {cwd}/model.pt\n")
+        return read_files(str(cwd))
+
+    ref = run("ref", 1.5, 0.25)
+    assert ref["entries"]["~file/trainer_state.json:best"] == "<cwd>/checkpoint-2"
+    same = compare_files(ref, run("same", 2.5, 0.25))
+    assert same.equal and [d.key for d in same.timings] == ["~file/trainer_state.json:log_history.1.train_runtime"]
+    other = compare_files(ref, run("other", 1.5, 0.5))
+    assert [d.key for d in other.differences] == ["~file/trainer_state.json:log_history.0.loss"]
