@@ -281,7 +281,11 @@ class LoopLoaders:
             loop = LoopLoader(loader, make_iterator, kind) if kind in (SAMPLER, STATEFUL_DATASET) else None
             if loop is not None:
                 loop.refuse = self.refuse
-                per_rank.objects[_name_for(per_rank.objects)] = loop
+                name = _name_for(per_rank.objects)
+                per_rank.objects[name] = loop
+                loaded = per_rank.pending.pop(name, None)  # a joiner's loop reaching a loader after it entered
+                if loaded is not None:
+                    loop.load_state_dict(loaded)
             entry = self._loops[loader] = (kind, why, loop, per_rank)
         kind, why, loop, _ = entry
         if loop is not None:

@@ -217,3 +217,24 @@ def test_refused_lines_are_one_line():
     for make_loader in (lambda d: DataLoader(d, shuffle=True), lambda d: DataLoader(Stream(False))):
         _, why = loop_loaders.direct_kind(make_loader(Counted(4)))
         assert "\n" not in why and isinstance(DataRefused(why), ValueError)
+
+
+def test_a_loader_a_joiner_first_iterates_after_it_entered_takes_the_lost_ranks_state(worker):
+    """Rank 0 alone iterates a second loader (its evaluation), and a joiner in rank 0's place
+    reaches it only after entering: the state loaded at entry waits for it."""
+    want = plain(6)
+    _, sampler, loader = make()
+    script(loader, sampler, 2, 3)
+    data_eval = Counted(4)
+    evaluation = DataLoader(data_eval, batch_size=2)
+    [b.tolist() for b in evaluation]
+    lost = cpu_copy({name: obj.state_dict() for name, obj in worker.per_rank.objects.items()})
+    worker.per_rank = PerRankState()  # the joiner
+    _, sampler2, loader2 = make()
+    it = iter(loader2)
+    worker.per_rank.load(lost)
+    assert set(worker.per_rank.objects) == {"tm-loop"} and set(worker.per_rank.pending) == {"tm-loop.1"}
+    got = [next(it).tolist() for _ in range(1)]
+    assert [b.tolist() for b in DataLoader(Counted(4), batch_size=2)] == [[[0], [1]], [[2], [3]]]
+    assert not worker.per_rank.pending
+    assert plain(6)[:3] == want[:2] + got
