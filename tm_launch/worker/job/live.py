@@ -163,7 +163,13 @@ class LiveJob(Job):
             freeze_what_exists()
         torch_patches.refuse_rooted_objects_without_peers()
         # A DataLoader the script iterates itself is kept exact like job.data()'s (state.loop_loaders).
-        loops = LoopLoaders(lambda: self.state.per_rank, lambda: self.guard.in_step, self._refused, log.info)
+        loops = LoopLoaders(
+            lambda: self.state.per_rank,
+            lambda: self.guard.in_step,
+            self._refused,
+            log.info,
+            between_steps=lambda: self.status.state is WorkerState.RUNNING and not self.guard.in_step and not self.in_sandbox,
+        )
         torch_patches.route_loader_iteration(loops.iterate)
         self.gens = Generations(self.state, self.agent, self.status, env, self.devices, self.snapshots)
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)

@@ -28,7 +28,9 @@ rank taking over:
 A loader this cannot make exact (torch's ``RandomSampler``: a new order from the generator at
 every iteration; an ``IterableDataset`` without ``state_dict()``) is refused in one line when the
 loop first iterates it inside a step. A loader tm-launch does not know how to reposition (a
-framework's sampler, a custom batch sampler) is left as torch has it, and said once.
+framework's sampler, a custom batch sampler) is left as torch has it, and said once. A batch drawn
+between two steps (the loader's loop around the steps': ``for batch in loader: step =
+next(steps)``) is refused: the step that runs again begins after it was drawn.
 Framework integrations and ``job.data()`` own their loaders (``owned``): left alone.
 """
 
@@ -97,6 +99,14 @@ def direct_kind(loader) -> tuple[str, str | None]:
     )
 
 
+def _never() -> bool:
+    return False
+
+
+def _raise(refused: DataRefused):
+    raise refused
+
+
 class PassIterator:
     """What ``iter(loader)`` returns in live mode: a view of the loader's current pass."""
 
@@ -120,6 +130,7 @@ class LoopLoader:
         self.loader, self.kind = loader, kind
         self._make = make_iterator  # torch's own DataLoader.__iter__
         self.refuse = _raise  # LoopLoaders: ends the job with the line
+        self.between_steps = _never  # LoopLoaders: the loop of job.steps() runs and no step is in progress
         self._gens = generators_of(loader)
         self._state = {"token": os.urandom(8).hex(), "pass": 0, "epoch": None, "index": 0, "begun": None, "inner": None}
         self._state["generators"] = self._gen_states(own=True)
@@ -152,6 +163,14 @@ class LoopLoader:
                 DataRefused(
                     f"an iterator of {type(self.loader).__name__} was used after a newer iter() of the same loader inside "
                     "job.steps(): tm-launch keeps one position per loader; iterate each loader through one iterator at a time"
+                )
+            )
+        if self.between_steps():
+            self.refuse(
+                DataRefused(
+                    f"a batch of {type(self.loader).__name__} was drawn between two steps of job.steps() (the loader's loop "
+                    "around the steps': `for batch in loader: step = next(steps)`): a step that runs again could not get it "
+                    "back; draw it inside the step (`for step in job.steps(n): batch = next(it)`), or use batches = job.data(loader)"
                 )
             )
         key = (s["token"], s["pass"], s["index"])
@@ -263,11 +282,13 @@ class LoopLoaders:
     """Every DataLoader a live worker's script iterates itself: ``iterate`` is what
     ``DataLoader.__iter__`` does in live mode. ``per_rank()`` is the worker's current
     ``PerRankState`` (a script that runs again from the top has a fresh one), ``inside_step()``
-    whether a step of ``job.steps()`` is running, ``refuse(DataRefused)`` ends the job with its
-    line, ``say(line)`` logs one."""
+    whether a step of ``job.steps()`` is running, ``between_steps()`` whether the loop of
+    ``job.steps()`` runs and no step is in progress (a batch drawn then cannot be replayed),
+    ``refuse(DataRefused)`` ends the job with its line, ``say(line)`` logs one."""
 
-    def __init__(self, per_rank, inside_step, refuse, say):
+    def __init__(self, per_rank, inside_step, refuse, say, between_steps=_never):
         self.per_rank, self.inside_step, self.refuse, self._say = per_rank, inside_step, refuse, say
+        self.between_steps = between_steps
         self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> (kind, why, LoopLoader, its PerRankState)
         self._said: set = set()
 
@@ -280,7 +301,7 @@ class LoopLoaders:
             kind, why = direct_kind(loader)
             loop = LoopLoader(loader, make_iterator, kind) if kind in (SAMPLER, STATEFUL_DATASET) else None
             if loop is not None:
-                loop.refuse = self.refuse
+                loop.refuse, loop.between_steps = self.refuse, lambda: self.between_steps()
                 name = _name_for(per_rank.objects)
                 per_rank.objects[name] = loop
                 loaded = per_rank.pending.pop(name, None)  # a joiner's loop reaching a loader after it entered
@@ -298,10 +319,6 @@ class LoopLoaders:
             self._said.add(why)
             self._say(f"tm-launch: warning: {why}")
         return make_iterator(loader)
-
-
-def _raise(refused: DataRefused):
-    raise refused
 
 
 def _name_for(objects: dict) -> str:

@@ -238,3 +238,15 @@ def test_a_loader_a_joiner_first_iterates_after_it_entered_takes_the_lost_ranks_
     assert [b.tolist() for b in DataLoader(Counted(4), batch_size=2)] == [[[0], [1]], [[2], [3]]]
     assert not worker.per_rank.pending
     assert plain(6)[:3] == want[:2] + got
+
+
+def test_a_batch_drawn_between_two_steps_is_refused(worker):
+    """``for batch in loader: step = next(steps)``: the batch comes before the step that would
+    run again; refused in one line (before the loop, and inside a step, drawing is fine)."""
+    _, _, loader = make()
+    it = iter(loader)
+    next(it)  # before job.steps()
+    worker.loops.between_steps = lambda: True
+    with pytest.raises(SystemExit):
+        next(it)
+    assert len(worker.refused) == 1 and "drawn between two steps of job.steps()" in worker.refused[0]
