@@ -103,8 +103,9 @@ def test_a_step_with_two_optimizer_steps_is_also_killed_between_them(tmp_path):
     assert fault["phase"] == "between-effects" and fault["fired"], out.stdout
     equal = all(rank["equal"] for rank in fault["ranks"]) and fault["files"]["equal"]
     assert (out.returncode == 0) == equal and report["passed"] == equal, out.stdout
-    for rank in fault["ranks"]:
+    for rank in fault["ranks"]:  # a difference names the objects and the step's several effects as the cause
         assert rank["equal"] or {d["object"] for d in rank["differences"]} & {"model", "second", "optimizer", "second_optimizer"}, rank
+        assert rank["equal"] or rank["causes"] == ["effects"], rank
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,12 @@ CAUSES: dict[str, tuple[str, str]] = {
         "register the sampler or loader with job.register(per_rank=True, data=...) (it needs state_dict()/"
         "load_state_dict()), or make each step's batch a function of the step",
     ),
+    "effects": (
+        "a step with several effects (two optimizers' steps, an update after the optimizer step): the fault came after "
+        "the first was applied, and the rest of the step was not applied exactly once on every rank",
+        "this is the live runtime's to make exact (issue 57: a step as one transaction over all its effects); meanwhile "
+        "take one optimizer step per job.steps() step, or report it with this output",
+    ),
     "file": (
         "a file the script wrote in its working directory (a checkpoint, an output, a log) holds what the recovery did not carry",
         "save only state registered with job.register (or derived from the step), and write a step's numbers only once they are "
@@ -230,19 +236,30 @@ def cause_of(d: Difference) -> str | None:
     return None
 
 
-def classify(diffs: list[Difference], steps_differ: bool = False) -> list[str]:
-    """The likely causes of one rank's differences, most specific first (``ORDER``)."""
+# What the fault-free run says of a step's effects (``effects=`` below): SEVERAL, more than one
+# optimizer registered; BETWEEN, the fault came between two of them (the rehearsal's phase there).
+SEVERAL, BETWEEN = "several", "between"
+
+
+def classify(diffs: list[Difference], steps_differ: bool = False, effects: str | None = None) -> list[str]:
+    """The likely causes of one rank's differences, most specific first (``ORDER``). Where only
+    parameters and optimizer state differ, every registered object's own state came back right:
+    something unregistered steered training, or, in a step with several effects, the effects
+    after the first were not applied exactly once (named first; alone when the fault came
+    between them)."""
     if not diffs and not steps_differ:
         return []
     found = {c for c in map(cause_of, diffs) if c is not None}
     if steps_differ:
         found.add("steps")
     if not found:
-        found.add("unregistered")  # every registered object's own state came back right
+        found |= {"effects"} if effects == BETWEEN else {"effects", "unregistered"} if effects == SEVERAL else {"unregistered"}
     return [c for c in ORDER if c in found]
 
 
-def compare_rank(rank: int, ref: dict | None, got: dict | None, unstable: frozenset = frozenset()) -> RankVerdict:
+def compare_rank(
+    rank: int, ref: dict | None, got: dict | None, unstable: frozenset = frozenset(), effects: str | None = None
+) -> RankVerdict:
     if ref is None:
         return RankVerdict(rank, missing="the fault-free run wrote no state for this rank")
     if got is None:
@@ -254,7 +271,7 @@ def compare_rank(rank: int, ref: dict | None, got: dict | None, unstable: frozen
     steps_differ = ref["meta"].get("steps") != got["meta"].get("steps") and "~meta/steps" not in unstable
     if steps_differ:
         diffs.append(Difference("~meta/steps", "meta", f"{ref['meta'].get('steps')} -> {got['meta'].get('steps')} steps"))
-    return RankVerdict(rank, diffs, classify(diffs, steps_differ), attempts=attempts, timings=timings)
+    return RankVerdict(rank, diffs, classify(diffs, steps_differ, effects), attempts=attempts, timings=timings)
 
 
 def compare_files(ref: dict | None, got: dict | None, unstable: frozenset = frozenset()) -> RankVerdict:
@@ -268,9 +285,11 @@ def compare_files(ref: dict | None, got: dict | None, unstable: frozenset = froz
     return RankVerdict(None, diffs, classify(diffs), timings=timings)
 
 
-def compare_runs(ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset()) -> list[RankVerdict]:
+def compare_runs(
+    ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset(), effects: str | None = None
+) -> list[RankVerdict]:
     """Per rank of the fault-free run (and any extra rank of the other)."""
-    return [compare_rank(r, ref.get(r), got.get(r), unstable) for r in sorted(set(ref) | set(got))]
+    return [compare_rank(r, ref.get(r), got.get(r), unstable, effects) for r in sorted(set(ref) | set(got))]
 
 
 def maybe_unseeded(dumps: dict[int, dict]) -> frozenset:

@@ -11,7 +11,7 @@ import signal
 import sys
 import tempfile
 
-from .compare import compare_files, compare_runs, differences, maybe_unseeded, unstable_keys
+from .compare import BETWEEN, SEVERAL, compare_files, compare_runs, differences, maybe_unseeded, unstable_keys
 from .report import as_dict, passed, render, summary
 from .runs import PHASES, SEVERAL_EFFECTS, Run, live, reference, several_effects, why
 
@@ -190,7 +190,9 @@ def _rehearse(args, workdir: str) -> int:
         for phase, victim in zip(phases, victims(phases, world, args.kill_rank)):
             say(f"fault: rank {victim} SIGKILLed {PHASES[phase][1]} at step >= {step}")
             run = live_run(f"fault {phase}", phase=phase, victim=victim, step=step)
-            faults.append((run, [*compare_runs(ref.dumps, run.dumps, unstable), compare_files(ref.files, run.files, unstable_files)]))
+            effects = BETWEEN if phase in SEVERAL_EFFECTS else SEVERAL if several_effects(ref.dumps) else None
+            verdicts = compare_runs(ref.dumps, run.dumps, unstable, effects)
+            faults.append((run, [*verdicts, compare_files(ref.files, run.files, unstable_files)]))
     header = {"script": args.script, "nnodes": args.nnodes, "nproc": args.nproc, "step": step, "reference_how": ref_how}
     if control is None and maybe_unseeded(ref.dumps):
         header["not_compared"] = (

@@ -266,3 +266,21 @@ def test_describe_bytes(a, b, said):
 
 def test_a_working_directory_not_read_is_named():
     assert "not read" in compare_files(None, files()).missing
+
+
+ONLY_TRAINED = {"model__0.weight": ("param", W + 1), "optimizer__state.0.momentum_buffer": ("optim", W)}
+
+
+@pytest.mark.parametrize(
+    "effects, changes, causes",
+    [
+        (None, ONLY_TRAINED, ["unregistered"]),
+        ("several", ONLY_TRAINED, ["effects", "unregistered"]),  # two optimizers registered: either
+        ("between", ONLY_TRAINED, ["effects"]),  # killed between two optimizer steps, every registered object carried
+        ("between", {"model__bn.running_mean": ("buffer", torch.ones(2))}, ["buffer"]),  # a specific cause stays specific
+        ("between", {}, []),
+    ],
+)
+def test_a_step_with_several_effects_names_them_where_only_trained_state_differs(effects, changes, causes):
+    verdict = compare_runs({0: dump(**BASE)}, {0: changed(**changes)}, effects=effects)[0]
+    assert verdict.causes == causes
