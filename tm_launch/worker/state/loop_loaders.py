@@ -152,7 +152,7 @@ class LoopLoader:
             self._drop_iterator()
             self._it, self._it_at = self._make(self.loader), (number, 0)
             self._remember(self._starts, (s["token"], number), (epoch, before, self._gen_states()))
-        inner = self.loader.dataset.state_dict() if self.kind == STATEFUL_DATASET else None
+        inner = self._dataset_state()
         self._state = {**s, "pass": number, "epoch": epoch, "index": 0, "begun": before, "inner": inner}
         return PassIterator(self, s["token"], number)
 
@@ -188,7 +188,7 @@ class LoopLoader:
             self._remember(self._cache, key, (_STOP, s))
             raise
         self._it_at = (s["pass"], s["index"] + 1)
-        inner = self.loader.dataset.state_dict() if self.kind == STATEFUL_DATASET else None
+        inner = self._dataset_state()
         self._state = {**s, "index": s["index"] + 1, "inner": inner if inner is not None else s["inner"]}
         self._state["generators"] = self._gen_states(own=True)
         self._remember(self._cache, key, (batch, self._state))
@@ -222,6 +222,10 @@ class LoopLoader:
         if len(table) >= CACHE_LIMIT:  # a pass longer than this is rebuilt on a re-run instead: exact, slower
             table.pop(next(iter(table)))
         table[key] = value
+
+    def _dataset_state(self):
+        """An iterable dataset's own position (a copy: a dataset may hand out the dict it keeps)."""
+        return copy.deepcopy(self.loader.dataset.state_dict()) if self.kind == STATEFUL_DATASET else None
 
     def _epoch_now(self):
         holder = self.loader.dataset if self.kind == STATEFUL_DATASET else _base_sampler(self.loader)

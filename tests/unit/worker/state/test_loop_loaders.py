@@ -250,3 +250,63 @@ def test_a_batch_drawn_between_two_steps_is_refused(worker):
     with pytest.raises(SystemExit):
         next(it)
     assert len(worker.refused) == 1 and "drawn between two steps of job.steps()" in worker.refused[0]
+
+
+class Positioned(IterableDataset):
+    """An iterable dataset with its own position: its iter() resumes from it, a new epoch starts over."""
+
+    def __init__(self, n: int):
+        self.n, self.pos, self.epoch = n, 0, 0
+
+    def __iter__(self):
+        while self.pos < self.n:
+            self.pos += 1
+            yield torch.tensor([self.epoch * 100 + self.pos - 1])
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.pos = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
+def test_an_iterable_dataset_with_state_runs_again_and_carries_to_a_joiner(worker):
+    def loop(loader, dataset, steps, it=None, start=0, on_step=None):
+        it, got = (it if it is not None else iter(loader)), []
+        for step in range(start, steps):
+            if on_step:
+                on_step(step)
+            try:
+                batch = next(it)
+            except StopIteration:
+                dataset.set_epoch(step // 3)
+                it = iter(loader)
+                batch = next(it)
+            got.append(batch.tolist())
+        return got, it
+
+    plain_ds = Positioned(6)
+    plain_loader = DataLoader(plain_ds, batch_size=2)
+    data_loaders.owned.add(plain_loader)  # torch's own iterators: the fault-free batches
+    want, _ = loop(plain_loader, plain_ds, 8)
+    ds = Positioned(6)
+    loader = DataLoader(ds, batch_size=2)
+    first, it = loop(loader, ds, 4)
+    worker.per_rank.begin_step(4, None)
+    next(it)
+    worker.per_rank.restore()  # step 4 runs again
+    lost = cpu_copy(worker.per_rank.objects["tm-loop"].state_dict())
+    again, _ = loop(loader, ds, 8, it=it, start=4)
+    assert first + again == want
+    worker.per_rank = PerRankState()  # a joiner at step 4
+    ds2 = Positioned(6)
+    loader2 = DataLoader(ds2, batch_size=2)
+    it2 = iter(loader2)
+    worker.per_rank.load({"tm-loop": lost})
+    joined, _ = loop(loader2, ds2, 8, it=it2, start=4)
+    assert first + joined == want
