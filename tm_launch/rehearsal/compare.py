@@ -34,6 +34,17 @@ CAUSES: dict[str, tuple[str, str]] = {
         "register the sampler or loader with job.register(per_rank=True, data=...) (it needs state_dict()/"
         "load_state_dict()), or make each step's batch a function of the step",
     ),
+    "effects": (
+        "a step with several effects (two optimizers' steps, an update after the optimizer step): the fault came after "
+        "the first was applied, and the rest of the step was not applied exactly once on every rank",
+        "this is the live runtime's to make exact (issue 57: a step as one transaction over all its effects); meanwhile "
+        "take one optimizer step per job.steps() step, or report it with this output",
+    ),
+    "file": (
+        "a file the script wrote in its working directory (a checkpoint, an output, a log) holds what the recovery did not carry",
+        "save only state registered with job.register (or derived from the step), and write a step's numbers only once they are "
+        "final (`if job.commit():`, or `job.step_ok` after the step's collectives): a step that runs again writes twice",
+    ),
     "unregistered": (
         "state the script keeps outside job.register (a tensor in a plain attribute, a counter, a cache)",
         "give it state_dict()/load_state_dict() and register it (per_rank=True if each rank holds its own), or derive it from the step",
@@ -41,7 +52,16 @@ CAUSES: dict[str, tuple[str, str]] = {
 }
 ORDER = list(CAUSES)
 
-ROLE_CAUSE = {"buffer": "buffer", "rng": "rng", "rng-os": "rng", "global-rng": "rng", "data": "data", "attr": "unregistered"}
+ROLE_CAUSE = {
+    "buffer": "buffer",
+    "rng": "rng",
+    "rng-os": "rng",
+    "global-rng": "rng",
+    "data": "data",
+    "attr": "unregistered",
+    "file": "file",
+}
+FILES = "~file"  # the key prefix of the working directory's files: "~file/<path>" (bytes), "~file/<path>:<key>" (a tensor in it)
 # Seeded from the OS unless the script seeds them (Python's and numpy's generators): they may
 # differ between two fault-free runs, so only a control run can say whether they count.
 MAYBE_UNSEEDED = "rng-os"
@@ -65,24 +85,39 @@ WALL_CLOCK = ("_runtime", "_per_second")
 
 @dataclass(frozen=True)
 class Difference:
-    key: str  # the dump's flat key: "<object>/<state_dict key>", "~rng/torch", "~attr/<module>.<path>"
-    role: str  # param, buffer, optim, sched, rng, data, other, attr, global-rng
+    key: str  # the dump's flat key: "<object>/<state_dict key>", "~rng/torch", "~attr/<module>.<path>", "~file/<path>[:<key>]"
+    role: str  # param, buffer, optim, sched, rng, data, other, attr, global-rng, file
     detail: str  # "max |diff| 0.0123", "shape (2,) -> (3,)", "3 -> 4", "only in the fault-free run"
 
     @property
     def obj(self) -> str:
         """The object the key belongs to, as a user knows it."""
-        head, _, _ = self.key.partition("/")
+        head, _, rest = self.key.partition("/")
+        if head == FILES:
+            return f"file {rest.partition(':')[0]}"
         return {"~rng": "global RNG (not registered)", "~attr": "plain attributes (not registered)"}.get(head, head)
 
     @property
     def tensor(self) -> str:
-        return self.key.partition("/")[2]
+        head, _, rest = self.key.partition("/")
+        if head == FILES:
+            return rest.partition(":")[2] or "(its bytes)"
+        return rest
+
+
+@dataclass(frozen=True)
+class FileBytes:
+    """A file that is not a torch checkpoint, compared byte for byte: its size, a digest, and its
+    bytes when small enough to say where two copies first differ."""
+
+    size: int
+    digest: str
+    content: bytes | None = None
 
 
 @dataclass
 class RankVerdict:
-    rank: int
+    rank: int | None  # None: the files the job wrote in its working directory
     differences: list[Difference] = field(default_factory=list)
     causes: list[str] = field(default_factory=list)
     missing: str | None = None  # why there is nothing to compare (no dump)
@@ -92,6 +127,10 @@ class RankVerdict:
     @property
     def equal(self) -> bool:
         return self.missing is None and not self.differences
+
+    @property
+    def title(self) -> str:
+        return "files in the working directory" if self.rank is None else f"rank {self.rank}"
 
 
 def describe(a, b) -> str | None:
@@ -112,7 +151,20 @@ def describe(a, b) -> str | None:
         return f"{int((a != b).sum())} of {a.numel()} elements"
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return f"{type(a).__name__} -> {type(b).__name__}"
+    if isinstance(a, FileBytes) and isinstance(b, FileBytes):
+        return _bytes_differ(a, b)
     return None if a == b else f"{a!r} -> {b!r}"[:120]
+
+
+def _bytes_differ(a: FileBytes, b: FileBytes) -> str | None:
+    if a.size == b.size and a.digest == b.digest:
+        return None
+    sizes = f"{a.size} -> {b.size} bytes" if a.size != b.size else f"{a.size} bytes"
+    if a.content is None or b.content is None:
+        return f"{sizes}, contents differ"
+    at = next((i for i, (x, y) in enumerate(zip(a.content, b.content)) if x != y), min(a.size, b.size))
+    line = a.content[:at].count(b"\n") + 1
+    return f"{sizes}, first difference at byte {at} (line {line})"
 
 
 def _same_bits(a, b) -> bool:
@@ -184,19 +236,30 @@ def cause_of(d: Difference) -> str | None:
     return None
 
 
-def classify(diffs: list[Difference], steps_differ: bool = False) -> list[str]:
-    """The likely causes of one rank's differences, most specific first (``ORDER``)."""
+# What the fault-free run says of a step's effects (``effects=`` below): SEVERAL, more than one
+# optimizer registered; BETWEEN, the fault came between two of them (the rehearsal's phase there).
+SEVERAL, BETWEEN = "several", "between"
+
+
+def classify(diffs: list[Difference], steps_differ: bool = False, effects: str | None = None) -> list[str]:
+    """The likely causes of one rank's differences, most specific first (``ORDER``). Where only
+    parameters and optimizer state differ, every registered object's own state came back right:
+    something unregistered steered training, or, in a step with several effects, the effects
+    after the first were not applied exactly once (named first; alone when the fault came
+    between them)."""
     if not diffs and not steps_differ:
         return []
     found = {c for c in map(cause_of, diffs) if c is not None}
     if steps_differ:
         found.add("steps")
     if not found:
-        found.add("unregistered")  # every registered object's own state came back right
+        found |= {"effects"} if effects == BETWEEN else {"effects", "unregistered"} if effects == SEVERAL else {"unregistered"}
     return [c for c in ORDER if c in found]
 
 
-def compare_rank(rank: int, ref: dict | None, got: dict | None, unstable: frozenset = frozenset()) -> RankVerdict:
+def compare_rank(
+    rank: int, ref: dict | None, got: dict | None, unstable: frozenset = frozenset(), effects: str | None = None
+) -> RankVerdict:
     if ref is None:
         return RankVerdict(rank, missing="the fault-free run wrote no state for this rank")
     if got is None:
@@ -208,12 +271,25 @@ def compare_rank(rank: int, ref: dict | None, got: dict | None, unstable: frozen
     steps_differ = ref["meta"].get("steps") != got["meta"].get("steps") and "~meta/steps" not in unstable
     if steps_differ:
         diffs.append(Difference("~meta/steps", "meta", f"{ref['meta'].get('steps')} -> {got['meta'].get('steps')} steps"))
-    return RankVerdict(rank, diffs, classify(diffs, steps_differ), attempts=attempts, timings=timings)
+    return RankVerdict(rank, diffs, classify(diffs, steps_differ, effects), attempts=attempts, timings=timings)
 
 
-def compare_runs(ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset()) -> list[RankVerdict]:
+def compare_files(ref: dict | None, got: dict | None, unstable: frozenset = frozenset()) -> RankVerdict:
+    """The files the job wrote in its working directory (``{"entries", "roles"}`` as a rank's dump,
+    keys under ``FILES``), against the fault-free run's: one verdict for the whole job."""
+    if ref is None or got is None:
+        return RankVerdict(None, missing=f"the working directory of the {'fault-free run' if ref is None else 'run'} was not read")
+    diffs = differences(ref, got, unstable)
+    timings = [d for d in diffs if is_wall_clock(d.key, ref["entries"], got["entries"])]
+    diffs = [d for d in diffs if d not in timings]
+    return RankVerdict(None, diffs, classify(diffs), timings=timings)
+
+
+def compare_runs(
+    ref: dict[int, dict], got: dict[int, dict], unstable: frozenset = frozenset(), effects: str | None = None
+) -> list[RankVerdict]:
     """Per rank of the fault-free run (and any extra rank of the other)."""
-    return [compare_rank(r, ref.get(r), got.get(r), unstable) for r in sorted(set(ref) | set(got))]
+    return [compare_rank(r, ref.get(r), got.get(r), unstable, effects) for r in sorted(set(ref) | set(got))]
 
 
 def maybe_unseeded(dumps: dict[int, dict]) -> frozenset:

@@ -11,9 +11,9 @@ import signal
 import sys
 import tempfile
 
-from .compare import compare_runs, maybe_unseeded, unstable_keys
+from .compare import BETWEEN, SEVERAL, compare_files, compare_runs, differences, maybe_unseeded, unstable_keys
 from .report import as_dict, passed, render, summary
-from .runs import PHASES, Run, live, reference, why
+from .runs import PHASES, SEVERAL_EFFECTS, Run, live, reference, several_effects, why
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 NOT_LIVE = (
@@ -41,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc", type=int, default=1, help="workers per node (default 1)")
     p.add_argument(
         "--phases",
-        default=",".join(PHASES),
-        help=f"comma-separated phases to kill a worker at, one run each (default: all: {','.join(PHASES)})",
+        default=None,
+        help=(
+            f"comma-separated phases to kill a worker at, one run each (default: all: {','.join(PHASES)}; "
+            f"{','.join(SEVERAL_EFFECTS)} only where the script registers more than one optimizer)"
+        ),
     )
     p.add_argument("--kill-step", type=int, default=None, help="the step the faults happen at (default: half the fault-free run's steps)")
     p.add_argument("--kill-rank", type=int, default=None, help="the rank killed (default: the last rank, then rank 0, alternating)")
@@ -75,10 +78,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise UsageError("--nnodes and --nproc-per-node must be at least 1")
     if args.nnodes * args.nproc < 2:
         raise UsageError("a rehearsal needs at least 2 ranks (--nnodes x --nproc-per-node)")
-    args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    unknown = [p for p in args.phases if p not in PHASES]
-    if unknown or not args.phases:
-        raise UsageError(f"--phases: unknown phase(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PHASES)}")
+    if args.phases is not None:  # None: all that apply, decided once the fault-free run is known (default_phases)
+        args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+        unknown = [p for p in args.phases if p not in PHASES]
+        if unknown or not args.phases:
+            raise UsageError(f"--phases: unknown phase(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PHASES)}")
     world = args.nnodes * args.nproc
     if args.kill_rank is not None and not 0 <= args.kill_rank < world:
         raise UsageError(f"--kill-rank {args.kill_rank}: the job has ranks 0..{world - 1}")
@@ -95,6 +99,12 @@ def victims(phases: list[str], world: int, fixed: int | None) -> list[int]:
     if fixed is not None:
         return [fixed] * len(phases)
     return [world - 1 if i % 2 == 0 else 0 for i in range(len(phases))]
+
+
+def default_phases(dumps: dict) -> list[str]:
+    """Every phase, those between several effects of a step only where the fault-free run's step
+    has them (``runs.several_effects``)."""
+    return [p for p in PHASES if p not in SEVERAL_EFFECTS or several_effects(dumps)]
 
 
 def kill_step(steps: int, given: int | None) -> int:
@@ -161,21 +171,28 @@ def _rehearse(args, workdir: str) -> int:
             if ref.error or not ref.dumps:
                 raise UsageError(_no_state(ref, args.script))
         # Without a control run, generators the script may never have seeded cannot be judged.
-        unstable = maybe_unseeded(ref.dumps)
+        unstable, unstable_files = maybe_unseeded(ref.dumps), frozenset()
         if control is None and not args.no_control and ref.name == "reference":
             say("fault-free run under tm-launch live (the control)")
             run = live_run("control")
             # What differs there is the script's own nondeterminism: left out of every verdict;
             # the control fails only where something other than an unseeded generator differs.
             unstable = unstable_keys(ref.dumps, run.dumps)
-            control = (run, compare_runs(ref.dumps, run.dumps, unstable & maybe_unseeded(ref.dumps)))
+            unstable_files = _unstable_files(ref, run)
+            control = (
+                run,
+                [*compare_runs(ref.dumps, run.dumps, unstable & maybe_unseeded(ref.dumps)), compare_files(ref.files, run.files)],
+            )
         steps = max((d["meta"]["steps"] for d in ref.dumps.values()), default=0)
         step = kill_step(steps, args.kill_step)
+        phases = args.phases or default_phases(ref.dumps)
         faults = []
-        for phase, victim in zip(args.phases, victims(args.phases, world, args.kill_rank)):
+        for phase, victim in zip(phases, victims(phases, world, args.kill_rank)):
             say(f"fault: rank {victim} SIGKILLed {PHASES[phase][1]} at step >= {step}")
             run = live_run(f"fault {phase}", phase=phase, victim=victim, step=step)
-            faults.append((run, compare_runs(ref.dumps, run.dumps, unstable)))
+            effects = BETWEEN if phase in SEVERAL_EFFECTS else SEVERAL if several_effects(ref.dumps) else None
+            verdicts = compare_runs(ref.dumps, run.dumps, unstable, effects)
+            faults.append((run, [*verdicts, compare_files(ref.files, run.files, unstable_files)]))
     header = {"script": args.script, "nnodes": args.nnodes, "nproc": args.nproc, "step": step, "reference_how": ref_how}
     if control is None and maybe_unseeded(ref.dumps):
         header["not_compared"] = (
@@ -187,6 +204,14 @@ def _rehearse(args, workdir: str) -> int:
         with open(args.json, "w") as f:
             json.dump(as_dict(header, ref, control, faults), f, indent=1)
     return 0 if passed(control, faults) else EXIT_FAILED
+
+
+def _unstable_files(ref: Run, control: Run) -> frozenset:
+    """Files (or values in them) that differ between two fault-free runs (a log with times in it):
+    a fault cannot be blamed for them."""
+    if ref.files is None or control.files is None:
+        return frozenset()
+    return frozenset(d.key for d in differences(ref.files, control.files))
 
 
 def _no_state(run: Run, script: str) -> str:

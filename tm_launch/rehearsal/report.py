@@ -31,10 +31,10 @@ def verdict_word(run: Run, verdicts: list[RankVerdict]) -> str:
 
 def rank_lines(v: RankVerdict, indent: str = "      ") -> list[str]:
     if v.missing:
-        return [f"{indent}rank {v.rank}: {v.missing}"]
+        return [f"{indent}{v.title}: {v.missing}"]
     if v.equal:
-        return [f"{indent}rank {v.rank}: bitwise equal"] + attempt_lines(v, indent)
-    lines = [f"{indent}rank {v.rank}: {len(v.differences)} tensor(s)/value(s) differ"]
+        return [f"{indent}{v.title}: bitwise equal"] + attempt_lines(v, indent)
+    lines = [f"{indent}{v.title}: {len(v.differences)} tensor(s)/value(s)/file(s) differ"]
     by_obj: dict[str, list] = {}
     for d in v.differences:
         by_obj.setdefault(d.obj, []).append(d)
@@ -128,6 +128,11 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
             for v in vs
         ]
 
+    def judged(vs: list[RankVerdict]) -> dict:
+        """Every rank's verdict, and the working directory's files apart."""
+        files = [v for v in vs if v.rank is None]
+        return {"ranks": verdicts_dict([v for v in vs if v.rank is not None]), "files": verdicts_dict(files)[0] if files else None}
+
     def run_dict(run: Run) -> dict:
         return {
             "name": run.name,
@@ -145,6 +150,6 @@ def as_dict(header: dict, reference: Run, control, faults) -> dict:
         **header,
         "passed": passed(control, faults),
         "reference": run_dict(reference),
-        "control": None if control is None else {**run_dict(control[0]), "ranks": verdicts_dict(control[1])},
-        "faults": [{**run_dict(run), "ranks": verdicts_dict(vs)} for run, vs in faults],
+        "control": None if control is None else {**run_dict(control[0]), **judged(control[1])},
+        "faults": [{**run_dict(run), **judged(vs)} for run, vs in faults],
     }

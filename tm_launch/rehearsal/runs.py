@@ -10,7 +10,8 @@
 
 Every worker writes its whole state at exit (``TM_REHEARSAL_DUMP``:
 ``tm_launch.worker.rehearsal_dump``). Each run has its own working directory, so that relative
-paths the script writes (checkpoints it would resume from, outputs) never meet another run's.
+paths the script writes (checkpoints it would resume from, outputs) never meet another run's;
+what the run left there is read after it (``files``) and compared too.
 ``OMP_NUM_THREADS`` is 1 unless the user set it: torchrun sets it so for several workers per
 node and not for one, and a different thread count can change a CPU reduction's rounding.
 """
@@ -26,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..local.localjob import REPO, LocalJob
+from .files import read_files
 
 # The phases a rehearsal kills a worker at: its name -> the TM_FAILPOINT point, and what it means.
 PHASES = {
@@ -34,7 +36,19 @@ PHASES = {
     "commit": ("vote", "in the commit vote (its vote counted, the decision not read)"),
     "optimizer": ("optimizer", "in the optimizer step (committed, not yet applied)"),
     "after-step": ("after-step", "after the optimizer step (its first collective after it)"),
+    "between-effects": (
+        "between-effects",
+        "after the first of several optimizer steps in one step (its update applied, the rest of the step not run)",
+    ),
 }
+SEVERAL_EFFECTS = ("between-effects",)  # run by default only where a step has more than one effect (several_effects)
+
+
+def several_effects(dumps: dict) -> bool:
+    """Whether the fault-free run's step has more than one optimizer step: it registered more
+    than one optimizer (what the dumps tell; two optimizers that step on alternate steps are
+    rehearsed too, and the kill then never happens: NOT EXERCISED)."""
+    return any(sum(1 for kind in d["meta"].get("objects", {}).values() if kind == "optim") > 1 for d in dumps.values())
 
 
 @dataclass
@@ -46,6 +60,7 @@ class Run:
     seconds: float = 0.0
     codes: dict = field(default_factory=dict)
     dumps: dict = field(default_factory=dict)  # rank -> dump
+    files: dict | None = None  # what it left in its working directory (``files.read_files``)
     fired: bool | None = None  # the fault happened (its marker exists); None: no fault asked
     error: str | None = None  # the run itself went wrong (timeout, failed start)
     log_dir: str = ""
@@ -120,6 +135,7 @@ def reference(workdir: str, script: str, args: list[str], world: int, timeout: f
     with open(log, errors="replace") as f:
         run.tail = _tail(f.read())
     run.dumps = read_dumps(dumps)
+    run.files = read_files(cwd)
     return run
 
 
@@ -180,4 +196,5 @@ def live(
     run.fired = os.path.exists(marker) if phase is not None else None
     run.tail = job.logs_tail(8)
     run.dumps = read_dumps(dumps)
+    run.files = read_files(cwd)
     return run

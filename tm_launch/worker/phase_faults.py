@@ -13,7 +13,11 @@ a marker file, whichever process holds the rank by then):
 * ``optimizer``: inside the optimizer step, after the step's job-wide commit (the runtime's own
   pre-hook takes the vote and runs first), before the update;
 * ``after-step``: the first collective after the optimizer step (loss logging, a ZeRO
-  broadcast), or, in a step without one, the next step's forward.
+  broadcast), or, in a step without one, the next step's forward;
+* ``between-effects``: right after the first optimizer step of a step that has several (a GAN's,
+  an actor-critic's): the step committed and its first update applied, what comes before the
+  second (its backward and gradient communication) not yet run. The rehearsal runs it only
+  where the fault-free run registered more than one optimizer.
 
 The commit itself is the runtime's ``vote`` point. Hooks are global torch hooks (module forward
 hooks, optimizer step hooks), installed only when one of these points is armed: a normal job
@@ -29,7 +33,7 @@ import torch
 
 from . import failpoints
 
-POINTS = ("forward", "backward", "optimizer", "after-step")
+POINTS = ("forward", "backward", "optimizer", "after-step", "between-effects")
 
 _ACTIVE: _Phases | None = None
 
@@ -72,6 +76,7 @@ class _Phases:
         spec = os.environ["TM_FAILPOINT"].split(":")
         self.rank, self.step = int(spec[1]), int(spec[2])
         self.after_pending = False
+        self.stepped = -1  # the last step whose first optimizer step ran (between-effects)
         self.handles: list = []
 
     def where(self) -> tuple[int, int] | None:
@@ -114,6 +119,7 @@ class _Phases:
                 (register_module_forward_pre_hook, self._forward_pre),
                 (register_optimizer_step_post_hook, self._optimizer_done),
             ],
+            "between-effects": [(register_optimizer_step_post_hook, self._first_update_done)],
         }[self.point]
         self.handles = [register(hook) for register, hook in hooks]
 
@@ -126,6 +132,15 @@ class _Phases:
             self.after_pending = False
             self.fire("after-step")
         return None
+
+    def _first_update_done(self, optimizer, args, kwargs) -> None:
+        """The first optimizer step of a step has applied its update (a re-run of the step is
+        its first again)."""
+        here = self.targeted()
+        if here is None or self.stepped == here[1]:
+            return
+        self.stepped = here[1]
+        self.fire("between-effects")
 
     def _optimizer_done(self, optimizer, args, kwargs) -> None:
         if self.targeted() is not None:

@@ -33,6 +33,10 @@ an object's class              an LR scheduler's ``step``, a GradScaler's ``upda
 a DataLoader's                 its new iterators give the global RNG back as they found it
 ``_get_iterator``              (``keep_rng_across_iterators``): the seed draw must not move a
                                rank's per-rank state between a commit and the next step.
+``DataLoader.__iter__``        a loader the script iterates itself in ``job.steps()`` hands out
+(``route_loader_iteration``)   views of its position kept as per-rank state
+                               (``state.loop_loaders``): torch's iterator cannot be rewound for
+                               a step that runs again nor repositioned for a rank taking over.
 =============================  ==================================================================
 
 Outside this module, one place adds torch hooks, on purpose: ``phase_faults`` (the kill points
@@ -52,6 +56,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .comms.groups import LiveGroup, LocalBackend
+from .state import data_loaders
 
 # (owner, attribute, original value) for every assignment, in order; undone in reverse. An
 # object (not a module or class) is held weakly: a scheduler guarded here must not outlive the
@@ -266,4 +271,23 @@ def keep_rng_across_iterators(loader):
             torch.random.set_rng_state(state)
 
     _assign(target, "_get_iterator", keeping_rng)
+    data_loaders.owned.add(target)  # a framework's loop positions it: never routed (route_loader_iteration)
+    if target is not loader and isinstance(loader, torch.utils.data.DataLoader):
+        data_loaders.owned.add(loader)
     return loader
+
+
+def route_loader_iteration(iterate) -> None:
+    """``iter(loader)`` on a torch ``DataLoader`` (and subclasses that keep its ``__iter__``)
+    returns ``iterate(loader, torch's __iter__)``: live mode's ``LoopLoaders.iterate``."""
+    if "loader-iter" in _installed:
+        return
+    _installed.add("loader-iter")
+    from torch.utils.data import DataLoader
+
+    make_iterator = DataLoader.__iter__
+
+    def routed(self):
+        return iterate(self, make_iterator)
+
+    _assign(DataLoader, "__iter__", routed)

@@ -3,7 +3,18 @@
 import pytest
 import torch
 
-from tm_launch.rehearsal.compare import Difference, cause_of, classify, compare_rank, compare_runs, describe, maybe_unseeded, unstable_keys
+from tm_launch.rehearsal.compare import (
+    Difference,
+    FileBytes,
+    cause_of,
+    classify,
+    compare_files,
+    compare_rank,
+    compare_runs,
+    describe,
+    maybe_unseeded,
+    unstable_keys,
+)
 
 
 def dump(steps=4, **entries):
@@ -201,3 +212,75 @@ def test_wall_clock_measurements_are_named_apart_and_the_losses_beside_them_comp
 def test_a_tensor_named_like_a_timing_is_compared():
     v = compare_rank(0, dump(model__x_runtime=("buffer", torch.ones(1))), dump(model__x_runtime=("buffer", torch.zeros(1))))
     assert not v.equal and not v.timings
+
+
+# -- the files a run leaves in its working directory ------------------------------------------------
+
+
+def files(**entries):
+    """What ``files.read_files`` returns: entries given as key=value, "__" for "/", "_c_" for ":"."""
+    flat = {"~file/" + k.replace("__", "/").replace("_c_", ":"): v for k, v in entries.items()}
+    return {"entries": flat, "roles": dict.fromkeys(flat, "file")}
+
+
+TEXT = FileBytes(6, "a", b"0.125\n")
+FILE_CASES = [
+    ("identical", {}, [], []),
+    ("a value in a checkpoint", {"final.pt_c_seen": 9}, ["~file/final.pt:seen"], ["file final.pt"]),
+    ("a tensor in a checkpoint", {"final.pt_c_model.w": torch.ones(2)}, ["~file/final.pt:model.w"], ["file final.pt"]),
+    ("a text file", {"loss.txt": FileBytes(6, "b", b"0.126\n")}, ["~file/loss.txt"], ["file loss.txt"]),
+    ("a file only one run wrote", {"extra.log": FileBytes(1, "c", b"x")}, ["~file/extra.log"], ["file extra.log"]),
+    ("a DCP checkpoint's tensor", {"ckpt__step-8_c_model.w": torch.zeros(2)}, ["~file/ckpt/step-8:model.w"], ["file ckpt/step-8"]),
+]
+FILES_REF = files(**{"final.pt_c_seen": 8, "final.pt_c_model.w": torch.zeros(2), "loss.txt": TEXT, "ckpt__step-8_c_model.w": torch.ones(2)})
+
+
+@pytest.mark.parametrize("name,changes,keys,objects", FILE_CASES, ids=[c[0] for c in FILE_CASES])
+def test_files_that_differ_are_named_with_the_file_as_their_cause(name, changes, keys, objects):
+    got = {**FILES_REF["entries"], **files(**changes)["entries"]}
+    verdict = compare_files(FILES_REF, {"entries": got, "roles": dict.fromkeys(got, "file")})
+    assert [d.key for d in verdict.differences] == keys
+    assert [d.obj for d in verdict.differences] == objects
+    assert verdict.causes == (["file"] if keys else [])
+    assert verdict.equal == (not keys) and verdict.title == "files in the working directory"
+
+
+def test_files_that_differ_without_a_fault_are_left_out():
+    noisy = files(**{"times.log": FileBytes(3, "z", b"2 s")})
+    verdict = compare_files(files(**{"times.log": FileBytes(3, "y", b"1 s")}), noisy, frozenset({"~file/times.log"}))
+    assert verdict.equal
+
+
+@pytest.mark.parametrize(
+    "a,b,said",
+    [
+        (TEXT, FileBytes(6, "a", b"0.125\n"), None),
+        (TEXT, FileBytes(6, "b", b"0.126\n"), "6 bytes, first difference at byte 4 (line 1)"),
+        (FileBytes(4, "a", b"a\nb\n"), FileBytes(6, "b", b"a\nb\nc\n"), "4 -> 6 bytes, first difference at byte 4 (line 3)"),
+        (FileBytes(2 << 20, "a"), FileBytes(2 << 20, "b"), "2097152 bytes, contents differ"),
+    ],
+)
+def test_describe_bytes(a, b, said):
+    assert describe(a, b) == said
+
+
+def test_a_working_directory_not_read_is_named():
+    assert "not read" in compare_files(None, files()).missing
+
+
+ONLY_TRAINED = {"model__0.weight": ("param", W + 1), "optimizer__state.0.momentum_buffer": ("optim", W)}
+
+
+@pytest.mark.parametrize(
+    "effects, changes, causes",
+    [
+        (None, ONLY_TRAINED, ["unregistered"]),
+        ("several", ONLY_TRAINED, ["effects", "unregistered"]),  # two optimizers registered: either
+        ("between", ONLY_TRAINED, ["effects"]),  # killed between two optimizer steps, every registered object carried
+        ("between", {"model__bn.running_mean": ("buffer", torch.ones(2))}, ["buffer"]),  # a specific cause stays specific
+        ("between", {}, []),
+    ],
+)
+def test_a_step_with_several_effects_names_them_where_only_trained_state_differs(effects, changes, causes):
+    verdict = compare_runs({0: dump(**BASE)}, {0: changed(**changes)}, effects=effects)[0]
+    assert verdict.causes == causes

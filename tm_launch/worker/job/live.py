@@ -71,6 +71,7 @@ from ..snapshots.service import SnapshotRefused
 from ..spare import sharding_decisions
 from ..spare.sandbox import Spare, freeze_what_exists
 from ..state import data_loaders
+from ..state.loop_loaders import LoopLoaders
 from ..state.per_rank import PerRankState
 from ..step_report import LiveStatus, StepReporter, StepStats
 from . import optimizer_steps
@@ -162,6 +163,15 @@ class LiveJob(Job):
         if env.sandbox:
             freeze_what_exists()
         torch_patches.refuse_rooted_objects_without_peers()
+        # A DataLoader the script iterates itself is kept exact like job.data()'s (state.loop_loaders).
+        loops = LoopLoaders(
+            lambda: self.state.per_rank,
+            lambda: self.guard.in_step,
+            self._refused,
+            log.info,
+            between_steps=lambda: self.status.state is WorkerState.RUNNING and not self.guard.in_step and not self.in_sandbox,
+        )
+        torch_patches.route_loader_iteration(loops.iterate)
         self.gens = Generations(self.state, self.agent, self.status, env, self.devices, self.snapshots)
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)
         self.guard.install()

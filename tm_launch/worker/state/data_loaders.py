@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import weakref
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
@@ -49,6 +50,7 @@ SAMPLER = "sampler"  # map-style DataLoader, deterministic sampler: skip by indi
 STATEFUL_LOADER = "stateful-loader"  # StatefulDataLoader (state_dict/load_state_dict, then a fresh iter())
 STATEFUL_DATASET = "stateful-dataset"  # DataLoader over an IterableDataset with state_dict, no workers
 
+owned: weakref.WeakSet = weakref.WeakSet()  # loaders job.data() or a framework's loop iterates: never routed (loop_loaders)
 CACHE_LIMIT = 256  # batches kept at most (a loop drawing more per step rebuilds instead: exact, slower)
 
 
@@ -182,7 +184,22 @@ class SkipOnce:
         return len(self.inner)
 
 
-def _generators(loader) -> list:
+def skipping_iterator(loader, index: int, make_iterator):
+    """``make_iterator(loader)`` standing at batch ``index`` of the epoch its sampler is set to,
+    without fetching a sample before it (the sampler's first indices are skipped)."""
+    attr = "batch_sampler" if loader._auto_collation else "sampler"
+    original = getattr(loader, attr)
+    loader._iterator = None  # persistent workers: a new iterator, on the skipping sampler
+    skipping = SkipOnce(original, index)
+    object.__setattr__(loader, attr, skipping)  # DataLoader forbids setting it
+    try:
+        return make_iterator(loader)
+    finally:
+        skipping.n = 0
+        object.__setattr__(loader, attr, original)
+
+
+def generators_of(loader) -> list:
     """The generators an ``iter()`` of ``loader`` may draw from: torch's default one (the workers'
     base seed), the loader's and its sampler's own."""
     found = [torch.default_generator]
@@ -196,7 +213,7 @@ def _generators(loader) -> list:
 
 
 @contextlib.contextmanager
-def _draws_nothing(generators):
+def draws_nothing(generators):
     """Build an iterator only to reposition it: whatever it draws is put back."""
     states = [g.get_state() for g in generators]
     try:
@@ -206,7 +223,7 @@ def _draws_nothing(generators):
             g.set_state(s)
 
 
-def _same_states(a, b) -> bool:
+def same_states(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -218,8 +235,10 @@ class Batches:
     def __init__(self, loader, cached: bool = True):
         self.kind = loader_kind(loader)
         self.loader = loader
+        if isinstance(loader, DataLoader):
+            owned.add(loader)  # its iterators are this object's, not the loop's (state.loop_loaders)
         self._cached = cached  # False under plain torchrun: no step ever runs again
-        self._gens = _generators(loader)
+        self._gens = generators_of(loader)
         # Where the next batch comes from: (lineage, epoch, index, inner). The lineage names the
         # run of batches this state belongs to: a state loaded from another process (a joiner's)
         # has another, and then nothing kept or live here is of use.
@@ -251,7 +270,7 @@ class Batches:
         action = next_action(key[1:], hit is not None, self._it_at, self._exhausted, length)
         if action == "cached":
             batch, after, rng = hit
-            if rng is not None and _same_states(self._gen_states(all_gens=True), rng[0]):
+            if rng is not None and same_states(self._gen_states(all_gens=True), rng[0]):
                 self._set_gens(rng[1], all_gens=True)  # as the first attempt's epoch start left them
             self._state = after
             return batch
@@ -355,19 +374,10 @@ class Batches:
         """An iterator standing at ``at`` = (epoch, index), built without loading a sample before it."""
         epoch, index = at
         self._drop_iterator()
-        with _draws_nothing(self._gens):
+        with draws_nothing(self._gens):
             self._set_epoch(epoch)
             if self.kind == SAMPLER:
-                attr = "batch_sampler" if self.loader._auto_collation else "sampler"
-                original = getattr(self.loader, attr)
-                self.loader._iterator = None  # persistent workers: a new iterator, on the skipping sampler
-                skipping = SkipOnce(original, index)
-                object.__setattr__(self.loader, attr, skipping)  # DataLoader forbids setting it
-                try:
-                    self._it = iter(self.loader)
-                finally:
-                    skipping.n = 0
-                    object.__setattr__(self.loader, attr, original)
+                self._it = skipping_iterator(self.loader, index, iter)
             elif self.kind == STATEFUL_LOADER:
                 self.loader.load_state_dict(copy.deepcopy(self._state["inner"]))  # the loader may keep it
                 self._it = iter(self.loader)

@@ -208,6 +208,7 @@ class PerRankState:
         self._snapshot: dict | None = None
         self._voted: tuple[int, dict] | None = None  # (the step it belongs to, the states) of the last vote
         self._exact = True  # per-rank state never changed between a committed vote and the next step
+        self.pending: dict = {}  # loaded states of objects not registered yet (``load``)
 
     def __bool__(self) -> bool:
         return bool(self.objects)
@@ -291,7 +292,10 @@ class PerRankState:
 
     def load(self, states: dict) -> None:
         for name, state in states.items():
-            self.objects[name].load_state_dict(state)
+            if name in self.objects:
+                self.objects[name].load_state_dict(state)
+            else:  # registered later in this process (a loader its loop first iterates later: loop_loaders)
+                self.pending[name] = state
 
     def differs_from(self, states: dict) -> list:
         """The per-rank objects whose state now is not ``states`` (what a joiner loaded, checked:
