@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-from faults import ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+from faults import BetweenSteps, ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 import tm_launch  # noqa: E402
 
@@ -91,6 +91,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--chaos-dir", default=None, help="several kills: DIR/kill.<rank> holding '<phase> <step>' (faults.ChaosDir)")
     Faults.add_arguments(p)
+    BetweenSteps.add_arguments(p)
     args = p.parse_args()
 
     job = tm_launch.init()
@@ -120,6 +121,7 @@ def main():
     hidden = 0
     faults = Faults(args, ChaosDir(args.chaos_dir))
     faults.arm_backward(model, job)
+    between = BetweenSteps(args)
     for step in job.steps(args.steps):
         faults.step = step
         g = torch.Generator().manual_seed(1 + step * 97 + data_rank)
@@ -141,6 +143,7 @@ def main():
         if args.log_loss:
             dist.all_reduce(loss.detach(), group=job.group)
         faults.at(job, "logged")
+        between.after_step(job, step, model)
     state: dict = {}
     flat("model", model.state_dict(), state)
     flat("optimizer", opt.state_dict(), state)
