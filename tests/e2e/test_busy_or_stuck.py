@@ -88,3 +88,60 @@ def test_a_rank_hung_without_progress_is_replaced_live_within_10s(local_job, ref
     killed = [e for e in job.events() if e["kind"] == "culprit_killed"]
     assert killed and killed[0]["time"] - started[0] < 10.0, (killed, started)
     assert not [e for e in job.events() if e["kind"] == "hang"], "the culprit rule found it, not the heartbeat watchdog"
+
+
+# -- a script error ends the job quickly and keeps the spares ----------------------------------------
+RAISE = 12
+
+
+@pytest.mark.parametrize("ranks", ["1", pytest.param("all", marks=pytest.mark.slow)])
+def test_a_script_error_ends_the_job_in_seconds_and_keeps_the_spares(local_job, ranks):
+    """The script raises ValueError at step 12 on rank 1 (every attempt), or on every rank. Rank 1
+    alone: its worker exits at once (no teardown waiting on its peer), the spare takes its rank
+    once (a transient would have been healed), raises the same at the same step, and the job
+    ends non-zero within 10 s of that second raise, the exception, the step and the rank named.
+    Every rank: the job ends at once, the spare never used."""
+    import time
+
+    job = local_job(nnodes="2", nproc=1, script=ORDINARY, launcher_args=["--max-restarts", "3"])
+    job.env = {"OMP_NUM_THREADS": "1"}
+    trigger = os.path.join(job.workdir, "trigger")
+    job.script_args = [
+        "--steps",
+        str(STEPS),
+        "--out",
+        os.path.join(job.workdir, "out"),
+        "--pause-step",
+        str(PAUSE),
+        "--pause-file",
+        trigger,
+    ]
+    job.script_args += ["--raise-step", str(RAISE), "--raise-ranks", ranks]
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("s0")
+    job.wait_parked("s0", timeout=300)
+    open(trigger, "w").close()
+    released = time.time()
+    codes = job.wait(timeout=300)
+    ended = time.time()
+    assert codes["a"] != 0 or codes["b"] != 0, job.logs_tail()
+    events = job.events()
+    raised = [e for e in events if e["kind"] == "script_error"]
+    failed = [e for e in events if e["kind"] == "job_failed"]
+    assert raised and failed, job.logs_tail()
+    line = failed[-1]["message"]
+    assert f"ValueError: bad batch at step {RAISE}" in line and "a bug in the script" in line, line
+    assert all(e["evidence"]["exception"] == "ValueError" for e in raised), raised
+    plans = [e for e in events if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    if ranks == "all":
+        assert "raised on every node" in line and "ranks 0, 1" in line, line
+        assert not [p for p in plans if p.get("replaced")], "the spare is never used for a bug every rank hits"
+        assert ended - raised[0]["time"] < 10, (raised[0]["time"], ended)
+    else:
+        assert "raised again after a replacement" in line and "rank 1" in line, line
+        assert [p["replaced"] for p in plans if p.get("replaced")] == [{"s0": "b"}], plans  # one attempt
+        assert len(raised) == 2 and raised[1]["node"] == "s0", raised
+        assert ended - raised[1]["time"] < 10, (raised[1]["time"], ended)
+        assert raised[1]["time"] - raised[0]["time"] < 30, raised
+    assert ended - released < 60, "torchrun took 29 s here; tm-launch used to take 143 s"

@@ -96,6 +96,10 @@ class Faults:
             help="before the kill, fork a process of its own session that keeps every socket of the killed worker open "
             "(as a child process that inherited them does) and sleeps; its pid goes to FILE",
         )
+        p.add_argument(
+            "--raise-step", type=int, default=-1, help="the script raises ValueError in the forward of this step (a bug: every attempt)"
+        )
+        p.add_argument("--raise-ranks", default="", help="... on these ranks (comma-separated) or 'all'")
         p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
         p.add_argument("--pause-file", default=None)
         p.add_argument(
@@ -123,6 +127,8 @@ class Faults:
         if phase == "forward" and step == a.pause_step and a.pause_file:
             while not os.path.exists(a.pause_file):
                 time.sleep(0.02)
+        if phase == "forward" and step == a.raise_step and (a.raise_ranks == "all" or str(job.rank) in a.raise_ranks.split(",")):
+            raise ValueError(f"bad batch at step {step}")  # the same on every rank and every attempt: a bug
         if phase == "logged" and step == a.lag_step and job.rank == a.lag_rank:
             time.sleep(a.lag_seconds)  # its peers start the next step without it
         if job.rank != a.kill_rank or phase != a.kill_phase:

@@ -26,6 +26,7 @@ from ..protocol import (
     EnteredRecord,
     FirstStepRecord,
     RefusedRecord,
+    ScriptErrorRecord,
     StateLostRecord,
     StoreAddress,
     WorkerEnv,
@@ -145,6 +146,10 @@ class WorkerSupervisor:
     def refused(self, local_rank: int) -> RefusedRecord | None:
         """Why a worker refused to run (the job cannot run as configured), if it said so."""
         return self._last_word(WorkerKeys(local_rank).refused, RefusedRecord)
+
+    def script_error(self, local_rank: int) -> ScriptErrorRecord | None:
+        """What a worker's script raised before it ended, if it said so (``worker.exit_notice.script_raised``)."""
+        return self._last_word(WorkerKeys(local_rank).script_error, ScriptErrorRecord)
 
     def _last_word(self, key: str, record):
         """The record a worker left under ``key`` before it ended; None if none or unreadable."""
