@@ -68,6 +68,7 @@ class Progress:
     last: Sample
     progress_at: float
     evidence: tuple[str, ...] = ()  # what moved in the last window that moved
+    windows: int = 0  # windows compared so far (none: nothing is known yet, the verdict is UNKNOWN)
 
 
 def advance(state: Progress | None, ref: Sample | None, sample: Sample) -> tuple[Progress, Sample]:
@@ -76,11 +77,11 @@ def advance(state: Progress | None, ref: Sample | None, sample: Sample) -> tuple
     if state is None or ref is None:
         return Progress(sample, sample.t), sample
     if sample.t - ref.t < WINDOW:
-        return Progress(sample, state.progress_at, state.evidence), ref
+        return Progress(sample, state.progress_at, state.evidence, state.windows), ref
     what = moved(ref, sample)
     if what:
-        return Progress(sample, sample.t, tuple(what)), sample
-    return Progress(sample, state.progress_at, state.evidence), sample
+        return Progress(sample, sample.t, tuple(what), state.windows + 1), sample
+    return Progress(sample, state.progress_at, state.evidence, state.windows + 1), sample
 
 
 def verdict(progress: Progress | None, idle: float, now: float) -> tuple[str, float]:
@@ -91,6 +92,8 @@ def verdict(progress: Progress | None, idle: float, now: float) -> tuple[str, fl
         return UNKNOWN, 0.0
     if progress.last.stopped:
         return FROZEN, idle
+    if progress.windows == 0:
+        return UNKNOWN, 0.0  # one look is no evidence either way: the caller's old limits apply
     still = min(idle, max(0.0, now - progress.progress_at))
     if now - progress.progress_at <= WINDOW * 2.5:  # the last complete window, or the one before, moved
         return BUSY, still

@@ -128,7 +128,7 @@ class Faults:
             while not os.path.exists(a.pause_file):
                 time.sleep(0.02)
         if phase == "forward" and step == a.raise_step and (a.raise_ranks == "all" or str(job.rank) in a.raise_ranks.split(",")):
-            raise ValueError(f"bad batch at step {step}")  # the same on every rank and every attempt: a bug
+            raise ValueError("bad batch")  # the same on every rank and every attempt: a bug
         if phase == "logged" and step == a.lag_step and job.rank == a.lag_rank:
             time.sleep(a.lag_seconds)  # its peers start the next step without it
         if job.rank != a.kill_rank or phase != a.kill_phase:

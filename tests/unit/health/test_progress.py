@@ -58,6 +58,10 @@ def test_verdict(samples, idle, now, want):
     assert verdict(fold(samples) if samples else None, idle, now) == want
 
 
-def test_a_first_sample_is_no_evidence_of_progress():
-    state = Progress(s(100.0), 100.0)
-    assert verdict(state, 30.0, 110.0) == (STUCK, 10.0)
+def test_a_first_sample_is_no_evidence_either_way():
+    """One look compares nothing: neither busy (a silent worker would be spared on no evidence)
+    nor stuck; a stopped process is frozen from the first look."""
+    assert verdict(fold([s(100.0)]), 30.0, 100.0) == (UNKNOWN, 0.0)
+    assert verdict(fold([s(100.0), s(100.5, cpu=0.5)]), 30.0, 100.5) == (UNKNOWN, 0.0)
+    assert verdict(fold([s(100.0, stopped=True)]), 30.0, 100.0) == (FROZEN, 30.0)
+    assert verdict(Progress(s(100.0), 100.0, windows=1), 30.0, 110.0) == (STUCK, 10.0)
