@@ -21,7 +21,7 @@ PAUSE, WORK = 8, 12
 pytestmark = pytest.mark.timeout(900)
 
 
-def run(local_job, work: list, spares: int, launcher: tuple = ()):
+def run(local_job, work: list, spares: int, launcher: tuple = (), timeout: float = 600):
     """2 active nodes of 1 worker + ``spares`` parked spares; ``work``: the --work-* arguments."""
     job = local_job(nnodes="2", nproc=1, script=ORDINARY, launcher_args=["--max-restarts", "3", *launcher])
     job.env = {"OMP_NUM_THREADS": "1"}
@@ -34,7 +34,7 @@ def run(local_job, work: list, spares: int, launcher: tuple = ()):
         job.start(name)
         job.wait_parked(name, timeout=300)
     open(trigger, "w").close()
-    codes = job.wait(timeout=600)
+    codes = job.wait(timeout=timeout)
     with open(os.path.join(workdir, "started")) as f:
         started = [float(line.split()[0]) for line in f]
     return job, codes, load(out), started
@@ -146,3 +146,16 @@ def test_a_script_error_ends_the_job_in_seconds_and_keeps_the_spares(local_job, 
         assert ended - raised[1]["time"] < 10, (raised[1]["time"], ended)
         assert raised[1]["time"] - raised[0]["time"] < 30, raised
     assert ended - released < 60, "torchrun took 29 s here; tm-launch used to take 143 s"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_no_false_alarm_over_a_10_minute_run_with_long_evaluations(local_job, reference):
+    """The soak: about 12 minutes fault-free (600 steps of 0.6 s), rank 0 evaluating for 65 s every
+    100 steps (every 2 minutes), a warm spare waiting: zero kills, zero generation changes,
+    every rank as torchrun's run."""
+    work = ["--steps", "600", "--step-sleep", "0.6", "--work-rank", "0", "--work-step", "50", "--work-every", "100", "--work-seconds", "65"]
+    job, codes, got, started = run(local_job, work, spares=1, timeout=1800)
+    assert len(started) == 6, started
+    assert_nothing_killed(job, codes, got, reference("--steps", "600"))  # the sleep and the evaluations change no state
+    assert len([e for e in job.events() if e["kind"] == "busy"]) >= 6, "each evaluation said once a minute"

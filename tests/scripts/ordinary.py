@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,7 @@ def main():
     p.add_argument("--hidden", action="store_true")
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
     p.add_argument("--out", required=True)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="every rank sleeps this long in each step's compute (a longer run)")
     p.add_argument("--chaos-dir", default=None, help="several kills: DIR/kill.<rank> holding '<phase> <step>' (faults.ChaosDir)")
     Faults.add_arguments(p)
     BetweenSteps.add_arguments(p)
@@ -128,6 +130,8 @@ def main():
         x = torch.randn(16, 8, generator=g)
         y = x[:, :1] * 0.5 + torch.randn(16, 1, generator=g) * 0.1
         faults.at(job, "forward")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # stands in for compute, on every rank alike
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         faults.at(job, "optimizer")
