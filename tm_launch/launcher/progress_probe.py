@@ -52,7 +52,7 @@ def _io(pid: int) -> int:
         return 0
 
 
-def sample(pid: int, moves: int, gpu: float = 0.0, now: float | None = None) -> Sample | None:
+def sample(pid: int, moves: int, now: float | None = None) -> Sample | None:
     """One look at ``pid`` (None: it is gone)."""
     stat = _stat(pid)
     if stat is None:
@@ -64,25 +64,20 @@ def sample(pid: int, moves: int, gpu: float = 0.0, now: float | None = None) -> 
         if got is not None:
             cpu += got[0]
             io += _io(child)
-    return Sample(time.monotonic() if now is None else now, cpu, io, moves, gpu, stopped)
+    return Sample(time.monotonic() if now is None else now, cpu, io, moves, 0.0, stopped)
 
 
 class ProgressProbe:
     """Each watched worker's progress, keyed by pid (a restarted worker starts afresh)."""
 
-    def __init__(self, gpu_utilization=None):
+    def __init__(self):
         self._state: dict[int, tuple[Progress, Sample]] = {}
-        self._gpu = gpu_utilization  # pid -> percent, or None (no NVML): health's NVML reader
 
     def look(self, pid: int, moves: int = -1) -> Progress | None:
-        """Sample ``pid`` now and fold it in (call once per loop iteration per worker)."""
-        gpu = 0.0
-        if self._gpu is not None:
-            try:
-                gpu = float(self._gpu(pid) or 0.0)
-            except Exception:  # noqa: BLE001 -- NVML's errors are the monitor's business: no evidence here
-                gpu = 0.0
-        s = sample(pid, moves, gpu)
+        """Sample ``pid`` now and fold it in (call once per loop iteration per worker). GPU
+        activity is not sampled yet (``Sample.gpu`` stays 0): a rank waiting on its GPU alone,
+        with its CPU idle, counts as stuck after the still floor."""
+        s = sample(pid, moves)
         if s is None:
             self._state.pop(pid, None)
             return None
