@@ -67,13 +67,11 @@ def _sentinel(words, ready: threading.Event) -> None:
     threading.Event().wait()
 
 
-def script_raised(error: BaseException) -> None:
-    """The script raised ``error`` out of its top level: in a live job that left its sandbox,
-    print the traceback, report it, end now (``os._exit``). Returns where there is no such job
-    (plain torchrun, restart mode, a spare's sandbox): the exception goes on as Python's."""
-    from .job.entry import live_job
-
-    job = live_job()
+def script_raised(error: BaseException, job) -> None:
+    """The script raised ``error`` out of its top level: in a live job (``job``, the process's
+    ``LiveJob``, handed by the wrapper) that left its sandbox, print the traceback, report it,
+    end now (``os._exit``). Returns where there is no such job (``None``: plain torchrun, restart
+    mode; a spare's sandbox): the exception goes on as Python's."""
     if job is None or job.in_sandbox:
         return
     sys.excepthook(type(error), error, error.__traceback__)
