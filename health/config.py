@@ -75,9 +75,17 @@ class HealthConfig:
     collective_floor: float = _f(1.0, "a collective counts as stuck only after its members waited this many seconds")
     collective_multiplier: float = _f(10.0, "... and this multiple of the group's recent collective duration")
     collective_alive_floor: float = _f(
-        10.0, "a rank that is alive but has not entered the stuck collective (busy, slow) is blamed only after this many seconds"
+        10.0,
+        "a rank that is alive but has not entered the stuck collective is blamed only after this many seconds "
+        "(the whole rule where no progress evidence is known; a floor under the busy limit otherwise)",
     )
     collective_alive_multiplier: float = _f(10.0, "... and this multiple of its median recent step")
+    collective_still_floor: float = _f(
+        6.0,
+        "a rank outside the collective its peers wait in, of which nothing moved for this many seconds (CPU time, storage I/O, "
+        "its main thread's position, its GPU), is stuck and replaced; one that makes progress is busy and waits until its "
+        "peers' collective timeout, as under torchrun",
+    )
     collective_frozen_after: float = _f(
         10.0,
         "a worker whose heartbeat thread is silent this many seconds counts as frozen (a stopped process always does; "
@@ -132,6 +140,7 @@ class HealthConfig:
             "collective_multiplier",
             "collective_alive_floor",
             "collective_alive_multiplier",
+            "collective_still_floor",
             "collective_frozen_after",
         ]
         for name in positive:

@@ -13,11 +13,17 @@ group's collectives take, something stopped, and the records say what:
    *frozen* (its process stopped, or its heartbeat thread silent: a wedged driver call holding
    the interpreter), it is the culprit at once. If it is alive (busy in Python, saving a
    checkpoint, waiting on its data loader), it is blamed only once its silence also passes the
-   *alive* threshold (while it says it saves a checkpoint, ``job.checkpointing()``, at least the
-   checkpoint limit: a save on one rank while its peers wait at the next collective is normal): a multiple of its median recent step with a floor of seconds (the
-   median, not the slowest: a pause or a checkpoint step would otherwise push it to minutes). A legal
-   long compute phase on one rank looks exactly like a busy loop until then; a slow rank that
-   completes never reaches it (the straggler statistic is its path, a drain, not a kill).
+   *alive* threshold, and what decides it is whether the rank makes progress (``health.progress``:
+   its CPU time, storage I/O, main thread's position, GPU activity). A **stuck** rank (nothing
+   moved) is blamed once nothing has moved for ``still_floor`` (or a multiple of its median
+   step): a sleep, a blocked read, a deadlock. A **busy** rank (an evaluation on rank 0 alone,
+   a ``torch.save`` then a barrier) is what torch would let run until its peers' collective
+   timeout, so it is blamed only a margin before that timeout (the one its own groups use, on
+   its page), never earlier. While it says it saves a checkpoint (``job.checkpointing()``),
+   neither happens before the checkpoint limit. A rank of which no evidence is known (an older
+   record) gets the old rule: a multiple of its median recent step with a floor of seconds. A
+   slow rank that completes never reaches any of these (the straggler statistic is its path, a
+   drain, not a kill).
 2. **Entered, data never came.** Every member entered *k* and waits: a frozen member among them
    is the one whose data never arrives (a SIGSTOP in the middle of the backward's all-reduce).
 3. **Cut off.** Members whose agents cannot be reached (no records: the network between the
@@ -44,6 +50,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from health.progress import BUSY, STUCK, UNKNOWN
+
 NONE, WAIT, KILL, CUT = "none", "wait", "kill", "cut"
 
 
@@ -68,6 +76,11 @@ class RankRecord:
     step_time: float  # its median recent step time (0: none known)
     groups: Mapping[str, GroupRecord] = field(default_factory=dict)
     saving: float = 0.0  # seconds it has been saving a checkpoint (``job.checkpointing()``; 0: it is not)
+    progress: str = UNKNOWN  # health.progress's verdict on it: BUSY, STUCK or UNKNOWN (frozen is ``frozen``)
+    still: float = 0.0  # seconds nothing of it has moved (CPU, I/O, its main thread, its GPU)
+    timeout: float = 0.0  # its groups' collective timeout, seconds (0: not known: Limits.busy)
+    where: str = ""  # its main thread's place in the script ("evaluate() at train.py:88"; "": not known)
+    evidence: tuple[str, ...] = ()  # what moved in its last window that moved
 
 
 @dataclass(frozen=True)
@@ -77,12 +90,25 @@ class Limits:
     alive_floor: float = 10.0  # an alive rank that has not entered is blamed only after this many seconds
     alive_multiplier: float = 10.0  # ... and this multiple of its median recent step
     checkpoint: float = 900.0  # ... and, while it says it saves a checkpoint, this many seconds
+    still_floor: float = 6.0  # a rank of which nothing moved for this many seconds is stuck
+    busy: float = 1800.0  # a busy rank's limit when its collective timeout is not known (gloo's default)
+    busy_margin: float = 5.0  # a busy rank is blamed this many seconds before its peers' collectives time out
 
     def stuck_after(self, typical: float) -> float:
         return max(self.floor, self.multiplier * typical)
 
     def alive_after(self, step_time: float, saving: bool = False) -> float:
         limit = max(self.alive_floor, self.alive_multiplier * step_time)
+        return max(limit, self.checkpoint) if saving else limit
+
+    def still_after(self, step_time: float, saving: bool = False) -> float:
+        limit = max(self.still_floor, self.alive_multiplier * step_time)
+        return max(limit, self.checkpoint) if saving else limit
+
+    def busy_after(self, timeout: float, saving: bool = False) -> float:
+        """Before the peers' collectives time out (they are still waiting in the collective
+        that names the rank), never before the alive floor."""
+        limit = max(self.alive_floor, (timeout or self.busy) - self.busy_margin)
         return max(limit, self.checkpoint) if saving else limit
 
 
@@ -177,6 +203,8 @@ def judge(
                 what = f"has not entered {s.group}#{s.seq} (last entered #{entered})"
                 if r.frozen:
                     frozen[m] = f"{what} and is frozen"
+                elif r.progress != UNKNOWN:
+                    _judge_by_progress(m, r, what, limits, alive, doubts)
                 elif r.idle > limits.alive_after(r.step_time, r.saving > 0):
                     alive[m] = f"{what}, busy outside any collective for {r.idle:.1f}s" + (
                         f" (saving a checkpoint for {r.saving:.1f}s)" if r.saving else ""
@@ -214,6 +242,36 @@ def judge(
         if len(culprit_nodes) == 1 and not doubts:
             ranks = tuple(sorted(alive))
             evidence["culprits"] = {str(r): alive[r] for r in ranks}
-            return Verdict(KILL, ranks, tuple(culprit_nodes), first.group, first.seq, "never entered", evidence)
+            evidence["progress"] = {str(r): _progress_evidence(records[r]) for r in ranks}
+            kinds = {records[r].progress for r in ranks}
+            why = "stuck" if kinds == {STUCK} else "busy past the collective timeout" if kinds == {BUSY} else "never entered"
+            return Verdict(KILL, ranks, tuple(culprit_nodes), first.group, first.seq, why, evidence)
         return Verdict(WAIT, (), (), first.group, first.seq, "several candidates or doubts", evidence)
     return Verdict(WAIT, (), (), first.group, first.seq, "; ".join(doubts) or "every member entered and none is frozen", evidence)
+
+
+def _judge_by_progress(m: int, r: RankRecord, what: str, limits: Limits, alive: dict, doubts: list) -> None:
+    """An alive rank that has not entered, judged by its progress (``health.progress``)."""
+    saving = r.saving > 0
+    at = f" in {r.where}" if r.where else ""
+    mark = f" (saving a checkpoint for {r.saving:.1f}s)" if saving else ""
+    if r.progress == STUCK and r.still > limits.still_after(r.step_time, saving):
+        alive[m] = f"{what}, no progress of any kind for {r.still:.1f}s{at}{mark}"
+    elif r.progress == BUSY and r.idle > limits.busy_after(r.timeout, saving):
+        alive[m] = f"{what}, busy outside any collective for {r.idle:.1f}s{at}, past its collective timeout{mark}"
+    elif r.progress == BUSY:
+        limit = limits.busy_after(r.timeout, saving)
+        doubts.append(f"rank {m} {what}: busy outside collectives for {r.idle:.1f}s{at}{mark} (blamed after {limit:.0f}s)")
+    else:
+        doubts.append(f"rank {m} {what}: no progress for {r.still:.1f}s{at}{mark}: stuck or about to move, not known yet")
+
+
+def _progress_evidence(r: RankRecord) -> dict:
+    return {
+        "verdict": "frozen" if r.frozen else r.progress,
+        "idle_s": round(r.idle, 3),
+        "still_s": round(r.still, 3),
+        "where": r.where,
+        "moved": list(r.evidence),
+        "saving_s": round(r.saving, 3),
+    }

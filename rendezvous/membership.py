@@ -441,7 +441,7 @@ class Membership:
 
     @_writes_state
     def report_failure(self, generation: int, node: str, reason: str, kind: str = "lost") -> None:
-        """``kind``: "exit" (a worker exited non-zero), "signal", "lost" or "alarm" (see planner)."""
+        """``kind``: "exit" (a worker exited non-zero), "signal", "lost", "alarm", "state", "refused" or "script" (see planner)."""
         self.kv.put(f"state/reports/{generation}/{node}", json.dumps({"reason": reason, "kind": kind, "time": time.time()}))
 
     @_writes_state
@@ -495,7 +495,7 @@ class Membership:
 
 # Keys under state/ by kind and the number of path segments tm-launch writes for each.
 _DEPTH = {"plan": 2, "live": 2, "nodes": 3, "failed": 3, "drain": 3, "warm": 3, "reports": 4, "done": 4, "stores": 3}
-_REPORT_KINDS = ("exit", "signal", "lost", "alarm", "state", "refused")
+_REPORT_KINDS = ("exit", "signal", "lost", "alarm", "state", "refused", "script")
 
 
 def _node_record(node: str, text: str) -> NodeInfo:

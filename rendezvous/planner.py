@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from . import script_errors
 from .plan import FAILED, SUCCEEDED, NodeInfo, Plan
 
 
@@ -55,7 +56,8 @@ class View:
     # What kind of failure each report is: "exit" (a worker exited non-zero: perhaps only
     # because a peer died), a primary failure ("signal", "lost", "alarm"; missing = primary),
     # "state": the live state of some rank exists nowhere any more (every worker restarts), or
-    # "refused": a worker refused to run as configured (the job fails: no restart would help).
+    # "refused": a worker refused to run as configured (the job fails: no restart would help),
+    # "script": a worker's script raised (``script_errors``: the job fails when it is a bug).
     report_kinds: dict[str, str] = field(default_factory=dict)
     report_times: dict[str, float] = field(default_factory=dict)
     now: float = 0.0
@@ -174,6 +176,14 @@ def next_plan(view: View, limits: Limits) -> Plan | None:
     if refused:
         why = f"{refused[0]}: {view.reports[refused[0]]}"
         return plan.next(state=FAILED, cause=why, reason=why)
+    raised = {n: view.reports[n] for n in plan.nodes if view.report_kinds.get(n) == "script" and n in view.reports}
+    if raised:
+        ranks_of = {n: plan.ranks(n) for n in plan.nodes}
+        verdict, why = script_errors.decide(plan.nodes, raised, view.report_times, set(view.failed), plan.cause, view.now, ranks_of)
+        if verdict == script_errors.FAIL:
+            return plan.next(state=FAILED, cause=why, removed=(), reason=why)
+        if verdict == script_errors.WAIT:
+            return None  # FAULT: replaced below like any failure, once
     found = _lost(view)
     if found is None:
         return None

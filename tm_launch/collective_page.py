@@ -12,10 +12,15 @@ Layout (little-endian float64 words; counters fit a double exactly up to 2**53):
 
 * header, ``HEADER`` words: ``MAGIC``, ``VERSION``, the writer's pid, its rank, slots in use,
   since when it has been saving a checkpoint (``job.checkpointing()``; 0: it is not), when its
-  last save ended (a save is activity: the rank's time outside collectives counts from there);
+  last save ended (a save is activity: the rank's time outside collectives counts from there),
+  how many times its main thread's position changed (sampled by a thread of the worker: the
+  agent's evidence that Python code runs, ``health.progress``), the collective timeout its
+  groups use (seconds; 0: not known);
 * ``MAX_SLOTS`` slots of ``SLOT`` words, one per process group (``LiveGroup``), indexes below;
 * after them, ``DESC`` bytes per slot: the group's name and member ranks as JSON (``{"g": name,
-  "m": [ranks] or null}``; null: the world), written once when the slot is taken.
+  "m": [ranks] or null}``; null: the world), written once when the slot is taken;
+* then ``WHERE`` bytes: the main thread's place in the script as last sampled
+  (``evaluate() at train.py:88``, UTF-8, NUL-padded), for the agent's log of a busy rank.
 
 Sequence numbers count the group's collectives since its communicator was last swapped (the
 slot's ``GENERATION``): every member of a group issues its collectives in the same order, so
@@ -32,18 +37,20 @@ import os
 import struct
 from dataclasses import dataclass
 
-MAGIC, VERSION = 7434.0, 1.0
-HEADER = 8
+MAGIC, VERSION = 7434.0, 2.0
+HEADER = 12
 SLOT = 16
 MAX_SLOTS = 64
 DESC = 256
+WHERE = 256
 # slot word indexes
 USED, GENERATION, ENTERED, DONE, T_ENTERED, T_PENDING, T_DONE, TYPICAL, P2P_ENTERED, P2P_DONE, T_P2P = range(11)
 # header word indexes
-H_MAGIC, H_VERSION, H_PID, H_RANK, H_SLOTS, H_SAVING, H_SAVED = range(7)
+H_MAGIC, H_VERSION, H_PID, H_RANK, H_SLOTS, H_SAVING, H_SAVED, H_MOVES, H_TIMEOUT = range(9)
 WORDS = HEADER + MAX_SLOTS * SLOT
 DESC_AT = WORDS * 8
-SIZE = DESC_AT + MAX_SLOTS * DESC
+WHERE_AT = DESC_AT + MAX_SLOTS * DESC
+SIZE = WHERE_AT + WHERE
 COMMIT_GROUP = "tm-commit"  # the commit vote (through the store, not a communicator): a world-wide rendezvous too
 
 
@@ -80,6 +87,9 @@ class PageView:
     slots: tuple[SlotView, ...]
     saving_since: float = 0.0  # the writer's time.monotonic() when its checkpoint save began (0: none)
     saved_at: float = 0.0  # ... when its last checkpoint save ended (0: none yet)
+    moves: int = 0  # times its main thread's position changed (the worker's sampler thread)
+    timeout: float = 0.0  # the collective timeout of its groups, seconds (0: not known)
+    where: str = ""  # its main thread's place in the script, as last sampled
 
 
 @functools.lru_cache(maxsize=1024)
@@ -125,7 +135,17 @@ def parse(raw: bytes) -> PageView | None:
                 w[T_P2P],
             )
         )
-    return PageView(int(header[H_PID]), int(header[H_RANK]), tuple(slots), header[H_SAVING], header[H_SAVED])
+    where = raw[WHERE_AT : WHERE_AT + WHERE].split(b"\0", 1)[0].decode("utf-8", "replace")
+    return PageView(
+        int(header[H_PID]),
+        int(header[H_RANK]),
+        tuple(slots),
+        header[H_SAVING],
+        header[H_SAVED],
+        int(header[H_MOVES]),
+        header[H_TIMEOUT],
+        where,
+    )
 
 
 def read(path: str) -> PageView | None:
@@ -144,6 +164,13 @@ def describe(name: str, members) -> bytes:
     if len(raw) > DESC:
         raw = json.dumps({"g": name[:64], "m": []}).encode()
     return raw
+
+
+def encode_where(where: str) -> bytes:
+    """``where`` as the page holds it: at most ``WHERE`` bytes, NUL-padded (a reader that finds
+    it mid-write sees a mix of two places, never an overrun)."""
+    raw = where.encode("utf-8", "replace")[: WHERE - 1]
+    return raw + bytes(WHERE - len(raw))
 
 
 def page_path(scratch: str, local_rank: int) -> str:

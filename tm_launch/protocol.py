@@ -36,6 +36,7 @@ from .settings import Variable
 
 EXIT_STATE_LOST = 3  # a worker's exit code when no live rank holds some rank's state (``StateLostRecord``)
 EXIT_REFUSED = 4  # a worker's exit code when the job cannot run as configured (``RefusedRecord``): no restart helps
+EXIT_SCRIPT_ERROR = 1  # a worker's exit code when the script raised (``ScriptErrorRecord``), as ``python SCRIPT`` exits
 
 
 # TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch's ErrorHandlingMode).
@@ -182,6 +183,10 @@ class WorkerKeys:
     def refused(self) -> str:
         return self._key("refused")
 
+    @property
+    def script_error(self) -> str:
+        return self._key("script_error")
+
     def entered(self, generation: int) -> str:
         return self._key(f"entered/{generation}")
 
@@ -191,7 +196,7 @@ class WorkerKeys:
     def restarted(self) -> tuple[str, ...]:
         """What a new process of this local rank must not inherit from the one before it (the
         hang watchdog would read the old heartbeat as the new process's)."""
-        return self.status, self.beat, self.state_lost, self.refused
+        return self.status, self.beat, self.state_lost, self.refused, self.script_error
 
 
 # -- records ----------------------------------------------------------------------------------
@@ -359,3 +364,20 @@ class RefusedRecord(_Record):
     would not fit in ``--snapshot-memory-limit``); the agent fails the job with this line."""
 
     why: str
+
+
+@dataclass(frozen=True)
+class ScriptErrorRecord(_Record):
+    """Why a worker ends with ``EXIT_SCRIPT_ERROR``: the script raised out of its top level (its
+    traceback went to the worker's stderr). The agent reports it as a script error; the planner
+    fails the job when the same error comes back (``rendezvous.script_errors``)."""
+
+    type: str  # the exception's class name ("ValueError")
+    message: str  # its message, first line, at most 300 characters
+    step: int | None  # the step the job was at (``None``: before job.steps())
+    rank: int
+
+    def signature(self) -> str:
+        """What must be equal for two raises to count as the same error (the rank is not part of it)."""
+        where = "before the first step" if self.step is None else f"at step {self.step}"
+        return f"{self.type}: {self.message} {where}"

@@ -33,6 +33,27 @@ from typing import Any
 # it is on its way returns the job one step further).
 SNAPSHOT_SENDS = ("commit", "overlap")
 
+# torch's default collective timeouts (``torch.distributed.constants``: ``default_pg_timeout``,
+# ``default_pg_nccl_timeout``): what ``--collective-timeout 0`` (the default) gives each backend.
+BACKEND_TIMEOUTS = {"gloo": 1800.0, "nccl": 600.0}
+# The agent's bound on a stall it waits out when no --collective-timeout was given: fencing (a
+# node cut off from etcd whose workers made no step for this long stops them) and the waits for
+# leaving workers (``plan_executor``). 120 s was --collective-timeout's default before it
+# followed the backend; a cut-off node's collectives block for the backend's 30 minutes now, and
+# fencing must not wait that long.
+STALL_BOUND = 120.0
+
+
+def collective_timeout(given: float, backend: str) -> float:
+    """The timeout of a live group's ``backend`` ("gloo" or "nccl"): ``given`` when set (the
+    command line, the YAML), else torch's default for that backend."""
+    return given if given > 0 else BACKEND_TIMEOUTS[backend]
+
+
+def stall_bound(given: float) -> float:
+    """The agent's bound on a stalled collective (``STALL_BOUND`` unless --collective-timeout says)."""
+    return given if given > 0 else STALL_BOUND
+
 
 @dataclass(frozen=True)
 class Variable:
@@ -221,8 +242,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "collective_timeout",
         float,
-        120.0,
-        "Live mode: seconds a collective may block before a rank gives up on its peers (default 120).",
+        0.0,
+        "Live mode: seconds a collective may block before a rank gives up on its peers (default 0: the backend's own, "
+        "as under torchrun: gloo 30 min, NCCL 10 min). A dead, stopped or stuck peer is found from its progress long "
+        "before this; a busy one (an evaluation on one rank) is waited for until then.",
+        check=at_least(0, "must be 0 (the backend's default) or positive seconds"),
         worker=ToWorker("TM_COLLECTIVE_TIMEOUT"),
     ),
     Setting(

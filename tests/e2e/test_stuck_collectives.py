@@ -41,10 +41,16 @@ def _culprit_found_and_replaced(job, codes):
     ],
 )
 def test_a_stalled_worker_is_named_from_the_collectives_and_replaced_bitwise(local_job, reference, phase, how):
-    """DDP, 2 nodes x 2 workers + a spare, default health settings (hang floor 60 s)."""
-    job, codes, params, _ = run_job(local_job, ["a", "b", "c"], script=[*STALL, "--kill-phase", phase, "--kill-how", how])
+    """DDP, 2 nodes x 2 workers + a spare, default health settings (hang floor 60 s). A Python
+    busy loop makes progress (its CPU time moves): it is what torch waits for until the
+    collective timeout, so it is blamed only just before that (25 s here, 30 min by default)."""
+    launcher = ("--collective-timeout", "25") if how == "busy" else ()
+    job, codes, params, _ = run_job(
+        local_job, ["a", "b", "c"], script=[*STALL, "--kill-phase", phase, "--kill-how", how], launcher=launcher
+    )
     culprit = _culprit_found_and_replaced(job, codes)
     assert culprit["verdict"] == "kill" and culprit["evidence"]["stuck"], culprit
+    assert culprit["why"] == ("busy past the collective timeout" if how == "busy" else "frozen"), culprit
     assert_bitwise(params, reference(2, 2))
 
 

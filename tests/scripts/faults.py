@@ -98,6 +98,10 @@ class Faults:
             help="before the kill, fork a process of its own session that keeps every socket of the killed worker open "
             "(as a child process that inherited them does) and sleeps; its pid goes to FILE",
         )
+        p.add_argument(
+            "--raise-step", type=int, default=-1, help="the script raises ValueError in the forward of this step (a bug: every attempt)"
+        )
+        p.add_argument("--raise-ranks", default="", help="... on these ranks (comma-separated) or 'all'")
         p.add_argument("--pause-step", type=int, default=-1, help="every rank waits at this step until --pause-file exists")
         p.add_argument("--pause-file", default=None)
         p.add_argument(
@@ -125,6 +129,8 @@ class Faults:
         if phase == "forward" and step == a.pause_step and a.pause_file:
             while not os.path.exists(a.pause_file):
                 time.sleep(0.02)
+        if phase == "forward" and step == a.raise_step and (a.raise_ranks == "all" or str(job.rank) in a.raise_ranks.split(",")):
+            raise ValueError("bad batch")  # the same on every rank and every attempt: a bug
         if phase == "logged" and step == a.lag_step and job.rank == a.lag_rank:
             time.sleep(a.lag_seconds)  # its peers start the next step without it
         if job.rank != a.kill_rank or phase != a.kill_phase:
@@ -150,6 +156,104 @@ class Faults:
     def log_step(path: str, job, step: int) -> None:
         with open(path, "a") as f:
             f.write(f"{time.time():.6f} {job.rank} {step} {getattr(job, 'generation', 0)} {os.getpid()}\n")
+
+
+class BetweenSteps:
+    """What scripts do between steps, on one rank, after the step's commit (``--work-*``):
+
+    * ``compute``: an evaluation, forward passes of a copy of the model on a validation batch for
+      ``--work-seconds`` (its peers go on into the next step's collectives and wait there);
+    * ``save``: ``torch.save`` of the model and 16 MB of buffers, over and over for
+      ``--work-seconds``, then a ``dist.barrier()`` on every rank (a checkpoint on rank 0);
+    * ``sleep`` / ``fifo`` / ``deadlock``: a hang with no progress of any kind (a sleep, a read
+      of a FIFO nobody writes, two threads each holding the lock the other wants), once per job
+      (``--work-marker``: the process that takes the rank over does not hang again).
+
+    Nothing is marked (no ``job.checkpointing()``): an ordinary script's between-steps work.
+    ``--work-dir`` holds its files, and ``started``: when the work began (time.time())."""
+
+    HANGS = ("sleep", "fifo", "deadlock")
+
+    @staticmethod
+    def add_arguments(p) -> None:
+        p.add_argument("--work-rank", type=int, default=-1)
+        p.add_argument("--work-step", type=int, default=-1, help="the first step after which the rank works")
+        p.add_argument("--work-every", type=int, default=0, help="... and every N steps after it (0: once)")
+        p.add_argument("--work-seconds", type=float, default=0.0)
+        p.add_argument("--work-how", default="compute", choices=["compute", "save", *BetweenSteps.HANGS])
+        p.add_argument("--work-dir", default=None)
+        p.add_argument("--work-marker", default=None, help="a hang happens once per job (whichever process holds the rank)")
+
+    def __init__(self, args):
+        self.args = args
+
+    def due(self, step: int) -> bool:
+        a = self.args
+        if a.work_rank < 0 or step < a.work_step:
+            return False
+        return step == a.work_step or (a.work_every > 0 and (step - a.work_step) % a.work_every == 0)
+
+    def after_step(self, job, step: int, model) -> None:
+        a = self.args
+        if job.in_sandbox or not self.due(step):
+            return
+        if job.rank == a.work_rank:
+            self._work(job, step, model)
+        if a.work_how == "save":
+            import torch.distributed as dist
+
+            dist.barrier(group=job.group)  # every rank: its peers wait here for the save
+
+    def _work(self, job, step: int, model) -> None:
+        import copy
+
+        import torch
+
+        a = self.args
+        if a.work_how in self.HANGS:
+            from tm_launch.worker.failpoints import _claim
+
+            if a.work_marker and not _claim(a.work_marker):
+                return
+        os.makedirs(a.work_dir, exist_ok=True)
+        with open(os.path.join(a.work_dir, "started"), "a") as f:
+            f.write(f"{time.time():.6f} {job.rank} {step} {a.work_how}\n")
+        print(f"[faults] rank {job.rank}: {a.work_how} after step {step} for {a.work_seconds:.0f}s", flush=True)
+        end = time.monotonic() + a.work_seconds
+        if a.work_how == "compute":
+            inner = copy.deepcopy(getattr(model, "module", model)).eval()  # the trained model's state is not touched
+            batch = torch.randn(512, next(inner.parameters()).shape[-1], generator=torch.Generator().manual_seed(7))
+            with torch.no_grad():
+                while time.monotonic() < end:
+                    inner(batch)
+        elif a.work_how == "save":
+            ballast = torch.ones(4 * 2**20)
+            path = os.path.join(a.work_dir, f"ckpt-{job.rank}.pt")
+            while time.monotonic() < end:
+                torch.save({"model": model.state_dict(), "ballast": ballast}, path)
+        elif a.work_how == "sleep":
+            time.sleep(3600)
+        elif a.work_how == "fifo":
+            fifo = os.path.join(a.work_dir, f"fifo-{os.getpid()}")
+            os.mkfifo(fifo)
+            with open(fifo) as f:  # nobody opens it for writing: blocks in open()
+                f.read()
+        else:
+            import threading
+
+            first, second = threading.Lock(), threading.Lock()
+
+            def other():
+                with second:
+                    time.sleep(0.2)
+                    with first:
+                        pass
+
+            threading.Thread(target=other, daemon=True).start()
+            with first:
+                time.sleep(0.2)
+                with second:
+                    pass
 
 
 class ChaosDir:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-from faults import ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+from faults import BetweenSteps, ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 import tm_launch  # noqa: E402
 
@@ -89,8 +90,10 @@ def main():
     p.add_argument("--hidden", action="store_true")
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
     p.add_argument("--out", required=True)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="every rank sleeps this long in each step's compute (a longer run)")
     p.add_argument("--chaos-dir", default=None, help="several kills: DIR/kill.<rank> holding '<phase> <step>' (faults.ChaosDir)")
     Faults.add_arguments(p)
+    BetweenSteps.add_arguments(p)
     args = p.parse_args()
 
     job = tm_launch.init()
@@ -120,12 +123,15 @@ def main():
     hidden = 0
     faults = Faults(args, ChaosDir(args.chaos_dir))
     faults.arm_backward(model, job)
+    between = BetweenSteps(args)
     for step in job.steps(args.steps):
         faults.step = step
         g = torch.Generator().manual_seed(1 + step * 97 + data_rank)
         x = torch.randn(16, 8, generator=g)
         y = x[:, :1] * 0.5 + torch.randn(16, 1, generator=g) * 0.1
         faults.at(job, "forward")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # stands in for compute, on every rank alike
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         faults.at(job, "optimizer")
@@ -141,6 +147,7 @@ def main():
         if args.log_loss:
             dist.all_reduce(loss.detach(), group=job.group)
         faults.at(job, "logged")
+        between.after_step(job, step, model)
     state: dict = {}
     flat("model", model.state_dict(), state)
     flat("optimizer", opt.state_dict(), state)

@@ -36,6 +36,7 @@ from rendezvous.membership import Membership
 from rendezvous.plan import SUCCEEDED, NodeInfo, Plan
 from rendezvous.planner import View, follows_only, next_plan, spares
 
+from .. import settings
 from ..waits import Every
 from .collective_watch import CollectiveWatch
 from .config import AgentConfig
@@ -83,7 +84,7 @@ class Agent:
             members,
             cfg.node_id,
             cfg.lease_ttl,
-            cfg.collective_timeout,
+            settings.stall_bound(cfg.collective_timeout),
             say,
             self.supervisor.local_progress,
             worker_exits=lambda: self.supervisor.workers.poll() if self.supervisor.workers else {},

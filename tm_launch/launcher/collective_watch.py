@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 
 from health.culprit import CUT, KILL, NONE, GroupRecord, Limits, RankRecord, judge
+from health.progress import BUSY, FROZEN, STUCK, UNKNOWN
 from rendezvous.kv import KVError
 from rendezvous.plan import Plan
 from rendezvous.planner import View
@@ -51,6 +52,13 @@ POKE_EVERY = 0.5  # s between two pokes of the deciders by one suspecting agent
 DECIDE_EVERY = 0.2  # s between two gatherings of every node's records
 CONNECT_TIMEOUT = 0.3  # s: a peer agent that does not accept within this is unreachable
 SILENT_AFTER = 2.5  # s without a progress record in etcd (written every second): the node reaches no etcd either
+BUSY_EVERY = 60.0  # s between two reports of a rank busy outside its collectives
+
+
+def _duration(seconds: float) -> str:
+    """``3m10s``, ``45s``."""
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def frozen_process(pid: int) -> bool:
@@ -62,15 +70,17 @@ def frozen_process(pid: int) -> bool:
         return False
 
 
-def record_from_page(page, node: str, rank: int, now: float, frozen: bool, step_time: float) -> dict:
-    """One rank's record for the exchange (ages in seconds at ``now``, the reader's clock)."""
+def record_from_page(page, node: str, rank: int, now: float, frozen: bool, step_time: float, progress=None) -> dict:
+    """One rank's record for the exchange (ages in seconds at ``now``, the reader's clock).
+    ``progress``: ``(verdict, seconds without progress, what moved)`` from the progress probe
+    (None: not known, the culprit rule's old limits apply)."""
     groups, last = {}, 0.0
     for s in page.slots:
         waiting = now - s.t_pending if s.pending and s.t_pending > 0 else 0.0
         groups[s.group] = [s.generation, s.entered, s.done, round(waiting, 4), round(s.typical, 5), s.members]
         last = max(last, s.last_activity())
     last = max(last, page.saved_at)  # a checkpoint save that just ended was activity, not a stall
-    return {
+    record = {
         "rank": rank,
         "node": node,
         "frozen": frozen,
@@ -78,7 +88,12 @@ def record_from_page(page, node: str, rank: int, now: float, frozen: bool, step_
         "step": step_time,
         "groups": groups,
         "saving": round(now - page.saving_since, 4) if page.saving_since > 0 else 0.0,
+        "timeout": page.timeout,
+        "where": page.where,
     }
+    if progress is not None:
+        record["progress"], record["still"], record["moved"] = progress[0], round(progress[1], 3), list(progress[2])
+    return record
 
 
 def rank_record(d: dict) -> RankRecord:
@@ -90,7 +105,23 @@ def rank_record(d: dict) -> RankRecord:
         for name, g in d["groups"].items()
     }
     saving = float(d.get("saving", 0.0))  # absent in a record of an agent from before checkpoint marks
-    return RankRecord(int(d["rank"]), str(d["node"]), bool(d["frozen"]), float(d["idle"]), float(d["step"]), groups, saving)
+    progress = str(d.get("progress", UNKNOWN))  # ... and before progress evidence
+    if progress not in (BUSY, STUCK):
+        progress = UNKNOWN
+    return RankRecord(
+        int(d["rank"]),
+        str(d["node"]),
+        bool(d["frozen"]),
+        float(d["idle"]),
+        float(d["step"]),
+        groups,
+        saving,
+        progress,
+        float(d.get("still", 0.0)),
+        float(d.get("timeout", 0.0)),
+        str(d.get("where", "")),
+        tuple(str(x) for x in d.get("moved", ())),
+    )
 
 
 def limits_of(cfg) -> Limits:
@@ -100,6 +131,7 @@ def limits_of(cfg) -> Limits:
         cfg.collective_alive_floor,
         cfg.collective_alive_multiplier,
         cfg.hang_checkpoint_timeout,
+        cfg.collective_still_floor,
     )
 
 
@@ -115,6 +147,7 @@ class CollectiveWatch:
         self._poked_at = self._decided_at = self._published_at = 0.0
         self._acted: set = set()  # (generation, ranks or nodes) already acted on
         self._said: set = set()  # (generation, group, seq) whose undecided stall was said
+        self._busy_said: dict[tuple[int, int], int] = {}  # (generation, rank) -> minutes of business said
 
     # -- the local part ----------------------------------------------------------------------
     def local_records(self, plan: Plan) -> list[dict]:
@@ -129,12 +162,45 @@ class CollectiveWatch:
             if page is None or page.pid != pid:
                 continue  # not written yet by this process
             record = record_from_page(page, self.cfg.node_id, status.rank, now, frozen_process(pid), status.step_time or 0.0)
+            kind, still, progress = sup.progress.judge(pid, record["idle"])
+            if kind != UNKNOWN:
+                record["progress"], record["still"] = kind, round(still, 3)
+                record["moved"] = list(progress.evidence) if progress is not None else []
+            record["frozen"] = record["frozen"] or kind == FROZEN
             silence = self.cfg.health.collective_frozen_after
-            if not record["frozen"] and record["idle"] > silence and sup.store.check([WorkerKeys(lr).beat]):
+            if not record["frozen"] and kind != BUSY and record["idle"] > silence and sup.store.check([WorkerKeys(lr).beat]):
                 # Only a rank outside any collective for that long: its heartbeat is read then, not every iteration.
+                # A silent heartbeat with CPU time moving is a long call holding the interpreter: busy, not frozen.
                 record["frozen"] = wall - float(sup.store.get(WorkerKeys(lr).beat)) > silence
+            self._say_busy(plan, lr, record)
             out.append(record)
         return out
+
+    def _say_busy(self, plan: Plan, local_rank: int, record: dict) -> None:
+        """Every ``BUSY_EVERY`` seconds a rank stays busy outside its collectives, say so, where,
+        and what moved (a ``busy`` event): the user sees why it was not replaced."""
+        idle = record["idle"]
+        key = (plan.generation, record["rank"])
+        if record.get("progress") != BUSY or idle < BUSY_EVERY:
+            if idle < BUSY_EVERY:
+                self._busy_said.pop(key, None)
+            return
+        said = self._busy_said.get(key, 0)
+        if idle < (said + 1) * BUSY_EVERY:
+            return
+        self._busy_said[key] = int(idle // BUSY_EVERY)
+        at = f", in {record['where']}" if record.get("where") else ""
+        self.say(
+            f"generation {plan.generation}: rank {record['rank']} busy outside collectives for {_duration(idle)}{at} "
+            f"({', '.join(record.get('moved', [])) or 'moving'}); waiting for it as torch would"
+            + (f" (until its collective timeout, {record['timeout']:.0f}s)" if record.get("timeout") else ""),
+            kind="busy",
+            generation=plan.generation,
+            rank=record["rank"],
+            local_rank=local_rank,
+            verdict=BUSY,
+            evidence={k: record.get(k) for k in ("idle", "still", "where", "moved", "timeout", "saving")},
+        )
 
     def _suspected(self, records: list[dict]) -> bool:
         for r in records:
@@ -224,7 +290,9 @@ class CollectiveWatch:
     def _act(self, plan: Plan, view: View, verdict) -> None:
         g = plan.generation
         stall = f"collective {verdict.group}#{verdict.seq} stuck"
-        fields = dict(generation=g, group=verdict.group, seq=verdict.seq, evidence=verdict.evidence, verdict=verdict.action)
+        fields = dict(
+            generation=g, group=verdict.group, seq=verdict.seq, evidence=verdict.evidence, verdict=verdict.action, why=verdict.why
+        )
         if verdict.action == KILL:
             key = (g, verdict.ranks)
             if key in self._acted:

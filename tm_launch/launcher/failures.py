@@ -22,6 +22,7 @@ from collections.abc import Callable
 from rendezvous.kv import KVError
 from rendezvous.plan import Plan
 from rendezvous.planner import View, finished_without
+from rendezvous.script_errors import SCRIPT_PREFIX
 
 from ..protocol import WorkerState
 from ..waits import Every
@@ -101,6 +102,10 @@ class FailureWatch:
                 self.say(f"generation {plan.generation}: {refused.why}", kind="refused", generation=plan.generation)
                 self.session.report_failure(plan.generation, me, refused.why, kind="refused")
                 return
+            error = sup.script_error(local_rank)
+            if error is not None and active:
+                self._report_script_error(plan, local_rank, error)
+                return
             lost = sup.state_lost(local_rank)
             if lost is not None and active:
                 # Not this node's fault: the live state of some rank exists nowhere any more.
@@ -166,6 +171,24 @@ class FailureWatch:
             )
         if active:
             sup.watch_hangs(plan)
+
+    def _report_script_error(self, plan: Plan, local_rank: int, error) -> None:
+        """The script raised (its traceback is on the worker's stderr): one line, and a report
+        the planner tells a bug from a transient by (``rendezvous.script_errors``). This node's
+        other workers stop: the node is replaced (once) or the job ends, as for any failure."""
+        sup = self.supervisor
+        sup.workers.stop(grace=0)
+        self.reported_gen = plan.generation
+        self.say(
+            f"generation {plan.generation}: rank {error.rank} (worker {local_rank}) raised {error.signature()}; reporting a script error",
+            kind="script_error",
+            generation=plan.generation,
+            rank=error.rank,
+            local_rank=local_rank,
+            verdict="script error",
+            evidence={"exception": error.type, "message": error.message, "step": error.step},
+        )
+        self.session.report_failure(plan.generation, self.cfg.node_id, SCRIPT_PREFIX + error.signature(), kind="script")
 
     def _dying_in_steps(self) -> tuple[int, None] | None:
         """(local rank, None) of a worker whose exit began while it was in the job's steps and

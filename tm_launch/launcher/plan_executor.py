@@ -16,6 +16,7 @@ from rendezvous.kv import KVError
 from rendezvous.plan import FAILED, SUCCEEDED, Plan
 from rendezvous.planner import View, spares
 
+from .. import settings
 from ..waits import Every
 from . import store_server
 from .config import AgentConfig
@@ -115,7 +116,7 @@ class PlanExecutor:
             sup.direct(plan)  # the leavers' workers hand over at the switch step, then exit
             self._wait_saying(
                 lambda: all(code is not None for code in sup.workers.poll().values()),
-                max(60.0, self.cfg.collective_timeout),
+                max(60.0, settings.stall_bound(self.cfg.collective_timeout)),
                 "leavers",
                 lambda: (
                     f"generation {plan.generation}: drained; waiting for local worker(s) "
@@ -148,7 +149,7 @@ class PlanExecutor:
         script's checkpoint."""
         self.session.close()
         members = self.session.direct  # not retried: the deadline below bounds this wait, etcd or not
-        deadline = time.time() + max(60.0, self.cfg.collective_timeout)
+        deadline = time.time() + max(60.0, settings.stall_bound(self.cfg.collective_timeout))
         self.say(
             f"generation {plan.generation}: serving this node's store until the new generation completes a step "
             "(the ranks taking over fetch their per-rank state there)"

@@ -26,6 +26,7 @@ from ..protocol import (
     EnteredRecord,
     FirstStepRecord,
     RefusedRecord,
+    ScriptErrorRecord,
     StateLostRecord,
     StoreAddress,
     WorkerEnv,
@@ -38,6 +39,7 @@ from ..protocol import (
 from . import store_server
 from .config import AgentConfig
 from .processes import OutputSpec, WorkerSet
+from .progress_probe import ProgressProbe
 from .wakeup import WakeSocket, Wakeup
 
 
@@ -57,6 +59,8 @@ class WorkerSupervisor:
         self._statuses_cache: dict | None = None
         self._parsed: dict[int, tuple[bytes, WorkerStatus]] = {}  # local rank -> (its status as read, parsed): parsed once
         self.directed_at: dict[int, float] = {}  # generation -> when it was first handed to the workers
+        self.progress = ProgressProbe()  # the workers' CPU, I/O and main-thread movement (busy, stuck, frozen)
+        self._silent_said: dict[int, tuple[int, int]] = {}  # local rank -> (generation, minute) of its last busy-while-silent report
 
     def close(self) -> None:
         self.workers.stop(grace=2)
@@ -143,6 +147,10 @@ class WorkerSupervisor:
         """Why a worker refused to run (the job cannot run as configured), if it said so."""
         return self._last_word(WorkerKeys(local_rank).refused, RefusedRecord)
 
+    def script_error(self, local_rank: int) -> ScriptErrorRecord | None:
+        """What a worker's script raised before it ended, if it said so (``worker.exit_notice.script_raised``)."""
+        return self._last_word(WorkerKeys(local_rank).script_error, ScriptErrorRecord)
+
     def _last_word(self, key: str, record):
         """The record a worker left under ``key`` before it ended; None if none or unreadable."""
         if not self.store.check([key]):
@@ -172,11 +180,6 @@ class WorkerSupervisor:
     def any_entered(self, generation: int) -> bool:
         return any(self.store.check([WorkerKeys(lr).entered(generation)]) for lr in self.workers.workers)
 
-    def _saving_checkpoint(self, local_rank: int) -> bool:
-        """The worker says it saves a checkpoint (``job.checkpointing()``, on its collective page)."""
-        page = collective_page.read(page_path(self.scratch, local_rank))
-        return page is not None and page.pid == self.workers.pids().get(local_rank) and page.saving_since > 0
-
     def watch_hangs(self, plan: Plan) -> None:
         """Kill a worker that stopped beating (SIGSTOP, a wedged process): its peers then fail
         fast and the node is replaced (live) or every worker restarts (restart mode). A worker
@@ -186,29 +189,67 @@ class WorkerSupervisor:
         if cfg is None:
             return
         from health.hang import hang_timeout
+        from health.progress import BUSY
 
         now = time.time()
+        pids = self.workers.pids()
         for lr, status in self.statuses().items():
             if not status.state.watched or lr not in self.workers.workers:
                 continue
+            pid = pids.get(lr)
+            page = collective_page.read(page_path(self.scratch, lr))
+            page = page if page is not None and page.pid == pid else None
+            if pid is not None:
+                self.progress.look(pid, page.moves if page is not None else -1)  # every iteration: the evidence's history
             key = WorkerKeys(lr).beat
             if not self.store.check([key]):
                 continue
             silent = now - float(self.store.get(key))
             recent = status.step_times or ([status.step_time] if status.step_time else [])
-            limit = hang_timeout(cfg, recent, status.steps_run or 0, self._saving_checkpoint(lr))
+            saving = page is not None and page.saving_since > 0
+            limit = hang_timeout(cfg, recent, status.steps_run or 0, saving)
             worker = self.workers.workers[lr]
+            if silent > limit and pid is not None:
+                kind, _, progress = self.progress.judge(pid, silent)
+                if kind == BUSY:
+                    # A silent heartbeat while its CPU time moves: a long call holding the
+                    # interpreter (a big pickle). Torch would wait for it until its collective timeout.
+                    timeout = (
+                        page.timeout
+                        if page is not None and page.timeout > 0
+                        else settings.collective_timeout(self.cfg.collective_timeout, "gloo")
+                    )
+                    self._say_silent_but_busy(plan, lr, silent, progress, page)
+                    limit = max(limit, timeout)
             # Killed already, or dying: its exit notice wakes this loop while the kernel still
             # frees its memory (the process is not reaped yet); one kill, one hang event.
             if silent > limit and worker.poll() is None and not worker.killed and not worker.began_to_exit():
                 self.say(
-                    f"generation {plan.generation}: worker {lr} (pid {self.workers.pids()[lr]}) silent for {silent:.1f}s "
-                    f"(hang limit {limit:.1f}s): killing it",
+                    f"generation {plan.generation}: worker {lr} (pid {pid}) silent for {silent:.1f}s (hang limit {limit:.1f}s): killing it",
                     kind="hang",
                     generation=plan.generation,
                     local_rank=lr,
                 )
                 self.workers.kill(lr)
+        self.progress.forget(set(pids.values()))
+
+    def _say_silent_but_busy(self, plan: Plan, local_rank: int, silent: float, progress, page) -> None:
+        """Once a minute: a worker's heartbeat is silent, but it makes progress (a ``busy`` event)."""
+        minute = int(silent // 60)
+        if self._silent_said.get(local_rank) == (plan.generation, minute):
+            return
+        self._silent_said[local_rank] = (plan.generation, minute)
+        moved = list(progress.evidence) if progress is not None else []
+        where = page.where if page is not None else ""
+        self.say(
+            f"generation {plan.generation}: worker {local_rank}'s heartbeat is silent for {silent:.0f}s, but it is busy "
+            f"({', '.join(moved) or 'moving'}{', in ' + where if where else ''}): not killed before its collective timeout",
+            kind="busy",
+            generation=plan.generation,
+            local_rank=local_rank,
+            verdict="busy",
+            evidence={"silent": round(silent, 3), "moved": moved, "where": where},
+        )
 
     def root_cause(self, ranks: list[int]) -> str:
         """Print torchrun's root-cause block for the failed workers; its one-line summary.

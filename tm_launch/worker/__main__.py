@@ -102,7 +102,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m tm_launch.worker SCRIPT [ARGS] | -m MODULE [ARGS]")
     from tm_launch.worker import exit_notice
     from tm_launch.worker.job import optimizer_steps
-    from tm_launch.worker.job.entry import report_counted_step
+    from tm_launch.worker.job.entry import live_job, report_counted_step
     from tm_launch.worker.spare.sandbox import RankChanged
 
     _show_as_python_does()
@@ -129,6 +129,9 @@ def main(argv: list[str]) -> None:
             return
         except RankChanged as changed:
             old_globals = _script_globals(changed.__traceback__)
+        except Exception as error:
+            exit_notice.script_raised(error, live_job())  # a live job's: traceback, report, exit now (no teardown waiting on peers)
+            raise
         # Out of the except block: the traceback, and with it the script's frames and their
         # locals, are gone. What the script kept in its globals goes now, so the old ranks' model,
         # optimizer and groups are freed before the new ones are built (on a GPU, before they

@@ -28,6 +28,7 @@ from ..protocol import (
     EnteredRecord,
     FirstStepRecord,
     RefusedRecord,
+    ScriptErrorRecord,
     StateLostRecord,
     WorkerEnv,
     WorkerKeys,
@@ -195,6 +196,9 @@ class AgentClient:
 
     def report_refused(self, record: RefusedRecord) -> None:
         self._put(self.keys.refused, record.to_json(), wake=True)
+
+    def report_script_error(self, record: ScriptErrorRecord) -> None:
+        self._put(self.keys.script_error, record.to_json(), wake=True)
 
     # -- what the agent handed over ------------------------------------------------------------
     def latest(self) -> int:

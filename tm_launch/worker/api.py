@@ -90,11 +90,12 @@ class Job(abc.ABC):
     @abc.abstractmethod
     def checkpointing(self):
         """``with job.checkpointing(): torch.save(...)``: this rank is saving a checkpoint. A save
-        can take minutes, often on one rank while its peers already wait in the next collective;
-        unmarked, the agent takes it for a rank stuck outside its collectives after
-        ``collective_alive_floor`` (10 s) and replaces it. Marked, the limit is
-        ``hang_checkpoint_timeout`` (900 s). The integrations (Lightning, HF, torchtitan) mark
-        their saves themselves; outside a live tm-launch worker it does nothing."""
+        can take minutes, often on one rank while its peers already wait in the next collective.
+        Unmarked, the agent judges it by its progress (``health.progress``): a save that moves
+        (CPU time, bytes written) is busy and waited for until the collective timeout; one stalled
+        on a dead filesystem is stuck after ``collective_still_floor`` (6 s). Marked, neither
+        happens before ``hang_checkpoint_timeout`` (900 s). The integrations (Lightning, HF,
+        torchtitan) mark their saves themselves; outside a live tm-launch worker it does nothing."""
 
     @abc.abstractmethod
     def enter_before_loop(self) -> None:

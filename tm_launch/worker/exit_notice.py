@@ -6,6 +6,12 @@ of the interpreter's own from a death by a signal. Armed by ``python -m tm_launc
 Two sentinels, both clearing the same word: the kernel writes a thread's word only while
 another thread of the process still holds its memory, so the last thread to exit writes
 nothing; with two, at least one of them is not the last.
+
+``script_raised``: the script raised out of its top level in a live job's steps. The worker
+prints the traceback, tells its agent what was raised and at which step (``ScriptErrorRecord``)
+and ends at once: the interpreter's teardown (the job's ``atexit`` close, a communicator's
+destructor) waited on peers blocked in a receive, 120 s in the issue that found it, and nothing
+of this process is needed any more.
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import sys
 import threading
 
 from .. import exit_page
-from ..protocol import WorkerEnv
+from ..protocol import EXIT_SCRIPT_ERROR, ScriptErrorRecord, WorkerEnv
 
 SENTINELS = 2
 _armed: list = []  # the page and its words, kept for the life of the process
@@ -58,3 +65,22 @@ def _sentinel(words, ready: threading.Event) -> None:
     exit_page.clear_on_exit(words, exit_page.TID)
     ready.set()
     threading.Event().wait()
+
+
+def script_raised(error: BaseException, job) -> None:
+    """The script raised ``error`` out of its top level: in a live job (``job``, the process's
+    ``LiveJob``, handed by the wrapper) that left its sandbox, print the traceback, report it,
+    end now (``os._exit``). Returns where there is no such job (``None``: plain torchrun, restart
+    mode; a spare's sandbox): the exception goes on as Python's."""
+    if job is None or job.in_sandbox:
+        return
+    sys.excepthook(type(error), error, error.__traceback__)
+    message = (str(error).strip().splitlines() or [""])[0][:300]
+    record = ScriptErrorRecord(type=type(error).__name__, message=message, step=job.state.step, rank=job.rank)
+    try:
+        job.agent.report_script_error(record)
+    except Exception:  # noqa: BLE001 -- the agent is gone: the exit status says the rest
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_SCRIPT_ERROR)

@@ -206,3 +206,59 @@ def test_a_rank_not_in_the_stuck_group_is_not_blamed():
     ]
     v = world(recs, NODE2)
     assert (v.action, v.ranks) == (KILL, (1,))
+
+
+# -- progress evidence (health.progress): busy is not hung ---------------------------------------
+def judged(r, node, groups, progress, still=0.0, idle=0.0, timeout=0.0, saving=0.0, where="evaluate() at train.py:88"):
+    return RankRecord(
+        r, node, False, idle, 0.05, groups, saving, progress, still, timeout, where, ("cpu 95%",) if progress == "busy" else ()
+    )
+
+
+PEERS_WAIT = [
+    RankRecord(1, "b", False, 0.0, 0.05, {"w": waiting(11, 20.0)}),
+    RankRecord(2, "c", False, 0.0, 0.05, {"w": waiting(11, 20.0)}),
+]
+
+
+@pytest.mark.parametrize(
+    "rank0, action, why",
+    [
+        # rank 0 evaluates alone for 3 minutes, its peers at the next all-reduce: never before gloo's 30 min
+        (judged(0, "a", {"w": done(10)}, "busy", idle=180.0, timeout=1800.0), WAIT, ""),
+        (judged(0, "a", {"w": done(10)}, "busy", idle=1795.5, timeout=1800.0), KILL, "busy past the collective timeout"),
+        # its collective timeout not known: gloo's default
+        (judged(0, "a", {"w": done(10)}, "busy", idle=600.0), WAIT, ""),
+        # --collective-timeout 30: blamed 5 s before its peers give up (they still wait in the collective that names it)
+        (judged(0, "a", {"w": done(10)}, "busy", idle=24.0, timeout=30.0), WAIT, ""),
+        (judged(0, "a", {"w": done(10)}, "busy", idle=25.5, timeout=30.0), KILL, "busy past the collective timeout"),
+        # a sleep, a blocked read, a deadlock: nothing moved for the still floor (6 s)
+        (judged(0, "a", {"w": done(10)}, "stuck", still=5.0, idle=12.0), WAIT, ""),
+        (judged(0, "a", {"w": done(10)}, "stuck", still=6.5, idle=12.0), KILL, "stuck"),
+        # ... faster than the alive floor the old rule had (10 s)
+        (judged(0, "a", {"w": done(10)}, "stuck", still=6.5, idle=6.5), KILL, "stuck"),
+        # marked as a checkpoint save: neither before the checkpoint limit (900 s)
+        (judged(0, "a", {"w": done(10)}, "stuck", still=60.0, idle=60.0, saving=60.0), WAIT, ""),
+        (judged(0, "a", {"w": done(10)}, "stuck", still=901.0, idle=901.0, saving=901.0), KILL, "stuck"),
+    ],
+)
+def test_a_rank_outside_the_collective_is_judged_by_its_progress(rank0, action, why):
+    v = world([rank0, *PEERS_WAIT], NODE3)
+    assert v.action == action, v
+    if action == KILL:
+        assert v.ranks == (0,) and v.why == why
+        assert v.evidence["progress"]["0"]["where"] == "evaluate() at train.py:88"
+        assert v.evidence["progress"]["0"]["verdict"] == rank0.progress
+    else:
+        assert any("rank 0" in d for d in v.evidence["doubts"]), v.evidence
+
+
+def test_a_busy_rank_is_named_where_it_is_in_the_doubts():
+    v = world([judged(0, "a", {"w": done(10)}, "busy", idle=190.0, timeout=1800.0), *PEERS_WAIT], NODE3)
+    assert "busy outside collectives for 190.0s in evaluate() at train.py:88 (blamed after 1795s)" in v.evidence["doubts"][0]
+
+
+def test_a_frozen_rank_is_blamed_at_once_whatever_its_progress_said():
+    stopped = RankRecord(0, "a", True, 1.5, 0.05, {"w": done(10)}, 0.0, "busy", 0.0, 1800.0)
+    v = world([stopped, *PEERS_WAIT], NODE3)
+    assert (v.action, v.ranks, v.why) == (KILL, (0,), "frozen")

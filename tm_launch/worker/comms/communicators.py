@@ -48,8 +48,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ... import settings
 from ...protocol import nccl_error_handling
-from . import connections
+from . import connections, telemetry
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 NCCL = dist.ProcessGroup.BackendType.NCCL
@@ -312,13 +313,18 @@ def build(
 ) -> dist.ProcessGroup:
     """A communicator for ``size`` ranks bootstrapped through ``store`` (a fresh PrefixStore of
     this generation): gloo always, NCCL too when ``devices`` names a CUDA device and CUDA is
-    usable. Blocks until every member is there (at most ``setup_timeout_s``)."""
+    usable. Blocks until every member is there (at most ``setup_timeout_s``). ``timeout_s`` 0:
+    each backend's own default, as under torchrun (``settings.collective_timeout``); the one the
+    job's collectives run under goes on the rank's page, for the agent's busy limit."""
     name = f"tm-{id(store):x}-r{rank}"
-    gloo, pairs = _gloo(dist.PrefixStore("cpu/", store), rank, size, timeout_s, setup_timeout_s, hostname)
+    gloo_timeout = settings.collective_timeout(timeout_s, "gloo")
+    gloo, pairs = _gloo(dist.PrefixStore("cpu/", store), rank, size, gloo_timeout, setup_timeout_s, hostname)
     device = cuda_device(devices)
     nccl = None
     if device is not None:
-        nccl = _nccl(dist.PrefixStore("cuda/", store), rank, size, device, timeout_s, setup_timeout_s, name)
+        nccl_timeout = settings.collective_timeout(timeout_s, "nccl")
+        nccl = _nccl(dist.PrefixStore("cuda/", store), rank, size, device, nccl_timeout, setup_timeout_s, name)
+    telemetry.collective_timeout(gloo_timeout if nccl is None else nccl_timeout)
     pg = _assemble(store, rank, size, gloo, nccl, device, name)
     _track(pg, pairs)
     return pg

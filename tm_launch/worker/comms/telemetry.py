@@ -22,14 +22,23 @@ Why this shape:
 * Threads: completions arrive on gloo's threads, entries on the caller's. Each word has one
   writer at a time in practice, and the reader tolerates one stale word.
 
+* The main thread's position (``PositionSampler``): a thread of this process looks at the main
+  thread's innermost frame every ``SAMPLE_EVERY`` and counts the changes on the page, with the
+  script's place in words. The agent compares the count between its looks: Python code that
+  runs moves it, a sleep, a blocked read or a deadlock does not (``health.progress``).
+
 Without an agent (plain torchrun) or without a page path, every call returns at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
+import sys
+import sysconfig
+import threading
 import time
 
 from ... import collective_page as page
@@ -37,6 +46,7 @@ from ...protocol import WorkerEnv
 
 P2P = frozenset({"send", "recv"})
 DECAY = 0.95
+SAMPLE_EVERY = 0.2  # s between two looks at the main thread (the agent compares windows of 1 s)
 
 
 class Page:
@@ -78,6 +88,56 @@ class Page:
     def rank(self, rank: int) -> None:
         self.words[page.H_RANK] = rank  # a spare promoted to another rank runs the script again for it
 
+    def where(self, where: str) -> None:
+        self._map[page.WHERE_AT : page.WHERE_AT + page.WHERE] = page.encode_where(where)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where code that is not the script's lives: the standard library, installed packages,
+    tm-launch itself. The place a busy rank is reported at is the script's innermost frame."""
+    dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.add(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tm_launch/
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(filename: str, library: tuple[str, ...]) -> bool:
+    return filename.startswith("<") or os.path.realpath(filename).startswith(library)
+
+
+def place(frame, library: tuple[str, ...]) -> str:
+    """``evaluate() at train.py:88``: the innermost frame of ``frame``'s stack that is the
+    script's (not the library's), else the innermost one."""
+    innermost = frame
+    while frame is not None and _is_library(frame.f_code.co_filename, library):
+        frame = frame.f_back
+    frame = frame or innermost
+    return f"{frame.f_code.co_name}() at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+class PositionSampler(threading.Thread):
+    """Counts the changes of the main thread's position (code object and line of its innermost
+    frame) on the page. It needs the interpreter's lock for each look: a long C call that
+    holds it looks like no movement here, and shows as CPU time to the agent instead."""
+
+    def __init__(self, p: Page, main: int):
+        super().__init__(daemon=True, name="tm-position")
+        self.page, self.main = p, main
+
+    def run(self) -> None:
+        library, last = _library_dirs(), None
+        while True:
+            time.sleep(SAMPLE_EVERY)
+            frame = sys._current_frames().get(self.main)
+            if frame is None:
+                return  # the main thread is gone: the interpreter ends
+            key = (frame.f_code, frame.f_lineno)
+            if key != last:
+                last = key
+                self.page.where(place(frame, library))  # first: the agent reads the place of the move it counts
+                self.page.words[page.H_MOVES] += 1
+            del frame
+
 
 _page: Page | None = None
 _opened = False
@@ -92,7 +152,17 @@ def _open() -> Page | None:
             _page = Page(env.telemetry, env.rank)
         except OSError:
             _page = None
+        else:
+            PositionSampler(_page, threading.main_thread().ident).start()
     return _page
+
+
+def collective_timeout(seconds: float) -> None:
+    """The timeout this rank's groups run their collectives under: a busy rank is blamed only
+    just before it (the agent's ``Limits.busy_after``)."""
+    p = _page if _opened else _open()
+    if p is not None:
+        p.words[page.H_TIMEOUT] = seconds
 
 
 def _slot(p: Page, group) -> int | None:

@@ -413,7 +413,12 @@ class LiveJob(Job):
                 closing = True
             finally:
                 state.poison.armed = False
-            committed = self.guard.effect_allowed()
+            # Closed before the step's first effect asked for the vote: by an exception out of the
+            # body (the interpreter closes the generator as it unwinds the loop's frame), or a
+            # break before the optimizer step. Nothing was applied: no vote. Voting here waited
+            # for peers blocked in this step's collectives on this rank, until the collective
+            # timeout (the script error then took minutes to surface).
+            committed = False if closing and state.commit.decision is None else self.guard.effect_allowed()
             self.guard.in_step = False
             if committed:
                 state.stats.record(state.step, time.perf_counter() - t0, t0, self.group)

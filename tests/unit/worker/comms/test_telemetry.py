@@ -92,3 +92,36 @@ def test_a_checkpoint_save_is_marked_on_the_page_and_nested_saves_count_once(pag
     with pytest.raises(OSError), ct.checkpointing():
         raise OSError("disk full")
     assert collective_page.read(page_file).saving_since == 0.0  # a failed save ends the mark too
+
+
+def test_the_main_threads_moves_are_counted_and_its_place_named(page_file):
+    """The position sampler: Python code that runs moves the count, a sleep does not; the place
+    is the innermost frame of this file (the script's), not the standard library's."""
+    import time
+
+    ct.entered(group(), "allreduce")  # opens the page, starts the sampler
+
+    def forward(x):
+        return sum(range(x))
+
+    def backward(x):
+        return sum(range(x, 0, -1))
+
+    def spin_here(seconds):  # an evaluation loop: calls into layers (a tight loop on one line would not move)
+        end, n = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            n += forward(200) - backward(200)
+        return collective_page.read(page_file)
+
+    before = spin_here(1.5)
+    assert before.moves >= 2
+    assert before.where.split(" at ")[0] in ("spin_here()", "forward()", "backward()"), before.where
+    time.sleep(1.5)
+    after = collective_page.read(page_file)
+    assert after.moves - before.moves <= 1  # at most the one change into the sleep
+    assert after.where.startswith("test_the_main_threads_moves_are_counted_and_its_place_named() at test_telemetry.py:"), after.where
+
+
+def test_the_collective_timeout_goes_on_the_page(page_file):
+    ct.collective_timeout(1800.0)
+    assert collective_page.read(page_file).timeout == 1800.0
