@@ -5,6 +5,7 @@
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID drain NODE
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID cordon NODE | uncordon NODE
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID timeline --out FILE.png [--json]
+    tm-launch ctl --rdzv-endpoint E --rdzv-id ID result     # exit 0: the job succeeded
 
 Connection options mean what they mean for the launcher (and may come from ``--config``).
 """
@@ -38,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("timeline", help="picture of step times over the run with every generation change, its cause and downtime")
     t.add_argument("--out", metavar="FILE.png", help="write the picture here (PNG; .svg/.pdf by suffix)")
     t.add_argument("--json", action="store_true", help="print the data the picture shows as JSON")
+    sub.add_parser(
+        "result",
+        help="print the job's outcome; exit 0 when it succeeded, 1 when it failed, 3 while it runs (for job scripts: "
+        "srun's own exit code counts the node that was lost and replaced)",
+    )
     for name, text in (
         ("drain", "move NODE's ranks to a spare (planned, two-phase)"),
         ("cordon", "mark NODE failed: it is replaced and never chosen again"),
@@ -46,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         c.add_argument("node")
     return p
+
+
+RESULT_CODES = {"succeeded": 0, "failed": 1}  # ``ctl result``: anything else (running, forming) is 3
 
 
 def _connect(args):
@@ -255,6 +264,10 @@ def main(argv: list[str]) -> int:
                 time.sleep(0.5)
         elif args.command == "timeline":
             _timeline(members, run_id, args)
+        elif args.command == "result":
+            state = status(members, run_id)["state"]
+            print(f"run {run_id}: {state}")
+            return RESULT_CODES.get(state, 3)
         elif args.command == "drain":
             members.request_drain(args.node, "operator: tm-launch ctl drain")
             members.operator_log.event("operator", "drain_requested", message=f"tm-launch ctl drain {args.node}", target=args.node)

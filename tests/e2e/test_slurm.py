@@ -1,0 +1,111 @@
+"""tm-launch under a real Slurm, as its users write it: ``sbatch examples/slurm/train.sbatch``.
+
+A three-node Slurm on this machine (``slurm_cluster.py``: munged, slurmctld, ``slurmd -N n1..n3``
+on loopback), the example job script with 2 active nodes + 1 spare, no ``--rdzv-id`` nor
+``--node-id`` given (tm-launch reads them from srun's environment). While the job trains, one
+active node's task (its tm-launch agent, and with it its workers) is SIGKILLed: the spare takes
+its rank live, every rank's whole state at the end equals the same script's fault-free run under
+plain torchrun bit for bit, and Slurm records the batch job as COMPLETED with exit code 0.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+from slurm_cluster import SlurmCluster, missing
+from test_exactness import ORDINARY, differences, load
+from torchrun_reference import run_torchrun
+
+from tm_launch.local.localjob import REPO, LocalJob
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SBATCH = os.path.join(REPO, "examples", "slurm", "train.sbatch")
+STEPS = 24
+PAUSE = 8  # every rank holds at this step until the test says go (the spare has parked, the node is lost)
+CASE = ("--bn", "--dropout", "0.3", "--counter", "--log-loss")  # per-rank buffers, RNG, a counter
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = missing()
+    if why:
+        pytest.skip(why)
+    with SlurmCluster(str(tmp_path_factory.mktemp("slurm"))) as cluster:
+        yield cluster
+
+
+def agent_of(job_id: str, node: str) -> int:
+    """The pid of the tm-launch agent Slurm runs for ``job_id`` on node ``node`` (its srun task)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if (
+            len(cmd) > 2
+            and cmd[1].endswith(b"/tm-launch")
+            and cmd[2] != b"ctl"
+            and env.get(b"SLURM_JOB_ID") == job_id.encode()
+            and env.get(b"SLURMD_NODENAME") == node.encode()
+        ):
+            return int(pid)
+    raise LookupError(f"no tm-launch agent of Slurm job {job_id} on {node}")
+
+
+def test_sbatch_example_two_active_one_spare_a_node_task_killed(slurm, etcd_server, tmp_path):
+    ref_dir = str(tmp_path / "ref")
+    run_torchrun(ORDINARY, ["--steps", str(STEPS), "--out", ref_dir, *CASE], nproc=2)
+    out, trigger = str(tmp_path / "out"), str(tmp_path / "go")
+    env = {
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        "ETCD_ENDPOINTS": etcd_server.endpoint,
+        "ACTIVE": "2",
+        "GPUS_PER_NODE": "1",
+        "MAX_RESTARTS": "3",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": REPO,
+    }
+    script = [ORDINARY, "--steps", str(STEPS), "--out", out, *CASE, "--pause-step", str(PAUSE), "--pause-file", trigger]
+    job_id = slurm.sbatch(SBATCH, ["--nodes=3", f"--output={tmp_path}/slurm-%j.out"], script, cwd=str(tmp_path), env=env)
+    slurm_out = tmp_path / f"slurm-{job_id}.out"
+    run = LocalJob(endpoint=etcd_server.endpoint, run_id=f"slurm-{job_id}", workdir=str(tmp_path))
+
+    def says() -> str:
+        return (slurm_out.read_text(errors="replace")[-6000:] if slurm_out.exists() else "(no job output)") + slurm.logs_tail(5)
+
+    def formed(s) -> bool:
+        state = slurm.job(job_id).get("JobState")
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"the Slurm job is {state} before the fault"
+        return s["generation"] is not None and len(s["nodes"]) == 3
+
+    try:
+        run.wait_for(formed, 300, "generation 0 and the spare")
+        status = run.status()
+        assert {n["id"] for n in status["nodes"]} == set(slurm.names), status  # node ids: the Slurm node names
+        spare = next(n["id"] for n in status["nodes"] if n["role"] == "spare")
+        run.wait_parked(spare, timeout=300)
+        victim = next(n["id"] for n in run.status()["nodes"] if n["role"] == "active")
+        os.kill(agent_of(job_id, victim), signal.SIGKILL)  # the node's srun task; its workers die with it
+        time.sleep(0.5)
+        open(trigger, "w").close()
+        fields = slurm.wait_job(job_id, 480)
+    except BaseException:
+        print(says())
+        raise
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), says()
+    roles = {n["id"]: n["role"] for n in run.status()["nodes"]}
+    assert roles[victim] == "replaced" and roles[spare] == "finished", (roles, says())
+    events = [json.loads(line) for line in run.ctl("events", "--json").stdout.splitlines() if line.strip()]
+    plans = [e for e in events if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert plans and all(p["live"] for p in plans), says()  # the survivor kept its process
+    assert not [e for e in events if e["kind"] == "state_lost"], says()
+    got, ref = load(out), load(ref_dir)
+    assert sorted(got) == sorted(ref) == ["rank0", "rank1"], says()
+    assert differences(got, ref) == {}, says()
