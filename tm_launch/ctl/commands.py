@@ -81,7 +81,7 @@ def _connect(args):
         raise ValueError("give --rdzv-endpoint and --rdzv-id (or --config with rdzv_endpoint and rdzv_id)")
     args.rdzv_id = str(run_id)  # for error messages
     options = etcd_options(endpoint, str(run_id), args.rdzv_conf or conf.get("rdzv_conf"))
-    return Membership(connect("v3" if backend == "etcd-v3" else "v2", options)), str(run_id)
+    return Membership(connect("v3" if backend == "etcd-v3" else "v2", options)), str(run_id), options
 
 
 def status(members, run_id: str) -> dict:
@@ -202,6 +202,7 @@ def _print_status(s: dict) -> None:
         extra = f"  ({_clean(n['reason'])})" if n["reason"] else "  (warm)" if n.get("warm") else ""
         memory = _size(n.get("snapshot_bytes"))
         print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {memory:>10}  {'/'.join(steps)}{extra}")
+    _print_etcd(s.get("etcd", []))
     for a in s["alarms"]:
         print(
             _clean(
@@ -209,6 +210,19 @@ def _print_status(s: dict) -> None:
                 600,
             )
         )
+
+
+def _print_etcd(rows: list[dict]) -> None:
+    """The control plane: one line, and each member when one does not answer."""
+    from .etcd_health import summary
+
+    if not rows:
+        return
+    print(summary(rows))
+    if not all(r["answers"] for r in rows):
+        for r in rows:
+            state = ("leader" if r["leader"] else "answers") if r["answers"] else f"DOWN: {_clean(r['error'], 120)}"
+            print(f"  {_clean(r['name'] or '-', 40):<16} {_clean(r['endpoint'], 80):<32} {state}")
 
 
 def _format_event(e: dict) -> str:
@@ -248,9 +262,11 @@ def main(argv: list[str]) -> int:
     from rendezvous.rdzv_conf import UsageError
 
     try:
-        members, run_id = _connect(args)
+        members, run_id, options = _connect(args)
         if args.command == "status":
-            s = status(members, run_id)
+            from .etcd_health import etcd_members
+
+            s = status(members, run_id) | {"etcd": etcd_members(options)}
             print(json.dumps(s, indent=2, sort_keys=True)) if args.json else _print_status(s)
         elif args.command == "events":
             seen = 0
