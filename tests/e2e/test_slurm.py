@@ -109,3 +109,23 @@ def test_sbatch_example_two_active_one_spare_a_node_task_killed(slurm, etcd_serv
     got, ref = load(out), load(ref_dir)
     assert sorted(got) == sorted(ref) == ["rank0", "rank1"], says()
     assert differences(got, ref) == {}, says()
+
+
+def test_two_tasks_per_node_is_one_error_line(slurm, etcd_server, tmp_path):
+    """srun starting 2 agents per node (the job asked for 2 tasks per node, the step inherits it):
+    each says what to write instead, in one line, and exits 2."""
+    (tmp_path / "train.py").write_text("")
+    job_script = tmp_path / "two.sbatch"
+    job_script.write_text(
+        f"#!/bin/bash\nsrun tm-launch --nnodes 1 --rdzv-backend etcd-v3 --rdzv-endpoint {etcd_server.endpoint} train.py\n"
+    )
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHONPATH": REPO}
+    job_id = slurm.sbatch(
+        str(job_script), ["--nodes=1", "--ntasks-per-node=2", f"--output={tmp_path}/out-%j.txt"], [], cwd=str(tmp_path), env=env
+    )
+    fields = slurm.wait_job(job_id, 240)
+    said = (tmp_path / f"out-{job_id}.txt").read_text()
+    errors = [line for line in said.splitlines() if line.startswith("tm-launch: error:")]
+    assert len(errors) == 2 and all("srun started 2 tasks on one node" in e and "--ntasks-per-node=1" in e for e in errors), said
+    assert "Traceback" not in said, said
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", (fields, said)
