@@ -134,7 +134,11 @@ CASE = ("--bn", "--dropout", "0.3", "--counter", "--log-loss")
 def test_a_restarted_pod_rejoins_as_a_spare_and_nothing_restarts(local_job, tmp_path):
     ref_dir = str(tmp_path / "ref")
     run_torchrun(ORDINARY, ["--steps", str(STEPS), "--out", ref_dir, *CASE], nproc=2)
-    job = local_job(nnodes="2", nproc=1, script=ORDINARY, launcher_args=["--max-restarts", "3"])
+    # Every rank holds at PAUSE (the test's own hold, in the script's code) from before the loss
+    # until the restarted agent has parked: the promoted spare waits that long for the survivor's
+    # state, longer than the default 120 s collective timeout on a loaded machine.
+    launcher = ["--max-restarts", "3", "--collective-timeout", "600"]
+    job = local_job(nnodes="2", nproc=1, script=ORDINARY, launcher_args=launcher)
     job.env = {"OMP_NUM_THREADS": "1"}
     out, trigger = os.path.join(job.workdir, "out"), os.path.join(job.workdir, "go")
     job.script_args = ["--steps", str(STEPS), "--out", out, *CASE, "--pause-step", str(PAUSE), "--pause-file", trigger]
