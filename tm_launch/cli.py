@@ -217,16 +217,9 @@ def _launch(args) -> int:
             raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: {e}") from None
         nproc = config.nproc_per_node
         if getattr(args, "slurm", None) is not None:
-            from .launcher.slurm import spares_in_allocation
+            from .launcher.slurm import describe
 
-            log.info(
-                "Slurm: run %s, node %s; %d node(s) in this step for --nnodes %s: %d spare(s)",
-                run_id,
-                args.node_id,
-                args.slurm.nodes,
-                args.nnodes,
-                spares_in_allocation(args.slurm, max_nodes),
-            )
+            log.info("%s", describe(args.slurm, max_nodes))
         addr = _local_addr(args.local_addr, options.endpoints)
         # torchrun's agent sets this for its workers (launcher/api.py); they inherit it.
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle

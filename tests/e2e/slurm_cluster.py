@@ -186,20 +186,21 @@ class SlurmCluster:
             raise RuntimeError(f"sbatch failed: {done.stderr}\n{self.logs_tail()}")
         return done.stdout.strip().split(";")[0]
 
-    def job(self, job_id: str) -> dict[str, str]:
-        """``scontrol show job``'s fields (``JobState``, ``ExitCode``, ...)."""
+    def jobs(self, job_id: str) -> list[dict[str, str]]:
+        """``scontrol show job``'s fields (``JobState``, ``ExitCode``, ...): one dict per job, one
+        per task of a job array."""
         out = self._scontrol("show", "job", job_id, "--oneliner").stdout
-        return dict(part.split("=", 1) for part in out.split() if "=" in part)
+        return [dict(part.split("=", 1) for part in line.split() if "=" in part) for line in out.splitlines() if line.strip()]
 
-    def wait_job(self, job_id: str, timeout: float) -> dict[str, str]:
-        """Wait until the job left PENDING/RUNNING/COMPLETING; its final fields."""
+    def wait_job(self, job_id: str, timeout: float) -> list[dict[str, str]]:
+        """Wait until the job (every task of an array) left PENDING/RUNNING/COMPLETING; their final fields."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            fields = self.job(job_id)
-            if fields.get("JobState") not in (None, "PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            fields = self.jobs(job_id)
+            if fields and all(f.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") for f in fields):
                 return fields
             time.sleep(1)
-        raise TimeoutError(f"Slurm job {job_id} still {self.job(job_id).get('JobState')} after {timeout}s")
+        raise TimeoutError(f"Slurm job {job_id} still {[f.get('JobState') for f in self.jobs(job_id)]} after {timeout}s")
 
     def logs_tail(self, lines: int = 15) -> str:
         out = []

@@ -38,8 +38,17 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Every rank's state after the same script's fault-free run under plain torchrun."""
+    ref_dir = str(tmp_path_factory.mktemp("ref"))
+    run_torchrun(ORDINARY, ["--steps", str(STEPS), "--out", ref_dir, *CASE], nproc=2)
+    return load(ref_dir)
+
+
 def agent_of(job_id: str, node: str) -> int:
-    """The pid of the tm-launch agent Slurm runs for ``job_id`` on node ``node`` (its srun task)."""
+    """The pid of the tm-launch agent Slurm runs for ``job_id`` (a job, or a job array) on node
+    ``node`` (its srun task)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -52,16 +61,22 @@ def agent_of(job_id: str, node: str) -> int:
             len(cmd) > 2
             and cmd[1].endswith(b"/tm-launch")
             and cmd[2] != b"ctl"
-            and env.get(b"SLURM_JOB_ID") == job_id.encode()
+            and job_id.encode() in (env.get(b"SLURM_JOB_ID"), env.get(b"SLURM_ARRAY_JOB_ID"))
             and env.get(b"SLURMD_NODENAME") == node.encode()
         ):
             return int(pid)
     raise LookupError(f"no tm-launch agent of Slurm job {job_id} on {node}")
 
 
-def test_sbatch_example_two_active_one_spare_a_node_task_killed(slurm, etcd_server, tmp_path):
-    ref_dir = str(tmp_path / "ref")
-    run_torchrun(ORDINARY, ["--steps", str(STEPS), "--out", ref_dir, *CASE], nproc=2)
+@pytest.mark.parametrize(
+    "allocation",
+    [
+        ["--nodes=3"],  # one allocation of 3 nodes: 2 train, 1 spare
+        ["--array=0-2", "--nodes=1", "--exclusive"],  # a job array of 3 one-node tasks, one run: the third to join is the spare
+    ],
+    ids=["one-allocation", "job-array"],
+)
+def test_sbatch_example_two_active_one_spare_a_node_task_killed(slurm, etcd_server, tmp_path, reference, allocation):
     out, trigger = str(tmp_path / "out"), str(tmp_path / "go")
     env = {
         "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
@@ -73,42 +88,48 @@ def test_sbatch_example_two_active_one_spare_a_node_task_killed(slurm, etcd_serv
         "PYTHONPATH": REPO,
     }
     script = [ORDINARY, "--steps", str(STEPS), "--out", out, *CASE, "--pause-step", str(PAUSE), "--pause-file", trigger]
-    job_id = slurm.sbatch(SBATCH, ["--nodes=3", f"--output={tmp_path}/slurm-%j.out"], script, cwd=str(tmp_path), env=env)
-    slurm_out = tmp_path / f"slurm-{job_id}.out"
+    job_id = slurm.sbatch(SBATCH, [*allocation, f"--output={tmp_path}/slurm-%A_%a.out"], script, cwd=str(tmp_path), env=env)
+    array = any(a.startswith("--array") for a in allocation)
     run = LocalJob(endpoint=etcd_server.endpoint, run_id=f"slurm-{job_id}", workdir=str(tmp_path))
 
     def says() -> str:
-        return (slurm_out.read_text(errors="replace")[-6000:] if slurm_out.exists() else "(no job output)") + slurm.logs_tail(5)
+        outputs = sorted(tmp_path.glob("slurm-*.out"))
+        text = "".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-4000:] for p in outputs) or "(no job output)"
+        return text + slurm.logs_tail(5)
 
     def formed(s) -> bool:
-        state = slurm.job(job_id).get("JobState")
-        assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"the Slurm job is {state} before the fault"
+        states = {f.get("JobState") for f in slurm.jobs(job_id)}
+        assert states <= {"PENDING", "CONFIGURING", "RUNNING"}, f"the Slurm job is {states} before the fault"
         return s["generation"] is not None and len(s["nodes"]) == 3
+
+    def node_name(node_id: str) -> str:  # an array task's node id is NODENAME-JOBID
+        return node_id.rsplit("-", 1)[0] if array else node_id
 
     try:
         run.wait_for(formed, 300, "generation 0 and the spare")
         status = run.status()
-        assert {n["id"] for n in status["nodes"]} == set(slurm.names), status  # node ids: the Slurm node names
+        assert sorted(node_name(n["id"]) for n in status["nodes"]) == slurm.names, status  # node ids from Slurm's names
         spare = next(n["id"] for n in status["nodes"] if n["role"] == "spare")
         run.wait_parked(spare, timeout=300)
         victim = next(n["id"] for n in run.status()["nodes"] if n["role"] == "active")
-        os.kill(agent_of(job_id, victim), signal.SIGKILL)  # the node's srun task; its workers die with it
+        os.kill(agent_of(job_id, node_name(victim)), signal.SIGKILL)  # the node's srun task; its workers die with it
         time.sleep(0.5)
         open(trigger, "w").close()
-        fields = slurm.wait_job(job_id, 480)
+        tasks = slurm.wait_job(job_id, 480)
     except BaseException:
         print(says())
         raise
-    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), says()
+    assert [(t["JobState"], t["ExitCode"]) for t in tasks] == [("COMPLETED", "0:0")] * len(tasks), says()
+    assert len(tasks) == (3 if array else 1)
     roles = {n["id"]: n["role"] for n in run.status()["nodes"]}
     assert roles[victim] == "replaced" and roles[spare] == "finished", (roles, says())
     events = [json.loads(line) for line in run.ctl("events", "--json").stdout.splitlines() if line.strip()]
     plans = [e for e in events if e["kind"] == "plan" and e.get("generation", 0) >= 1]
     assert plans and all(p["live"] for p in plans), says()  # the survivor kept its process
     assert not [e for e in events if e["kind"] == "state_lost"], says()
-    got, ref = load(out), load(ref_dir)
-    assert sorted(got) == sorted(ref) == ["rank0", "rank1"], says()
-    assert differences(got, ref) == {}, says()
+    got = load(out)
+    assert sorted(got) == sorted(reference) == ["rank0", "rank1"], says()
+    assert differences(got, reference) == {}, says()
 
 
 def test_two_tasks_per_node_is_one_error_line(slurm, etcd_server, tmp_path):
@@ -123,7 +144,7 @@ def test_two_tasks_per_node_is_one_error_line(slurm, etcd_server, tmp_path):
     job_id = slurm.sbatch(
         str(job_script), ["--nodes=1", "--ntasks-per-node=2", f"--output={tmp_path}/out-%j.txt"], [], cwd=str(tmp_path), env=env
     )
-    fields = slurm.wait_job(job_id, 240)
+    (fields,) = slurm.wait_job(job_id, 240)
     said = (tmp_path / f"out-{job_id}.txt").read_text()
     errors = [line for line in said.splitlines() if line.startswith("tm-launch: error:")]
     assert len(errors) == 2 and all("srun started 2 tasks on one node" in e and "--ntasks-per-node=1" in e for e in errors), said

@@ -36,6 +36,7 @@ class SlurmJob:
     run_id: str
     node_id: str
     nodes: int  # the step's nodes (active + spares in this allocation), 0 when Slurm does not say
+    spans_allocations: bool = False  # a job array's task, or a run another allocation started
 
 
 def tasks_per_node(text: str) -> list[int]:
@@ -86,9 +87,22 @@ def slurm_job(env: Mapping[str, str], rdzv_id: str | None, node_id: str | None) 
         base = env.get("SLURMD_NODENAME") or f"task{env.get('SLURM_PROCID', '0')}"
         node = _safe(f"{base}-{job}" if spans_allocations else base, "the Slurm node name")
     nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "0"
-    return SlurmJob(run_id=_safe(run, "the Slurm job id"), node_id=node, nodes=int(nodes) if nodes.isdigit() else 0)
+    return SlurmJob(
+        run_id=_safe(run, "the Slurm job id"),
+        node_id=node,
+        nodes=int(nodes) if nodes.isdigit() else 0,
+        spans_allocations=spans_allocations,
+    )
 
 
 def spares_in_allocation(job: SlurmJob, max_nodes: int) -> int:
     """The allocation's nodes beyond ``--nnodes`` MAX: they join as spares."""
     return max(0, job.nodes - max_nodes)
+
+
+def describe(job: SlurmJob, max_nodes: int) -> str:
+    """The agent's first line under Slurm: what it took from Slurm, and where its spares come from."""
+    head = f"Slurm: run {job.run_id}, node {job.node_id}"
+    if job.spans_allocations:
+        return f"{head}; {job.nodes} node(s) in this allocation, joining a run of several allocations (nodes beyond --nnodes {max_nodes} are spares)"
+    return f"{head}; {job.nodes} node(s) in this step for --nnodes {max_nodes}: {spares_in_allocation(job, max_nodes)} spare(s)"

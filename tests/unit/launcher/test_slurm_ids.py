@@ -7,7 +7,7 @@ import pytest
 
 from rendezvous.rdzv_conf import UsageError
 from tm_launch.launcher.options import parse_args
-from tm_launch.launcher.slurm import SlurmJob, slurm_job, spares_in_allocation, tasks_per_node
+from tm_launch.launcher.slurm import SlurmJob, describe, slurm_job, spares_in_allocation, tasks_per_node
 
 # An srun task's environment as Slurm 22.05 set it on this machine (tests/e2e/test_slurm.py's cluster).
 STEP = {
@@ -36,9 +36,9 @@ def without(env: dict, *names: str) -> dict:
         (STEP, "none", None, SlurmJob("slurm-41", "n2", 3)),  # torchrun's default --rdzv-id
         (STEP, "slurm-41", None, SlurmJob("slurm-41", "n2", 3)),  # the job's own id, given: still one allocation
         (STEP, None, "gpu7", SlurmJob("slurm-41", "gpu7", 3)),  # --node-id wins
-        (STEP, "job42", None, SlurmJob("job42", "n2-41", 3)),  # a second sbatch joining job42: its own node ids
-        (STEP, "job42", "x", SlurmJob("job42", "x", 3)),
-        ({**STEP, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "1"}, None, None, SlurmJob("slurm-40", "n2-41", 3)),
+        (STEP, "job42", None, SlurmJob("job42", "n2-41", 3, True)),  # a second sbatch joining job42: its own node ids
+        (STEP, "job42", "x", SlurmJob("job42", "x", 3, True)),
+        ({**STEP, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "1"}, None, None, SlurmJob("slurm-40", "n2-41", 3, True)),
         (without(STEP, "SLURMD_NODENAME"), None, None, SlurmJob("slurm-41", "task1", 3)),
         (without(STEP, "SLURM_STEP_NUM_NODES", "SLURM_NNODES"), None, None, SlurmJob("slurm-41", "n2", 0)),
         ({**without(STEP, "SLURM_STEP_ID"), "SLURM_STEPID": "0", "SLURM_JOBID": "41"}, None, None, SlurmJob("slurm-41", "n2", 3)),
@@ -82,6 +82,23 @@ def test_tasks_per_node(text, counts):
 @pytest.mark.parametrize("nodes, max_nodes, spares", [(3, 2, 1), (2, 2, 0), (1, 2, 0), (0, 2, 0), (12, 8, 4)])
 def test_spares_in_allocation(nodes, max_nodes, spares):
     assert spares_in_allocation(SlurmJob("r", "n", nodes), max_nodes) == spares
+
+
+@pytest.mark.parametrize(
+    "job, max_nodes, line",
+    [
+        (SlurmJob("slurm-41", "n2", 3), 2, "Slurm: run slurm-41, node n2; 3 node(s) in this step for --nnodes 2: 1 spare(s)"),
+        (SlurmJob("slurm-41", "n2", 2), 2, "Slurm: run slurm-41, node n2; 2 node(s) in this step for --nnodes 2: 0 spare(s)"),
+        (
+            SlurmJob("slurm-40", "n2-41", 1, True),
+            2,
+            "Slurm: run slurm-40, node n2-41; 1 node(s) in this allocation, joining a run of several allocations "
+            "(nodes beyond --nnodes 2 are spares)",
+        ),
+    ],
+)
+def test_describe(job, max_nodes, line):
+    assert describe(job, max_nodes) == line
 
 
 @pytest.fixture
