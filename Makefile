@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tm-launch-installed
 TITAN  := $(VENV)/.tm-launch-torchtitan-installed
 
-.PHONY: demo test test-all lint bench clean
+.PHONY: demo test test-all lint bench clean slurm-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,14 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: $(TITAN)
+# Debian's Slurm and munge for tests/e2e/test_slurm.py (a real three-node Slurm on loopback), in
+# test-all only; it needs root for apt-get (and the test for slurmd), and without them the test is skipped.
+slurm-deps:
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "slurm-deps: not root, so tests/e2e/test_slurm.py will be skipped (as root: apt-get install -y slurm-wlm munge)"; \
+	else apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; fi
+
+test-all: $(TITAN) slurm-deps
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -216,6 +216,10 @@ def _launch(args) -> int:
         except ValueError as e:  # a malformed --rdzv-endpoint
             raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: {e}") from None
         nproc = config.nproc_per_node
+        if getattr(args, "slurm", None) is not None:
+            from .launcher.slurm import describe
+
+            log.info("%s", describe(args.slurm, max_nodes))
         addr = _local_addr(args.local_addr, options.endpoints)
         # torchrun's agent sets this for its workers (launcher/api.py); they inherit it.
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = args.signals_to_handle

@@ -5,6 +5,7 @@
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID drain NODE
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID cordon NODE | uncordon NODE
     tm-launch ctl --rdzv-endpoint E --rdzv-id ID timeline --out FILE.png [--json]
+    tm-launch ctl --rdzv-endpoint E --rdzv-id ID result     # exit 0: the job succeeded
 
 Connection options mean what they mean for the launcher (and may come from ``--config``).
 """
@@ -38,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("timeline", help="picture of step times over the run with every generation change, its cause and downtime")
     t.add_argument("--out", metavar="FILE.png", help="write the picture here (PNG; .svg/.pdf by suffix)")
     t.add_argument("--json", action="store_true", help="print the data the picture shows as JSON")
+    sub.add_parser(
+        "result",
+        help="print the job's outcome; exit 0 when it succeeded, 1 when it failed, 3 while it runs (for job scripts: "
+        "srun's own exit code counts the node that was lost and replaced)",
+    )
     for name, text in (
         ("drain", "move NODE's ranks to a spare (planned, two-phase)"),
         ("cordon", "mark NODE failed: it is replaced and never chosen again"),
@@ -46,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         c.add_argument("node")
     return p
+
+
+RESULT_CODES = {"succeeded": 0, "failed": 1}  # ``ctl result``: anything else (running, forming) is 3
 
 
 def _connect(args):
@@ -72,7 +81,7 @@ def _connect(args):
         raise ValueError("give --rdzv-endpoint and --rdzv-id (or --config with rdzv_endpoint and rdzv_id)")
     args.rdzv_id = str(run_id)  # for error messages
     options = etcd_options(endpoint, str(run_id), args.rdzv_conf or conf.get("rdzv_conf"))
-    return Membership(connect("v3" if backend == "etcd-v3" else "v2", options)), str(run_id)
+    return Membership(connect("v3" if backend == "etcd-v3" else "v2", options)), str(run_id), options
 
 
 def status(members, run_id: str) -> dict:
@@ -193,6 +202,7 @@ def _print_status(s: dict) -> None:
         extra = f"  ({_clean(n['reason'])})" if n["reason"] else "  (warm)" if n.get("warm") else ""
         memory = _size(n.get("snapshot_bytes"))
         print(f"{_clean(n['id'], 128):<24} {n['role']:<9} {ranks:<16} {memory:>10}  {'/'.join(steps)}{extra}")
+    _print_etcd(s.get("etcd", []))
     for a in s["alarms"]:
         print(
             _clean(
@@ -200,6 +210,19 @@ def _print_status(s: dict) -> None:
                 600,
             )
         )
+
+
+def _print_etcd(rows: list[dict]) -> None:
+    """The control plane: one line, and each member when one does not answer."""
+    from .etcd_health import summary
+
+    if not rows:
+        return
+    print(summary(rows))
+    if not all(r["answers"] for r in rows):
+        for r in rows:
+            state = ("leader" if r["leader"] else "answers") if r["answers"] else f"DOWN: {_clean(r['error'], 120)}"
+            print(f"  {_clean(r['name'] or '-', 40):<16} {_clean(r['endpoint'], 80):<32} {state}")
 
 
 def _format_event(e: dict) -> str:
@@ -239,9 +262,11 @@ def main(argv: list[str]) -> int:
     from rendezvous.rdzv_conf import UsageError
 
     try:
-        members, run_id = _connect(args)
+        members, run_id, options = _connect(args)
         if args.command == "status":
-            s = status(members, run_id)
+            from .etcd_health import etcd_members
+
+            s = status(members, run_id) | {"etcd": etcd_members(options)}
             print(json.dumps(s, indent=2, sort_keys=True)) if args.json else _print_status(s)
         elif args.command == "events":
             seen = 0
@@ -255,6 +280,10 @@ def main(argv: list[str]) -> int:
                 time.sleep(0.5)
         elif args.command == "timeline":
             _timeline(members, run_id, args)
+        elif args.command == "result":
+            state = status(members, run_id)["state"]
+            print(f"run {run_id}: {state}")
+            return RESULT_CODES.get(state, 3)
         elif args.command == "drain":
             members.request_drain(args.node, "operator: tm-launch ctl drain")
             members.operator_log.event("operator", "drain_requested", message=f"tm-launch ctl drain {args.node}", target=args.node)

@@ -23,6 +23,7 @@ from health.config import HealthConfig
 from rendezvous.rdzv_conf import RUN_ID, UsageError  # one user-mistake type for every option, --rdzv-conf included
 
 from ..settings import SETTINGS, problems
+from .slurm import slurm_job
 
 LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2")
 # Options a config file may not set: they name the script, not the job.
@@ -158,8 +159,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if k.startswith("health__"):
             delattr(args, k)
     args.health = _health_config({**health_yaml, **_typed_health(health_cli)}, known.config)
+    args.slurm = _from_slurm(args)
     validate(args)
     return args
+
+
+def _from_slurm(args: argparse.Namespace):
+    """Under ``srun``, the run and node ids Slurm gives (``tm_launch.launcher.slurm``), where the
+    user gave none; torchrun's own backends stay exactly torchrun's."""
+    if args.rdzv_backend not in LIVE_BACKENDS or args.standalone:
+        return None
+    job = slurm_job(os.environ, args.rdzv_id, args.node_id)
+    if job is not None:
+        args.rdzv_id, args.node_id = job.run_id, job.node_id
+    return job
 
 
 def _typed_health(flags: dict) -> dict:
