@@ -254,7 +254,7 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         2,
         "Live mode: steps a spare runs in its communication-free sandbox before it parks (default 2; "
-        "one promoted to other ranks runs the script again with one step and DDP's bucket rebuild).",
+        "one promoted to other ranks runs the script again with one step, two for a static-graph DDP, and DDP's bucket rebuild).",
         check=at_least(1, "must be at least 1"),
         worker=ToWorker("TM_SANDBOX_STEPS"),
     ),

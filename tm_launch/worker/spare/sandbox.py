@@ -122,21 +122,25 @@ class Spare:
 
     def warm_up(self, start: int):
         """Real steps on local backends (kernels, allocator, the framework's lazy set-up):
-        ``--sandbox-steps`` of them for a spare that parks next; one, then DDP's bucket rebuild
-        (``spare.ddp_rebuild``), for a spare promoted to other ranks, which runs the script
-        again for them while the job waits. A spare parks after them with its CUDA pools handed
+        ``--sandbox-steps`` of them for a spare that parks next; one for a spare promoted to
+        other ranks, which runs the script again for them while the job waits; more while a DDP
+        still has first-step work left (a static graph: two), each step followed by DDP's bucket
+        rebuild (``spare.ddp_rebuild``). A spare parks after them with its CUDA pools handed
         back; one running the script again for the ranks it was promoted to enters at once and
         keeps them for its first steps."""
         self.status.state = WorkerState.WARMUP
         again = self.entering is not None  # the script runs again for ranks it was promoted to
         if again:  # its new meshes take over DTensor's decisions cached with the old ones
             sharding_decisions.adopt_meshes()
-        for i in range(1 if again else self.sandbox_steps):
+        planned, ran, unsettled = 1 if again else self.sandbox_steps, 0, []
+        while ran < planned or (unsettled and ran < ddp_rebuild.MOST_STEPS_TO_SETTLE):
             self.status.report(force=True)
             self.job.guard.start_step()  # its optimizer steps are counted per step (``step_effects``)
-            yield start + i
-        if again:  # the job waits for this process: one step, and DDP's second-step set-up now
-            ddp_rebuild.rebuild_buckets_now()
+            yield start + ran
+            ran += 1
+            unsettled = ddp_rebuild.settle_now()  # DDP's bucket rebuild now, not in a live step
+        if unsettled:  # its first live step will broadcast while its peers all-reduce: said, not hidden
+            log.warning(f"{len(unsettled)} DDP(s) still to lay out their buckets after {ran} sandbox steps: a live step will")
         self.state.clear_step_effects()
         if self.entering is not None:  # promoted before these steps: it enters now and trains
             return

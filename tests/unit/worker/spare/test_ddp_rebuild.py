@@ -1,4 +1,5 @@
-"""ddp_rebuild: one step and the rebuild leave DDP as two steps would (real DDP, one gloo rank)."""
+"""ddp_rebuild: one step and the rebuild leave DDP as two steps would, two steps a static graph
+as three would (real DDP, one gloo rank); which DDPs have first-step work left (a table)."""
 
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tm_launch.worker.spare.ddp_rebuild import rebuild_buckets_now
+from tm_launch.worker.spare.ddp_rebuild import first_step_work_left, settle_now
 
 
 @pytest.fixture
@@ -32,8 +33,14 @@ def step(model: DistributedDataParallel) -> None:
 
 
 def rebuilt(model: DistributedDataParallel) -> bool:
-    """Whether ``rebuild_buckets_now`` rebuilt ``model`` (other tests' DDPs may still be alive)."""
-    return any(d is model for d in rebuild_buckets_now())
+    """Whether ``settle_now`` rebuilt ``model`` (other tests' DDPs may still be alive)."""
+    before = model._has_rebuilt_buckets
+    settle_now()
+    return model._has_rebuilt_buckets and not before
+
+
+def settled(model: DistributedDataParallel) -> bool:
+    return all(d is not model for d in settle_now())
 
 
 def layout(model: DistributedDataParallel) -> list[int]:
@@ -87,3 +94,52 @@ def test_after_the_sandboxs_freeze_a_ddp_leaves_the_collector_little_to_scan():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) < 2000, out.stdout
+
+
+def test_a_static_graph_settles_after_two_steps_as_three_would_leave_it(world):
+    """A static graph's first backward records the graph and no gradient order: its rebuild
+    (and broadcast) comes in the third forward; two steps and the rebuild leave that layout."""
+    options = {"static_graph": True, "gradient_as_bucket_view": True}
+    three_steps = ddp(**options)
+    for _ in range(3):
+        step(three_steps)
+    two_steps = ddp(**options)
+    step(two_steps)
+    assert not settled(two_steps)  # one step: nothing to rebuild yet, another step needed
+    step(two_steps)
+    before = layout(two_steps)
+    assert settled(two_steps) and two_steps._has_rebuilt_buckets
+    assert layout(two_steps) == layout(three_steps) != before
+    step(two_steps)  # the third forward finds nothing to do: no broadcast
+    assert layout(two_steps) == layout(three_steps) and not two_steps.reducer._rebuild_buckets()
+
+
+def test_a_ddp_that_never_rebuilds_is_settled_at_once(world):
+    unused = ddp(find_unused_parameters=True)
+    assert settled(unused)
+    step(unused)
+    assert settled(unused) and not unused._has_rebuilt_buckets
+
+
+@pytest.mark.parametrize(
+    "python_reducer, delay_all_params, static_graph, find_unused, rebuilt, left",
+    [
+        (False, False, False, False, False, True),  # plain DDP before its rebuild
+        (False, False, False, False, True, False),  # plain DDP rebuilt
+        (False, False, True, False, False, True),  # static graph before its rebuild (two backwards)
+        (False, False, True, False, True, False),
+        (False, False, False, True, False, False),  # find_unused_parameters: never rebuilds
+        (False, False, True, True, False, True),  # ... unless the graph is static
+        (True, False, False, False, False, False),  # the Python reducer: no C++ rebuild
+        (False, True, False, False, False, False),  # every parameter's reduction delayed
+    ],
+)
+def test_first_step_work_left(python_reducer, delay_all_params, static_graph, find_unused, rebuilt, left):
+    got = first_step_work_left(
+        python_reducer=python_reducer,
+        delay_all_params=delay_all_params,
+        static_graph=static_graph,
+        find_unused=find_unused,
+        rebuilt=rebuilt,
+    )
+    assert got is left
