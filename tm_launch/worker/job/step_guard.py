@@ -29,6 +29,7 @@ class StepGuard:
         self._generation = generation  # () -> the generation this worker trains in
         self.in_step = False  # inside the body of a step of ``job.steps()``
         self.boundary_ok = True  # the step's start went as it should (its per-rank mirror reached the holder)
+        self.on_decision = None  # (committed) -> None, once the step's vote is decided (``job.discovery``)
 
     def install(self) -> None:
         torch_patches.before_every_optimizer_step(self.before_optimizer_step)
@@ -76,6 +77,8 @@ class StepGuard:
                 and ok
             ):
                 state.poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
+        if self.on_decision is not None:
+            self.on_decision(bool(state.commit.decision))
         return bool(state.commit.decision)
 
     def _before_vote_counts(self) -> bool:
