@@ -137,6 +137,7 @@ def find(variables: dict, registered: list, excluded: list = ()) -> list[Found]:
     covered = {id(o) for o in [*registered, *excluded]}
     owned = {id(t) for o in [*registered, *excluded] for t in _tensors(o)}
     named = named_objects(variables)
+    gc.collect()  # garbage in a cycle (a model built and dropped) is nobody's state
     candidates = [o for o in gc.get_objects() if issubclass(type(o), _KINDS)]  # type(): no __class__ property runs
     seen = {id(o) for o in candidates}
     candidates += [o for _, o in named.values() if id(o) not in seen and kind_of(o) == "stateful"]
