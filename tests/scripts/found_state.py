@@ -6,6 +6,8 @@ model and optimizer (the README's API) and nothing else.
   after each optimizer step and saved with the model at the end.
 - ``--scaler``: CPU float16 autocast with a ``torch.amp.GradScaler`` whose scale changes during
   the run (a high initial scale that overflows and backs off, a short growth interval).
+- ``--exclude-ema``: ``job.register(..., exclude=[ema])``: the EMA is left out, so a recovery
+  diverges in the EMA alone (what ``tm-launch rehearse`` must find).
 - ``--tokens``: ``tokens_seen``, a plain variable of the loop (here inside ``main()``; the
   module-level twin is ``found_state_module.py``), counted after the optimizer step and setting
   the next step's learning rate (a linear warm-up over tokens).
@@ -39,8 +41,9 @@ def main():
     p.add_argument("--ema", action="store_true")
     p.add_argument("--scaler", action="store_true")
     p.add_argument("--tokens", action="store_true")
+    p.add_argument("--exclude-ema", action="store_true", help="register(exclude=[ema]): the EMA is left out (and diverges)")
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None, help="write each rank's state here")
     Faults.add_arguments(p)
     args = p.parse_args()
 
@@ -51,7 +54,7 @@ def main():
     ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9)) if args.ema else None
     model = DDP(net, process_group=job.group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    job.register(model=model, optimizer=opt)
+    job.register(model=model, optimizer=opt, exclude=[ema] if args.exclude_ema else [])
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=3) if args.scaler else None
     tokens_seen = 0
     faults = Faults(args)
@@ -92,8 +95,9 @@ def main():
     if scaler is not None:
         flat("scaler", scaler.state_dict(), state)
     state["tokens_seen"] = tokens_seen
-    os.makedirs(args.out, exist_ok=True)
-    torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":
