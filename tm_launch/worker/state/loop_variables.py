@@ -107,7 +107,14 @@ def _put_back(current, saved):
 
 
 class LoopVariables:
-    """One frame's plain variables as an object with ``state_dict()``/``load_state_dict()``."""
+    """One frame's plain variables as an object with ``state_dict()``/``load_state_dict()``.
+
+    ``approximate_after_vote``: a rank that dies after its step's commit leaves its mirror from
+    the vote; variables the body changes after the vote (a loss kept for logging, a counter) are
+    then carried with their vote-time values and named in a warning (``PerRankState``), rather
+    than ending live mode: most are recomputed before they are read."""
+
+    approximate_after_vote = True
 
     def __init__(self, frame: types.FrameType, skip: set):
         self.frame = frame

@@ -78,3 +78,27 @@ def test_a_module_level_loop_writes_its_globals(tmp_path):
 
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["10", "True"]
+
+
+def test_a_variable_changed_after_the_vote_leaves_a_vote_time_mirror_that_names_it():
+    """The loop's variables may move after the vote (a loss kept for logging): a rank taking over
+    after the commit gets their vote-time values with a warning naming them, where the RNG moving
+    there makes the vote-time mirror inexact (live mode would end)."""
+    import pickle
+
+    from tm_launch.worker.state.per_rank import PerRankState
+
+    logged = 0.0
+    per_rank = PerRankState(rng=True)
+    per_rank.objects["tm:loop"] = LoopVariables(sys._getframe(), skip=set())
+    published = []
+    for step in range(3):
+        per_rank.begin_step(step, lambda *a: published.append(a) or True)
+        tag, exact, record = per_rank.vote_mirror(step)
+        logged = float(step)  # after the vote
+    assert exact and "logged" in pickle.loads(record)["approximate"]
+    assert published and all(e for _, e, _ in published)  # each step's exact start, published
+    torch.rand(1)  # the RNG moves after a vote too
+    per_rank.begin_step(3, lambda *a: True)
+    assert per_rank.vote_mirror(3)[1] is False
+    assert logged == 2.0
