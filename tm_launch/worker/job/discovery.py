@@ -40,7 +40,10 @@ class Discovery:
             carried, holders = job.guard.guard(f.obj, job.rank)
             state.objects[name] = carried
             state.declared[name] = holders
-            state.per_rank.add_buffers_of(name, f.obj)
+            # Its buffers travel with it, not as per-rank state: an EMA's ``n_averaged`` moves
+            # after the vote on every rank alike, and per-rank state that moves there leaves no
+            # exact mirror for a rank lost after its commit. Buffers that differ by rank (a found
+            # model in training with BatchNorm) show in the audit, loud.
         self.found += new
         self.rollback = Rollback(self.found)
         loop = LoopVariables(frame, skip=set())
