@@ -51,6 +51,12 @@ class Discovery:
         self._say(describe(new) if new else None)
         self._say(loop.not_carried())
 
+    def forget(self) -> None:
+        """The script runs again from the top (a spare promoted to other ranks): what it
+        registered, excluded and kept before is dropped, not kept alive."""
+        self.registered, self.excluded, self.found = [], [], []
+        self.rollback = Rollback([])
+
     def begin_step(self) -> None:
         if self.rollback:
             self.rollback.begin_step()

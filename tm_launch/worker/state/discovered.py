@@ -70,7 +70,7 @@ def kind_of(obj) -> str | None:
         return "scaler"
     if isinstance(obj, _NOT_STATE) or isinstance(obj, (types.ModuleType, types.FunctionType, types.MethodType)):
         return None
-    if type(obj).__module__.split(".")[0] == "tm_launch":
+    if _ours(obj):
         return None  # the runtime's own objects (the job, RNGState, job.data()'s batches)
     cls = type(obj)  # the class's methods: an instance's __getattr__ may do anything (ctypes loads a library)
     if callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict", None)):
@@ -114,10 +114,15 @@ def named_objects(variables: dict, depth: int = 2) -> dict:
                 below += [(f"{name}[{k!r}]", v) for k, v in itertools.islice(value.items(), 64)]
             elif isinstance(value, (list, tuple)):
                 below += [(f"{name}[{i}]", v) for i, v in enumerate(value[:64])]
-            elif hasattr(value, "__dict__") and kind_of(value) is None and not callable(value):
+            elif hasattr(value, "__dict__") and kind_of(value) is None and not callable(value) and not _ours(value):
                 below += [(f"{name}.{k}", v) for k, v in itertools.islice(vars(value).items(), 64) if not k.startswith("__")]
         level = below
     return out
+
+
+def _ours(obj) -> bool:
+    """One of tm-launch's objects (the job): what it holds is the runtime's, not the script's."""
+    return type(obj).__module__.split(".")[0] == "tm_launch"
 
 
 def _tensors(obj) -> list:
