@@ -8,7 +8,8 @@ per-rank RNG and data position), the process's global torch RNG (dropout draws f
 or not the script registered it), and tensors kept in plain attributes of the registered
 modules (state the runtime cannot see), every object holding training state that the script
 keeps and never registered (an EMA, a GradScaler, a second optimizer: ``state.discovered``, found
-at the loop's first step as live mode finds it, under torchrun too) and the plain variables of
+at the loop's first step as live mode finds it, under torchrun too, and those
+``register(exclude=[...])`` leaves out of the recovery) and the plain variables of
 the loop's frame at exit (``state.loop_variables``, ``~loop/<name>``). Each rank writes it to ``<dir>/rank<r>.pt`` when
 ``TM_REHEARSAL_DUMP=<dir>`` is set, under ``PlainJob`` (torchrun) and ``LiveJob`` alike.
 
@@ -52,7 +53,6 @@ class Registry:
         self.steps = 0  # steps yielded by job.steps(); 0 when the loop is a framework's own
         self.optimizer_steps = 0  # optimizer.step() calls of registered optimizers (a framework's loop)
         self.counting = False  # the optimizer hook that counts them is installed
-        self.excluded: list = []  # register(exclude=[...])
         self.found: dict[str, object] = {}  # name -> object found at the loop's first step (not registered)
         self.loop_frame = None  # the frame that iterates job.steps(): its plain variables are dumped
 
@@ -64,7 +64,9 @@ class Registry:
             return
         registered = [o for o, _ in self.objects.values()]
         registered += [p for o in registered if hasattr(o, "parts") for p in o.parts()]
-        self.found = {f.name: f.obj for f in discovered.find(discovered.frame_variables(frame), registered, self.excluded)}
+        # What register(exclude=[...]) leaves out of the recovery is still what the run produces:
+        # dumped, so that a difference there is named rather than unseen.
+        self.found = {f.name: f.obj for f in discovered.find(discovered.frame_variables(frame), registered)}
         self.loop_frame = frame
 
     def modules(self) -> list[torch.nn.Module]:
@@ -112,7 +114,6 @@ def _wrap(job) -> None:
     register, steps = job.register, job.steps
 
     def recording_register(replicas=None, per_rank: bool = False, exclude=(), **objects):
-        REGISTRY.excluded += list(exclude)
         for name, obj in objects.items():
             REGISTRY.objects[name] = (obj, per_rank)
         return register(replicas=replicas, per_rank=per_rank, exclude=exclude, **objects)
