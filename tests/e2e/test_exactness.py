@@ -46,10 +46,11 @@ def reference(tmp_path_factory):
     return get
 
 
-def run_live(local_job, extra: tuple, kills: list, spares: int = 1, nproc: int = 1):
-    """2 active nodes of ``nproc`` workers + ``spares`` spares; ``kills``: (rank, phase, step)
+def run_live(local_job, extra: tuple, kills: list, spares: int = 1, nproc: int = 1, script: str = ORDINARY):
+    """2 active nodes of ``nproc`` workers + ``spares`` spares running ``script`` (one that takes
+    ``ordinary.py``'s ``--steps``, ``--out`` and fault arguments); ``kills``: (rank, phase, step)
     SIGKILLs, each once."""
-    job = local_job(nnodes="2", nproc=nproc, script=ORDINARY, launcher_args=["--max-restarts", "3"])
+    job = local_job(nnodes="2", nproc=nproc, script=script, launcher_args=["--max-restarts", "3"])
     job.env = {"OMP_NUM_THREADS": "1"}
     out = os.path.join(job.workdir, "out")
     trigger = os.path.join(job.workdir, "trigger")

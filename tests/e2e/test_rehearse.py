@@ -185,3 +185,40 @@ def test_every_example_rehearses_and_passes(tmp_path, example):
     assert report["passed"] and report["faults"] and all(f["fired"] for f in report["faults"]), out.stdout
     for fault in report["faults"]:
         assert all(rank["equal"] for rank in fault["ranks"]), fault
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # torchrun's run and one fault, each a whole job on a loaded 2-core machine
+def test_an_ema_left_out_of_the_recovery_fails_the_rehearsal_by_name(tmp_path):
+    """``found_state.py --ema --exclude-ema``: the EMA (never registered, and left out of what
+    live mode finds by ``register(exclude=[ema])``) is updated once more by the survivor's
+    re-run step and kept from its sandbox by the joiner, while the model recovers exactly. The
+    rehearsal compares what the script keeps as well as what it registered (what ``exclude``
+    leaves out of the recovery included), so it fails and names the EMA's tensors and nothing
+    else (before issue 57 it passed: the EMA was outside what it compared)."""
+    script = os.path.join(SCRIPTS, "found_state.py")
+    out, report = rehearse(tmp_path, "--phases", "backward", "--no-control", script, "--steps", "10", "--ema", "--exclude-ema")
+    assert report is not None, out.stderr[-3000:]
+    assert out.returncode == 1, out.stdout
+    (fault,) = report["faults"]
+    assert fault["fired"]
+    for rank in fault["ranks"]:
+        keys = [d["key"] for d in rank["differences"]]
+        # The EMA as found (its name in the script), and in the result dict the loop's frame holds at exit.
+        assert not rank["equal"] and any(k.startswith("ema/") for k in keys), rank
+        assert all(k.startswith(("ema/", "~loop/state.ema/")) for k in keys), rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_state_found_without_registration_rehearses_bitwise(tmp_path):
+    """``found_state.py`` with its EMA, GradScaler and tokens-seen counter unregistered, the
+    loss all-reduced after the EMA update: a fault before the commit and one after it (the
+    after-step collective) end bitwise equal on every rank, the EMA, the scaler and the loop's
+    variables included; exit 0."""
+    script = os.path.join(SCRIPTS, "found_state.py")
+    argv = ["--steps", "10", "--ema", "--scaler", "--tokens", "--log-loss"]
+    out, report = rehearse(tmp_path, "--phases", "backward,after-step", "--no-control", script, *argv)
+    assert report is not None, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout
+    assert all(f["fired"] for f in report["faults"]) and len(report["faults"]) == 2

@@ -11,8 +11,9 @@ beyond model, optimizer and scheduler, state the user never thinks of as state.
   buckets). Both ranks of a tp pair train on the same batch (seeded by the dp index).
 - Dropout (``--dropout``) drawn from torch's global RNG, seeded per rank, never registered.
 - A forward counter (``--counter``): a buffer every rank bumps identically in its forward.
-- ``--hidden``: a plain Python counter the script keeps and folds into the weights after each
-  step, never registered: state tm-launch cannot see (a joiner starts it at 0).
+- ``--hidden``: a counter the script keeps in a closure and folds into the weights after each
+  step: state nothing can find (neither an object with ``state_dict()`` nor a variable of the
+  loop's frame; a joiner starts it at 0).
 
 Each rank writes its whole state at the end, ``--out DIR/rank<r>.pt``: the model's
 ``state_dict()`` (buffers included; a DTensor as its local shard), the optimizer's, the
@@ -78,6 +79,18 @@ def flat(prefix: str, obj, out: dict) -> None:
         out[prefix] = obj
 
 
+def counter():
+    """A count in a closure's cell: state no frame variable or object of the script shows."""
+    count = 0
+
+    def bump() -> int:
+        nonlocal count
+        count += 1
+        return count
+
+    return bump
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
@@ -120,7 +133,7 @@ def main():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
     job.register(model=model, optimizer=opt, scheduler=sched)
     torch.manual_seed(1000 + rank)  # dropout: each rank its own stream, as scripts seed it
-    hidden = 0
+    hidden = counter()
     faults = Faults(args, ChaosDir(args.chaos_dir))
     faults.arm_backward(model, job)
     between = BetweenSteps(args)
@@ -139,10 +152,10 @@ def main():
         sched.step()
         opt.zero_grad()
         if args.hidden:
-            hidden += 1
+            bump = hidden() * 1e-4
             with torch.no_grad():
                 for param in model.parameters():
-                    local(param).add_(hidden * 1e-4)
+                    local(param).add_(bump)
         faults.at(job, "logging")
         if args.log_loss:
             dist.all_reduce(loss.detach(), group=job.group)

@@ -54,10 +54,12 @@ class Job(abc.ABC):
         commit failed): numbers computed in it are not final; do not log them."""
 
     @abc.abstractmethod
-    def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
+    def register(self, replicas=None, per_rank: bool = False, exclude=(), **objects) -> None:
         """Objects with ``state_dict()``/``load_state_dict()`` that a rank taking over this one
         must receive (model, optimizer, scheduler, ...); ``per_rank=True`` for state this rank
-        alone advances (RNG, data position)."""
+        alone advances (RNG, data position). What the script keeps and does not register (an
+        EMA, a GradScaler, a second optimizer, the loop's plain variables) is found at the first
+        step; ``exclude=[obj, ...]`` leaves such objects out."""
 
     @abc.abstractmethod
     def data(self, loader):

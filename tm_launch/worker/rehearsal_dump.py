@@ -6,7 +6,11 @@ ends with. What a rank "ends with" is more than its parameters: every object reg
 ``job.register(...)`` (its whole ``state_dict()``: module buffers, optimizer, scheduler, the
 per-rank RNG and data position), the process's global torch RNG (dropout draws from it whether
 or not the script registered it), and tensors kept in plain attributes of the registered
-modules (state the runtime cannot see). Each rank writes it to ``<dir>/rank<r>.pt`` when
+modules (state the runtime cannot see), every object holding training state that the script
+keeps and never registered (an EMA, a GradScaler, a second optimizer: ``state.discovered``, found
+at the loop's first step as live mode finds it, under torchrun too, and those
+``register(exclude=[...])`` leaves out of the recovery) and the plain variables of
+the loop's frame at exit (``state.loop_variables``, ``~loop/<name>``). Each rank writes it to ``<dir>/rank<r>.pt`` when
 ``TM_REHEARSAL_DUMP=<dir>`` is set, under ``PlainJob`` (torchrun) and ``LiveJob`` alike.
 
 Armed by one line in ``runtime.init()``; with none of its variables set it does nothing (the job
@@ -28,11 +32,14 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import sys
 import time
 
 import torch
 
 from . import phase_faults, torch_patches
+from .state import discovered
+from .state.loop_variables import LoopVariables
 
 DUMP, HOLD = "TM_REHEARSAL_DUMP", "TM_REHEARSAL_HOLD"
 FORMAT = 1
@@ -46,6 +53,21 @@ class Registry:
         self.steps = 0  # steps yielded by job.steps(); 0 when the loop is a framework's own
         self.optimizer_steps = 0  # optimizer.step() calls of registered optimizers (a framework's loop)
         self.counting = False  # the optimizer hook that counts them is installed
+        self.found: dict[str, object] = {}  # name -> object found at the loop's first step (not registered)
+        self.loop_frame = None  # the frame that iterates job.steps(): its plain variables are dumped
+
+    def discover(self, here) -> None:
+        """At the loop's first step (``here``: a frame inside tm-launch's steps()): what live mode
+        finds without registration, by the same rule and names (``state.discovered.find``)."""
+        frame = discovered.script_frame(here)
+        if frame is None:
+            return
+        registered = [o for o, _ in self.objects.values()]
+        registered += [p for o in registered if hasattr(o, "parts") for p in o.parts()]
+        # What register(exclude=[...]) leaves out of the recovery is still what the run produces:
+        # dumped, so that a difference there is named rather than unseen.
+        self.found = {f.name: f.obj for f in discovered.find(discovered.frame_variables(frame), registered)}
+        self.loop_frame = frame
 
     def modules(self) -> list[torch.nn.Module]:
         """Registered modules, and those a registered object names in ``parts()`` (a framework's checkpoint)."""
@@ -91,13 +113,17 @@ def arm(job):
 def _wrap(job) -> None:
     register, steps = job.register, job.steps
 
-    def recording_register(replicas=None, per_rank: bool = False, **objects):
+    def recording_register(replicas=None, per_rank: bool = False, exclude=(), **objects):
         for name, obj in objects.items():
             REGISTRY.objects[name] = (obj, per_rank)
-        return register(replicas=replicas, per_rank=per_rank, **objects)
+        return register(replicas=replicas, per_rank=per_rank, exclude=exclude, **objects)
 
     def counting_steps(total: int, start: int = 0):
+        first = True
         for step in steps(total, start):
+            if first:
+                first = False
+                REGISTRY.discover(sys._getframe())
             _hold(job)
             yield step
             REGISTRY.steps = max(REGISTRY.steps, step + 1)
@@ -145,7 +171,8 @@ def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
     """The dump: ``entries`` (flat key -> CPU tensor or plain value) and ``roles`` (flat key ->
     what it is: param, buffer, optim, sched, rng, rng-os (a registered RNGState's Python and
     numpy generators, which start from OS entropy unless the script seeds them), data, other,
-    attr, global-rng)."""
+    attr, loop (a plain variable of the loop's frame), global-rng). Objects found without
+    registration are entries like the registered ones' (``meta["found"]`` names them)."""
     entries, roles = {}, {}
     kinds = {}
     for name, (obj, per_rank) in registry.objects.items():
@@ -160,6 +187,17 @@ def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
             roles[full] = ("buffer" if key in buffers else "param") if kind == "module" else kind
             if kind == "rng" and key.startswith(("python", "numpy")):
                 roles[full] = "rng-os"  # seeded from the OS unless the script seeds it: may differ run to run
+    for name, obj in registry.found.items():
+        kind = object_kind(obj, False, name)
+        kinds[name] = kind
+        buffers = {n for n, _ in obj.named_buffers()} if isinstance(obj, torch.nn.Module) else set()
+        for key, value in flatten(_state_of(obj)).items():
+            full = f"{name}/{key}"
+            entries[full] = value
+            roles[full] = ("buffer" if key in buffers else "param") if kind == "module" else kind
+    if registry.loop_frame is not None:
+        for key, value in flatten(LoopVariables(registry.loop_frame, set()).state_dict()).items():
+            entries[f"~loop/{key}"], roles[f"~loop/{key}"] = value, "loop"
     seen = set()
     for module in registry.modules():
         for path, sub in module.named_modules():
@@ -175,7 +213,15 @@ def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             entries[f"~rng/cuda{i}"], roles[f"~rng/cuda{i}"] = s, "global-rng"
     steps = registry.steps or registry.optimizer_steps
-    meta = {"format": FORMAT, "rank": rank, "world_size": world, "mode": mode, "steps": steps, "objects": kinds}
+    meta = {
+        "format": FORMAT,
+        "rank": rank,
+        "world_size": world,
+        "mode": mode,
+        "steps": steps,
+        "objects": kinds,
+        "found": sorted(registry.found),
+    }
     return {"meta": meta, "entries": entries, "roles": roles}
 
 

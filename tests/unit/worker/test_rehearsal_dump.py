@@ -49,9 +49,41 @@ def test_collect_names_every_registered_tensor_by_role():
         "mode": "plain",
         "steps": 5,
         "objects": {"model": "module", "optimizer": "optim", "data": "data"},
+        "found": [],
     }
     m.drift += 1  # the dump holds copies
     assert torch.equal(d["entries"]["~attr/Sequential.drift"], torch.full((2,), 7.0))
+
+
+def test_the_dump_holds_what_the_loop_keeps_unregistered():
+    """An EMA and a GradScaler the script never registered, found at the loop's first step as
+    live mode finds them, and the loop frame's plain variables (``~loop/``)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    net = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ema = AveragedModel(net)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    tokens_seen = 96
+    reg = Registry()
+    reg.objects = {"model": (net, False), "optimizer": (opt, False)}
+
+    def steps():  # as the job's steps(): the frame iterating it is the loop's
+        import sys
+
+        reg.discover(sys._getframe().f_back)
+        yield 0
+
+    for _ in steps():
+        pass
+    ema.update_parameters(net)
+    d = collect(0, 2, "plain", reg)
+    found = {n for n in d["meta"]["found"] if "#" not in n}
+    assert found == {"ema", "scaler"}
+    assert d["roles"]["ema/n_averaged"] == "buffer" and int(d["entries"]["ema/n_averaged"]) == 1
+    assert d["entries"]["scaler/scale"] == 8.0
+    assert d["entries"]["~loop/tokens_seen"] == 96 and d["roles"]["~loop/tokens_seen"] == "loop"
+    assert scaler is not None and tokens_seen == 96
 
 
 def test_collect_saves_a_dtensor_as_its_local_shard():

@@ -75,6 +75,7 @@ from ..state.loop_loaders import LoopLoaders
 from ..state.per_rank import PerRankState
 from ..step_report import LiveStatus, StepReporter, StepStats
 from . import optimizer_steps
+from .discovery import Discovery
 from .step_guard import StepGuard
 from .training_state import TrainingState
 
@@ -176,6 +177,8 @@ class LiveJob(Job):
         self.guard = StepGuard(self.state, self.gens.directives, self.snapshots, lambda: self.generation)
         self.guard.install()
         self.guard.on_lost = self._state_lost
+        self.discovery = Discovery(self)  # state the script keeps and never registered, found at the first step
+        self.guard.on_decision = self.discovery.at_decision
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
         self.audit = Audit(self.state, self.gens.exchange, env.audit_every)
         self.survey = ReplicaSurvey(self.state)
@@ -238,7 +241,7 @@ class LiveJob(Job):
         a collective after its commit failed (what it logs may be this rank's value only)."""
         return not self.state.poison.active and self.state.commit.decision is not False
 
-    def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
+    def register(self, replicas=None, per_rank: bool = False, exclude=(), **objects) -> None:
         """Objects with state_dict()/load_state_dict() that a joining rank must receive.
 
         ``replicas``: the ranks holding identical copies of these objects' plain tensors (a
@@ -252,7 +255,13 @@ class LiveJob(Job):
 
         ``per_rank=True``: state this rank alone advances in every step (``tm_launch.RNGState()``,
         a sampler's or loader's position): restored when a step runs again, and mirrored so that
-        a rank that joins in its place continues from it (``tm_launch.worker.state.per_rank``)."""
+        a rank that joins in its place continues from it (``tm_launch.worker.state.per_rank``).
+
+        ``exclude=[obj, ...]``: objects the runtime would find by itself at the first step (an EMA,
+        a second optimizer, a GradScaler, any ``Stateful``: ``state.discovered``) that are not
+        this rank's training state; they are neither carried nor put back."""
+        self.discovery.excluded += list(exclude)
+        self.discovery.registered += list(objects.values())
         why = data_loaders.refuse_registered(objects)
         if why:
             self._refused(data_loaders.DataRefused(why))
@@ -373,6 +382,7 @@ class LiveJob(Job):
 
     def _live_steps(self, total: int, start: int):
         spare = self.spare
+        self.discovery.at_loop_start(sys._getframe())  # before a spare's warm-up: it receives these objects too
         if self.in_sandbox:
             # A spare warms up, and warms up again as the ranks it was promoted to: real steps
             # without peers, so that the framework's lazy set-up is done before this process
@@ -401,6 +411,7 @@ class LiveJob(Job):
             self.group.last_submit = 0.0
             self.guard.boundary_ok = state.per_rank.begin_step(state.step, self.snapshots.publish_mirror)
             self._survey_replicas()
+            self.discovery.begin_step()
             self._snapshot_boundary()
             state.commit.begin(state.step)
             self.guard.start_step()
@@ -420,6 +431,7 @@ class LiveJob(Job):
             # timeout (the script error then took minutes to surface).
             committed = False if closing and state.commit.decision is None else self.guard.effect_allowed()
             self.guard.in_step = False
+            self.discovery.end_step(committed, state.step)  # a step that runs again: found objects put back
             if committed:
                 state.stats.record(state.step, time.perf_counter() - t0, t0, self.group)
                 state.step += 1

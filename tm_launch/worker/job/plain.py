@@ -41,7 +41,7 @@ class PlainJob(Job):
     def world_size(self) -> int:
         return dist.get_world_size()
 
-    def register(self, replicas=None, per_rank: bool = False, **objects) -> None:
+    def register(self, replicas=None, per_rank: bool = False, exclude=(), **objects) -> None:
         why = data_loaders.refuse_registered(objects)  # as in live mode: a script refused there is refused here
         if why:
             raise data_loaders.DataRefused(why)

@@ -39,6 +39,7 @@ class StepGuard:
         self.start_copy = StartOfStep()  # multi-effect steps: the state before the first one applied
         self.on_lost = None  # (StateLost) -> None: ends live mode (``LiveJob._state_lost``); set by the job
         self._undone = False  # this step's earlier effects were rolled back already
+        self.on_decision = None  # (committed) -> None, once the step's vote is decided (``job.discovery``)
 
     def start_step(self) -> None:
         """The top of a step (the sandbox's too): nothing applied yet."""
@@ -92,6 +93,8 @@ class StepGuard:
                 and ok
             ):
                 state.poison.set(RuntimeError("the step did not commit: a peer failed before voting"))
+        if self.on_decision is not None:
+            self.on_decision(bool(state.commit.decision))
         return bool(state.commit.decision)
 
     def _before_vote_counts(self) -> bool:

@@ -195,6 +195,7 @@ class Spare:
             torch_patches.unregister(g)
         sharding_decisions.retire_meshes()
         self.state.forget_script()
+        self.job.discovery.forget()
         self.snapshots.forget()
         self.job.detach(rank)
         forget_framework_ranks()

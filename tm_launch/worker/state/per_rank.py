@@ -30,6 +30,7 @@ import random
 
 import torch
 
+from ..log import log
 from .transfer import cpu_copy, only_immutable
 
 
@@ -209,6 +210,8 @@ class PerRankState:
         self._voted: tuple[int, dict] | None = None  # (the step it belongs to, the states) of the last vote
         self._exact = True  # per-rank state never changed between a committed vote and the next step
         self.pending: dict = {}  # loaded states of objects not registered yet (``load``)
+        self._moved: set = set()  # the objects seen changing between a committed vote and the next step
+        self._moved_keys: set = set()  # the loop's variables among them (``loop_variables``)
 
     def __bool__(self) -> bool:
         return bool(self.objects)
@@ -242,6 +245,13 @@ class PerRankState:
         names = {name for obj in held for name in obj.keys()}
         return _without(state, memory, names)
 
+    def _approximate(self, name: str) -> bool:
+        return getattr(self.objects.get(name), "approximate_after_vote", False)
+
+    def _approximate_only(self) -> bool:
+        """Nothing but objects whose vote-time state may serve approximately has moved after a vote."""
+        return all(self._approximate(name) for name in self._moved)
+
     def fresh(self) -> PerRankState:
         """For a script that runs again from the top: only what was found without registration."""
         return PerRankState(rng=self.rng)
@@ -270,8 +280,13 @@ class PerRankState:
         voted, self._voted = self._voted, None
         if voted is None or voted[0] != step or publish is None:
             return True  # nothing voted, or the vote was for a step that did not commit
-        if self._exact and not _same(now, voted[1]):  # once inexact, always published: no need to compare
-            self._exact = False
+        if self._approximate_only() and not _same(now, voted[1]):  # once another object moved, no need to compare
+            self._exact = False  # from now on, every step's exact start is published
+            for name in now:
+                if not _same(now[name], voted[1].get(name)):
+                    self._moved.add(name)
+                    if self._approximate(name):
+                        self._moved_keys |= {k for k in now[name] if not _same(now[name][k], (voted[1].get(name) or {}).get(k))}
         if not self._exact:
             return publish(step, True, dumps_record({"step": step, "exact": True, "states": now}))
         return True
@@ -309,7 +324,12 @@ class PerRankState:
         if not self.objects:
             return None
         self._voted = (step + 1, self._states())
-        return step + 1, self._exact, dumps_record({"step": step + 1, "exact": self._exact, "states": self._voted[1]})
+        record = {"step": step + 1, "exact": self._exact, "states": self._voted[1]}
+        if not self._exact and self._approximate_only():
+            # Only the loop's plain variables move after the vote (a logged loss, a counter):
+            # the vote-time values serve a rank taking over after the commit, named as such.
+            record.update(exact=True, approximate=sorted(self._moved_keys))
+        return step + 1, record["exact"], dumps_record(record)
 
     def load_mirror(self, found: tuple[bool, bytes] | None, rank: int, step: int) -> str | None:
         """Load rank ``rank``'s mirror of ``step`` (``(exact, record)`` from its holder, None when
@@ -318,7 +338,13 @@ class PerRankState:
             return None
         if found is None or not found[0]:
             return f"rank {rank}'s per-rank state at step {step} was not mirrored exactly ({'none found' if found is None else 'only at its vote'})"
-        states = pickle.loads(found[1])["states"]
+        record = pickle.loads(found[1])
+        states = record["states"]
+        if record.get("approximate"):
+            log.info(
+                f"tm-launch: warning: rank {rank} died after its step's commit: the loop's variable(s) {', '.join(record['approximate'])} "
+                f"continue from their values at its vote on step {step - 1}; the body changed them after it"
+            )
         missing = set(self.objects) - set(states)
         if missing:
             return f"rank {rank}'s mirror has no per-rank object(s) {sorted(missing)}"
