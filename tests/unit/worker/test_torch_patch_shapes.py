@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from tm_launch.worker import torch_patches, torch_support
-from tm_launch.worker.comms.groups import COLLECTIVES, LiveGroup, LocalBackend, StepPoison, in_process_backend
+from tm_launch.worker.comms.groups import COLLECTIVES, LiveGroup, LocalBackend, StepPoison, in_process_backend, keep_out_of_graphs
 
 
 def live_group(name: str = "tm-shape-test", size: int = 2, rank: int = 0) -> LiveGroup:
@@ -277,6 +277,7 @@ def test_torch_compile_meets_a_live_group_at_a_graph_break():
     are never traced: tracing them ended every compiled step)."""
     from torch._library.opaque_object import is_opaque_type
 
+    keep_out_of_graphs()
     group = live_group("tm-shape-compile")
     torch_patches.register(group, [0, 1])
     try:

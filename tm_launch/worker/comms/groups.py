@@ -468,13 +468,24 @@ def _forward(name: str):
         return self._call(name, None if name == "barrier" else first, args, kwargs)
 
     method.__name__ = method.__qualname__ = name
-    return outside_graphs(method)
+    return method
 
 
 for _name in COLLECTIVES:
     setattr(LiveGroup, _name, _forward(_name))
-for _name in ("rank", "size", "getBackendName"):  # what torch's C++ asks a group it holds
-    setattr(LiveGroup, _name, outside_graphs(getattr(LiveGroup, _name)))
+
+
+def keep_out_of_graphs() -> None:
+    """Mark every LiveGroup method torch's C++ calls back into, and the guarded work's, as
+    ``outside_graphs`` (once, in a live worker: it imports torch._dynamo, ~0.7 s, which DDP's
+    constructor imports anyway; a process that only imports this module does not pay it)."""
+    if getattr(LiveGroup, "_outside_graphs", False):
+        return
+    for name in (*COLLECTIVES, "rank", "size", "getBackendName"):  # the collectives and what C++ asks a group it holds
+        setattr(LiveGroup, name, outside_graphs(vars(LiveGroup)[name]))
+    for name in ("wait", "is_completed", "get_future"):  # called back by a compiled graph's wait_tensor
+        setattr(_SettledWork, name, outside_graphs(vars(_SettledWork)[name]))
+    LiveGroup._outside_graphs = True
 
 
 class _SettledWork(dist.Work):
@@ -512,10 +523,6 @@ class _SettledWork(dist.Work):
         fut = torch.futures.Future()
         fut.set_result(self._result)
         return fut
-
-
-for _name in ("wait", "is_completed", "get_future"):  # called back by a compiled graph's wait_tensor
-    setattr(_SettledWork, _name, outside_graphs(getattr(_SettledWork, _name)))
 
 
 def _guarded(work: dist.Work, group: LiveGroup, result, generation: int, token=None) -> dist.Work:
