@@ -54,7 +54,7 @@ $(TVENV)/.tm-launch-installed: pyproject.toml
 	touch $@
 
 test-torch: $(TVENV)/.tm-launch-installed
-	nice -n 10 $(TPY) -m pytest -q -m "not slow" tests/unit tests/e2e/test_live.py
+	nice -n 10 $(TPY) -m pytest -q -rf -m "not slow" tests/unit tests/e2e/test_live.py
 
 bench: $(STAMP)
 	$(PY) bench/downtime.py

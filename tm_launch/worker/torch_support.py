@@ -11,7 +11,7 @@ one warning line, and refused only where the internals live mode cannot do witho
 
 from __future__ import annotations
 
-TESTED = ("2.13", "2.14", "2.15")  # major.minor; the patch releases run: 2.13.0, 2.14.1, 2.15.0
+TESTED = ("2.13", "2.14")  # major.minor; the patch releases run: 2.13.0, 2.14.1 (2.15.0: its venv was not ready, docs/development.md)
 
 
 def release(version: str) -> str:
