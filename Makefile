@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tm-launch-installed
 TITAN  := $(VENV)/.tm-launch-torchtitan-installed
 
-.PHONY: demo test test-all lint bench clean slurm-deps
+.PHONY: demo test test-all test-torch lint bench clean slurm-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,8 +45,26 @@ slurm-deps:
 test-all: $(TITAN) slurm-deps
 	$(PY) -m pytest -q
 
+# `make test-torch TORCH=2.15.0`: the unit tests and the live e2e fast cases on another torch
+# release, in a venv of its own (.venv-torch2.15.0; a CUDA wheel with its NVIDIA libraries is ~5 GB).
+# The constraint keeps every later install on that torch. The releases tested are listed in
+# docs/development.md; `make test` stays on 2.13.0.
+TORCH  ?= 2.13.0
+TVENV  := .venv-torch$(TORCH)
+TPY    := $(TVENV)/bin/python
+
+$(TVENV)/.tm-launch-installed: pyproject.toml
+	test -x $(TPY) || $(PYTHON) -m venv $(TVENV)
+	echo "torch==$(TORCH)" > $(TVENV)/torch-constraint.txt
+	$(TPY) -m pip install -q torch==$(TORCH)
+	$(TPY) -m pip install -q -c $(TVENV)/torch-constraint.txt -e '.[test,frameworks]'
+	touch $@
+
+test-torch: $(TVENV)/.tm-launch-installed
+	nice -n 10 $(TPY) -m pytest -q -rf -m "not slow" tests/unit tests/e2e/test_live.py
+
 bench: $(STAMP)
 	$(PY) bench/downtime.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-torch* build dist *.egg-info

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         from .ctl.commands import main as ctl_main
 
         return ctl_main(argv[1:])
+    if argv[:1] == ["--version"]:
+        print(version())
+        return 0
     if argv[:1] == ["rehearse"]:
         from .rehearsal.main import main as rehearse_main
 
@@ -90,7 +93,25 @@ def _torchrun(args) -> int:
     except ChildFailedError as e:
         print(str(e), file=sys.stderr)
         return 1
+    except ValueError as e:  # torchrun's own checks of its options (--nproc-per-node two, ...): the workers run elsewhere
+        return _fail(str(e).strip())
     return 0
+
+
+def version() -> str:
+    """``tm-launch --version``: the installed package's version and the torch beside it."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        own = installed("tm-launch")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        own = "unknown (not installed)"
+    try:
+        torch_version = installed("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"tm-launch {own} (torch {torch_version})"
 
 
 def _join_timeout(args) -> float:

@@ -105,6 +105,11 @@ USAGE = {
         2,
         ["nproc_per_node", "abc"],
     ),
+    "torchrun's --nproc-per-node two": (
+        ["--nproc-per-node", "two", "tests/scripts/train.py"],
+        2,
+        ["Unsupported nproc_per_node value: two"],
+    ),
     "password on the command line": (
         ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "user=u,password=hunter2", "tests/scripts/train.py"],
         2,

@@ -10,6 +10,7 @@ the ``dp`` dimension of a 2-D mesh) runs on 2 nodes of 2 workers: 4 ranks.
 """
 
 import glob
+import json
 import os
 
 import pytest
@@ -38,11 +39,14 @@ def reference(tmp_path_factory):
     def get(*extra: str, world: int = 2) -> dict:
         if (extra, world) not in cache:
             out = str(tmp_path_factory.mktemp("ref"))
-            run_torchrun(ORDINARY, ["--steps", str(STEPS), "--out", out, *extra], nproc=world)
+            timeout = 900 if "--compile" in extra else 300  # inductor's C++ compiles on a loaded 2-core machine
+            run_torchrun(ORDINARY, ["--steps", str(STEPS), "--out", out, *extra], nproc=world, timeout=timeout)
             cache[extra, world] = load(out)
+            get.dirs[extra, world] = out
             assert sorted(cache[extra, world]) == [f"rank{r}" for r in range(world)]
         return cache[extra, world]
 
+    get.dirs = {}  # (extra, world) -> the run's --out directory (its compile records)
     return get
 
 
@@ -170,3 +174,42 @@ def test_two_faults_in_a_row_recover_exactly(local_job, reference):
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
     assert len(plans) >= 2, job.logs_tail()
     assert_exact_and_live(job, codes, got, reference(*extra))
+
+
+def compile_records(out: str) -> dict:
+    """{rank: [record per process that finished as that rank]} (``ordinary.py --compile``)."""
+    records: dict = {}
+    for path in sorted(glob.glob(os.path.join(out, "compile-rank*.json"))):
+        with open(path) as f:
+            record = json.load(f)
+        records.setdefault(record["rank"], []).append(record)
+    return records
+
+
+COMPILED = {"ddp": ("--compile",), "fsdp-per-block": ("--compile", "--layout", "fsdp")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # two compiled jobs: every process compiles its graphs (cold: minutes under load)
+@pytest.mark.parametrize("layout", COMPILED)
+def test_a_compiled_script_recovers_exactly_and_keeps_its_graphs(local_job, reference, layout):
+    """``torch.compile`` (inductor on the CPU): DDP around a compiled model, or FSDP2 with each
+    block compiled before it is sharded. Rank 1 dies in its backward; the spare, warmed up as
+    rank 1, takes over. Every rank ends bitwise equal to the same compiled script under plain
+    torchrun; the survivor compiled exactly the graphs torchrun's rank 0 did (its graphs were
+    kept through the change: no recompile), and the joiner compiled all of its graphs in its
+    warm-up, none after its promotion, as many as torchrun's rank 1."""
+    extra = COMPILED[layout]
+    ref = reference(*extra)
+    job, codes, got = run_live(local_job, extra, [(1, "backward", KILL)])
+    assert_exact_and_live(job, codes, got, ref)
+    torchrun = {rank: records[0]["graphs"] for rank, records in compile_records(reference.dirs[extra, 2]).items()}
+    assert torchrun[0] > 0 and torchrun[1] > 0, torchrun
+    live = compile_records(os.path.join(job.workdir, "out"))
+    assert sorted(live) == [0, 1] and all(len(r) == 1 for r in live.values()), live  # the killed process wrote none
+    survivor, joiner = live[0][0], live[1][0]
+    assert survivor["graphs"] == torchrun[0], (survivor, torchrun)
+    warm_up = [graphs for step, graphs in joiner["steps"] if step < PAUSE]
+    promoted = [graphs for step, graphs in joiner["steps"] if step >= KILL]
+    assert warm_up and promoted, joiner
+    assert promoted[0] == joiner["graphs"] == torchrun[1], joiner  # nothing compiled after the promotion

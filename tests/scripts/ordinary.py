@@ -17,12 +17,15 @@ beyond model, optimizer and scheduler, state the user never thinks of as state.
 
 Each rank writes its whole state at the end, ``--out DIR/rank<r>.pt``: the model's
 ``state_dict()`` (buffers included; a DTensor as its local shard), the optimizer's, the
-scheduler's, and the tensors the optimizer trains. Fault points: ``tests/scripts/faults.py`` (``--kill-rank``, ``--kill-phase`` ...).
+scheduler's, and the tensors the optimizer trains. With ``--compile`` each process also writes
+``DIR/compile-rank<r>-<pid>.json``: how many graphs Dynamo had compiled at the start of each step
+it ran (``torch._dynamo.utils.counters``), the recompiles a test counts. Fault points: ``tests/scripts/faults.py`` (``--kill-rank``, ``--kill-phase`` ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -101,6 +104,7 @@ def main():
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--counter", action="store_true")
     p.add_argument("--hidden", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile: the DDP model, or each FSDP2 block")
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
     p.add_argument("--out", required=True)
     p.add_argument("--step-sleep", type=float, default=0.0, help="every rank sleeps this long in each step's compute (a longer run)")
@@ -116,6 +120,8 @@ def main():
     data_rank = rank  # whose batch this rank trains on
     if args.layout == "ddp":
         model = DDP(model, process_group=job.group, broadcast_buffers=args.broadcast_buffers)
+        if args.compile:
+            model = torch.compile(model)
     elif args.layout == "ddp-tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -128,7 +134,13 @@ def main():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        mesh = init_device_mesh("cpu", (world,))
+        if args.compile:  # per-block compile, as torchtitan does: each block compiled, then the compiled one sharded
+            for name in ("inp", "out"):  # (block.compile() would compile Module._call_impl, a frame Dynamo skips: nothing)
+                block = torch.compile(getattr(model, name))
+                model.register_module(name, block)
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
     job.register(model=model, optimizer=opt, scheduler=sched)
@@ -137,8 +149,11 @@ def main():
     faults = Faults(args, ChaosDir(args.chaos_dir))
     faults.arm_backward(model, job)
     between = BetweenSteps(args)
+    graphs = []  # [step, graphs compiled so far] per step this process ran (--compile)
     for step in job.steps(args.steps):
         faults.step = step
+        if args.compile:
+            graphs.append([step, compiled_graphs()])
         g = torch.Generator().manual_seed(1 + step * 97 + data_rank)
         x = torch.randn(16, 8, generator=g)
         y = x[:, :1] * 0.5 + torch.randn(16, 1, generator=g) * 0.1
@@ -171,6 +186,16 @@ def main():
     flat("scheduler", sched.state_dict(), state)
     os.makedirs(args.out, exist_ok=True)
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
+    if args.compile:
+        with open(os.path.join(args.out, f"compile-rank{rank}-{os.getpid()}.json"), "w") as f:
+            json.dump({"rank": rank, "steps": graphs, "graphs": compiled_graphs()}, f)
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo compiled in this process so far (a recompile is one more)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ WORKER_LAYERS = [
     {"job", "rehearsal_dump"},  # rehearsal_dump: the state a rehearsal compares, armed by init()
     {"spare"},
     {"generation"},
-    {"torch_patches"},
+    {"torch_patches", "torch_support"},
     {"snapshots"},
     {"state"},
     {"comms"},

@@ -17,6 +17,7 @@ same test checks it):
 ``generation``     entering a generation: the directives, communicators built (ahead), the
                    commit vote, the recovery plan, the state exchange, planned switches
 ``torch_patches``  every change made to torch's own objects, with why and how it is undone
+``torch_support``  the torch releases tested, the warning a worker on another logs at start
 ``snapshots``      in-memory snapshots of what no live rank replicates, and their holders
 ``state``          what a rank holds: replica sets, the wire format of a transfer, per-rank
                    state (RNG, data position), ZeRO partitions

@@ -67,11 +67,20 @@ _installed: set = set()
 _MISSING = object()
 
 
+def _plain_new(cls, *args, **kwargs):
+    """``object.__new__`` for a class that had no ``__new__`` of its own. Deleting an assigned
+    ``__new__`` does not give one back: CPython keeps the class's new slot pointing at a Python
+    ``__new__``, and ``object.__new__`` then refuses the constructor's arguments."""
+    return object.__new__(cls)
+
+
 def _assign(owner, attribute: str, value) -> None:
     if attribute == "__class__":
         original = owner.__class__
     else:
         original = vars(owner).get(attribute, _MISSING)
+        if attribute == "__new__" and original is _MISSING:
+            original = staticmethod(_plain_new)
     held = owner if isinstance(owner, (type, types.ModuleType)) else weakref.ref(owner)
     _assigned.append((held, attribute, original))
     setattr(owner, attribute, value)
@@ -131,8 +140,19 @@ def route_new_group(factory) -> None:
     or torch's non-member marker for ranks outside the group, as torch does."""
 
     def new_group(
-        ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False, group_desc=None, device_id=None
+        ranks=None,
+        timeout=None,
+        backend=None,
+        pg_options=None,
+        use_local_synchronization=False,
+        group_desc=None,
+        device_id=None,
+        sort_ranks=True,
     ):
+        if not sort_ranks and ranks is not None and list(ranks) != sorted(ranks):
+            # A LiveGroup's ranks are in global order: another order would give ranks silently
+            # different positions in the group than torch would.
+            raise ValueError("tm-launch: dist.new_group(sort_ranks=False) with unsorted ranks is not supported in live mode")
         group = factory(None if ranks is None else sorted(int(r) for r in ranks), backend)
         return group if group.rank() >= 0 else c10d.GroupMember.NON_GROUP_MEMBER
 

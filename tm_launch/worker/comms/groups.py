@@ -445,6 +445,21 @@ COLLECTIVES = (
 )
 
 
+def outside_graphs(fn):
+    """``fn`` runs eagerly, never traced by Dynamo: a graph break where a collective is issued.
+
+    torch registers ``ProcessGroup`` as an opaque type for torch.compile (only ``rank``,
+    ``size``, ``group_name`` ... may be read while tracing), and Dynamo compiles every Python
+    frame that starts while a compiled function runs, the methods torch's C++ calls back into
+    included (DDP's reducer broadcasting, a compiled graph's functional collective resolving the
+    group by name and calling its ``allreduce``). A LiveGroup's methods read its own attributes,
+    poison the step, start threads and keep telemetry: none of that can be a graph, and tracing
+    it ended every rank at its first compiled step (``Member '_call' is not registered``). So the
+    collective is issued eagerly, with its guard, where torch's own backend would be called; the
+    graphs around it stay compiled (a functional collective in a graph still calls it)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _forward(name: str):
     """A LiveGroup method that sends collective ``name`` to the current communicator."""
 
@@ -452,12 +467,25 @@ def _forward(name: str):
         first = args[0] if args else next(iter(kwargs.values()), None)
         return self._call(name, None if name == "barrier" else first, args, kwargs)
 
-    method.__name__ = name
+    method.__name__ = method.__qualname__ = name
     return method
 
 
 for _name in COLLECTIVES:
     setattr(LiveGroup, _name, _forward(_name))
+
+
+def keep_out_of_graphs() -> None:
+    """Mark every LiveGroup method torch's C++ calls back into, and the guarded work's, as
+    ``outside_graphs`` (once, in a live worker: it imports torch._dynamo, ~0.7 s, which DDP's
+    constructor imports anyway; a process that only imports this module does not pay it)."""
+    if getattr(LiveGroup, "_outside_graphs", False):
+        return
+    for name in (*COLLECTIVES, "rank", "size", "getBackendName"):  # the collectives and what C++ asks a group it holds
+        setattr(LiveGroup, name, outside_graphs(vars(LiveGroup)[name]))
+    for name in ("wait", "is_completed", "get_future"):  # called back by a compiled graph's wait_tensor
+        setattr(_SettledWork, name, outside_graphs(vars(_SettledWork)[name]))
+    LiveGroup._outside_graphs = True
 
 
 class _SettledWork(dist.Work):

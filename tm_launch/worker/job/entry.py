@@ -26,7 +26,13 @@ def init(backend: str | None = None, rng_per_rank: bool = True) -> Job:
         return _LIVE
     env = WorkerEnv.from_environ()
     if env.live:
+        import torch
+
+        from ..log import log
+        from ..torch_support import check
         from .live import LiveJob  # the live runtime, imported only where a worker goes live
+
+        check(torch.__version__, log)  # one warning line on a torch release live mode was not tested on
 
         _LIVE = rehearsal_dump.arm(LiveJob(env, backend, rng_per_rank))  # tm-launch rehearse: nothing unless its variables are set
         return _LIVE

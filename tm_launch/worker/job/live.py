@@ -60,7 +60,7 @@ from .. import torch_patches
 from ..agent_client import AgentClient
 from ..api import Job
 from ..comms import communicators, telemetry
-from ..comms.groups import FAKE_NAMES, LiveGroup, LocalBackend, StepPoison, asks_fake, in_process_backend, unique_name
+from ..comms.groups import FAKE_NAMES, LiveGroup, LocalBackend, StepPoison, asks_fake, in_process_backend, keep_out_of_graphs, unique_name
 from ..generation.audit import Audit
 from ..generation.commit import StepCommit
 from ..generation.generations import Generations, StateLost
@@ -155,6 +155,7 @@ class LiveJob(Job):
         self._first_step_gen = -1  # the generation whose first completed step was reported
         self._loop_ended = False  # end_loop(): a closed steps() generator means finished, not left
         self.detach(rank)
+        keep_out_of_graphs()  # torch.compile: a graph break where a LiveGroup's collective is issued
         torch_patches.route_new_group(self.new_group)
         sharding_decisions.track_meshes()
         # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
