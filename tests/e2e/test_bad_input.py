@@ -246,7 +246,7 @@ def test_finished_run_id_is_refused(etcd_endpoint):
     )
     assert status.returncode == 0, status.stderr
     assert f"run {run_id}: generation 0, succeeded" in status.stdout, status.stdout
-    [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change", "not live"))]
+    [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change", "not live", "etcd"))]
     assert row[1] == "finished", status.stdout  # its agent exited after success: not "lost"
     t0 = time.monotonic()
     rc, _, err = finish(launch(job + ["tests/scripts/train.py", "--steps", "2"]), timeout=60)
@@ -273,7 +273,7 @@ def test_failed_run_status_says_what_happened(etcd_endpoint, tmp_path):
     )
     assert status.returncode == 0, status.stderr
     assert f"run {run_id}: generation 0, failed" in status.stdout and " 0 restart(s)" in status.stdout, status.stdout
-    [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change", "not live"))]
+    [row] = [line.split() for line in status.stdout.splitlines()[1:] if not line.startswith(("NODE", "last change", "not live", "etcd"))]
     assert row[1] == "failed", status.stdout
 
 
