@@ -16,9 +16,12 @@ through ``frame.f_locals`` (a copy) and writes back with ``PyFrame_LocalsToFast`
 What is carried (``carriable``, pure): None, booleans, numbers, strings, short bytes, dtypes and
 devices; lists, tuples, dicts and sets of them up to ``MAX_ITEMS`` leaves; tensors up to
 ``MAX_NUMEL`` elements that are not parameters and need no gradient (a loss with its graph is a
-result of the step, recomputed when it runs again). A list or dict is put back in place, so
-another reference to it sees the value too. What cannot be carried and may be state (an open
-file, a tensor or container over the limits) is named once (``not_carried``).
+result of the step, recomputed when it runs again). A list, dict or tensor the variable still
+holds since the step's start (``step_begins``: the body changed it in place) is put back in place,
+so another reference to it sees the value too; one the body rebound (a batch: ``x, y = next(it)``)
+is rebound to the saved value and the new object is left alone, since a loader may hand that very
+object to the step that runs again. What cannot be carried and may be state (an open file, a
+tensor or container over the limits) is named once (``not_carried``).
 """
 
 from __future__ import annotations
@@ -120,16 +123,24 @@ class LoopVariables:
         self.frame = frame
         self.module_level = frame.f_code.co_name == "<module>"
         self.skip = skip  # names never carried: the loop's own step variable is not among them
+        self._held: dict = {}  # name -> the object the variable held at the step's start
+
+    def step_begins(self) -> None:
+        """The step's start (``PerRankState.begin_step``): which object each variable holds now."""
+        self._held = {name: value for name, value in self._carried()}
+
+    def _carried(self):
+        return [
+            (name, value)
+            for name, value in self._namespace().items()
+            if not name.startswith("__") and name not in self.skip and carriable(value)
+        ]
 
     def _namespace(self) -> dict:
         return self.frame.f_globals if self.module_level else self.frame.f_locals
 
     def state_dict(self) -> dict:
-        return {
-            name: _copy(value)
-            for name, value in self._namespace().items()
-            if not name.startswith("__") and name not in self.skip and carriable(value)
-        }
+        return {name: _copy(value) for name, value in self._carried()}
 
     def load_state_dict(self, state: dict) -> None:
         namespace = self._namespace()
@@ -137,7 +148,9 @@ class LoopVariables:
         for name in gone:  # the lost rank did not hold it at this step
             del namespace[name]
         for name, saved in state.items():
-            namespace[name] = _put_back(namespace.get(name), saved)
+            current = namespace.get(name)
+            held = current is not None and current is self._held.get(name)
+            namespace[name] = _put_back(current, saved) if held else _copy(saved)
         if not self.module_level:
             ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(self.frame), ctypes.c_int(1 if gone else 0))
 

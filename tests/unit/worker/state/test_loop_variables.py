@@ -44,12 +44,25 @@ def test_a_functions_variables_are_put_back_and_a_list_in_place():
     tokens_seen, best, history = 0, float("inf"), [1.0]
     alias = history
     here = LoopVariables(sys._getframe(), skip=set())
+    here.step_begins()
     saved = here.state_dict()
     tokens_seen += 128
     best = 0.25
     history.append(2.0)
     here.load_state_dict(saved)
     assert (tokens_seen, best, history) == (0, float("inf"), [1.0]) and alias is history
+
+
+def test_a_variable_the_step_rebound_is_rebound_and_its_new_object_left_alone():
+    x = torch.zeros(4)  # the batch of the step before
+    replayed = torch.ones(4)  # the batch a loader holds to hand to the step that runs again
+    here = LoopVariables(sys._getframe(), skip=set())
+    here.step_begins()
+    saved = here.state_dict()
+    x = replayed  # the step's batch
+    here.load_state_dict(saved)
+    assert torch.equal(x, torch.zeros(4)) and x is not replayed
+    assert torch.equal(replayed, torch.ones(4))  # what job.data() replays is untouched
 
 
 def test_a_variable_the_saved_state_does_not_hold_is_removed():
