@@ -120,7 +120,7 @@ def assert_bitwise(got: dict, ref: dict) -> None:
 @pytest.mark.parametrize(
     "option, rank, phase",
     [
-        pytest.param("static", 1, "backward"),
+        pytest.param("static", 1, "backward", marks=pytest.mark.slow),
         pytest.param("static", 0, "backward", marks=pytest.mark.slow),
         pytest.param("static", 1, "forward", marks=pytest.mark.slow),
         pytest.param("unused", 0, "backward", marks=pytest.mark.slow),

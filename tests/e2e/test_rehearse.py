@@ -52,6 +52,7 @@ def test_a_known_divergence_is_named_with_its_cause(tmp_path):
     assert "\nFAIL: 0 of 1 fault(s) ended bitwise equal to the fault-free run on every rank\n" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # two whole jobs: torchrun's and one fault's
 def test_a_file_the_script_writes_that_diverges_after_a_fault_fails_the_rehearsal_naming_it(tmp_path):
     """``tests/scripts/rehearse_effects.py --closure-counter``: rank 0 saves ``final.pt`` at the
