@@ -274,4 +274,5 @@ def _progress_evidence(r: RankRecord) -> dict:
         "where": r.where,
         "moved": list(r.evidence),
         "saving_s": round(r.saving, 3),
+        "timeout_s": r.timeout,  # the collective timeout its groups run under (0: not known)
     }

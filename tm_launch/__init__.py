@@ -17,11 +17,12 @@ A loop of its own (a framework's, or any plain loop: restart mode) reports its p
 """
 
 
-def init(backend: str | None = None, rng_per_rank: bool = True):
-    """Start this worker's part of the job (imported lazily: `tm-launch ctl` needs no torch)."""
+def init(backend: str | None = None, rng_per_rank: bool = True, timeout=None):
+    """Start this worker's part of the job (imported lazily: `tm-launch ctl` needs no torch).
+    ``timeout``: a ``datetime.timedelta``, as ``init_process_group(timeout=...)`` takes it."""
     from .worker.job.entry import init as _init
 
-    return _init(backend, rng_per_rank)
+    return _init(backend, rng_per_rank, timeout)
 
 
 def report_step(step: int) -> None:

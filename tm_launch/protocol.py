@@ -316,6 +316,10 @@ class WorkerStatus(_Record):
     snapshot_bytes: int = 0  # host memory its snapshots take (its own and what it holds for another rank)
     snapshot_sent: int = 0  # bytes of snapshots it sent to its holder so far
     snapshot_held: int = 0  # of snapshot_bytes, what it keeps for other ranks (a copy, or stripes of a parity)
+    # Restart mode: the timeout its default group's collectives run under (the script's
+    # ``init_process_group(timeout=...)``, else the backend's), seconds; 0: not known. The agent
+    # waits that long for a busy worker. A live worker's is on its collective page.
+    collective_timeout: float = 0.0
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerStatus:

@@ -44,10 +44,17 @@ BACKEND_TIMEOUTS = {"gloo": 1800.0, "nccl": 600.0}
 STALL_BOUND = 120.0
 
 
-def collective_timeout(given: float, backend: str) -> float:
-    """The timeout of a live group's ``backend`` ("gloo" or "nccl"): ``given`` when set (the
-    command line, the YAML), else torch's default for that backend."""
-    return given if given > 0 else BACKEND_TIMEOUTS[backend]
+def chosen_timeout(given: float, script: float) -> float:
+    """The seconds a job's collectives were told to wait (0: nobody said): ``given`` when set
+    (``--collective-timeout``, the YAML), else ``script``, the ``timeout=`` the script handed
+    ``tm_launch.init`` or ``init_process_group`` (torch honours that one under torchrun)."""
+    return given if given > 0 else script if script > 0 else 0.0
+
+
+def collective_timeout(given: float, backend: str, script: float = 0.0) -> float:
+    """The timeout of a group's ``backend`` ("gloo" or "nccl"): the chosen one (``chosen_timeout``),
+    else torch's default for that backend."""
+    return chosen_timeout(given, script) or BACKEND_TIMEOUTS[backend]
 
 
 def stall_bound(given: float) -> float:

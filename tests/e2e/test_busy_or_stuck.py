@@ -74,6 +74,24 @@ def test_a_long_evaluation_or_save_on_one_rank_is_waited_for(local_job, referenc
         assert "ordinary.py" in busy[0]["message"] or "faults.py" in busy[0]["message"], busy[0]
 
 
+@pytest.mark.slow
+def test_the_scripts_own_timeout_ends_a_long_evaluation_as_torch_would(local_job, reference):
+    """``tm_launch.init(timeout=timedelta(seconds=25))``: under torchrun rank 1's all-reduce would
+    give up on an evaluating rank 0 after those 25 s (not gloo's 30 minutes). Rank 0 evaluates for
+    90 s: it is blamed busy past its collective timeout a margin before the 25 s, its evidence
+    names that timeout, and the spare takes its rank live; every rank ends as torchrun's run."""
+    work = ["--timeout", "25", "--work-rank", "0", "--work-step", str(WORK), "--work-seconds", "90"]
+    job, codes, got, started = run(local_job, work, spares=1)
+    assert len(started) == 1, started  # the rank taking over joins after the step: it does not evaluate again
+    assert_exact_and_live(job, codes, got, reference())
+    culprits = [e for e in job.events() if e["kind"] == "culprit"]
+    assert culprits and culprits[0]["ranks"] == [0] and culprits[0]["why"] == "busy past the collective timeout", job.events()
+    progress = culprits[0]["evidence"]["progress"]["0"]
+    assert progress["verdict"] == "busy" and progress["timeout_s"] == 25.0, progress
+    killed = [e for e in job.events() if e["kind"] == "culprit_killed"]
+    assert killed and 15.0 < killed[0]["time"] - started[0] < 25.0, (killed, started)
+
+
 @pytest.mark.parametrize("how", ["sleep", pytest.param("fifo", marks=pytest.mark.slow), pytest.param("deadlock", marks=pytest.mark.slow)])
 def test_a_rank_hung_without_progress_is_replaced_live_within_10s(local_job, reference, how):
     """After step 12 rank 1 hangs with nothing moving: the culprit rule names it ``stuck`` with

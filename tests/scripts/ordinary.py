@@ -25,6 +25,7 @@ it ran (``torch._dynamo.utils.counters``), the recompiles a test counts. Fault p
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -108,12 +109,13 @@ def main():
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
     p.add_argument("--out", required=True)
     p.add_argument("--step-sleep", type=float, default=0.0, help="every rank sleeps this long in each step's compute (a longer run)")
+    p.add_argument("--timeout", type=float, default=0.0, help="tm_launch.init(timeout=timedelta(seconds=...)), as torch takes it")
     p.add_argument("--chaos-dir", default=None, help="several kills: DIR/kill.<rank> holding '<phase> <step>' (faults.ChaosDir)")
     Faults.add_arguments(p)
     BetweenSteps.add_arguments(p)
     args = p.parse_args()
 
-    job = tm_launch.init()
+    job = tm_launch.init(timeout=datetime.timedelta(seconds=args.timeout) if args.timeout else None)
     rank, world = job.rank, job.world_size
     torch.manual_seed(0)
     model = Net(args.width, args.bn, args.dropout, args.counter, mlp=args.layout == "ddp-tp")

@@ -98,3 +98,19 @@ def test_the_worker_reads_back_what_the_agent_writes():
     got = WorkerEnv.from_environ(sent.tm_variables())
     assert got == sent
     assert (got.setup_timeout, got.no_live, got.snapshot_send) == (42.5, True, "overlap")
+
+
+@pytest.mark.parametrize(
+    "given, backend, script, want",
+    [
+        (0.0, "gloo", 0.0, 1800.0),  # nobody said: torch's own defaults
+        (0.0, "nccl", 0.0, 600.0),
+        (0.0, "gloo", 25.0, 25.0),  # the script's init(timeout=...), as torch honours it
+        (0.0, "nccl", 3600.0, 3600.0),
+        (40.0, "gloo", 25.0, 40.0),  # --collective-timeout / the YAML wins over the script
+        (40.0, "nccl", 0.0, 40.0),
+    ],
+)
+def test_the_collective_timeout_is_the_command_lines_else_the_scripts_else_the_backends(given, backend, script, want):
+    assert settings.collective_timeout(given, backend, script) == want
+    assert settings.chosen_timeout(given, script) == (want if given or script else 0.0)

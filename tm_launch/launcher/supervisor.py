@@ -213,12 +213,10 @@ class WorkerSupervisor:
                 kind, _, progress = self.progress.judge(pid, silent)
                 if kind == BUSY:
                     # A silent heartbeat while its CPU time moves: a long call holding the
-                    # interpreter (a big pickle). Torch would wait for it until its collective timeout.
-                    timeout = (
-                        page.timeout
-                        if page is not None and page.timeout > 0
-                        else settings.collective_timeout(self.cfg.collective_timeout, "gloo")
-                    )
+                    # interpreter (a big pickle). Torch would wait for it until its collective
+                    # timeout: the one its groups run under (its page, or restart mode's status).
+                    timeout = page.timeout if page is not None and page.timeout > 0 else status.collective_timeout
+                    timeout = timeout or settings.collective_timeout(self.cfg.collective_timeout, "gloo")
                     self._say_silent_but_busy(plan, lr, silent, progress, page)
                     limit = max(limit, timeout)
             # Killed already, or dying: its exit notice wakes this loop while the kernel still

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 
 from ..protocol import STATUS_INTERVAL, WorkerEnv, WorkerState, WorkerStatus
@@ -182,12 +183,31 @@ class StepReporter:
                     time=now,
                     pid=os.getpid(),
                     mode="restart",
+                    collective_timeout=default_group_timeout(),
                     **self.stats.report(step),
                 ),
                 now=force,  # a state change (finished, exiting) is written before the process goes on
             )
         except Exception:  # the agent is gone: reporting must never break the training loop
             self.agent_gone = True
+
+
+def default_group_timeout() -> float:
+    """Seconds the default group's collectives wait for a peer, as torch set them up (the
+    script's ``timeout=``, else the backend's default); 0 when there is no group (yet) or its
+    backend does not say. A script that never imported torch.distributed has none."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0.0
+    import torch
+
+    world = dist.group.WORLD
+    for device in ("cuda", "cpu"):  # NCCL's, where there is one: what the training waits in
+        try:
+            return world._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (RuntimeError, AttributeError):
+            continue
+    return 0.0
 
 
 _PROCESS: StepReporter | None = None

@@ -239,6 +239,42 @@ def test_a_spare_warming_up_in_the_sandbox_reports_nothing(agent_store):
     assert s["state"] == "sandbox" and s["step"] is None and s["mode"] == "live"  # not a restart-mode report
 
 
+TIMED_WORKER = r"""
+import datetime, sys
+import torch.distributed as dist
+import tm_launch
+how = sys.argv[1]
+timeout = datetime.timedelta(seconds=77)
+if how == "init":  # --no-live: tm_launch.init(timeout=...) is init_process_group(timeout=...)
+    job = tm_launch.init(timeout=timeout)
+    for step in job.steps(2):
+        pass
+else:
+    dist.init_process_group("gloo", **({"timeout": timeout} if how == "torch" else {}))
+    tm_launch.report_step(1)
+"""
+
+
+@pytest.mark.parametrize("how, want", [("init", 77.0), ("torch", 77.0), ("default", 1800.0)])
+def test_restart_mode_tells_the_agent_the_timeout_its_collectives_run_under(agent_store, how, want):
+    """The script's ``timeout=`` (to ``tm_launch.init`` or torch's ``init_process_group``), else
+    gloo's 30 minutes, read from the real group: how long the agent waits for a busy worker."""
+    run_worker(how, {"TM_AGENT_STORE": f"127.0.0.1:{agent_store.port}", "TM_NO_LIVE": "1"}, script=TIMED_WORKER)
+    assert status(agent_store)["collective_timeout"] == want
+
+
+def test_a_timeout_is_refused_as_torch_refuses_it():
+    import datetime
+
+    from tm_launch.worker.job.entry import timeout_seconds
+
+    assert timeout_seconds(None) == 0.0 and timeout_seconds(datetime.timedelta(minutes=2)) == 120.0
+    with pytest.raises(TypeError, match="expected timeout to be a datetime.timedelta, got int"):
+        timeout_seconds(120)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        timeout_seconds(datetime.timedelta(0))
+
+
 @pytest.mark.parametrize("asked, given", [(None, None), ("gloo", "gloo"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")])
 def test_a_plain_job_asks_torch_for_the_backend_the_script_asked_for(monkeypatch, asked, given):
     """``tm_launch.init()`` under torchrun / --no-live is ``init_process_group`` with the same

@@ -21,9 +21,9 @@ class PlainJob(Job):
     step_ok = True
     generation = 0
 
-    def __init__(self, backend: str | None):
+    def __init__(self, backend: str | None, timeout=None):
         if not dist.is_initialized():  # None: torch's own default (gloo for CPU tensors, NCCL for CUDA)
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
             atexit.register(_destroy_default_group)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self._objects: dict = {}
