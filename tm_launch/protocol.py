@@ -246,6 +246,10 @@ class Directive:
     planned: bool = False  # a drain or migration: switch at an agreed step
     live: bool = True
     stop: bool = False  # the job is over
+    # Why the generation was made (its plan's cause: a lost node, a script error and its
+    # signature): a worker that raises the error named there again prints one line, not the
+    # traceback printed when the error was first raised.
+    cause: str = ""
 
     def rank_of(self, local_rank: int) -> int:
         """The global rank of ``local_rank`` in this generation; -1 when this node holds none."""

@@ -117,7 +117,8 @@ def test_a_script_error_ends_the_job_in_seconds_and_keeps_the_spares(local_job, 
     """The script raises ValueError at step 12 on rank 1 (every attempt), or on every rank. Rank 1
     alone: its worker exits at once (no teardown waiting on its peer), the spare takes its rank
     once (a transient would have been healed), raises the same at the same step, and the job
-    ends non-zero within 10 s of that second raise, the exception, the step and the rank named.
+    ends non-zero within 10 s of that second raise, the exception, the step and the rank named,
+    the traceback printed once (the repeat named in one line).
     Every rank: the job ends at once, the spare never used."""
     import time
 
@@ -161,6 +162,9 @@ def test_a_script_error_ends_the_job_in_seconds_and_keeps_the_spares(local_job, 
         victim = raised[0]["node"]  # the node that holds rank 1
         assert [p["replaced"] for p in plans if p.get("replaced")] == [{"s0": victim}], plans  # one attempt
         assert len(raised) == 2 and raised[1]["node"] == "s0", raised
+        logs = "".join(job.nodes[n].log() for n in ("a", "b", "s0"))
+        assert logs.count("Traceback (most recent call last)") == 1, "the first raise's traceback, once"
+        assert "again, the error this generation was made for" in job.nodes["s0"].log(), job.nodes["s0"].log()[-3000:]
         assert ended - raised[1]["time"] < 10, (raised[1]["time"], ended)
         assert raised[1]["time"] - raised[0]["time"] < 30, raised
     assert ended - released < 60, "torchrun took 29 s here; tm-launch used to take 143 s"

@@ -275,6 +275,7 @@ class WorkerSupervisor:
             planned=plan.planned,
             live=plan.live,
             stop=plan.finished,
+            cause=plan.cause,
         )
         self.store.set(directive_key(plan.generation), directive.to_json())
         current = self.store.add(LATEST, 0)

@@ -8,7 +8,8 @@ another thread of the process still holds its memory, so the last thread to exit
 nothing; with two, at least one of them is not the last.
 
 ``script_raised``: the script raised out of its top level in a live job's steps. The worker
-prints the traceback, tells its agent what was raised and at which step (``ScriptErrorRecord``)
+prints the traceback (once per job: a replacement that raises the error its generation was
+made for, ``Directive.cause``, names it in one line instead), tells its agent what was raised and at which step (``ScriptErrorRecord``)
 and ends at once: the interpreter's teardown (the job's ``atexit`` close, a communicator's
 destructor) waited on peers blocked in a receive, 120 s in the issue that found it, and nothing
 of this process is needed any more.
@@ -24,6 +25,7 @@ import threading
 
 from .. import exit_page
 from ..protocol import EXIT_SCRIPT_ERROR, ScriptErrorRecord, WorkerEnv
+from .log import log
 
 SENTINELS = 2
 _armed: list = []  # the page and its words, kept for the life of the process
@@ -74,9 +76,18 @@ def script_raised(error: BaseException, job) -> None:
     mode; a spare's sandbox): the exception goes on as Python's."""
     if job is None or job.in_sandbox:
         return
-    sys.excepthook(type(error), error, error.__traceback__)
     message = (str(error).strip().splitlines() or [""])[0][:300]
     record = ScriptErrorRecord(type=type(error).__name__, message=message, step=job.state.step, rank=job.rank)
+    current = job.gens.builds.current
+    if current is not None and record.signature() in current.cause:
+        # The error this generation was made for (a replacement raising as its predecessor
+        # did): its traceback was printed then; the job's logs get it once.
+        log.error(
+            f"rank {record.rank} raised {record.signature()} again, the error this generation was made for "
+            "(its traceback was printed where it was first raised)"
+        )
+    else:
+        sys.excepthook(type(error), error, error.__traceback__)
     try:
         job.agent.report_script_error(record)
     except Exception:  # noqa: BLE001 -- the agent is gone: the exit status says the rest

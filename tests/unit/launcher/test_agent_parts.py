@@ -248,10 +248,20 @@ def supervisor(tmp_path):
 
 
 def test_supervisor_directs_a_generation_through_the_store_and_each_workers_queue(supervisor):
-    plan = Plan(generation=3, nodes=("n1", "n2"), nproc=2, store={"node": "n1", "addr": "127.0.0.1", "port": 1}, joiners=("n2",), live=True)
+    cause = "n2: script error: ValueError: bad at step 4"
+    plan = Plan(
+        generation=3,
+        nodes=("n1", "n2"),
+        nproc=2,
+        store={"node": "n1", "addr": "127.0.0.1", "port": 1},
+        joiners=("n2",),
+        live=True,
+        cause=cause,
+    )
     supervisor.direct(plan)
     directive = Directive.from_json(supervisor.store.get(directive_key(3)))
     assert directive.ranks == (2, 3) and directive.joiner_ranks == (2, 3) and directive.active
+    assert directive.cause == cause  # a repeat of it prints no second traceback
     assert supervisor.store.add(LATEST, 0) == 3
     supervisor.direct(plan.next(generation=2))  # an older generation never moves the latest back
     assert supervisor.store.add(LATEST, 0) == 3
