@@ -30,6 +30,7 @@ from collections.abc import Callable
 from .alarms import DEGRADED, FATAL, INFO, Alarm, AlarmFilter
 from .checks import Finding
 from .nvml_reader import Device, DeviceReader
+from .progress import fresh_gpu
 from .xid import classify_xid, xid_name
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class NvmlMonitor:
         self._initialized = False
         self.started = False
         self.wedged = False  # an NVML call hung: NVML is not touched again
+        self._gpu_looks: dict[int, tuple[float, float]] = {}  # pid -> (when, percent) of the last poll
 
     # ------------------------------------------------------------------------ lifecycle
     def start(self) -> bool:
@@ -294,14 +296,25 @@ class NvmlMonitor:
             return []
         try:
             passed = []
+            looks: dict[int, tuple[float, float]] = {}
             for dev in self._reader.devices:
                 for f in self._reader.poll(dev):
                     a = self._report(dev, f)
                     if a is not None:
                         passed.append(a)
+                now = time.monotonic()
+                for pid, percent in self._reader.activity(dev).items():
+                    looks[pid] = (now, max(percent, looks.get(pid, (now, 0.0))[1]))
+            self._gpu_looks = looks  # one assignment: the agent's loop reads a whole poll's looks
             return passed
         finally:
             self._poll_lock.release()
+
+    def gpu_activity(self, pid: int) -> float:
+        """Percent of its GPU that process ``pid`` kept busy at the last poll, while that poll is
+        recent (``health.progress.fresh_gpu``); 0: none, or not known. Read by the agent's
+        progress probe: a rank waiting on its GPU with its CPU idle is busy, not stuck."""
+        return fresh_gpu(self._gpu_looks.get(pid), time.monotonic(), self.cfg.poll_interval)
 
     def _poll_loop(self):
         interval = self.cfg.poll_interval

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .alarms import FATAL, INFO
 from .checks import CheckState, Finding, GpuSample, baseline_findings, evaluate
+from .progress import gpu_use
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Device:
     temp_call: str = "nvmlDeviceGetTemperatureV"
     lost: bool = False
     xid_times: dict = field(default_factory=dict)
+    seen_us: int = 0  # the newest per-process utilization sample read so far (NVML's microseconds)
 
     @property
     def rank(self) -> int:
@@ -213,6 +215,35 @@ class DeviceReader:
             findings += evaluate(dev.base, dev.prev, cur, self.cfg, dev.state)
             dev.prev = cur
         return findings
+
+    def activity(self, dev: Device) -> dict[int, float]:
+        """Which processes compute on this GPU now: {pid: percent} (``health.progress.gpu_use``
+        over the per-process samples since the last look, the compute processes and the device's
+        utilization). A reading NVML refuses counts as no evidence; none raises but a lost GPU."""
+        if dev.lost or dev.handle is None:
+            return {}
+        lib = self.nvml
+        findings: list[Finding] = []
+        try:
+            running = [int(p.pid) for p in self._read(dev, "processes", "nvmlDeviceGetComputeRunningProcesses", findings=findings) or ()]
+            rates = self._read(dev, "utilization", "nvmlDeviceGetUtilizationRates", findings=findings)
+            samples = []
+            if "process_utilization" not in dev.unsupported:
+                try:
+                    got = self.call(dev, "nvmlDeviceGetProcessUtilization", dev.handle, dev.seen_us)
+                except lib.NVMLError as e:
+                    if self.is_lost(e):
+                        raise _Lost(e, "nvmlDeviceGetProcessUtilization") from None
+                    if not self._is(e, "NVMLError_NotFound"):  # NotFound: no sample since the last look
+                        dev.unsupported.add("process_utilization")
+                    got = []
+                samples = [(int(x.pid), int(x.smUtil)) for x in got]
+                dev.seen_us = max([dev.seen_us, *(int(x.timeStamp) for x in got)])
+        except _Lost as lost:
+            self._mark_lost(dev, lost.error, lost.call)
+            return {}
+        util = int(rates.gpu) if rates is not None else None
+        return {pid: gpu_use(pid, samples, running, util) for pid in {*running, *(p for p, _ in samples)}}
 
     def _mark_lost(self, dev, error, call):
         dev.lost = True

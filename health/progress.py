@@ -15,7 +15,11 @@ in the process between two looks:
   disk. Socket traffic is not counted there (the heartbeat writes to a socket).
 * **The main thread's position** (code object and line, sampled by a worker thread and counted
   on the rank's page): Python code running, even slowly (a polling loop).
-* **GPU activity** (NVML's per-process utilization, where a GPU is in use).
+* **GPU activity** (NVML, read by the health monitor's poll: ``gpu_use``): kernels of the
+  process running on its GPU while its CPU waits (a ``torch.cuda.synchronize()``, a long
+  kernel). Having a CUDA context is no evidence (a hung process keeps it); a per-process
+  sample with SM utilization is, and so is the device's utilization when the process is the
+  only one computing on it. A look older than ``GPU_FRESH`` polls says nothing any more.
 
 No evidence for long enough is a hang (**stuck**); a process the kernel shows stopped is
 **frozen** at once. ``verdict`` is the rule; the adapter that takes the samples is
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 BUSY, STUCK, FROZEN, UNKNOWN = "busy", "stuck", "frozen", "unknown"
 CPU_SHARE = 0.05  # core-seconds per second above which a process computes (a heartbeat costs ~0.0005)
 WINDOW = 1.0  # s: two samples at least this far apart are compared
+GPU_FRESH = 2.0  # NVML polls: a look at a process's GPU older than this many poll intervals is no evidence
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,30 @@ def moved(before: Sample, after: Sample) -> list[str]:
     if after.gpu > 0:
         out.append(f"gpu {after.gpu:.0f}%")
     return out
+
+
+def gpu_use(pid: int, samples, running, device_util: int | None) -> float:
+    """NVML's evidence that ``pid`` computes on one GPU, percent (0: none), from one look:
+    ``samples``, ``(pid, sm_percent)`` per-process utilization samples newer than the last look
+    (``nvmlDeviceGetProcessUtilization``); ``running``, the pids with a compute context on it
+    (``nvmlDeviceGetComputeRunningProcesses``); ``device_util``, the device's utilization
+    (``nvmlDeviceGetUtilizationRates``; None: not known). A process's own samples decide; without
+    any for it, the device's work is its only when it is the one process computing there."""
+    mine = [sm for p, sm in samples if p == pid]
+    if mine:
+        return float(max(mine))
+    if device_util and set(running) == {pid} and not [p for p, _ in samples if p != pid]:
+        return float(device_util)
+    return 0.0
+
+
+def fresh_gpu(look: tuple[float, float] | None, now: float, poll_interval: float) -> float:
+    """The percent of a look ``(when, percent)`` at a process's GPU, while it is recent enough
+    to stand for the present (``GPU_FRESH`` polls); 0 for none or an old one (NVML stopped
+    answering: no evidence, never evidence of progress)."""
+    if look is None or now - look[0] > GPU_FRESH * poll_interval:
+        return 0.0
+    return look[1]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ STATE_KEYS = (
     "pcie_replay",
     "pcie_width",
     "pcie_max_width",
+    "compute_pids_file",
+    "compute_sm",
 )
 ACTION_KEYS = ("xid", "field", "value", "raise", "hang", "call", "count")
 EVENT_KEYS = ("at", "after_file", "gpu") + ACTION_KEYS + STATE_KEYS
@@ -84,6 +86,8 @@ class _Gpu:
         self.pcie_replay = 0
         self.pcie_width = 16
         self.pcie_max_width = 16
+        self.compute_pids_file: str | None = None  # the pids computing on it, one a line (read at each call)
+        self.compute_sm = 0  # ... each at this SM utilization, percent
         self.fields: dict[int, object] = {pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: 0, pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: 0}
 
 
@@ -322,6 +326,14 @@ class FakeNvml:
                 raise ValueError(f"{where}: expected a mapping of {', '.join(NVLINK_COUNTER_FIELDS)} to totals, got {value!r}")
             for name, total in value.items():
                 gpu.fields[NVLINK_COUNTER_FIELDS[name]] = want_int(total)
+        elif key == "compute_pids_file":
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{where}: expected a file name or null")
+            gpu.compute_pids_file = value
+        elif key == "compute_sm":
+            gpu.compute_sm = want_int()
+            if value > 100:
+                raise ValueError(f"{where}: a percentage is at most 100")
         elif key in ("pcie_replay", "pcie_width", "pcie_max_width"):
             setattr(gpu, key, want_int())
         else:  # pragma: no cover - STATE_KEYS and this chain agree
@@ -546,6 +558,44 @@ class FakeNvml:
 
     def nvmlDeviceGetMaxPcieLinkWidth(self, handle):
         return self._device("nvmlDeviceGetMaxPcieLinkWidth", handle).pcie_max_width
+
+    # A worker that computes on its GPU: its pid written to ``compute_pids_file`` by the test's
+    # script (no file, or not listed: it computes nothing there).
+    @staticmethod
+    def _computing(g: _Gpu) -> list[int]:
+        try:
+            with open(g.compute_pids_file) as f:
+                return [int(line) for line in f.read().split()]
+        except (TypeError, OSError, ValueError):
+            return []
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        g = self._device("nvmlDeviceGetComputeRunningProcesses", handle)
+        out = []
+        for pid in self._computing(g):
+            info = pynvml.c_nvmlProcessInfo_v2_t()
+            info.pid, info.usedGpuMemory = pid, 1 << 30
+            out.append(pynvml.nvmlStructToFriendlyObject(info))
+        return out
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        g = self._device("nvmlDeviceGetUtilizationRates", handle)
+        util = pynvml.c_nvmlUtilization_t()
+        util.gpu = util.memory = g.compute_sm if self._computing(g) else 0
+        return util
+
+    def nvmlDeviceGetProcessUtilization(self, handle, timeStamp):
+        g = self._device("nvmlDeviceGetProcessUtilization", handle)
+        now_us = int(time.time() * 1e6)
+        pids = self._computing(g) if now_us > timeStamp else []
+        if not pids:
+            raise pynvml.NVMLError_NotFound()  # what NVML says when no sample is newer than timeStamp
+        out = []
+        for pid in pids:
+            sample = pynvml.c_nvmlProcessUtilizationSample_t()
+            sample.pid, sample.timeStamp, sample.smUtil, sample.memUtil = pid, now_us, g.compute_sm, g.compute_sm
+            out.append(sample)
+        return out
 
     def nvmlEventSetCreate(self):
         self._enter("nvmlEventSetCreate")

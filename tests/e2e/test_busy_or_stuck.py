@@ -21,11 +21,18 @@ PAUSE, WORK = 8, 12
 pytestmark = pytest.mark.timeout(900)
 
 
-def run(local_job, work: list, spares: int, launcher: tuple = (), timeout: float = 600):
-    """2 active nodes of 1 worker + ``spares`` parked spares; ``work``: the --work-* arguments."""
+def run(local_job, work: list, spares: int, launcher: tuple = (), timeout: float = 600, nvml: bool = False):
+    """2 active nodes of 1 worker + ``spares`` parked spares; ``work``: the --work-* arguments.
+    ``nvml``: each agent's NVML faked at the pynvml boundary (one GPU), on which the pids listed
+    in work/gpu_pids compute at 90%."""
     job = local_job(nnodes="2", nproc=1, script=ORDINARY, launcher_args=["--max-restarts", "3", *launcher])
     job.env = {"OMP_NUM_THREADS": "1"}
     out, trigger, workdir = (os.path.join(job.workdir, n) for n in ("out", "trigger", "work"))
+    if nvml:
+        timeline = os.path.join(job.workdir, "gpu.yaml")
+        with open(timeline, "w") as f:
+            f.write(f"gpus: 1\ninit: {{compute_pids_file: {os.path.join(workdir, 'gpu_pids')}, compute_sm: 90}}\n")
+        job.env["TM_FAKE_NVML"] = timeline
     job.script_args = ["--steps", str(STEPS), "--out", out, "--pause-step", str(PAUSE), "--pause-file", trigger]
     job.script_args += ["--work-dir", workdir, "--work-marker", os.path.join(job.workdir, "hung"), *work]
     job.start_all(["a", "b"])
@@ -90,6 +97,19 @@ def test_the_scripts_own_timeout_ends_a_long_evaluation_as_torch_would(local_job
     assert progress["verdict"] == "busy" and progress["timeout_s"] == 25.0, progress
     killed = [e for e in job.events() if e["kind"] == "culprit_killed"]
     assert killed and 15.0 < killed[0]["time"] - started[0] < 25.0, (killed, started)
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_on_its_busy_gpu_is_not_taken_for_a_hung_one(local_job, reference):
+    """Rank 1 waits 65 s on its GPU after step 12 (its CPU asleep, its main thread still, no
+    I/O: without NVML it is a hang, replaced within 10 s). The agents' NVML (faked at the pynvml
+    boundary) shows SM samples of that pid: busy, not replaced; a ``busy`` event names the GPU."""
+    work = ["--work-rank", "1", "--work-step", str(WORK), "--work-seconds", "65", "--work-how", "gpu"]
+    job, codes, got, started = run(local_job, work, spares=1, nvml=True)
+    assert len(started) == 1
+    assert_nothing_killed(job, codes, got, reference())
+    busy = [e for e in job.events() if e["kind"] == "busy"]
+    assert busy and busy[0]["rank"] == 1 and "gpu 90%" in busy[0]["evidence"]["moved"], job.events()
 
 
 @pytest.mark.parametrize("how", ["sleep", pytest.param("fifo", marks=pytest.mark.slow), pytest.param("deadlock", marks=pytest.mark.slow)])

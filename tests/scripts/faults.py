@@ -165,6 +165,9 @@ class BetweenSteps:
       ``--work-seconds`` (its peers go on into the next step's collectives and wait there);
     * ``save``: ``torch.save`` of the model and 16 MB of buffers, over and over for
       ``--work-seconds``, then a ``dist.barrier()`` on every rank (a checkpoint on rank 0);
+    * ``gpu``: a wait on its GPU (a ``torch.cuda.synchronize()`` on long kernels) for
+      ``--work-seconds``: the CPU sleeps, and the fake NVML says the GPU computes for the pids
+      listed in ``--work-dir``/gpu_pids (its ``compute_pids_file``), this process's meanwhile;
     * ``sleep`` / ``fifo`` / ``deadlock``: a hang with no progress of any kind (a sleep, a read
       of a FIFO nobody writes, two threads each holding the lock the other wants), once per job
       (``--work-marker``: the process that takes the rank over does not hang again).
@@ -180,7 +183,7 @@ class BetweenSteps:
         p.add_argument("--work-step", type=int, default=-1, help="the first step after which the rank works")
         p.add_argument("--work-every", type=int, default=0, help="... and every N steps after it (0: once)")
         p.add_argument("--work-seconds", type=float, default=0.0)
-        p.add_argument("--work-how", default="compute", choices=["compute", "save", *BetweenSteps.HANGS])
+        p.add_argument("--work-how", default="compute", choices=["compute", "save", "gpu", *BetweenSteps.HANGS])
         p.add_argument("--work-dir", default=None)
         p.add_argument("--work-marker", default=None, help="a hang happens once per job (whichever process holds the rank)")
 
@@ -231,6 +234,14 @@ class BetweenSteps:
             path = os.path.join(a.work_dir, f"ckpt-{job.rank}.pt")
             while time.monotonic() < end:
                 torch.save({"model": model.state_dict(), "ballast": ballast}, path)
+        elif a.work_how == "gpu":
+            pids = os.path.join(a.work_dir, "gpu_pids")
+            with open(pids, "w") as f:
+                f.write(f"{os.getpid()}\n")
+            try:
+                time.sleep(a.work_seconds)
+            finally:
+                open(pids, "w").close()
         elif a.work_how == "sleep":
             time.sleep(3600)
         elif a.work_how == "fifo":

@@ -138,6 +138,8 @@ class AlarmWatch:
         self.monitor = NvmlMonitor(self.cfg.node_id, gpus, cfg, self._raised)
         if not self.monitor.start():
             self.monitor = None
+            return
+        self.supervisor.progress.gpu = self.monitor.gpu_activity  # GPU activity is progress evidence too
 
     def _raised(self, alarm: Alarm) -> None:  # on the monitor's thread
         self.alarms.put(alarm)

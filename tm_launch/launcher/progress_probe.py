@@ -3,7 +3,8 @@
 Per worker process and loop iteration: its CPU time and its children's (``/proc/PID/stat``,
 and ``/proc/PID/task/*/children`` for a data loader's workers), its storage I/O
 (``/proc/PID/io``), whether the kernel shows it stopped, and the main thread's move count from
-its collective page (``moves``; -1 without a page: restart mode). ``health.progress.advance``
+its collective page (``moves``; -1 without a page: restart mode), and its GPU's activity as the
+health monitor's last NVML poll saw it (``gpu``). ``health.progress.advance``
 folds each sample in; ``verdict`` says busy, stuck or frozen. Reading those files costs a few
 microseconds each; an unreadable one counts as no progress from that source (never as progress).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from health.progress import Progress, Sample, advance, verdict
 
@@ -52,8 +54,8 @@ def _io(pid: int) -> int:
         return 0
 
 
-def sample(pid: int, moves: int, now: float | None = None) -> Sample | None:
-    """One look at ``pid`` (None: it is gone)."""
+def sample(pid: int, moves: int, now: float | None = None, gpu: float = 0.0) -> Sample | None:
+    """One look at ``pid`` (None: it is gone); ``gpu``: the health monitor's last look at its GPU."""
     stat = _stat(pid)
     if stat is None:
         return None
@@ -64,7 +66,7 @@ def sample(pid: int, moves: int, now: float | None = None) -> Sample | None:
         if got is not None:
             cpu += got[0]
             io += _io(child)
-    return Sample(time.monotonic() if now is None else now, cpu, io, moves, 0.0, stopped)
+    return Sample(time.monotonic() if now is None else now, cpu, io, moves, gpu, stopped)
 
 
 class ProgressProbe:
@@ -72,12 +74,13 @@ class ProgressProbe:
 
     def __init__(self):
         self._state: dict[int, tuple[Progress, Sample]] = {}
+        # pid -> percent of its GPU busy (``NvmlMonitor.gpu_activity``, set when the monitor
+        # runs; NVML is read on the monitor's threads, never here: a call may hang)
+        self.gpu: Callable[[int], float] = lambda pid: 0.0
 
     def look(self, pid: int, moves: int = -1) -> Progress | None:
-        """Sample ``pid`` now and fold it in (call once per loop iteration per worker). GPU
-        activity is not sampled yet (``Sample.gpu`` stays 0): a rank waiting on its GPU alone,
-        with its CPU idle, counts as stuck after the still floor."""
-        s = sample(pid, moves)
+        """Sample ``pid`` now and fold it in (call once per loop iteration per worker)."""
+        s = sample(pid, moves, gpu=self.gpu(pid))
         if s is None:
             self._state.pop(pid, None)
             return None

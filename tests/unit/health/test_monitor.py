@@ -410,3 +410,25 @@ def test_hung_init_names_the_call(monitors):
     assert mon.start() is True
     assert got.triples() == [("nvml_hang", FATAL, "nvmlInit")] and got[0].gpu is None
     assert mon.start() is True and len(got) == 1  # never retried
+
+
+def test_a_process_computing_on_its_gpu_is_seen_at_each_poll_and_only_while_it_computes(tmp_path, monkeypatch, monitors):
+    """The progress evidence NVML gives (``NvmlMonitor.gpu_activity``, read by the agent's
+    progress probe): a pid with SM samples at the last poll; none once it stops, and none when
+    the polls stop answering (a look older than two polls stands for nothing)."""
+    pids = tmp_path / "pids"
+    path = write(tmp_path, f"gpus: 1\ninit: {{compute_pids_file: {pids}, compute_sm: 85}}\n")
+    monkeypatch.setenv("TM_FAKE_NVML", path)
+    mon = NvmlMonitor("n", ["0"], HealthConfig(**REALTIME), Sink())
+    monitors.append((mon, None))
+    assert mon.start() is True
+    pids.write_text("4242\n")
+    assert wait_for(lambda: mon.gpu_activity(4242) == 85.0)
+    assert mon.gpu_activity(4243) == 0.0  # a process not on the GPU
+    pids.write_text("")
+    assert wait_for(lambda: mon.gpu_activity(4242) == 0.0)  # it stopped computing: the next poll says so
+    pids.write_text("4242\n")
+    assert wait_for(lambda: mon.gpu_activity(4242) == 85.0)
+    mon.stop()
+    time.sleep(3 * REALTIME["poll_interval"])
+    assert mon.gpu_activity(4242) == 0.0  # no poll since: no evidence

@@ -2,7 +2,7 @@
 
 import pytest
 
-from health.progress import BUSY, FROZEN, STUCK, UNKNOWN, WINDOW, Progress, Sample, advance, moved, verdict
+from health.progress import BUSY, FROZEN, STUCK, UNKNOWN, WINDOW, Progress, Sample, advance, fresh_gpu, gpu_use, moved, verdict
 
 
 def s(t, cpu=0.0, io=0, moves=0, gpu=0.0, stopped=False):
@@ -65,3 +65,44 @@ def test_a_first_sample_is_no_evidence_either_way():
     assert verdict(fold([s(100.0), s(100.5, cpu=0.5)]), 30.0, 100.5) == (UNKNOWN, 0.0)
     assert verdict(fold([s(100.0, stopped=True)]), 30.0, 100.0) == (FROZEN, 30.0)
     assert verdict(Progress(s(100.0), 100.0, windows=1), 30.0, 110.0) == (STUCK, 10.0)
+
+
+@pytest.mark.parametrize(
+    "samples, running, device_util, want",
+    [
+        ([(7, 80)], [7], 90, 80.0),  # its own samples decide
+        ([(7, 0)], [7], 90, 0.0),  # ... also when they say it is idle (the device's work is not its)
+        ([(7, 10), (7, 60)], [7, 8], None, 60.0),  # several samples since the last look: the busiest
+        ([], [7], 90, 90.0),  # no per-process samples (unsupported): the device's, when it is the one process there
+        ([], [7, 8], 90, 0.0),  # ... not when another process computes on the same GPU
+        ([(8, 70)], [7, 8], 90, 0.0),  # samples of another process only
+        ([], [7], 0, 0.0),  # an idle device
+        ([], [7], None, 0.0),  # utilization not known
+        ([], [], 90, 0.0),  # not on this GPU at all
+        ([], [8], 90, 0.0),  # a CUDA context alone is no evidence, and this one is not even its
+    ],
+)
+def test_gpu_use_of_one_process(samples, running, device_util, want):
+    assert gpu_use(7, samples, running, device_util) == want
+
+
+@pytest.mark.parametrize(
+    "look, now, want",
+    [
+        (None, 10.0, 0.0),  # never looked at
+        ((9.0, 55.0), 10.0, 55.0),  # the last poll's
+        ((0.0, 55.0), 10.0, 55.0),  # two polls of 5 s ago: still the present
+        ((0.0, 55.0), 10.5, 0.0),  # older: NVML stopped answering, no evidence
+    ],
+)
+def test_a_look_at_the_gpu_stands_for_the_present_for_two_polls(look, now, want):
+    assert fresh_gpu(look, now, poll_interval=5.0) == want
+
+
+def test_a_rank_whose_gpu_works_while_its_cpu_waits_is_busy():
+    """A ``torch.cuda.synchronize()`` on a long kernel: no CPU, no I/O, no move of its main
+    thread, its GPU at 90% all along: busy, never stuck; when the GPU goes idle, stuck."""
+    state = fold([s(t, gpu=90.0) for t in range(10)])
+    assert verdict(state, 9.0, 9.0) == (BUSY, 0.0)
+    state = fold([*(s(t, gpu=90.0) for t in range(3)), *(s(t) for t in range(3, 12))])
+    assert verdict(state, 11.0, 11.0) == (STUCK, 9.0)
