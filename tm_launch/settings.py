@@ -250,8 +250,8 @@ SETTINGS: tuple[Setting, ...] = (
         "collective_timeout",
         float,
         0.0,
-        "Live mode: seconds a collective may block before a rank gives up on its peers (default 0: the backend's own, "
-        "as under torchrun: gloo 30 min, NCCL 10 min). A dead, stopped or stuck peer is found from its progress long "
+        "Live mode: seconds a collective may block before a rank gives up on its peers (default 0: the script's own "
+        "timeout= to tm_launch.init, else the backend's, as under torchrun: gloo 30 min, NCCL 10 min). A dead, stopped or stuck peer is found from its progress long "
         "before this; a busy one (an evaluation on one rank) is waited for until then.",
         check=at_least(0, "must be 0 (the backend's default) or positive seconds"),
         worker=ToWorker("TM_COLLECTIVE_TIMEOUT"),
