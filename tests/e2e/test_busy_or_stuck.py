@@ -29,6 +29,7 @@ def run(local_job, work: list, spares: int, launcher: tuple = (), timeout: float
     job.env = {"OMP_NUM_THREADS": "1"}
     out, trigger, workdir = (os.path.join(job.workdir, n) for n in ("out", "trigger", "work"))
     if nvml:
+        os.makedirs(job.workdir, exist_ok=True)
         timeline = os.path.join(job.workdir, "gpu.yaml")
         with open(timeline, "w") as f:
             f.write(f"gpus: 1\ninit: {{compute_pids_file: {os.path.join(workdir, 'gpu_pids')}, compute_sm: 90}}\n")
@@ -101,9 +102,10 @@ def test_the_scripts_own_timeout_ends_a_long_evaluation_as_torch_would(local_job
 
 @pytest.mark.slow
 def test_a_rank_waiting_on_its_busy_gpu_is_not_taken_for_a_hung_one(local_job, reference):
-    """Rank 1 waits 65 s on its GPU after step 12 (its CPU asleep, its main thread still, no
-    I/O: without NVML it is a hang, replaced within 10 s). The agents' NVML (faked at the pynvml
-    boundary) shows SM samples of that pid: busy, not replaced; a ``busy`` event names the GPU."""
+    """Rank 1 computes on its GPU from its first step, then waits 65 s on it after step 12 (its
+    CPU asleep, its main thread still, no I/O: without NVML it is a hang, replaced within 10 s).
+    The agents' NVML (faked at the pynvml boundary) shows SM samples of that pid: busy, not
+    replaced, every rank as torchrun's run; a ``busy`` event names the GPU as its evidence."""
     work = ["--work-rank", "1", "--work-step", str(WORK), "--work-seconds", "65", "--work-how", "gpu"]
     job, codes, got, started = run(local_job, work, spares=1, nvml=True)
     assert len(started) == 1

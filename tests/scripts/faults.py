@@ -166,8 +166,9 @@ class BetweenSteps:
     * ``save``: ``torch.save`` of the model and 16 MB of buffers, over and over for
       ``--work-seconds``, then a ``dist.barrier()`` on every rank (a checkpoint on rank 0);
     * ``gpu``: a wait on its GPU (a ``torch.cuda.synchronize()`` on long kernels) for
-      ``--work-seconds``: the CPU sleeps, and the fake NVML says the GPU computes for the pids
-      listed in ``--work-dir``/gpu_pids (its ``compute_pids_file``), this process's meanwhile;
+      ``--work-seconds``: the CPU sleeps. The rank computes on its GPU from its first step on,
+      as training does: its pid is in ``--work-dir``/gpu_pids, the fake NVML's
+      ``compute_pids_file``, until the wait ends;
     * ``sleep`` / ``fifo`` / ``deadlock``: a hang with no progress of any kind (a sleep, a read
       of a FIFO nobody writes, two threads each holding the lock the other wants), once per job
       (``--work-marker``: the process that takes the rank over does not hang again).
@@ -198,6 +199,11 @@ class BetweenSteps:
 
     def after_step(self, job, step: int, model) -> None:
         a = self.args
+        if a.work_how == "gpu" and job.rank == a.work_rank and not job.in_sandbox and not hasattr(self, "gpu_pids"):
+            self.gpu_pids = os.path.join(a.work_dir, "gpu_pids")
+            os.makedirs(a.work_dir, exist_ok=True)
+            with open(self.gpu_pids, "w") as f:
+                f.write(f"{os.getpid()}\n")
         if job.in_sandbox or not self.due(step):
             return
         if job.rank == a.work_rank:
@@ -235,13 +241,10 @@ class BetweenSteps:
             while time.monotonic() < end:
                 torch.save({"model": model.state_dict(), "ballast": ballast}, path)
         elif a.work_how == "gpu":
-            pids = os.path.join(a.work_dir, "gpu_pids")
-            with open(pids, "w") as f:
-                f.write(f"{os.getpid()}\n")
             try:
                 time.sleep(a.work_seconds)
             finally:
-                open(pids, "w").close()
+                open(self.gpu_pids, "w").close()
         elif a.work_how == "sleep":
             time.sleep(3600)
         elif a.work_how == "fifo":
