@@ -89,8 +89,9 @@ def test_a_layout_needs_nodes_named_once():
 LAY = Layout(("a", "b", "c", "d", "e"), port=30000, loopback=True)
 
 
-def member(node, name=None, answering=True, id_=None):
-    return Member(id=id_ or f"id-{node}", name=node if name is None else name, peer_urls=(LAY.address(node).peer_url,), answering=answering)
+def member(node, started=True, answering=True):
+    address = LAY.address(node)
+    return Member(f"id-{node}", node, (address.peer_url,), answering, (address.client_url,) if started else ())
 
 
 @pytest.mark.parametrize(
@@ -100,7 +101,7 @@ def member(node, name=None, answering=True, id_=None):
         ("c", None, BOOTSTRAP),
         ("d", None, CLIENT),  # the others wait for it
         (None, None, CLIENT),
-        ("c", [member("a"), member("b"), member("c", name="", answering=False)], BOOTSTRAP),  # a first member that came late
+        ("c", [member("a"), member("b"), member("c", started=False, answering=False)], BOOTSTRAP),  # a first member that came late
         ("b", [member("a"), member("b", answering=False), member("c")], REPLACE_SELF),  # its previous agent's member
         ("d", [member("a"), member("b"), member("c")], CLIENT),
         ("d", [member("b"), member("c"), member("d", answering=False)], REPLACE_SELF),  # a replacer that came back
@@ -122,15 +123,18 @@ def test_what_an_agent_does_at_its_start(me, cluster, role):
         # two dead: the first in list order first, one at a time
         ([member("a", answering=False), member("b", answering=False), member("c")], {"c", "d", "e"}, ("a", "d")),
         # a member that was added and never started, its node gone: dead as well
-        ([member("b"), member("c"), member("d", name="", answering=False)], {"b", "c", "e"}, ("d", "e")),
+        ([member("b"), member("c"), member("d", started=False, answering=False)], {"b", "c", "e"}, ("d", "e")),
         # a member this job did not place is never touched
         ([member("b"), member("c"), Member("x", "x", ("http://10.0.0.9:2380",), False)], {"b", "c", "d"}, None),
+        # a place left empty (the dead one removed, the add refused): the first free node fills it
+        ([member("b"), member("c")], {"b", "c", "d", "e"}, (None, "d")),
+        ([member("b"), member("c")], {"b", "c"}, None),
     ],
 )
 def test_which_dead_member_is_replaced_and_by_whom(members, alive, expected):
     got = replacement(LAY, members, alive)
     assert (None if got is None else (got.dead_node, got.by)) == expected
-    if got is not None:
+    if got is not None and got.dead is not None:
         assert got.dead in members
 
 

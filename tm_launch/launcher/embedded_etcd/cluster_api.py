@@ -66,6 +66,7 @@ class ClusterAPI:
                 name=m.get("name", ""),
                 peer_urls=tuple(m.get("peerURLs", ())),
                 answering=probe and any(answers(u) for u in m.get("clientURLs", ())),
+                client_urls=tuple(m.get("clientURLs", ())),
             )
             for m in listed
         ]

@@ -7,8 +7,8 @@ different moments may each see themselves chosen.
 
 *At start* (``on_start``): with no cluster answering yet, the first members bootstrap it (etcd's
 ``--initial-cluster-state new``) and the others wait for it as clients. With a cluster answering,
-a node whose peer URL is listed but never started (no name yet) is a first member that came late:
-it bootstraps too, and joins. A node listed *with* its name is this node's previous agent (a
+a node whose peer URL is listed but never started (no client URLs published) is a first member
+that came late: it bootstraps too, and joins. A node listed as started is its previous agent's (a
 restarted pod, an agent started again on the same node): that member's data went with it, so the
 node takes its own place (``replace-self``: member remove, member add, start as ``existing``).
 
@@ -16,7 +16,9 @@ node takes its own place (``replace-self``: member remove, member add, start as 
 a lease (``etcd/agents/<node>``): a member that merely paused while its agent lives is not
 removed, and a member whose agent is gone is never waited for. Its place goes to the first node
 of the list that holds an agent and no member; with no such node the cluster keeps going on the
-others (two of three still have a quorum) until one comes.
+others (two of three still have a quorum) until one comes. A cluster with fewer members than the
+layout's size (a replacer removed the dead one and etcd refused the add: "unhealthy cluster"
+right after a change) gets the missing one the same way.
 """
 
 from __future__ import annotations
@@ -36,17 +38,23 @@ class Member:
     """One entry of etcd's member list, and whether its client URL answered just now."""
 
     id: str
-    name: str  # "" for a member that was added and has not started yet
+    name: str
     peer_urls: tuple[str, ...]
     answering: bool
+    client_urls: tuple[str, ...] = ()  # published by the member when it starts: none yet, never started
+
+    @property
+    def started(self) -> bool:
+        return bool(self.client_urls)
 
 
 @dataclass(frozen=True)
 class Replacement:
-    """Remove ``dead`` from the cluster; ``by`` adds itself in its place and starts a member."""
+    """Remove ``dead`` from the cluster (None: a place is empty already); ``by`` adds itself and
+    starts a member."""
 
-    dead: Member
-    dead_node: str
+    dead: Member | None
+    dead_node: str | None
     by: str
 
 
@@ -60,7 +68,7 @@ def on_start(layout: Layout, me: str | None, cluster: Sequence[Member] | None) -
     mine = [m for m in cluster if layout.node_of(m.peer_urls) == me]
     if not mine:
         return CLIENT
-    return BOOTSTRAP if all(not m.name for m in mine) else REPLACE_SELF
+    return BOOTSTRAP if not any(m.started for m in mine) else REPLACE_SELF
 
 
 def replacement(layout: Layout, members: Sequence[Member], alive: Collection[str]) -> Replacement | None:
@@ -68,9 +76,12 @@ def replacement(layout: Layout, members: Sequence[Member], alive: Collection[str
     whose agents hold their lease now."""
     held = {layout.node_of(m.peer_urls): m for m in members}
     dead = [(node, m) for node, m in held.items() if node is not None and not m.answering and node not in alive]
-    if not dead:
-        return None
-    dead.sort(key=lambda nm: layout.nodes.index(nm[0]))
-    node, member = dead[0]
     by = next((n for n in layout.nodes if n in alive and n not in held), None)
-    return None if by is None else Replacement(dead=member, dead_node=node, by=by)
+    if by is None:
+        return None
+    if dead:
+        node, member = min(dead, key=lambda nm: layout.nodes.index(nm[0]))
+        return Replacement(dead=member, dead_node=node, by=by)
+    if len(members) < layout.size:  # a place left empty (a replacer that removed and could not add)
+        return Replacement(dead=None, dead_node=None, by=by)
+    return None

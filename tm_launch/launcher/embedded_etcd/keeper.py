@@ -101,8 +101,11 @@ class Keeper:
             self._kv.delete(LOCK)
 
     def _replace(self, plan: Replacement) -> None:
-        log.info("embedded etcd: member %s (%s) is gone with its agent; %s takes its place", plan.dead_node, plan.dead.id, self.me)
-        self.api.remove(plan.dead.id)
+        if plan.dead is not None:
+            log.info("embedded etcd: member %s (%s) is gone with its agent; %s takes its place", plan.dead_node, plan.dead.id, self.me)
+            self.api.remove(plan.dead.id)
+        else:
+            log.info("embedded etcd: the cluster is a member short; %s joins it", self.me)
         peers = self.api.add(self.member.address.peer_url)
         self.member.start(initial_cluster(self.layout, peers), "existing", self.timeout)
         log.info("embedded etcd: %s serves as a member (%s)", self.me, self.member.address.client_url)
