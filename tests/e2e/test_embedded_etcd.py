@@ -132,3 +132,12 @@ def test_members_lost_with_their_agents_are_replaced_by_spares_and_training_stay
 
 def active(status: dict) -> list[str]:
     return [n["id"] for n in status["nodes"] if n["role"] == "active"]
+
+
+def test_the_embedded_etcd_without_a_node_list_is_one_error_line(tmp_path):
+    """The whole command's path (the other wrong inputs: the unit tables of ``service``)."""
+    cmd = launcher() + ["--rdzv-backend", "embedded-etcd", "--nnodes", "2", "--rdzv-id", "x", ORDINARY, "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "tm-launch: error: --rdzv-backend embedded-etcd: give the job's nodes with --etcd-nodes (under srun, Slurm's allocation is used)"
+    ], done.stderr
