@@ -9,8 +9,6 @@ second such loss later is survived as well, e taking that member's place. Every 
 """
 
 import os
-import random
-import socket
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -22,30 +20,12 @@ from torchrun_reference import run_torchrun
 from tm_launch.launcher.embedded_etcd.cluster_api import ClusterAPI
 from tm_launch.launcher.embedded_etcd.layout import Layout
 from tm_launch.local.localjob import REPO, LocalJob, launcher
+from tm_launch.local.ports import free_port_block
 
 NODES = ("a", "b", "c", "d", "e")
 STEPS = 40
 PAUSE = 6  # every rank holds here until the first loss is repaired (member list whole again)
 CASE = ["--width", "8", "--step-sleep", "0.3"]
-
-
-def free_port_block(count: int) -> int:
-    """A base port with ``count`` free ports after it on loopback."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports on loopback")
 
 
 @dataclass

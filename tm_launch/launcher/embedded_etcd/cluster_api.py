@@ -8,6 +8,7 @@ answer on its client URL (``/version``), not the cluster's opinion of it.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -74,8 +75,17 @@ class ClusterAPI:
     def remove(self, member_id: str) -> None:
         self._call("/v3/cluster/member/remove", {"ID": member_id})
 
-    def add(self, peer_url: str) -> list[tuple[str, ...]]:
+    def add(self, peer_url: str, patience: float = 30.0) -> list[tuple[str, ...]]:
         """Add a member at ``peer_url``; the peer URLs of every member after the change (the new
-        member's ``--initial-cluster``, each named by ``layout.node_of``)."""
-        out = self._call("/v3/cluster/member/add", {"peerURLs": [peer_url]})
-        return [tuple(m.get("peerURLs", ())) for m in out.get("members", [])]
+        member's ``--initial-cluster``, each named by ``layout.node_of``). etcd refuses an add
+        ("unhealthy cluster") until its members have been connected for a few seconds, as they
+        have not right after a ``remove``: that refusal is waited out for up to ``patience`` s."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                out = self._call("/v3/cluster/member/add", {"peerURLs": [peer_url]})
+                return [tuple(m.get("peerURLs", ())) for m in out.get("members", [])]
+            except ClusterError as e:
+                if "unhealthy cluster" not in str(e) or time.monotonic() > deadline:
+                    raise
+            time.sleep(1.0)

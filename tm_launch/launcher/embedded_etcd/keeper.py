@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable
 
 from rendezvous.kv import KV, KVError, Lease
 
@@ -49,7 +48,6 @@ class Keeper:
         self._kv: KV | None = None
         self._lease: Lease | None = None
         self._thread: threading.Thread | None = None
-        self.on_replaced: Callable[[Replacement], None] = lambda plan: None
 
     def start(self, kv: KV) -> None:
         """Hold the liveness key, then run the rounds on a thread of their own (``kv``: a
@@ -109,7 +107,6 @@ class Keeper:
         peers = self.api.add(self.member.address.peer_url)
         self.member.start(initial_cluster(self.layout, peers), "existing", self.timeout)
         log.info("embedded etcd: %s serves as a member (%s)", self.me, self.member.address.client_url)
-        self.on_replaced(plan)
 
     def close(self) -> None:
         """After ``stop`` and the member's own stop: the thread may end."""
