@@ -67,7 +67,17 @@ def test_members_lost_with_their_agents_are_replaced_by_spares_and_training_stay
         nnodes="3",
         nproc=1,
         script=ORDINARY,
-        launcher_args=["--etcd-nodes", ",".join(NODES), "--etcd-port", str(base), "--etcd-loopback", "--collective-timeout", "600"],
+        launcher_args=[
+            "--etcd-nodes",
+            ",".join(NODES),
+            "--etcd-port",
+            str(base),
+            "--etcd-loopback",
+            "--collective-timeout",
+            "600",
+            "--max-restarts",
+            "3",
+        ],
         clients=",".join(layout.client_urls),
     )
     job.env = {"OMP_NUM_THREADS": "1"}

@@ -4,7 +4,7 @@ agent does at start, which dead member is replaced and by whom, and when the age
 import pytest
 
 from rendezvous.rdzv_conf import UsageError
-from tm_launch.launcher.embedded_etcd.decisions import BOOTSTRAP, CLIENT, REPLACE_SELF, Member, on_start, replacement
+from tm_launch.launcher.embedded_etcd.decisions import BOOTSTRAP, CLIENT, REPLACE_SELF, Member, on_start, replacement, rounds_apart
 from tm_launch.launcher.embedded_etcd.keeper import initial_cluster
 from tm_launch.launcher.embedded_etcd.layout import Layout
 from tm_launch.launcher.embedded_etcd.service import layout_of, node_list_text, wanted
@@ -170,3 +170,9 @@ def test_the_node_list_comes_from_the_option_or_from_slurm_under_srun():
     assert layout_of("gpu[1-3]", 2379, False).nodes == ("gpu1", "gpu2", "gpu3")
     with pytest.raises(UsageError, match="names a node twice"):
         layout_of("a,a", 2379, False)
+
+
+def test_nodes_further_down_the_list_look_less_often():
+    big = Layout(tuple(f"n{i}" for i in range(1000)))
+    assert [rounds_apart(big, f"n{i}") for i in (0, 2, 3, 5, 6, 999)] == [1, 1, 2, 2, 3, 334]
+    assert rounds_apart(big, None) == 0 and rounds_apart(big, "elsewhere") == 0

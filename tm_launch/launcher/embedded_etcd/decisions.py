@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .layout import Layout
+from .layout import MEMBERS, Layout
 
 BOOTSTRAP = "bootstrap"
 REPLACE_SELF = "replace-self"
@@ -85,3 +85,13 @@ def replacement(layout: Layout, members: Sequence[Member], alive: Collection[str
     if len(members) < layout.size:  # a place left empty (a replacer that removed and could not add)
         return Replacement(dead=None, dead_node=None, by=by)
     return None
+
+
+def rounds_apart(layout: Layout, me: str | None) -> int:
+    """How many keeper rounds apart this node looks at the member list (0: never, a client only).
+    The rule names the first free node of the list, so the first nodes look every round and each
+    further group of three one round less often: a node far back is named only once every node
+    before it holds a member or is gone, which takes rounds of its own anyway."""
+    if me is None or me not in layout.nodes:
+        return 0
+    return 1 + layout.nodes.index(me) // MEMBERS

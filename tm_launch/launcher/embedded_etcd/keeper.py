@@ -6,7 +6,9 @@ a dead member from one that is merely slow. Each round (``interval``) the keeper
 list, applies the rule, and when the rule names this node it takes the lock ``etcd/replacing``
 (a create-if-absent on the agent's lease: one replacer at a time, and a replacer that dies drops
 it), reads the list again under the lock, removes the dead member, adds itself and starts its
-member as ``existing``. A node listed as a member while it runs none (its previous agent's
+member as ``existing``. Only nodes the rule can name look, the first of the list each round, those
+further back less often (``decisions.rounds_apart``): a job of a thousand nodes does not ask etcd
+a thousand times a second. A node listed as a member while it runs none (its previous agent's
 member, a restarted pod; or its own start that failed) replaces that entry the same way. The thread lives as long as the agent, so a member it started dies with
 the agent (PDEATHSIG fires on the thread's end).
 """
@@ -14,13 +16,14 @@ the agent (PDEATHSIG fires on the thread's end).
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 from rendezvous.kv import KV, KVError, Lease
 
 from ...logs import logger
 from .cluster_api import ClusterAPI, ClusterError
-from .decisions import Replacement, replacement
+from .decisions import Replacement, replacement, rounds_apart
 from .layout import Layout
 from .member import MemberProcess
 
@@ -62,11 +65,16 @@ class Keeper:
         self._kv.put(AGENTS + (self.me or f"client-{uuid.uuid4().hex[:12]}"), self.me or "", self._lease)
 
     def _run(self) -> None:
+        spacing = rounds_apart(self.layout, self.me)
+        renewed, tick = time.monotonic(), 0
         while not self._stop.wait(self.interval):
+            tick += 1
             try:
-                if not self._lease.refresh():
-                    self._hold()
-                if self.me is not None and not (self.member and self.member.running):
+                if time.monotonic() - renewed >= self.ttl / 3:
+                    renewed = time.monotonic()
+                    if not self._lease.refresh():
+                        self._hold()
+                if spacing and tick % spacing == 0 and not (self.member and self.member.running):
                     self._round()
             except (KVError, ClusterError, RuntimeError) as e:  # etcd away for a moment: the next round asks again
                 log.warning("embedded etcd: %s", e)
