@@ -23,9 +23,9 @@ from tm_launch.local.localjob import REPO, LocalJob, launcher
 from tm_launch.local.ports import free_port_block
 
 NODES = ("a", "b", "c", "d", "e")
-STEPS = 40
+STEPS = 80  # long enough after the second loss for its member to be replaced while the job runs
 PAUSE = 6  # every rank holds here until the first loss is repaired (member list whole again)
-CASE = ["--width", "8", "--step-sleep", "0.3"]
+CASE = ["--width", "8", "--step-sleep", "0.5"]
 
 
 @dataclass
