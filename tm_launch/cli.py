@@ -168,6 +168,20 @@ def _check_standalone(args) -> None:
         )
 
 
+def _embedded_etcd(args):
+    """The job's own etcd (``launcher.embedded_etcd``) where the user names none under an
+    allocation, or asks for it (--rdzv-backend embedded-etcd); None when an etcd is named."""
+    from .launcher.embedded_etcd import service
+
+    nodes = service.node_list_text(args.etcd_nodes, getattr(args, "slurm", None) is not None, os.environ)
+    if args.standalone or not service.wanted(args.rdzv_backend, args.rdzv_endpoint, nodes):
+        return None
+    layout = service.layout_of(nodes, args.etcd_port, args.etcd_loopback)
+    run_id = str(args.rdzv_id)
+    names = [os.environ.get("SLURMD_NODENAME", ""), args.node_id or ""]
+    return service.EmbeddedEtcd(layout, names, run_id, ttl=args.lease_ttl, timeout=_join_timeout(args))
+
+
 def _output(args, config, nproc: int):
     """Where worker output goes, as torchrun's DefaultLogsSpecs decides it (its layout under
     ``--log-dir``; see tm_launch.launcher.processes)."""
@@ -215,7 +229,14 @@ def _launch(args) -> int:
         if args.rdzv_id in (None, "", "none"):
             args.rdzv_id = f"standalone-{uuid.uuid4().hex[:8]}"
         log.info("--standalone: private etcd at %s", server.endpoint)
+    embedded = _embedded_etcd(args)
     try:
+        if embedded is not None:
+            try:
+                embedded.start()
+            except RuntimeError as e:
+                return _fail(str(e), code=1)
+            args.rdzv_backend, args.rdzv_endpoint = "etcd-v3", embedded.endpoint
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         run_id = str(args.rdzv_id)
         options = etcd_options(args.rdzv_endpoint, run_id, args.rdzv_conf)
@@ -236,6 +257,11 @@ def _launch(args) -> int:
             return _fail(str(e), code=1)
         except ValueError as e:  # a malformed --rdzv-endpoint
             raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: {e}") from None
+        if embedded is not None:
+            try:
+                embedded.keep(connect(api, options))  # a connection of its own, beside the agent's
+            except KVError as e:
+                return _fail(str(e), code=1)
         nproc = config.nproc_per_node
         if getattr(args, "slurm", None) is not None:
             from .launcher.slurm import describe
@@ -278,6 +304,8 @@ def _launch(args) -> int:
     finally:
         if server is not None:
             server.stop()
+        if embedded is not None:
+            embedded.stop(linger=max(30.0, 3 * args.lease_ttl))
 
 
 if __name__ == "__main__":

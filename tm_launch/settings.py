@@ -213,6 +213,10 @@ def _tcp_port(port: int) -> str | None:
     return None if 0 <= port <= 65535 else "must be a TCP port number (0-65535; 0 picks a free one)"
 
 
+def _three_ports(port: int) -> str | None:
+    return None if 1 <= port <= 65533 else "must be a TCP port with two more after it (1-65533)"
+
+
 # -- the table --------------------------------------------------------------------------------
 
 SETTINGS: tuple[Setting, ...] = (
@@ -327,6 +331,30 @@ SETTINGS: tuple[Setting, ...] = (
         False,
         "Never substitute ranks in place: every generation restarts all workers (restart mode), even for scripts that use tm_launch.init().",
         worker=ToWorker("TM_NO_LIVE"),
+    ),
+    Setting(
+        "etcd_nodes",
+        str,
+        None,
+        "Embedded etcd (--rdzv-backend embedded-etcd, or no --rdzv-endpoint under Slurm): the job's nodes, in one order "
+        "on every node, as a comma list or Slurm's form (gpu[01-08]); members run on the first three (default under "
+        "srun: SLURM_JOB_NODELIST).",
+        metavar="NODES",
+    ),
+    Setting(
+        "etcd_port",
+        int,
+        2379,
+        "Embedded etcd: a member's client port on its node; its peer port is the next one, its metrics port the one after (default 2379).",
+        metavar="PORT",
+        check=_three_ports,
+    ),
+    Setting(
+        "etcd_loopback",
+        bool,
+        False,
+        "Embedded etcd, several nodes on one machine (tests, rehearsals): every member listens on 127.0.0.1, the "
+        "i-th node of --etcd-nodes on --etcd-port + 3i and the two ports after it.",
     ),
     Setting("event_log", str, None, "Append this agent's events as JSON lines to FILE.", metavar="FILE"),
     Setting(

@@ -39,7 +39,7 @@ class Member:
 
 def members(listed: list[Member], answers: list[Answer]) -> list[dict]:
     """One row per member (the member list's, in the endpoints' order; then endpoints that name
-    no listed member):
+    no listed member, those that do not answer only while there is no list):
     ``{"name", "id", "endpoint", "answers", "leader", "version", "error"}``. A member answers when
     one endpoint's status came from it; the leader is the one the answering members name."""
     by_id = {a.member_id: a for a in answers if a.member_id}
@@ -65,6 +65,8 @@ def members(listed: list[Member], answers: list[Answer]) -> list[dict]:
             }
         )
     for a in answers:
+        if listed and a.member_id is None:
+            continue  # the list is known and this endpoint is none of it: a node with no member (the embedded etcd names every node)
         if a.endpoint not in shown and (a.member_id is None or a.member_id not in {m.id for m in listed}):
             rows.append(
                 {

@@ -25,7 +25,7 @@ from rendezvous.rdzv_conf import RUN_ID, UsageError  # one user-mistake type for
 from ..settings import SETTINGS, problems
 from .slurm import slurm_job
 
-LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2")
+LIVE_BACKENDS = ("etcd-v3", "etcd", "etcd-v2", "embedded-etcd")  # embedded-etcd: the agents run it (launcher.embedded_etcd)
 # Options a config file may not set: they name the script, not the job.
 NOT_IN_YAML = {"help", "config", "training_script", "training_script_args"}
 

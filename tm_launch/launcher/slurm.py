@@ -106,3 +106,49 @@ def describe(job: SlurmJob, max_nodes: int) -> str:
     if job.spans_allocations:
         return f"{head}; {job.nodes} node(s) in this allocation, joining a run of several allocations (nodes beyond --nnodes {max_nodes} are spares)"
     return f"{head}; {job.nodes} node(s) in this step for --nnodes {max_nodes}: {spares_in_allocation(job, max_nodes)} spare(s)"
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at the commas outside brackets: ``a[1,3],b`` -> ["a[1,3]", "b"]."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+        if depth not in (0, 1):
+            raise UsageError(f"node list {text!r}: brackets do not match (Slurm's form is node[01-04,07])")
+    if depth != 0:
+        raise UsageError(f"node list {text!r}: brackets do not match (Slurm's form is node[01-04,07])")
+    return parts + [text[start:]]
+
+
+def _range_values(spec: str, whole: str) -> list[str]:
+    """``01-03,7`` -> ["01", "02", "03", "7"]: the width of a range's first bound is kept (Slurm's zero padding)."""
+    values = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise UsageError(f"node list {whole!r}: {item!r} is not a number or a rising range (e.g. 01-04)")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+    return values
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed node list (``SLURM_JOB_NODELIST``), expanded in Slurm's order:
+    ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1; ``r[1-2]-n[1-2]`` -> r1-n1 r1-n2
+    r2-n1 r2-n2. What ``scontrol show hostnames`` prints, without needing Slurm's commands on the node."""
+    names: list[str] = []
+    for entry in filter(None, (p.strip() for p in _split_top_level(text.strip()))):
+        expanded = [""]
+        for literal, spec in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", entry):
+            values = _range_values(spec, text) if spec else [""]
+            expanded = [head + literal + v for head in expanded for v in values]
+        names += expanded
+    if len(set(names)) != len(names):
+        raise UsageError(f"node list {text!r} names a node twice")
+    return names

@@ -55,6 +55,11 @@ def short(rows):
             [Answer("http://h:1", None, error="refused"), Answer("http://h:2", None, error="timed out")],
             [row("", False, False, "refused"), row("", False, False, "timed out")],
         ),
+        (  # endpoints of nodes that hold no member (the embedded etcd names every node): not members
+            [A, B],
+            [Answer("http://h:1", "1", "1"), Answer("http://h:2", "2", "1"), Answer("http://h:9", None, error="refused")],
+            [row("m1", True, True), row("m2", True, False)],
+        ),
         (  # leader 0: an election in progress
             [A],
             [Answer("http://h:1", "1", "0")],
