@@ -245,8 +245,8 @@ def cause_of(d: Difference) -> str | None:
     return None
 
 
-# What the fault-free run says of a step's effects (``effects=`` below): SEVERAL, more than one
-# optimizer registered; BETWEEN, the fault came between two of them (the rehearsal's phase there).
+# What the fault-free run says of a step's effects (``effects=`` below): SEVERAL, a step of it
+# took more than one optimizer step (``runs.several_effects``); BETWEEN, the fault came between two of them (the rehearsal's phase there).
 SEVERAL, BETWEEN = "several", "between"
 
 
