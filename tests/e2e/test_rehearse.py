@@ -97,7 +97,7 @@ def test_a_script_whose_files_recover_exactly_passes_with_its_files_compared(tmp
 def test_a_step_with_two_optimizer_steps_is_also_killed_between_them(tmp_path):
     """``rehearse_effects.py --two-optimizers`` (a GAN-style step: the second model's backward and
     optimizer step after the first's), killed right after the first optimizer step (by default
-    only where the fault-free run registered more than one optimizer:
+    only where a step of the fault-free run took more than one optimizer step:
     ``tests/unit/rehearsal/test_phases.py``): the kill happens there. The verdict is
     whatever the live recovery does at that point (the runtime's part of issue 57 makes it exact):
     exit 0 exactly when every rank and file is equal, and a difference names the object."""
