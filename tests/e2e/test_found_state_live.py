@@ -48,6 +48,16 @@ def found_line(job) -> str:
     return lines[0] if lines else ""
 
 
+def surveyed(job) -> dict:
+    """The replica survey's log line (``replica_survey.describe``) as object -> ranks holding one copy."""
+    lines = [line for line in job.logs_tail(20000).splitlines() if "replicas found: " in line]
+    out = {}
+    for part in lines[0].split("replicas found: ", 1)[1].rsplit(" (", 1)[0].split("; ") if lines else []:
+        names, _, shape = part.partition(": ")
+        out |= {name: shape for name in names.split("+")}
+    return out
+
+
 @pytest.mark.parametrize(
     "script, extra, rank, phase",
     [
@@ -59,6 +69,9 @@ def found_line(job) -> str:
         pytest.param(IN_MAIN, ("--tokens",), 0, "backward", marks=pytest.mark.slow),
         pytest.param(AT_MODULE, ("--tokens", "--ema", "--log-loss"), 1, "backward", marks=pytest.mark.slow),
         pytest.param(AT_MODULE, ("--tokens",), 0, "forward", marks=pytest.mark.slow),
+        pytest.param(IN_MAIN, ("--ema", "--ema-per-rank", "--log-loss"), 1, "backward", marks=pytest.mark.slow),
+        pytest.param(IN_MAIN, ("--teacher", "mean", "--log-loss"), 1, "backward", marks=pytest.mark.slow),
+        pytest.param(IN_MAIN, ("--teacher", "frozen", "--log-loss"), 0, "logging", marks=pytest.mark.slow),
     ],
     ids=[
         "everything-r1-before",
@@ -69,6 +82,9 @@ def found_line(job) -> str:
         "tokens-main-r0",
         "module-r1",
         "module-tokens-r0",
+        "ema-per-rank-r1",
+        "mean-teacher-r1-before",
+        "frozen-teacher-r0-after",
     ],
 )
 def test_state_found_without_registration_recovers_exactly(local_job, reference, script, extra, rank, phase):
@@ -76,3 +92,7 @@ def test_state_found_without_registration_recovers_exactly(local_job, reference,
     assert_exact_and_live(job, codes, got, reference(script, *extra))
     if "--ema" in extra:
         assert "ema (AveragedModel" in found_line(job), job.logs_tail()
+    if "--teacher" in extra:
+        assert "teacher (Sequential" in found_line(job), job.logs_tail()
+    if "--ema-per-rank" in extra:  # the survey found each rank's EMA its own: the joiner took rank 1's, not rank 0's
+        assert surveyed(job).get("ema") == "[0] [1]", job.logs_tail()

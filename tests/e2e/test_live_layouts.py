@@ -95,7 +95,7 @@ def run(local_job, layout: str, nproc: int = 1, kill: tuple | None = None, fault
     job.start_all([f"n{i}" for i in range(nodes)])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
     job.start("spare")
-    job.wait_parked("spare")
+    job.wait_parked("spare", timeout=300)  # a spare warming up for 4 ranks on a loaded 2-core machine: > 120 s
     if fault:
         fault(job)
     open(trigger, "w").close()

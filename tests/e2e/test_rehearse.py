@@ -97,7 +97,7 @@ def test_a_script_whose_files_recover_exactly_passes_with_its_files_compared(tmp
 def test_a_step_with_two_optimizer_steps_is_also_killed_between_them(tmp_path):
     """``rehearse_effects.py --two-optimizers`` (a GAN-style step: the second model's backward and
     optimizer step after the first's), killed right after the first optimizer step (by default
-    only where the fault-free run registered more than one optimizer:
+    only where a step of the fault-free run took more than one optimizer step:
     ``tests/unit/rehearsal/test_phases.py``): the kill happens there. The verdict is
     whatever the live recovery does at that point (the runtime's part of issue 57 makes it exact):
     exit 0 exactly when every rank and file is equal, and a difference names the object."""
@@ -112,6 +112,29 @@ def test_a_step_with_two_optimizer_steps_is_also_killed_between_them(tmp_path):
     for rank in fault["ranks"]:  # a difference names the objects and the step's several effects as the cause
         assert rank["equal"] or {d["object"] for d in rank["differences"]} & {"model", "second", "optimizer", "second_optimizer"}, rank
         assert rank["equal"] or rank["causes"] == ["effects"], rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # torchrun's run and one fault
+def test_an_unregistered_second_optimizer_counts_as_a_second_effect_and_its_kill_rehearses_bitwise(tmp_path):
+    """``rehearse_effects.py --two-optimizers --second-unregistered``: the second model and its
+    optimizer are not registered (live mode finds them). The fault-free run counts two optimizer
+    steps per step as it ran (which is what puts the between-effects kill among the default
+    phases: ``tests/unit/rehearsal/test_phases.py``), and the kill there recovers exactly: the
+    survivor's second vote fails, it rolls the first optimizer step back, and every rank and the
+    file it writes end bitwise equal; exit 0."""
+    import torch
+
+    script = os.path.join(SCRIPTS, "rehearse_effects.py")
+    argv = [script, "--steps", "8", "--two-optimizers", "--second-unregistered"]
+    out, report = rehearse(tmp_path, "--no-control", "--phases", "between-effects", *argv)
+    assert report is not None, out.stderr[-3000:]
+    state = tmp_path / "runs" / "reference" / "state"
+    metas = [torch.load(p, weights_only=False)["meta"] for p in sorted(state.glob("rank*.pt"))]
+    assert len(metas) == 2 and all(m["effects"] == 2 and "opt_second" in m["found"] for m in metas), metas
+    (fault,) = report["faults"]
+    assert fault["phase"] == "between-effects" and fault["fired"], out.stdout
+    assert out.returncode == 0 and report["passed"], out.stdout
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ again counts twice and a rank taking over counts from its own start, so after a 
 differs from the fault-free run while every registered object is exact; without it the count is
 the loop's step. ``--two-optimizers``: a second model trained on the first one's output with an
 optimizer of its own, stepped after the first's in every step (a GAN-style step: two effects),
-both registered. Deterministic on CPU: batches are a function of (step, rank).
+both registered (``--second-unregistered``: only the first model and its optimizer are; live mode
+finds the second pair at the first step). Deterministic on CPU: batches are a function of (step, rank).
 """
 
 import argparse
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--closure-counter", action="store_true")
     p.add_argument("--two-optimizers", action="store_true")
+    p.add_argument("--second-unregistered", action="store_true", help="with --two-optimizers: register the first pair only")
     args = p.parse_args()
     job = tm_launch.init()
     torch.manual_seed(0)
@@ -45,7 +47,7 @@ def main() -> None:
     ddp, ddp_second = DDP(model, process_group=job.group), DDP(second, process_group=job.group)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt_second = torch.optim.SGD(second.parameters(), lr=0.05, momentum=0.9)
-    if args.two_optimizers:
+    if args.two_optimizers and not args.second_unregistered:
         job.register(model=model, optimizer=opt, second=second, second_optimizer=opt_second)
     else:
         job.register(model=model, optimizer=opt)

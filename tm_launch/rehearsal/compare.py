@@ -34,6 +34,13 @@ CAUSES: dict[str, tuple[str, str]] = {
         "register the sampler or loader with job.register(per_rank=True, data=...) (it needs state_dict()/"
         "load_state_dict()), or make each step's batch a function of the step",
     ),
+    "loop": (
+        "a variable of the loop that runs job.steps() (a counter, a best loss, a tokens-seen count) was not carried exactly",
+        "change it before the step's first optimizer step, or derive it from the step: a variable changed after the step's "
+        "commit is carried to a joiner at its value from the vote (the log's `tm-launch: warning:` line names it); keep it a "
+        "number, string or small tensor in the frame that iterates job.steps() (a closure's cell or an object without "
+        "state_dict() is not found)",
+    ),
     "effects": (
         "a step with several effects (two optimizers' steps, an update after the optimizer step): the fault came after "
         "the first was applied, and the rest of the step was not applied exactly once on every rank",
@@ -59,6 +66,7 @@ ROLE_CAUSE = {
     "global-rng": "rng",
     "data": "data",
     "attr": "unregistered",
+    "loop": "loop",
     "file": "file",
 }
 FILES = "~file"  # the key prefix of the working directory's files: "~file/<path>" (bytes), "~file/<path>:<key>" (a tensor in it)
@@ -85,8 +93,8 @@ WALL_CLOCK = ("_runtime", "_per_second")
 
 @dataclass(frozen=True)
 class Difference:
-    key: str  # the dump's flat key: "<object>/<state_dict key>", "~rng/torch", "~attr/<module>.<path>", "~file/<path>[:<key>]"
-    role: str  # param, buffer, optim, sched, rng, data, other, attr, global-rng, file
+    key: str  # the dump's flat key: "<object>/<state_dict key>", "~rng/torch", "~attr/<module>.<path>", "~loop/<variable>", "~file/<path>[:<key>]"
+    role: str  # param, buffer, optim, sched, rng, data, other, attr, global-rng, file, loop
     detail: str  # "max |diff| 0.0123", "shape (2,) -> (3,)", "3 -> 4", "only in the fault-free run"
 
     @property
@@ -95,7 +103,8 @@ class Difference:
         head, _, rest = self.key.partition("/")
         if head == FILES:
             return f"file {rest.partition(':')[0]}"
-        return {"~rng": "global RNG (not registered)", "~attr": "plain attributes (not registered)"}.get(head, head)
+        names = {"~rng": "global RNG (not registered)", "~attr": "plain attributes (not registered)", "~loop": "the loop's variables"}
+        return names.get(head, head)
 
     @property
     def tensor(self) -> str:
@@ -236,8 +245,8 @@ def cause_of(d: Difference) -> str | None:
     return None
 
 
-# What the fault-free run says of a step's effects (``effects=`` below): SEVERAL, more than one
-# optimizer registered; BETWEEN, the fault came between two of them (the rehearsal's phase there).
+# What the fault-free run says of a step's effects (``effects=`` below): SEVERAL, a step of it
+# took more than one optimizer step (``runs.several_effects``); BETWEEN, the fault came between two of them (the rehearsal's phase there).
 SEVERAL, BETWEEN = "several", "between"
 
 

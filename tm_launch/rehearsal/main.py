@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=(
             f"comma-separated phases to kill a worker at, one run each (default: all: {','.join(PHASES)}; "
-            f"{','.join(SEVERAL_EFFECTS)} only where the script registers more than one optimizer)"
+            f"{','.join(SEVERAL_EFFECTS)} only where a step of the fault-free run took more than one optimizer step)"
         ),
     )
     p.add_argument("--kill-step", type=int, default=None, help="the step the faults happen at (default: half the fault-free run's steps)")

@@ -38,6 +38,7 @@ import time
 import torch
 
 from . import phase_faults, torch_patches
+from .job.step_effects import EffectCount
 from .state import discovered
 from .state.loop_variables import LoopVariables
 
@@ -55,6 +56,33 @@ class Registry:
         self.counting = False  # the optimizer hook that counts them is installed
         self.found: dict[str, object] = {}  # name -> object found at the loop's first step (not registered)
         self.loop_frame = None  # the frame that iterates job.steps(): its plain variables are dumped
+        # Optimizer steps per job.steps() step, every optimizer's, registered or not (an unregistered
+        # second optimizer is a second effect all the same): what decides the between-effects kill.
+        self.effects = EffectCount()
+        self.in_loop = False
+        self._stepped: list = []  # this step's optimizers so far
+
+    def start_step(self) -> None:
+        self.in_loop = True
+        self.effects.start()
+        self._stepped = []
+
+    def optimizer_stepped(self, optimizer) -> None:
+        """One more effect of the current step, unless ``optimizer`` wraps one that just stepped
+        (ZeRO's wrapper steps its inner optimizer: one effect)."""
+        if not self.in_loop:
+            return
+        if any(getattr(optimizer, "optim", None) is o for o in self._stepped):
+            return
+        self._stepped.append(optimizer)
+        self.effects.applied()
+
+    def effects_per_step(self) -> int:
+        """The most optimizer steps one step had; a framework's own loop (no job.steps()) has no
+        step boundaries to count in: its registered optimizers' count stands for it."""
+        if self.steps:
+            return self.effects.expected
+        return sum(1 for obj, per_rank in self.objects.values() if object_kind(obj, per_rank) == "optim")
 
     def discover(self, here) -> None:
         """At the loop's first step (``here``: a frame inside tm-launch's steps()): what live mode
@@ -120,13 +148,17 @@ def _wrap(job) -> None:
 
     def counting_steps(total: int, start: int = 0):
         first = True
-        for step in steps(total, start):
-            if first:
-                first = False
-                REGISTRY.discover(sys._getframe())
-            _hold(job)
-            yield step
-            REGISTRY.steps = max(REGISTRY.steps, step + 1)
+        try:
+            for step in steps(total, start):
+                if first:
+                    first = False
+                    REGISTRY.discover(sys._getframe())
+                _hold(job)
+                REGISTRY.start_step()
+                yield step
+                REGISTRY.steps = max(REGISTRY.steps, step + 1)
+        finally:
+            REGISTRY.in_loop = False
 
     job.register, job.steps = recording_register, counting_steps
     if not REGISTRY.counting:  # once per process, however many jobs init() made
@@ -137,6 +169,7 @@ def _wrap(job) -> None:
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
     if any(optimizer is o for o in REGISTRY.optimizers()):
         REGISTRY.optimizer_steps += 1
+    REGISTRY.optimizer_stepped(optimizer)
 
 
 _held = False
@@ -221,6 +254,7 @@ def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
         "steps": steps,
         "objects": kinds,
         "found": sorted(registry.found),
+        "effects": registry.effects_per_step(),
     }
     return {"meta": meta, "entries": entries, "roles": roles}
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tm_launch.rehearsal.compare import (
+    CAUSES,
     Difference,
     FileBytes,
     cause_of,
@@ -35,6 +36,7 @@ BASE = {
     "data__generator": ("data", torch.arange(3, dtype=torch.uint8)),
     "~rng__torch": ("global-rng", torch.arange(5, dtype=torch.uint8)),
     "~attr__Sequential.drift": ("attr", torch.ones(2)),
+    "~loop__tokens_seen": ("loop", 96),
 }
 
 
@@ -68,6 +70,11 @@ CASES = [
     ),
     ("an optimizer step count", {"optimizer__state.0.step": ("optim", torch.tensor(5.0)), "model__0.weight": ("param", W + 1)}, ["steps"]),
     ("a scheduler step count", {"scheduler__last_epoch": ("sched", 5)}, ["steps"]),
+    (
+        "a loop variable and the parameters it steered (a tokens-seen count driving the learning rate)",
+        {"~loop__tokens_seen": ("loop", 104), "model__0.weight": ("param", W + 1)},
+        ["loop"],
+    ),
     (
         "two causes, most specific first",
         {"~attr__Sequential.drift": ("attr", torch.zeros(2)), "model__bn.running_mean": ("buffer", torch.ones(2))},
@@ -126,10 +133,18 @@ def test_describe(a, b, said):
         ("sched", "scheduler/_step_count", "steps"),
         ("sched", "scheduler/base_lrs.0", None),
         ("other", "lightning/state_dict.w", None),
+        ("loop", "~loop/best_loss", "loop"),
     ],
 )
 def test_cause_of_one_difference(role, key, cause):
     assert cause_of(Difference(key, role, "max |diff| 1")) == cause
+
+
+def test_a_loop_variable_is_named_as_the_loop_s_and_suggests_where_to_change_it():
+    d = Difference("~loop/tokens_seen", "loop", "96 -> 104")
+    assert (d.obj, d.tensor) == ("the loop's variables", "tokens_seen")
+    title, suggestion = CAUSES[cause_of(d)]
+    assert "loop that runs job.steps()" in title and "before the step's first optimizer step" in suggestion
 
 
 def test_classify_nothing():

@@ -50,6 +50,7 @@ def test_collect_names_every_registered_tensor_by_role():
         "steps": 5,
         "objects": {"model": "module", "optimizer": "optim", "data": "data"},
         "found": [],
+        "effects": 0,  # no step counted its optimizer steps (the steps were set, not run)
     }
     m.drift += 1  # the dump holds copies
     assert torch.equal(d["entries"]["~attr/Sequential.drift"], torch.full((2,), 7.0))
@@ -84,6 +85,59 @@ def test_the_dump_holds_what_the_loop_keeps_unregistered():
     assert d["entries"]["scaler/scale"] == 8.0
     assert d["entries"]["~loop/tokens_seen"] == 96 and d["roles"]["~loop/tokens_seen"] == "loop"
     assert scaler is not None and tokens_seen == 96
+
+
+class Wrapper(torch.optim.Optimizer):
+    """A ZeRO-shaped optimizer: its step steps the inner optimizer it holds as ``optim``."""
+
+    def __init__(self, params):
+        self.optim = torch.optim.SGD(params, lr=0.1)
+        super().__init__(self.optim.param_groups[0]["params"], {"lr": 0.1})
+
+    def step(self, closure=None):
+        self.optim.step()
+
+
+def test_the_dump_counts_every_optimizer_step_of_a_step_registered_or_not():
+    """The effects per step come from what ran: a second optimizer the script never registered
+    is a second effect (the rehearsal then kills between them), a wrapper stepping its inner
+    optimizer is one, a step outside the loop counts nowhere, and the most any step had stands."""
+    a, b, c = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    opt_a, opt_b, zero = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1), Wrapper(c.parameters())
+    reg = Registry()
+    reg.objects = {"model": (a, False), "optimizer": (opt_a, False)}
+    from tm_launch.worker import torch_patches
+
+    handle = torch_patches.after_every_optimizer_step(lambda opt, args, kwargs: reg.optimizer_stepped(opt))
+    try:
+        for p in [*a.parameters(), *b.parameters(), *c.parameters()]:
+            p.grad = torch.ones_like(p)
+        opt_b.step()  # before the loop: not a step's effect
+        reg.start_step()
+        opt_a.step()
+        assert reg.effects.expected == 1
+        reg.start_step()
+        zero.step()  # the wrapper and its inner optimizer: one effect
+        assert reg.effects.expected == 1
+        reg.start_step()
+        opt_a.step()
+        opt_b.step()  # unregistered, a second effect all the same
+        reg.start_step()
+        opt_a.step()
+        reg.in_loop = False
+        opt_b.step()
+    finally:
+        handle.remove()
+    reg.steps = 4
+    assert reg.effects.expected == 2 and collect(0, 1, "plain", reg)["meta"]["effects"] == 2
+
+
+def test_a_framework_loop_without_steps_counts_its_registered_optimizers_as_a_step_s_effects():
+    a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    reg = Registry()
+    reg.objects = {"a": (a, False), "b": (b, False)}
+    reg.objects |= {"opt_a": (torch.optim.SGD(a.parameters(), lr=0.1), False), "opt_b": (torch.optim.SGD(b.parameters(), lr=0.1), False)}
+    assert collect(0, 1, "plain", reg)["meta"]["effects"] == 2
 
 
 def test_collect_saves_a_dtensor_as_its_local_shard():
