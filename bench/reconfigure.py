@@ -13,7 +13,11 @@ when its new group has answered a first all-reduce correctly; reported is the sl
 
 - ``rebuild``: what live mode does (``tm_launch.worker.comms.communicators.build``): a new
   gloo communicator on a fresh ``PrefixStore`` of the round (the generation's store), every
-  pair connected, its connections found for a later give-up; the old group dropped.
+  pair connected, its connections found for a later give-up (the old group was given up
+  before the round starts, as live mode gives it up when the plan arrives).
+- ``gloo``: torch's own ``ProcessGroupGloo`` constructor on a fresh prefix, nothing else: what
+  of ``rebuild`` is gloo's bootstrap and what is live mode's bookkeeping around it (its
+  connections found in ``/proc`` for a later give-up, the listeners' key, the composite group).
 - ``reconfigure``: torch's ``Backend.reconfigure`` (``dist._reconfigure`` on a group): each
   process built one ``ProcessGroupGloo(..., enable_reconfigure=True)`` before the rounds (a
   spare's warm-up) and published its handle (``get_reconfigure_handle``); a round passes the
@@ -68,14 +72,15 @@ def worker(index: int, ranks: int, rounds: int, port: int, method: str) -> None:
         store.wait([f"go/{round_no}"])
         rank = member_of(index, ranks, round_no)
         if rank is not None:
+            if method == "rebuild" and group is not None:  # given up when the plan arrives, before the build
+                from tm_launch.worker.comms import communicators
+
+                communicators.release(group)
+            group = None
             start = time.perf_counter()
             if method == "rebuild":
                 from tm_launch.worker.comms import communicators
 
-                old, group = group, None
-                if old is not None:
-                    communicators.release(old)
-                    del old
                 group = communicators.build(
                     dist.PrefixStore(f"rb/{round_no}/", store),
                     rank,
@@ -85,6 +90,15 @@ def worker(index: int, ranks: int, rounds: int, port: int, method: str) -> None:
                     setup_timeout_s=60,
                     hostname="127.0.0.1",
                 )
+                total = torch.ones(4)
+                group.allreduce([total]).wait()
+            elif method == "gloo":
+                from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+                opts = ProcessGroupGloo._Options()
+                opts._timeout = TIMEOUT
+                opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+                group = ProcessGroupGloo(dist.PrefixStore(f"pg/{round_no}/", store), rank, ranks, opts)
                 total = torch.ones(4)
                 group.allreduce([total]).wait()
             else:
@@ -138,7 +152,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", default="2,4,8", help="group sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="membership changes per size and method")
-    parser.add_argument("--methods", default="rebuild,reconfigure")
+    parser.add_argument("--methods", default="rebuild,gloo,reconfigure")
     args = parser.parse_args()
     import torch
     import torch.distributed as dist
