@@ -87,7 +87,10 @@ def cuda_venv():
 
 
 def torch_of(python: str, cwd) -> str:
-    return sh([python, "-c", "import torch; print(torch.__version__, torch.version.cuda, torch.__file__)"], cwd=cwd).strip()
+    """``version cuda path`` of the venv's torch (stdout only: before tm-launch brings numpy,
+    importing torch warns on stderr that numpy is missing)."""
+    out = sh([python, "-c", "import torch; print('torch:', torch.__version__, torch.version.cuda, torch.__file__)"], cwd=cwd)
+    return re.search(r"^torch: (.*)$", out, re.M).group(1).strip()
 
 
 def test_the_wheel_installs_beside_a_cuda_torch_and_recovers_live_bitwise(cuda_venv, tmp_path, local_job, monkeypatch):
