@@ -1,0 +1,97 @@
+"""torch's own pipeline stages recover live (``tests/scripts/pipelining.py``).
+
+``torch.distributed.pipelining``'s ``PipelineStage`` under torch's schedules, built without
+``input_args``: each stage infers its neighbours' shapes on its first step. 2 nodes of 1 worker
+(one stage per rank, no data-parallel replica: the lost stage comes from its snapshot on the
+next node) and a warm spare; real agents, etcd, gloo and SIGKILLs. Each run: one new
+generation, the survivor keeps its process, and every rank's whole state (its stage modules'
+state_dict, the optimizer's and the scheduler's) is bitwise equal to the same script's fault-free
+run under plain torchrun.
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+from test_live_ddp_options import assert_bitwise, assert_one_live_generation
+from torchrun_reference import run_torchrun
+
+from tm_launch.local.localjob import REPO
+
+SCRIPT = os.path.join(REPO, "tests", "scripts", "pipelining.py")
+STEPS = 24
+PAUSE = 8  # faulty runs hold every rank at this step until the spare is parked
+KILL = 12
+pytestmark = pytest.mark.timeout(900)  # whole jobs (a torchrun reference and a live run) on a loaded 2-core machine
+
+
+def script(schedule: str, workdir: str, *extra: str) -> list[str]:
+    return ["--schedule", schedule, "--steps", str(STEPS), "--out", os.path.join(workdir, "out"), *extra]
+
+
+def load(workdir: str) -> dict:
+    return {os.path.basename(p).rsplit(".", 1)[1]: torch.load(p) for p in glob.glob(os.path.join(workdir, "out.rank*"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Each schedule's fault-free final state per rank under plain torchrun (computed once)."""
+    cache = {}
+
+    def get(schedule: str) -> dict:
+        if schedule not in cache:
+            workdir = str(tmp_path_factory.mktemp(f"ref-{schedule}"))
+            run_torchrun(SCRIPT, script(schedule, workdir), nproc=2, timeout=600)
+            cache[schedule] = load(workdir)
+            assert sorted(cache[schedule]) == ["rank0", "rank1"]
+        return cache[schedule]
+
+    return get
+
+
+def run(local_job, schedule: str, rank: int, phase: str):
+    """2 nodes of 1 worker plus a spare; the worker holding ``rank`` SIGKILLs itself at ``phase``
+    of step KILL, once the spare has parked."""
+    job = local_job(nnodes="2", nproc=1, script=SCRIPT, launcher_args=["--max-restarts", "3"])
+    job.env = {"OMP_NUM_THREADS": "1"}
+    trigger = os.path.join(job.workdir, "trigger")
+    job.script_args = script(
+        schedule,
+        job.workdir,
+        "--step-log",
+        job.step_log,
+        "--pause-step",
+        str(PAUSE),
+        "--pause-file",
+        trigger,
+        "--kill-rank",
+        str(rank),
+        "--kill-step",
+        str(KILL),
+        "--kill-phase",
+        phase,
+        "--kill-trigger",
+        trigger,
+        "--kill-marker",
+        os.path.join(job.workdir, "killed"),
+    )
+    job.start_all(["n0", "n1"])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    job.start("spare")
+    job.wait_parked("spare", timeout=300)  # a loaded machine: its sandbox imports torch and builds the stage
+    open(trigger, "w").close()
+    codes = job.wait(timeout=300)
+    return job, codes, load(job.workdir)
+
+
+@pytest.mark.parametrize(
+    "schedule, rank, phase",
+    [
+        pytest.param("gpipe", 1, "backward", marks=pytest.mark.slow),
+    ],
+)
+def test_pipeline_stage_recovers_live_in_one_generation(local_job, reference, schedule, rank, phase):
+    job, codes, got = run(local_job, schedule, rank, phase)
+    assert_one_live_generation(job, codes, survivor=1 - rank)
+    assert_bitwise(got, reference(schedule))
