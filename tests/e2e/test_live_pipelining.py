@@ -39,21 +39,21 @@ def reference(tmp_path_factory):
     """Each schedule's fault-free final state per rank under plain torchrun (computed once)."""
     cache = {}
 
-    def get(schedule: str) -> dict:
-        if schedule not in cache:
-            workdir = str(tmp_path_factory.mktemp(f"ref-{schedule}"))
-            run_torchrun(SCRIPT, script(schedule, workdir), nproc=2, timeout=600)
-            cache[schedule] = load(workdir)
-            assert sorted(cache[schedule]) == ["rank0", "rank1"]
-        return cache[schedule]
+    def get(schedule: str, nodes: int = 2) -> dict:
+        if (schedule, nodes) not in cache:
+            workdir = str(tmp_path_factory.mktemp(f"ref-{schedule}-{nodes}"))
+            run_torchrun(SCRIPT, script(schedule, workdir), nproc=nodes, timeout=600)
+            cache[schedule, nodes] = load(workdir)
+            assert sorted(cache[schedule, nodes]) == [f"rank{r}" for r in range(nodes)]
+        return cache[schedule, nodes]
 
     return get
 
 
-def run(local_job, schedule: str, rank: int, phase: str):
-    """2 nodes of 1 worker plus a spare; the worker holding ``rank`` SIGKILLs itself at ``phase``
-    of step KILL, once the spare has parked."""
-    job = local_job(nnodes="2", nproc=1, script=SCRIPT, launcher_args=["--max-restarts", "3"])
+def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2):
+    """``nodes`` nodes of 1 worker plus a spare; the worker holding ``rank`` SIGKILLs itself at
+    ``phase`` of step KILL, once the spare has parked."""
+    job = local_job(nnodes=str(nodes), nproc=1, script=SCRIPT, launcher_args=["--max-restarts", "3"])
     job.env = {"OMP_NUM_THREADS": "1"}
     trigger = os.path.join(job.workdir, "trigger")
     job.script_args = script(
@@ -76,7 +76,7 @@ def run(local_job, schedule: str, rank: int, phase: str):
         "--kill-marker",
         os.path.join(job.workdir, "killed"),
     )
-    job.start_all(["n0", "n1"])
+    job.start_all([f"n{i}" for i in range(nodes)])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
     job.start("spare")
     job.wait_parked("spare", timeout=300)  # a loaded machine: its sandbox imports torch and builds the stage
@@ -85,13 +85,42 @@ def run(local_job, schedule: str, rank: int, phase: str):
     return job, codes, load(job.workdir)
 
 
+def received(job) -> list[str]:
+    return [line for n in job.nodes.values() for line in n.log().splitlines() if "received" in line and "worker" in line]
+
+
 @pytest.mark.parametrize(
     "schedule, rank, phase",
     [
         pytest.param("gpipe", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("gpipe", 0, "microbatch", marks=pytest.mark.slow),
+        pytest.param("interleaved", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("1f1b", 1, "microbatch", marks=pytest.mark.slow),
+        pytest.param("1f1b", 0, "backward", marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_stage_recovers_live_in_one_generation(local_job, reference, schedule, rank, phase):
+    """Pure pipeline, 2 stages (interleaved: 4, two per rank): the lost stage comes from its
+    snapshot on the survivor; a spare promoted to rank 0 (it warmed up as rank 1) runs the script
+    again for it; the survivor sets its stage up again with the joiner, in the step that runs again."""
     job, codes, got = run(local_job, schedule, rank, phase)
     assert_one_live_generation(job, codes, survivor=1 - rank)
     assert_bitwise(got, reference(schedule))
+    assert any("snapshot of step" in line for line in received(job)), received(job)
+    survivor = next(name for name, code in codes.items() if name != "spare" and code == 0)  # a node's group rank is not its name's
+    assert "set up again with their neighbours" in job.nodes[survivor].log()
+
+
+@pytest.mark.slow
+def test_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local_job, reference):
+    """2 stages x 2 data-parallel replicas on 4 nodes: rank 1 (stage 1 of replica 0) is lost, the
+    spare (warmed up as rank 3) runs the script again as rank 1 and receives the stage from rank 3,
+    its dp peer; the pipeline group of ranks 2 and 3 is kept and keeps its set-up."""
+    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4)
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
+    victim = plans[0]["replaced"]["spare"]
+    assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
+    assert_bitwise(got, reference("gpipe", 4))
+    assert any("from rank 3" in line for line in received(job)), received(job)
+    assert "promoted to rank 1 (warmed up as rank 3)" in job.nodes["spare"].log()

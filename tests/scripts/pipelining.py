@@ -16,8 +16,10 @@ by (step, data-parallel index). ``--out PREFIX`` writes each rank's whole ``stat
 stage modules, its optimizer's and its scheduler's state to ``PREFIX.rank<r>``.
 
 Fault injection: ``--kill-rank R --kill-step S --kill-phase PHASE`` (``tests/scripts/faults.py``);
-``forward`` is at the top of the step, ``backward`` inside the first backward microbatch that
-reaches the stage's first layer (a forward microbatch may then be in flight).
+``forward`` is at the top of the step, ``microbatch`` in the forward of the stage's second
+microbatch (the first one's activations sent or on their way), ``backward`` inside the first
+backward microbatch that reaches the stage's first layer (under 1F1B a forward microbatch is
+then in flight).
 """
 
 from __future__ import annotations
@@ -103,12 +105,21 @@ def main():
     replicas = mesh["dp"].get_group() if dp > 1 else [rank]
     job.register(model=model, optimizer=opt, scheduler=sched, replicas=replicas)
     faults.arm_backward(model, job)
+    forwards = [0]  # this step's forward microbatches on this rank
+
+    def microbatch(module, inputs):
+        forwards[0] += 1
+        if forwards[0] == 2:
+            faults.at(job, "microbatch")
+
+    model[0].register_forward_pre_hook(microbatch)
     opt.register_step_pre_hook(lambda *a: faults.at(job, "optimizer"))
     first, last = 0 in indices, n_stages - 1 in indices
     for step in job.steps(args.steps):
         faults.step = step
         x, y = batch(step, mesh["dp"].get_local_rank())
         faults.at(job, "forward")
+        forwards[0] = 0
         opt.zero_grad()
         losses: list = []
         if first:

@@ -355,6 +355,13 @@ def test_the_pipeline_set_up_flags_and_stage_attributes_pipeline_stages_reads():
     assert all(f"self.{f} = False" in single + multi for f in SET_UP_FLAGS)
     init = inspect.getsource(_PipelineStageBase.__init__)
     assert "self.group = group" in init and "self.stage_index = stage_index" in init
+    # discard_leftovers: what a step that failed part-way leaves, per microbatch
+    for cache in ("bwd_cache", "backward_state", "dw_runner", "fwd_cache"):
+        assert f"self.{cache}:" in init, cache
+    assert callable(_PipelineStageBase.clear_runtime_states)
+    base = inspect.getsource(schedules._PipelineSchedule.__init__)
+    assert "self._internal_losses" in base and "self._n_microbatches = n_microbatches" in base
+    assert "self._internal_losses.clear()" in inspect.getsource(schedules._PipelineSchedule._update_losses)
     assert "_initialize_pp_stages" in inspect.getsource(schedules._PipelineSchedule)
 
 

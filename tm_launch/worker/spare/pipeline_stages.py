@@ -24,8 +24,9 @@ The rule (``set_up_decision``, pure):
   members are the same processes;
 * a step whose communication already failed (the step is poisoned, and will run again) may
   fail inside torch's schedule on what the failed receives left (a set-up reading an object from
-  a dead neighbour): that failure is dropped, not raised out of the script's loop, and the step
-  runs again with every microbatch once. Any other failure is the script's and is raised.
+  a dead neighbour): that failure is dropped, not raised out of the script's loop, with what the
+  step left in the schedule (``discard_leftovers``), and the step runs again with every
+  microbatch once. Any other failure is the script's and is raised.
 
 So a promoted spare's first step costs what its neighbour's does in that step (both do the
 set-up once), and nothing of the old generation's point-to-point traffic is read by the new.
@@ -82,6 +83,31 @@ def forget_set_up(schedule) -> None:
             setattr(schedule, flag, False)
 
 
+def stand_in_losses(schedule, losses: list | None) -> None:
+    """A skipped step of a schedule holding the last stage fills the script's ``losses`` as
+    torch would, one per microbatch (zeros: nothing ran), so that a loop summing them
+    (torchtitan's ``torch.stack(losses)``) runs in the sandbox too."""
+    import torch
+
+    last = [s for s in stages_of(schedule) if s.is_last]
+    if losses is None or not last:
+        return
+    losses[:] = [torch.zeros((), device=last[0].device) for _ in range(schedule._n_microbatches)]
+
+
+def discard_leftovers(schedule) -> None:
+    """What a step that failed part-way left in the schedule and its stages: the last stage's
+    losses of the microbatches it got to (torch clears them only at a step's end; the step run
+    again then took the dropped step's loss for its first microbatch, whose graph was detached:
+    "Trying to use a saved tensor that has been detached in-place"), the forward caches, the
+    input gradients and deferred weight gradients not yet sent or run."""
+    schedule._internal_losses.clear()
+    for stage in stages_of(schedule):
+        stage.clear_runtime_states()
+        for cache in (stage.bwd_cache, stage.backward_state, stage.dw_runner):
+            cache.clear()
+
+
 class PipelineSteps:
     """Every pipeline schedule's ``step`` in a live worker, through ``around`` (installed once
     the script imported ``torch.distributed.pipelining``: the import costs seconds)."""
@@ -101,9 +127,11 @@ class PipelineSteps:
         if decision == SKIP:
             if not self._said_skip:
                 log.info(
-                    "a pipeline schedule's steps do not run in the sandbox (its stages set up with their neighbours): its first live step does"
+                    "a pipeline schedule's steps do not run in the sandbox (its stages set up with their neighbours): "
+                    "its first live step does; there step() returns None and a last stage's losses are zeros"
                 )
                 self._said_skip = True
+            stand_in_losses(schedule, kwargs.get("losses"))
             return None
         if decision == REDO:
             if schedule in self._set_up_at:
@@ -111,6 +139,7 @@ class PipelineSteps:
                     f"pipeline stage(s) {[s.stage_index for s in stages_of(schedule)]}: their groups were rebuilt, set up again with their neighbours"
                 )
             forget_set_up(schedule)
+            discard_leftovers(schedule)  # a step interrupted without an exception (served locally once its group broke)
             self._set_up_at[schedule] = now
         try:
             return step(schedule, *args, **kwargs)
@@ -118,4 +147,5 @@ class PipelineSteps:
             if not drops_failure(self.poisoned()):
                 raise
             log.info(f"a pipeline step failed after its communication did ({type(e).__name__}): dropped, the step runs again")
+            discard_leftovers(schedule)
             return None

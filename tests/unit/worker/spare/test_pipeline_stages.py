@@ -6,7 +6,16 @@ import torch
 import torch.distributed as dist
 
 from tm_launch.worker.comms.groups import LocalBackend
-from tm_launch.worker.spare.pipeline_stages import KEEP, REDO, SKIP, PipelineSteps, drops_failure, forget_set_up, set_up_decision
+from tm_launch.worker.spare.pipeline_stages import (
+    KEEP,
+    REDO,
+    SKIP,
+    PipelineSteps,
+    discard_leftovers,
+    drops_failure,
+    forget_set_up,
+    set_up_decision,
+)
 
 
 @pytest.mark.parametrize(
@@ -74,9 +83,9 @@ def test_a_set_up_done_again_changes_no_gradient(world):
 def test_in_the_sandbox_a_schedules_step_does_not_run(world):
     sched, mods = schedule()
     steps = PipelineSteps(in_sandbox=lambda: True, poisoned=lambda: False)
-    ran = []
-    assert steps.around(sched, lambda *a, **k: ran.append(1)) is None
-    assert ran == []
+    ran, losses = [], []
+    assert steps.around(sched, lambda *a, **k: ran.append(1), losses=losses) is None
+    assert ran == [] and [loss.item() for loss in losses] == [0.0, 0.0]  # one per microbatch, as torch fills them
 
 
 def test_a_failure_is_dropped_only_in_a_poisoned_step(world):
@@ -85,6 +94,29 @@ def test_a_failure_is_dropped_only_in_a_poisoned_step(world):
     def fails(*args, **kwargs):
         raise RuntimeError("what a dead neighbour left")
 
+    sched._internal_losses.append(torch.ones(()))  # a microbatch's loss of the step that failed
     assert PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: True).around(sched, fails) is None
+    assert sched._internal_losses == []  # the step that runs again starts from none
     with pytest.raises(RuntimeError):
         PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: False).around(sched, fails)
+
+
+def two_steps(interrupted: bool) -> list:
+    """Two steps, gradients zeroed between them; ``interrupted``: the second begins where a
+    step that failed part-way left a microbatch's loss in the schedule, then discarded."""
+    sched, mods = schedule()
+    x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    sched.step(x, target=y, losses=[])
+    for m in mods:
+        m.zero_grad()
+    if interrupted:
+        out = sched._stages[-1].submod(torch.randn(2, 6, requires_grad=True))
+        sched._internal_losses.append(torch.nn.functional.mse_loss(out, torch.zeros(2, 4)))
+        discard_leftovers(sched)
+    sched.step(x, target=y, losses=[])
+    return [p.grad.clone() for m in mods for p in m.parameters()]
+
+
+def test_a_step_run_again_after_a_part_way_failure_gives_a_clean_steps_gradients(world):
+    clean, again = two_steps(False), two_steps(True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, again))
