@@ -11,6 +11,7 @@ run under plain torchrun.
 
 import glob
 import os
+import threading
 
 import pytest
 import torch
@@ -50,9 +51,9 @@ def reference(tmp_path_factory):
     return get
 
 
-def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2):
-    """``nodes`` nodes of 1 worker plus a spare; the worker holding ``rank`` SIGKILLs itself at
-    ``phase`` of step KILL, once the spare has parked."""
+def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2, spares: int = 1, fault=None, extra: tuple = ()):
+    """``nodes`` nodes of 1 worker plus ``spares`` spares; the worker holding ``rank`` SIGKILLs
+    itself at ``phase`` of step KILL, once the spares have parked; ``fault(job)`` runs then."""
     job = local_job(nnodes=str(nodes), nproc=1, script=SCRIPT, launcher_args=["--max-restarts", "3"])
     job.env = {"OMP_NUM_THREADS": "1"}
     trigger = os.path.join(job.workdir, "trigger")
@@ -75,11 +76,17 @@ def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2):
         trigger,
         "--kill-marker",
         os.path.join(job.workdir, "killed"),
+        *extra,
     )
     job.start_all([f"n{i}" for i in range(nodes)])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
-    job.start("spare")
-    job.wait_parked("spare", timeout=300)  # a loaded machine: its sandbox imports torch and builds the stage
+    names = ["spare"] if spares == 1 else [f"spare{i}" for i in range(spares)]
+    for name in names:
+        job.start(name)
+    for name in names:
+        job.wait_parked(name, timeout=300)  # a loaded machine: its sandbox imports torch and builds the stage
+    if fault:
+        fault(job)
     open(trigger, "w").close()
     codes = job.wait(timeout=300)
     return job, codes, load(job.workdir)
@@ -97,10 +104,11 @@ def received(job) -> list[str]:
         pytest.param("interleaved", 1, "backward", marks=pytest.mark.slow),
         pytest.param("1f1b", 1, "microbatch", marks=pytest.mark.slow),
         pytest.param("1f1b", 0, "backward", marks=pytest.mark.slow),
+        pytest.param("zero-bubble", 1, "microbatch", marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_stage_recovers_live_in_one_generation(local_job, reference, schedule, rank, phase):
-    """Pure pipeline, 2 stages (interleaved: 4, two per rank): the lost stage comes from its
+    """Pure pipeline, 2 stages (interleaved and zero-bubble: 4, two per rank): the lost stage comes from its
     snapshot on the survivor; a spare promoted to rank 0 (it warmed up as rank 1) runs the script
     again for it; the survivor sets its stage up again with the joiner, in the step that runs again."""
     job, codes, got = run(local_job, schedule, rank, phase)
@@ -124,3 +132,30 @@ def test_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local
     assert_bitwise(got, reference("gpipe", 4))
     assert any("from rank 3" in line for line in received(job)), received(job)
     assert "promoted to rank 1 (warmed up as rank 3)" in job.nodes["spare"].log()
+
+
+@pytest.mark.slow
+def test_two_faults_in_a_row(local_job, reference):
+    """GPipe on 2 nodes and 2 spares: rank 1 dies in a backward microbatch and a spare takes it;
+    once the job trains again, rank 0's worker is SIGKILLed from outside and the second spare
+    takes it (running the script again as rank 0). Two live generations, each stage set up again
+    with its new neighbour; every rank bitwise."""
+    box: dict = {}
+
+    def second_kill(job):
+        def wait_then_kill():
+            job.wait_for(lambda s: s["generation"] == 1, 300, "the first failover")
+            job.wait_step(KILL + 3, timeout=300)
+            node = next(n["id"] for n in job.status()["nodes"] if n["ranks"] == [0])
+            job.kill_worker(node)
+
+        box["thread"] = threading.Thread(target=wait_then_kill, daemon=True)
+        box["thread"].start()
+
+    # 0.3 s steps: the second kill, seen from outside, must land before the last step
+    job, codes, got = run(local_job, "gpipe", 1, "backward", spares=2, fault=second_kill, extra=("--step-sleep", "0.3"))
+    box["thread"].join(timeout=10)
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 2 and all(p["live"] for p in plans), [p.get("cause") for p in plans]
+    assert sum(1 for c in codes.values() if c != 0) == 2, codes
+    assert_bitwise(got, reference("gpipe"))

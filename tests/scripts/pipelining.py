@@ -2,9 +2,11 @@
 ``PipelineStage`` under one of torch's schedules, as a user writes it.
 
 ``--schedule``: ``gpipe`` (``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), ``interleaved``
-(``ScheduleInterleaved1F1B``, two stages per rank). Pure pipeline on 2 ranks (one stage per rank
-and no data-parallel replica: ``job.register(..., replicas=[job.rank])``, the state of a lost
-stage comes from its snapshot); on 4 ranks a ``(dp, pp)`` mesh of 2 x 2, each stage's gradients
+(``ScheduleInterleaved1F1B``, two stages per rank), ``zero-bubble``
+(``ScheduleInterleavedZeroBubble``, two stages per rank: input and weight gradients apart).
+Pure pipeline on 2 ranks (one stage per rank and no data-parallel replica:
+``job.register(..., replicas=[job.rank])``, the state of a lost stage comes from its snapshot);
+on 4 ranks a ``(dp, pp)`` mesh of 2 x 2, each stage's gradients
 all-reduced over ``dp`` and registered with ``replicas=`` its dp group.
 
 The stages are built as torch's documentation writes them, without ``input_args`` /
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,7 @@ from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this s
 
 import tm_launch  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 
 
 class Block(nn.Module):
@@ -68,6 +71,7 @@ def parse():
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--out", default=None, help="each rank writes its state to OUT.rank<r>")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
     p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
     Faults.add_arguments(p)
     return p.parse_args()
@@ -83,20 +87,27 @@ def main():
     faults = Faults(args)
     job = tm_launch.init()
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
     rank, world = job.rank, job.world_size
     dp = world // 2
     mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
     pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
-    per_rank = 2 if args.schedule == "interleaved" else 1
+    per_rank = 2 if args.schedule in ("interleaved", "zero-bubble") else 1
     n_stages = 2 * per_rank
     indices = [pp_rank + 2 * i for i in range(per_rank)]  # interleaved: rank r holds stages r, r + 2
     model = nn.ModuleList(m for i, m in enumerate(parts(args.width, n_stages)) if i in indices)  # this rank's stages only
     stages = [PipelineStage(m, i, n_stages, torch.device("cpu"), group=pp_group) for i, m in zip(indices, model)]
     loss_fn = nn.functional.mse_loss
-    if args.schedule == "interleaved":
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    if args.schedule in ("interleaved", "zero-bubble"):
+        kind = ScheduleInterleaved1F1B if args.schedule == "interleaved" else ScheduleInterleavedZeroBubble
+        schedule = kind(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
     else:
         kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
         schedule = kind(stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
@@ -120,6 +131,8 @@ def main():
         x, y = batch(step, mesh["dp"].get_local_rank())
         faults.at(job, "forward")
         forwards[0] = 0
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         opt.zero_grad()
         losses: list = []
         if first:
