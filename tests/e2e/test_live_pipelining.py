@@ -143,17 +143,17 @@ def test_two_faults_in_a_row(local_job, reference):
     box: dict = {}
 
     def second_kill(job):
+        node = next(n["id"] for n in job.status()["nodes"] if n["ranks"] == [0])  # the first failover keeps it
+
         def wait_then_kill():
-            job.wait_for(lambda s: s["generation"] == 1, 300, "the first failover")
-            job.wait_step(KILL + 3, timeout=300)
-            node = next(n["id"] for n in job.status()["nodes"] if n["ranks"] == [0])
+            job.wait_step(KILL + 2, timeout=300)  # reached only once the first failover trains again
             job.kill_worker(node)
 
         box["thread"] = threading.Thread(target=wait_then_kill, daemon=True)
         box["thread"].start()
 
-    # 0.3 s steps: the second kill, seen from outside, must land before the last step
-    job, codes, got = run(local_job, "gpipe", 1, "backward", spares=2, fault=second_kill, extra=("--step-sleep", "0.3"))
+    # 0.5 s steps: the second kill, seen from outside, must land before the last step
+    job, codes, got = run(local_job, "gpipe", 1, "backward", spares=2, fault=second_kill, extra=("--step-sleep", "0.5"))
     box["thread"].join(timeout=10)
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
     assert len(plans) == 2 and all(p["live"] for p in plans), [p.get("cause") for p in plans]
