@@ -10,7 +10,8 @@ agent and workers, while the other ranks wait for the decision), ``snapshot`` / 
 the snapshot is on its way), ``optimizer`` (after the commit, before the update), ``between`` (a
 script with two optimizer steps per step: between them, ``tests/scripts/two_optimizers.py``), ``logging`` (after the
 update, before the loss all-reduce) or ``logged`` (after it); a script may add points of its own
-(``tests/scripts/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write). With ``--kill-trigger`` the kill
+(``tests/scripts/train.py``: ``allreduce`` inside DDP's gradient allreduce, ``checkpoint`` mid-write;
+``tests/scripts/pipelining.py``: ``microbatch``, a pipeline stage's second forward microbatch). With ``--kill-trigger`` the kill
 waits for that file (at the first step >= S); with ``--kill-marker`` it happens once per job,
 whichever process holds rank R by then. ``--lag-rank R --lag-step S --lag-seconds T``: rank R
 sleeps T seconds at the end of step S (after ``logged``), late to its step boundary.
@@ -29,6 +30,7 @@ PHASES = [
     "forward",
     "backward",
     "allreduce",
+    "microbatch",
     "vote",
     "last-vote-node",
     "snapshot",

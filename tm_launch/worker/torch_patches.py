@@ -33,6 +33,10 @@ an object's class              an LR scheduler's ``step``, a GradScaler's ``upda
 a DataLoader's                 its new iterators give the global RNG back as they found it
 ``_get_iterator``              (``keep_rng_across_iterators``): the seed draw must not move a
                                rank's per-rank state between a commit and the next step.
+``step`` of torch's pipeline    every step of a ``torch.distributed.pipelining`` schedule runs
+schedules (``around_every_     through tm-launch (``spare.pipeline_stages``): a stage's one-time
+pipeline_step``)               set-up with its neighbours is redone after they changed, skipped
+                               in the sandbox; a step whose communication failed is dropped.
 ``DataLoader.__iter__``        a loader the script iterates itself in ``job.steps()`` hands out
 (``route_loader_iteration``)   views of its position kept as per-rank state
                                (``state.loop_loaders``): torch's iterator cannot be rewound for
@@ -237,6 +241,26 @@ def after_every_optimizer_step(hook):
     handle = register_optimizer_step_post_hook(hook)
     _handles.append(handle)
     return handle
+
+
+def around_every_pipeline_step(around) -> None:
+    """Every ``step()`` of torch's pipeline schedules (the single-stage and the multi-stage
+    base classes define it; GPipe, 1F1B, interleaved and zero-bubble inherit it) calls
+    ``around(schedule, original_step, *args, **kwargs)`` instead. torch has no hook around a
+    schedule's step, and the set-up to redo is inside it."""
+    if "pipeline_step" in _installed:
+        return
+    _installed.add("pipeline_step")
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        original = vars(cls)["step"]
+
+        @functools.wraps(original)
+        def step(self, *args, _original=original, **kwargs):
+            return around(self, _original, *args, **kwargs)
+
+        _assign(cls, "step", step)
 
 
 # -- objects ---------------------------------------------------------------------------------------

@@ -320,3 +320,59 @@ def test_the_torch_in_use_is_one_the_range_admits_or_is_named():
     range spans; a worker on another says so at start (``torch_support.warning``)."""
     version = torch_support.release(torch.__version__)
     assert (version in torch_support.TESTED) == (torch_support.warning(torch.__version__) is None)
+
+
+# -- torch_patches: pipeline schedules' step (spare.pipeline_stages) ---------------------------------
+def test_pipeline_schedules_step_is_defined_by_the_two_base_classes_only():
+    """``around_every_pipeline_step`` wraps ``step`` where torch defines it: every schedule
+    inherits it from the single-stage or the multi-stage base class."""
+    from torch.distributed.pipelining import schedules
+
+    assert "step" in vars(schedules.PipelineScheduleSingle) and "step" in vars(schedules.PipelineScheduleMulti)
+    for cls in (
+        schedules.ScheduleGPipe,
+        schedules.Schedule1F1B,
+        schedules.ScheduleInterleaved1F1B,
+        schedules.ScheduleLoopedBFS,
+        schedules.ScheduleInterleavedZeroBubble,
+        schedules.ScheduleZBVZeroBubble,
+        schedules.ScheduleDualPipeV,
+    ):
+        owner = next(k for k in cls.__mro__ if "step" in vars(k))
+        assert owner in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti), cls
+
+
+def test_the_pipeline_set_up_flags_and_stage_attributes_pipeline_stages_reads():
+    """``pipeline_stages`` forgets a schedule's set-up through its ``*_initialized`` flags and
+    reads each stage's ``group`` and ``stage_index``; torch's set-up runs inside ``step``."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from tm_launch.worker.spare.pipeline_stages import SET_UP_FLAGS
+
+    single = inspect.getsource(schedules.PipelineScheduleSingle.__init__)
+    multi = inspect.getsource(schedules.PipelineScheduleMulti.__init__)
+    assert all(f"self.{f} = False" in single + multi for f in SET_UP_FLAGS)
+    init = inspect.getsource(_PipelineStageBase.__init__)
+    assert "self.group = group" in init and "self.stage_index = stage_index" in init
+    # discard_leftovers: what a step that failed part-way leaves, per microbatch
+    for cache in ("bwd_cache", "backward_state", "dw_runner", "fwd_cache"):
+        assert f"self.{cache}:" in init, cache
+    assert callable(_PipelineStageBase.clear_runtime_states)
+    base = inspect.getsource(schedules._PipelineSchedule.__init__)
+    assert "self._internal_losses" in base and "self._n_microbatches = n_microbatches" in base
+    assert "self._internal_losses.clear()" in inspect.getsource(schedules._PipelineSchedule._update_losses)
+    assert "_initialize_pp_stages" in inspect.getsource(schedules._PipelineSchedule)
+
+
+def test_around_every_pipeline_step_wraps_and_undoes():
+    from torch.distributed.pipelining import schedules
+
+    before = {cls: vars(cls)["step"] for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti)}
+    torch_patches.around_every_pipeline_step(lambda schedule, step, *a, **k: ("around", step))
+    try:
+        assert schedules.ScheduleGPipe.step(object()) == ("around", before[schedules.PipelineScheduleSingle])
+        assert schedules.ScheduleInterleaved1F1B.step(object()) == ("around", before[schedules.PipelineScheduleMulti])
+    finally:
+        torch_patches.undo_all()
+    assert all(vars(cls)["step"] is step for cls, step in before.items())

@@ -69,6 +69,7 @@ from ..log import log
 from ..snapshots import Snapshots
 from ..snapshots.service import SnapshotRefused
 from ..spare import sharding_decisions
+from ..spare.pipeline_stages import PipelineSteps
 from ..spare.sandbox import Spare, freeze_what_exists
 from ..state import data_loaders
 from ..state.loop_loaders import LoopLoaders
@@ -181,6 +182,7 @@ class LiveJob(Job):
         self.discovery = Discovery(self)  # state the script keeps and never registered, found at the first step
         self.guard.on_decision = self.discovery.at_decision
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
+        self.pipeline_steps = PipelineSteps(lambda: self.in_sandbox, lambda: self.state.poison.active)
         self.audit = Audit(self.state, self.gens.exchange, env.audit_every)
         self.survey = ReplicaSurvey(self.state)
         if spare:  # opened while it warms up, not in the moment it is promoted
@@ -384,6 +386,7 @@ class LiveJob(Job):
     def _live_steps(self, total: int, start: int):
         spare = self.spare
         self.discovery.at_loop_start(sys._getframe())  # before a spare's warm-up: it receives these objects too
+        self.pipeline_steps.install_if_used()  # torch's pipeline schedules across live changes (spare.pipeline_stages)
         if self.in_sandbox:
             # A spare warms up, and warms up again as the ranks it was promoted to: real steps
             # without peers, so that the framework's lazy set-up is done before this process

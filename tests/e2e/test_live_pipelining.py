@@ -1,0 +1,161 @@
+"""torch's own pipeline stages recover live (``tests/scripts/pipelining.py``).
+
+``torch.distributed.pipelining``'s ``PipelineStage`` under torch's schedules, built without
+``input_args``: each stage infers its neighbours' shapes on its first step. 2 nodes of 1 worker
+(one stage per rank, no data-parallel replica: the lost stage comes from its snapshot on the
+next node) and a warm spare; real agents, etcd, gloo and SIGKILLs. Each run: one new
+generation, the survivor keeps its process, and every rank's whole state (its stage modules'
+state_dict, the optimizer's and the scheduler's) is bitwise equal to the same script's fault-free
+run under plain torchrun.
+"""
+
+import glob
+import os
+import threading
+
+import pytest
+import torch
+from test_live_ddp_options import assert_bitwise, assert_one_live_generation
+from torchrun_reference import run_torchrun
+
+from tm_launch.local.localjob import REPO
+
+SCRIPT = os.path.join(REPO, "tests", "scripts", "pipelining.py")
+STEPS = 24
+PAUSE = 8  # faulty runs hold every rank at this step until the spare is parked
+KILL = 12
+pytestmark = pytest.mark.timeout(900)  # whole jobs (a torchrun reference and a live run) on a loaded 2-core machine
+
+
+def script(schedule: str, workdir: str, *extra: str) -> list[str]:
+    return ["--schedule", schedule, "--steps", str(STEPS), "--out", os.path.join(workdir, "out"), *extra]
+
+
+def load(workdir: str) -> dict:
+    return {os.path.basename(p).rsplit(".", 1)[1]: torch.load(p) for p in glob.glob(os.path.join(workdir, "out.rank*"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Each schedule's fault-free final state per rank under plain torchrun (computed once)."""
+    cache = {}
+
+    def get(schedule: str, nodes: int = 2) -> dict:
+        if (schedule, nodes) not in cache:
+            workdir = str(tmp_path_factory.mktemp(f"ref-{schedule}-{nodes}"))
+            run_torchrun(SCRIPT, script(schedule, workdir), nproc=nodes, timeout=600)
+            cache[schedule, nodes] = load(workdir)
+            assert sorted(cache[schedule, nodes]) == [f"rank{r}" for r in range(nodes)]
+        return cache[schedule, nodes]
+
+    return get
+
+
+def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2, spares: int = 1, fault=None, extra: tuple = ()):
+    """``nodes`` nodes of 1 worker plus ``spares`` spares; the worker holding ``rank`` SIGKILLs
+    itself at ``phase`` of step KILL, once the spares have parked; ``fault(job)`` runs then."""
+    job = local_job(nnodes=str(nodes), nproc=1, script=SCRIPT, launcher_args=["--max-restarts", "3"])
+    job.env = {"OMP_NUM_THREADS": "1"}
+    trigger = os.path.join(job.workdir, "trigger")
+    job.script_args = script(
+        schedule,
+        job.workdir,
+        "--step-log",
+        job.step_log,
+        "--pause-step",
+        str(PAUSE),
+        "--pause-file",
+        trigger,
+        "--kill-rank",
+        str(rank),
+        "--kill-step",
+        str(KILL),
+        "--kill-phase",
+        phase,
+        "--kill-trigger",
+        trigger,
+        "--kill-marker",
+        os.path.join(job.workdir, "killed"),
+        *extra,
+    )
+    job.start_all([f"n{i}" for i in range(nodes)])
+    job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
+    names = ["spare"] if spares == 1 else [f"spare{i}" for i in range(spares)]
+    for name in names:
+        job.start(name)
+    for name in names:
+        job.wait_parked(name, timeout=300)  # a loaded machine: its sandbox imports torch and builds the stage
+    if fault:
+        fault(job)
+    open(trigger, "w").close()
+    codes = job.wait(timeout=300)
+    return job, codes, load(job.workdir)
+
+
+def received(job) -> list[str]:
+    return [line for n in job.nodes.values() for line in n.log().splitlines() if "received" in line and "worker" in line]
+
+
+@pytest.mark.parametrize(
+    "schedule, rank, phase",
+    [
+        pytest.param("gpipe", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("gpipe", 0, "microbatch", marks=pytest.mark.slow),
+        pytest.param("interleaved", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("1f1b", 1, "microbatch", marks=pytest.mark.slow),
+        pytest.param("1f1b", 0, "backward", marks=pytest.mark.slow),
+        pytest.param("zero-bubble", 1, "microbatch", marks=pytest.mark.slow),
+    ],
+)
+def test_pipeline_stage_recovers_live_in_one_generation(local_job, reference, schedule, rank, phase):
+    """Pure pipeline, 2 stages (interleaved and zero-bubble: 4, two per rank): the lost stage comes from its
+    snapshot on the survivor; a spare promoted to rank 0 (it warmed up as rank 1) runs the script
+    again for it; the survivor sets its stage up again with the joiner, in the step that runs again."""
+    job, codes, got = run(local_job, schedule, rank, phase)
+    assert_one_live_generation(job, codes, survivor=1 - rank)
+    assert_bitwise(got, reference(schedule))
+    assert any("snapshot of step" in line for line in received(job)), received(job)
+    survivor = next(name for name, code in codes.items() if name != "spare" and code == 0)  # a node's group rank is not its name's
+    assert "set up again with their neighbours" in job.nodes[survivor].log()
+
+
+@pytest.mark.slow
+def test_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local_job, reference):
+    """2 stages x 2 data-parallel replicas on 4 nodes: rank 1 (stage 1 of replica 0) is lost, the
+    spare (warmed up as rank 3) runs the script again as rank 1 and receives the stage from rank 3,
+    its dp peer; the pipeline group of ranks 2 and 3 is kept and keeps its set-up."""
+    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4)
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
+    victim = plans[0]["replaced"]["spare"]
+    assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
+    assert_bitwise(got, reference("gpipe", 4))
+    assert any("from rank 3" in line for line in received(job)), received(job)
+    assert "promoted to rank 1 (warmed up as rank 3)" in job.nodes["spare"].log()
+
+
+@pytest.mark.slow
+def test_two_faults_in_a_row(local_job, reference):
+    """GPipe on 2 nodes and 2 spares: rank 1 dies in a backward microbatch and a spare takes it;
+    once the job trains again, rank 0's worker is SIGKILLed from outside and the second spare
+    takes it (running the script again as rank 0). Two live generations, each stage set up again
+    with its new neighbour; every rank bitwise."""
+    box: dict = {}
+
+    def second_kill(job):
+        node = next(n["id"] for n in job.status()["nodes"] if n["ranks"] == [0])  # the first failover keeps it
+
+        def wait_then_kill():
+            job.wait_step(KILL + 2, timeout=300)  # reached only once the first failover trains again
+            job.kill_worker(node)
+
+        box["thread"] = threading.Thread(target=wait_then_kill, daemon=True)
+        box["thread"].start()
+
+    # 0.5 s steps: the second kill, seen from outside, must land before the last step
+    job, codes, got = run(local_job, "gpipe", 1, "backward", spares=2, fault=second_kill, extra=("--step-sleep", "0.5"))
+    box["thread"].join(timeout=10)
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 2 and all(p["live"] for p in plans), [p.get("cause") for p in plans]
+    assert sum(1 for c in codes.values() if c != 0) == 2, codes
+    assert_bitwise(got, reference("gpipe"))

@@ -1,0 +1,168 @@
+"""torch's own pipeline stages live under tm-launch: ``torch.distributed.pipelining``'s
+``PipelineStage`` under one of torch's schedules, as a user writes it.
+
+``--schedule``: ``gpipe`` (``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), ``interleaved``
+(``ScheduleInterleaved1F1B``, two stages per rank), ``zero-bubble``
+(``ScheduleInterleavedZeroBubble``, two stages per rank: input and weight gradients apart).
+Pure pipeline on 2 ranks (one stage per rank and no data-parallel replica:
+``job.register(..., replicas=[job.rank])``, the state of a lost stage comes from its snapshot);
+on 4 ranks a ``(dp, pp)`` mesh of 2 x 2, each stage's gradients
+all-reduced over ``dp`` and registered with ``replicas=`` its dp group.
+
+The stages are built as torch's documentation writes them, without ``input_args`` /
+``output_args``: on the first step each stage infers its neighbours' tensor shapes through
+object point-to-point (``_forward_metadata_inference`` / ``_backward_metadata_inference``).
+
+Runs unchanged under ``torchrun``. Deterministic on CPU: seeded model, each step's batch seeded
+by (step, data-parallel index). ``--out PREFIX`` writes each rank's whole ``state_dict()`` of its
+stage modules, its optimizer's and its scheduler's state to ``PREFIX.rank<r>``.
+
+Fault injection: ``--kill-rank R --kill-step S --kill-phase PHASE`` (``tests/scripts/faults.py``);
+``forward`` is at the top of the step, ``microbatch`` in the forward of the stage's second
+microbatch (the first one's activations sent or on their way), ``backward`` inside the first
+backward microbatch that reaches the stage's first layer (under 1F1B a forward microbatch is
+then in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
+
+import tm_launch  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.w1 = nn.Linear(d, h)
+        self.w2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.w2(torch.tanh(self.w1(x)))
+
+
+def parts(width: int, n: int) -> list[nn.Module]:
+    """The whole network in ``n`` stage modules (the first takes the input layer, the last the
+    output layer), the same seeded weights on every rank."""
+    torch.manual_seed(0)
+    inp, blocks, out = nn.Linear(16, 32), [Block(32, width) for _ in range(n)], nn.Linear(32, 8)
+    mods = [nn.Sequential(b) for b in blocks]
+    mods[0] = nn.Sequential(inp, blocks[0])
+    mods[-1] = nn.Sequential(*mods[-1], out)
+    return mods
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--out", default=None, help="each rank writes its state to OUT.rank<r>")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
+    p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
+    Faults.add_arguments(p)
+    return p.parse_args()
+
+
+def batch(step: int, dp_index: int):
+    g = torch.Generator().manual_seed(step * 1000 + dp_index)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+
+
+def main():
+    args = parse()
+    faults = Faults(args)
+    job = tm_launch.init()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    rank, world = job.rank, job.world_size
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
+    pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+    per_rank = 2 if args.schedule in ("interleaved", "zero-bubble") else 1
+    n_stages = 2 * per_rank
+    indices = [pp_rank + 2 * i for i in range(per_rank)]  # interleaved: rank r holds stages r, r + 2
+    model = nn.ModuleList(m for i, m in enumerate(parts(args.width, n_stages)) if i in indices)  # this rank's stages only
+    stages = [PipelineStage(m, i, n_stages, torch.device("cpu"), group=pp_group) for i, m in zip(indices, model)]
+    loss_fn = nn.functional.mse_loss
+    if args.schedule in ("interleaved", "zero-bubble"):
+        kind = ScheduleInterleaved1F1B if args.schedule == "interleaved" else ScheduleInterleavedZeroBubble
+        schedule = kind(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    else:
+        kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+        schedule = kind(stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+    replicas = mesh["dp"].get_group() if dp > 1 else [rank]
+    job.register(model=model, optimizer=opt, scheduler=sched, replicas=replicas)
+    faults.arm_backward(model, job)
+    forwards = [0]  # this step's forward microbatches on this rank
+
+    def microbatch(module, inputs):
+        forwards[0] += 1
+        if forwards[0] == 2:
+            faults.at(job, "microbatch")
+
+    model[0].register_forward_pre_hook(microbatch)
+    opt.register_step_pre_hook(lambda *a: faults.at(job, "optimizer"))
+    first, last = 0 in indices, n_stages - 1 in indices
+    for step in job.steps(args.steps):
+        faults.step = step
+        x, y = batch(step, mesh["dp"].get_local_rank())
+        faults.at(job, "forward")
+        forwards[0] = 0
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        opt.zero_grad()
+        losses: list = []
+        if first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        if dp > 1:
+            for p in model.parameters():
+                if p.grad is not None:  # none in a step that failed before its backward (it runs again)
+                    dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+                    p.grad.div_(dp)
+        opt.step()
+        sched.step()
+        faults.at(job, "logging")
+        logged = torch.stack(losses).sum() if losses else torch.zeros(())
+        dist.all_reduce(logged, group=job.group)
+        faults.at(job, "logged")
+        if args.step_log and not job.in_sandbox:
+            faults.log_step(args.step_log, job, step)
+    if args.out:
+        state = {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+        }
+        torch.save(state, f"{args.out}.rank{rank}")
+    dist.barrier(group=job.group)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""pipeline_stages: what a schedule's step does with its stages' set-up (a table), and a real
+schedule (two stages on one gloo rank) whose set-up, forgotten and redone, changes no number."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tm_launch.worker.comms.groups import LocalBackend
+from tm_launch.worker.spare.pipeline_stages import (
+    KEEP,
+    REDO,
+    SKIP,
+    PipelineSteps,
+    discard_leftovers,
+    drops_failure,
+    forget_set_up,
+    set_up_decision,
+)
+
+
+@pytest.mark.parametrize(
+    "in_sandbox, set_up_at, now, expected",
+    [
+        (True, None, (0,), SKIP),  # a spare: no neighbours to set up with
+        (True, (0,), (1,), SKIP),
+        (False, None, (0,), REDO),  # the first step anywhere (or a joiner's)
+        (False, (0,), (0,), KEEP),  # nothing changed
+        (False, (0,), (1,), REDO),  # its group was rebuilt: a neighbour may be new
+        (False, (3, 1), (3, 2), REDO),  # one stage's group of two
+        (False, (3, 1), (3, 1), KEEP),
+    ],
+)
+def test_set_up_decision(in_sandbox, set_up_at, now, expected):
+    assert set_up_decision(in_sandbox, set_up_at, now) == expected
+
+
+def test_only_a_poisoned_steps_failure_is_dropped():
+    assert drops_failure(True) and not drops_failure(False)
+
+
+def test_a_local_backends_receive_hands_zeros_not_uninitialised_memory():
+    """A poisoned step's receives are served locally: an object's size read from them is 0."""
+    buf = torch.full((2,), 7, dtype=torch.long)
+    LocalBackend(0, 2).recv([buf], 1, 0).wait()
+    assert buf.tolist() == [0, 0]
+
+
+@pytest.fixture
+def world():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def schedule():
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 4)]
+    stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
+    return ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=torch.nn.functional.mse_loss), mods
+
+
+def grads_after_steps(redo: bool) -> list:
+    sched, mods = schedule()
+    x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        sched.step(x, target=y, losses=[])
+        if redo:
+            forget_set_up(sched)
+            assert not sched._stages_forward_initialized and not sched._stages_backward_initialized
+    return [p.grad.clone() for m in mods for p in m.parameters()]
+
+
+def test_a_set_up_done_again_changes_no_gradient(world):
+    """A survivor beside a joiner redoes its stages' set-up (vote, shapes, buffers) in the step
+    that runs again: the gradients are bitwise those of a schedule that kept it."""
+    kept, redone = grads_after_steps(False), grads_after_steps(True)
+    assert all(torch.equal(a, b) for a, b in zip(kept, redone))
+
+
+def test_in_the_sandbox_a_schedules_step_does_not_run(world):
+    sched, mods = schedule()
+    steps = PipelineSteps(in_sandbox=lambda: True, poisoned=lambda: False)
+    ran, losses = [], []
+    assert steps.around(sched, lambda *a, **k: ran.append(1), losses=losses) is None
+    assert ran == [] and [loss.item() for loss in losses] == [0.0, 0.0]  # one per microbatch, as torch fills them
+
+
+def test_a_failure_is_dropped_only_in_a_poisoned_step(world):
+    sched, _ = schedule()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("what a dead neighbour left")
+
+    sched._internal_losses.append(torch.ones(()))  # a microbatch's loss of the step that failed
+    assert PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: True).around(sched, fails) is None
+    assert sched._internal_losses == []  # the step that runs again starts from none
+    with pytest.raises(RuntimeError):
+        PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: False).around(sched, fails)
+
+
+def two_steps(interrupted: bool) -> list:
+    """Two steps, gradients zeroed between them; ``interrupted``: the second begins where a
+    step that failed part-way left a microbatch's loss in the schedule, then discarded."""
+    sched, mods = schedule()
+    x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    sched.step(x, target=y, losses=[])
+    for m in mods:
+        m.zero_grad()
+    if interrupted:
+        out = sched._stages[-1].submod(torch.randn(2, 6, requires_grad=True))
+        sched._internal_losses.append(torch.nn.functional.mse_loss(out, torch.zeros(2, 4)))
+        discard_leftovers(sched)
+    sched.step(x, target=y, losses=[])
+    return [p.grad.clone() for m in mods for p in m.parameters()]
+
+
+def test_a_step_run_again_after_a_part_way_failure_gives_a_clean_steps_gradients(world):
+    clean, again = two_steps(False), two_steps(True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, again))
