@@ -230,6 +230,7 @@ def _etcd_args(endpoint: str, run_id: str) -> list[str]:
     return ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_finished_run_id_is_refused(etcd_endpoint):
     run_id = _run_id()
     job = _etcd_args(etcd_endpoint, run_id) + ["--nnodes", "1", "--nproc-per-node", "1"]
@@ -339,6 +340,7 @@ def test_script_raising_inside_the_loop_fails_the_job(etcd_endpoint, tmp_path, n
     assert "counting it as done" not in err and "finished successfully" not in err, err
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_a_generation_nobody_can_enter_fails_the_job_instead_of_waiting(etcd_endpoint, tmp_path):
     """Every worker fails to set up its communicator at generation 0 (here: ``GLOO_SOCKET_IFNAME``
     names no interface of this machine; on a GPU machine it was NCCL refusing two ranks on one

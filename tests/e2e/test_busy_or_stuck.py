@@ -59,6 +59,7 @@ def assert_nothing_killed(job, codes, got, ref):
     assert differences(got, ref) == {}, job.logs_tail()
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_rank_0_evaluating_alone_for_15s_is_waited_for(local_job, reference):
     """The issue's first finding: rank 0 evaluates (real forward passes) for 15 s after step 12
     while rank 1 waits in step 13's all-reduce; it used to be killed at 10 s."""
@@ -114,6 +115,7 @@ def test_a_rank_waiting_on_its_busy_gpu_is_not_taken_for_a_hung_one(local_job, r
     assert busy and busy[0]["rank"] == 1 and "gpu 90%" in busy[0]["evidence"]["moved"], job.events()
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize("how", ["sleep", pytest.param("fifo", marks=pytest.mark.slow), pytest.param("deadlock", marks=pytest.mark.slow)])
 def test_a_rank_hung_without_progress_is_replaced_live_within_10s(local_job, reference, how):
     """After step 12 rank 1 hangs with nothing moving: the culprit rule names it ``stuck`` with
@@ -134,6 +136,7 @@ def test_a_rank_hung_without_progress_is_replaced_live_within_10s(local_job, ref
 RAISE = 12
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize("ranks", ["1", pytest.param("all", marks=pytest.mark.slow)])
 def test_a_script_error_ends_the_job_in_seconds_and_keeps_the_spares(local_job, ranks):
     """The script raises ValueError at step 12 on rank 1 (every attempt), or on every rank. Rank 1

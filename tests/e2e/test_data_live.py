@@ -72,6 +72,7 @@ def assert_bitwise(got: dict, ref: dict) -> None:
         assert not diff, f"{rank}: differs from the fault-free torchrun run in {diff} (data position {got[rank]['data'].tolist()})"
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "extra, kill",
     [

@@ -117,6 +117,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "case, rank, phase",
     [
@@ -152,6 +153,7 @@ def test_batchnorm_under_ddp_x_tp_recovers_exactly(local_job, reference, broadca
     assert_exact_and_live(job, codes, got, reference(*extra, world=4))
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_state_the_script_never_registered_ends_live_mode_loudly(local_job, reference):
     """``--hidden``: a counter in a Python variable, folded into the weights every step, never
     registered. The joiner starts it at 0, so its replicated weights drift from the survivor's

@@ -44,6 +44,7 @@ def reference(tmp_path_factory):
     return torchrun_reference(tmp_path_factory)
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "rank, phase",
     [

@@ -58,6 +58,7 @@ def surveyed(job) -> dict:
     return out
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "script, extra, rank, phase",
     [

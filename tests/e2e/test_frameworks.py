@@ -101,6 +101,7 @@ def run_with_spare(local_job, script: str, args: list[str], before_release=None,
     return job, codes, {r: torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1)}
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "phase",
     [

@@ -357,6 +357,7 @@ def test_external_worker_sigkill_survivors_keep_processes(local_job, reference):
     assert d["steps_redone"] == 0, d
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_node_loss_agent_sigkill(local_job, reference):
     job, codes, params, info = run_job(local_job, ["a", "b", "c"], fault=_kill_at_step(PAUSE + 5, lambda j: j.kill_agent("b")))
     assert codes["a"] == 0 and codes["c"] == 0, job.logs_tail()
@@ -580,6 +581,7 @@ def subgroup_communicators(job) -> dict:
     return comms
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_delta_setup_keeps_subgroups_without_replaced_ranks(local_job, reference):
     """TP-style subgroups of 2 ranks, one per node; rank 2's worker dies in its forward: the
     spare rebuilds the victim node's subgroup (and the world group) while the other node keeps

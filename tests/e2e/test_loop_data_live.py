@@ -74,6 +74,7 @@ def run(local_job, extra: tuple, kill: tuple):
     return job, codes, load(os.path.join(job.workdir, "out"))
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "extra, kill",
     [

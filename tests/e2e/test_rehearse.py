@@ -35,6 +35,7 @@ def rehearse(tmp_path, *argv, timeout: float = 1800) -> tuple[subprocess.Complet
     return out, json.loads(report.read_text()) if report.exists() else None
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.timeout(600)  # two whole jobs: torchrun's and one fault's
 def test_a_known_divergence_is_named_with_its_cause(tmp_path):
     """One fault (rank 1 killed in the forward): every rank differs, the plain attribute is

@@ -71,6 +71,7 @@ def test_crashing_worker_node_is_replaced_by_the_spare(local_job):
     assert os.path.exists(out)
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_no_spare_and_crashing_worker_fails_clearly_when_restarts_run_out(local_job, tmp_path):
     """Also torchrun's per-agent restart count: only b's workers failed, so only b's agent starts
     a second attempt (attempt_1, TORCHELASTIC_RESTART_COUNT 1); a restarted its workers for b's
@@ -172,6 +173,7 @@ def _timeline_when(job, ready, timeout: float) -> dict:
     raise TimeoutError(f"ctl timeline never showed it\n{job.logs_tail()}")
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_an_unmodified_torchrun_script_is_watched_shown_and_replaced(local_job, tmp_path):
     """A script that knows nothing of tm-launch (``init_process_group``, a loop of its own, no
     report): its steps are counted from its optimizer, so ``ctl status`` shows them and the hang

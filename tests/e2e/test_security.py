@@ -174,6 +174,7 @@ def _no_password(where: str, text: str) -> None:
     assert PASSWORD not in text, f"the password leaked into {where}"
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_credentials_run_their_job_and_ctl_and_never_leak(auth_server, local_job, tmp_path):
     job = local_job(nnodes="1", nproc=1, run_id=RUN, launcher_args=["--rdzv-conf", "user=trainer"], env={"TM_ETCD_PASSWORD": PASSWORD})
     job.endpoint = auth_server.endpoint

@@ -114,6 +114,7 @@ def later(job, box: dict, second_fault) -> None:
     box["thread"].start()
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "layout, world, rank, phase, launcher",
     [
@@ -161,6 +162,7 @@ def test_a_rank_late_to_its_boundary_frees_the_peers_already_in_the_next_step(lo
     assert "entering generation" not in logs(job), logs(job)[-3000:]
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "layout, rank, phase, launcher",
     [

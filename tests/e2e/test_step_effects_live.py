@@ -96,6 +96,7 @@ def logs(job) -> str:
     return "\n".join(n.log() for n in job.nodes.values())
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.parametrize(
     "layout, rank, phase",
     [

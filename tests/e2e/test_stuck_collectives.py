@@ -30,6 +30,7 @@ def _culprit_found_and_replaced(job, codes):
     return culprits[0]
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 @pytest.mark.timeout(600)  # with the torchrun reference: 331 s for the busy case at load 24 (its 20 s wait, 3 nodes of 2)
 @pytest.mark.parametrize(
     "phase,how",

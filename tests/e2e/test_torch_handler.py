@@ -35,6 +35,7 @@ def _torchrun(endpoint, run, *args):
     ]
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_two_torchrun_agents_train(etcd_endpoint, tmp_path):
     """Two real `torchrun --rdzv-backend etcd-v3` agents run tests/scripts/train.py to the end."""
     run = f"torchrun-{uuid.uuid4().hex[:8]}"

@@ -105,6 +105,7 @@ def test_script_env_matches_torchrun(tmp_path):
     assert_same_worker_view(ours, theirs, tmp_path / "tm-launch", tmp_path / "torchrun")
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_failing_worker_restarts_and_report_match_torchrun(tmp_path):
     """Rank 1 raises in every attempt, one restart allowed: both launchers restart once with
     TORCHELASTIC_RESTART_COUNT 1, lay out --log-dir the same way (<run id>_<random>/attempt_N/
@@ -199,6 +200,7 @@ def test_rdzv_conf_last_call_timeout_keeps_torchruns_meaning(local_job):
     assert sorted(first["nodes"]) == ["a", "b"], first
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores: the fast tier keeps near 10 minutes
 def test_redirects_without_log_dir_go_to_files_like_torchrun(tmp_path):
     """``--redirects 3`` without ``--log-dir``: torchrun writes worker output to files under a
     temporary ``torchelastic_*`` directory it keeps (DefaultLogsSpecs), not to the console; so does
