@@ -71,6 +71,24 @@ def _last_error_line(log_path: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def wait_healthy(
+    proc, health_url: str, log_path: str, deadline: float, *, interval: float, late: str = "/health not ok within the timeout"
+) -> str | None:
+    """None once an etcd process's ``/health`` says ok before ``deadline``, else the reason it
+    never did (its exit code, or ``late``, with the last error line of its log)."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with code {proc.returncode}: {_last_error_line(log_path)}"
+        try:
+            with urllib.request.urlopen(health_url, timeout=1) as r:
+                if b'"true"' in r.read():
+                    return None
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(interval)
+    return f"{late}: {_last_error_line(log_path)}"
+
+
 class EtcdServer:
     """A private etcd for --standalone, the demo and tests: loopback only, free ports,
     temp data dir, v2 API enabled (--enable-v2).
@@ -185,17 +203,7 @@ class EtcdServer:
 
     def _wait_healthy(self, deadline: float, log_path: str) -> str | None:
         """None once /health says ok, else the reason it never did."""
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                return f"exited with code {self._proc.returncode}: {_last_error_line(log_path)}"
-            try:
-                with urllib.request.urlopen(self.metrics_url + "/health", timeout=1) as r:
-                    if b'"true"' in r.read():
-                        return None
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.05)
-        return f"/health not ok within the timeout: {_last_error_line(log_path)}"
+        return wait_healthy(self._proc, self.metrics_url + "/health", log_path, deadline, interval=0.05)
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None

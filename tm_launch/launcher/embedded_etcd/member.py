@@ -18,10 +18,8 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
-from rendezvous.etcd_server import _die_with_parent, _last_error_line, find_etcd_binary
+from rendezvous.etcd_server import _die_with_parent, find_etcd_binary, wait_healthy
 
 from .layout import LOOPBACK, Layout
 
@@ -100,17 +98,7 @@ class MemberProcess:
 
     def _wait_healthy(self, deadline: float) -> str | None:
         url = f"http://{LOOPBACK}:{self.address.metrics_port}/health"  # both ways of listening serve loopback
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                return f"exited with code {self._proc.returncode}: {_last_error_line(self.log_path)}"
-            try:
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    if b'"true"' in r.read():
-                        return None
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        return f"no quorum within the timeout: {_last_error_line(self.log_path)}"
+        return wait_healthy(self._proc, url, self.log_path, deadline, interval=0.2, late="no quorum within the timeout")
 
     @property
     def running(self) -> bool:
