@@ -71,6 +71,18 @@ def _last_error_line(log_path: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def terminate(proc) -> None:
+    """SIGTERM an etcd process that still runs, SIGKILL after 5 s; None or an ended one is left."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(
     proc, health_url: str, log_path: str, deadline: float, *, interval: float, late: str = "/health not ok within the timeout"
 ) -> str | None:
@@ -207,14 +219,7 @@ class EtcdServer:
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
     def _cleanup(self) -> None:
         if self._own_tmp is not None:

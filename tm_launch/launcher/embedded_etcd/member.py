@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 
-from rendezvous.etcd_server import _die_with_parent, find_etcd_binary, wait_healthy
+from rendezvous.etcd_server import _die_with_parent, find_etcd_binary, terminate, wait_healthy
 
 from .layout import LOOPBACK, Layout
 
@@ -107,11 +106,5 @@ class MemberProcess:
     def stop(self) -> None:
         """SIGTERM (SIGKILL after 5 s), then its directory removed."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc)
         shutil.rmtree(self.root, ignore_errors=True)
