@@ -14,7 +14,7 @@ from tm_launch.worker import torch_support
     [
         ("2.13.0", "2.13", True),
         ("2.14.1+cu130", "2.14", True),
-        ("2.15.0", "2.15", False),  # not run yet (docs/development.md)
+        ("2.15.0+cu132", "2.15", True),
         ("2.16.0.dev20261201+cpu", "2.16", False),
         ("2.12.1", "2.12", False),
     ],
@@ -24,7 +24,7 @@ def test_a_release_is_tested_or_named_in_one_warning_line(version, release, test
     line = torch_support.warning(version)
     assert (line is None) == tested
     if not tested:
-        assert "\n" not in line and version in line and "2.13, 2.14" in line
+        assert "\n" not in line and version in line and "2.13, 2.14, 2.15" in line
 
 
 def test_the_tested_releases_are_pyprojects_lower_bound_and_no_upper_one():

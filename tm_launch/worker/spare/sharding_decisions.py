@@ -76,11 +76,15 @@ def retire_meshes() -> None:
 
 
 def _equality_key(mesh, thread_id) -> tuple | None:
-    """What ``DeviceMesh.__eq__`` compares (``thread_id`` given: a retired mesh's is hidden)."""
+    """What ``DeviceMesh.__eq__`` compares (``thread_id`` given: a retired mesh's is hidden);
+    torch 2.15 compares ``_preserve_rank_order`` too, after the thread."""
     try:
-        return (mesh._flatten_rank_map, mesh._layout, mesh._device_type, mesh._mesh_dim_names, thread_id)
+        key = (mesh._flatten_rank_map, mesh._layout, mesh._device_type, mesh._mesh_dim_names, thread_id)
     except AttributeError:  # built half-way (its constructor failed)
         return None
+    if hasattr(mesh, "_preserve_rank_order"):
+        key += (mesh._preserve_rank_order,)
+    return key
 
 
 def adopt_meshes() -> int:
