@@ -10,7 +10,9 @@ modules (state the runtime cannot see), every object holding training state that
 keeps and never registered (an EMA, a GradScaler, a second optimizer: ``state.discovered``, found
 at the loop's first step as live mode finds it, under torchrun too, and those
 ``register(exclude=[...])`` leaves out of the recovery) and the plain variables of
-the loop's frame at exit (``state.loop_variables``, ``~loop/<name>``). Each rank writes it to ``<dir>/rank<r>.pt`` when
+the loop's frame at exit (``state.loop_variables``, ``~loop/<name>``) with where the loaders it
+iterates stand (``~data/<name>``: batches drawn from an iterator's pass, a loader's sampler
+epoch; ``state.loop_loaders.positions``). Each rank writes it to ``<dir>/rank<r>.pt`` when
 ``TM_REHEARSAL_DUMP=<dir>`` is set, under ``PlainJob`` (torchrun) and ``LiveJob`` alike.
 
 Armed by one line in ``runtime.init()``; with none of its variables set it does nothing (the job
@@ -39,7 +41,7 @@ import torch
 
 from . import phase_faults, torch_patches
 from .job.step_effects import EffectCount
-from .state import discovered
+from .state import discovered, loop_loaders
 from .state.loop_variables import LoopVariables
 
 DUMP, HOLD = "TM_REHEARSAL_DUMP", "TM_REHEARSAL_HOLD"
@@ -231,6 +233,8 @@ def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
     if registry.loop_frame is not None:
         for key, value in flatten(LoopVariables(registry.loop_frame, set()).state_dict()).items():
             entries[f"~loop/{key}"], roles[f"~loop/{key}"] = value, "loop"
+        for key, value in loop_loaders.positions(discovered.frame_variables(registry.loop_frame)).items():
+            entries[f"~data/{key}"], roles[f"~data/{key}"] = value, "data"
     seen = set()
     for module in registry.modules():
         for path, sub in module.named_modules():

@@ -263,3 +263,30 @@ def test_nothing_is_armed_without_the_variables(monkeypatch):
     assert rehearsal_dump.arm(job) is job and not hasattr(job, "_tm_rehearsal")
     monkeypatch.setenv("TM_FAILPOINT", "vote:1:3")  # a runtime point: not a phase
     assert phase_faults.armed_point() is None
+
+
+def test_the_dump_says_where_the_loops_loader_stands():
+    """A loader the loop iterates itself: its iterator's position in the pass and its sampler's
+    epoch (``~data/``, role data), so that a recovery that left it elsewhere is named."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = [torch.tensor([float(i)]) for i in range(8)]
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=1)
+    sampler.set_epoch(3)
+    loader = DataLoader(data, batch_size=2, sampler=sampler)
+    it = iter(loader)
+    net = torch.nn.Linear(1, 1)
+    reg = Registry()
+    reg.objects = {"model": (net, False)}
+
+    def steps():
+        import sys
+
+        reg.discover(sys._getframe().f_back)
+        yield 0
+
+    for _ in steps():
+        next(it)
+    d = collect(0, 2, "plain", reg)
+    assert d["entries"]["~data/it"] == 1 and d["roles"]["~data/it"] == "data"
+    assert d["entries"]["~data/loader.epoch"] == 3 and d["roles"]["~data/loader.epoch"] == "data"

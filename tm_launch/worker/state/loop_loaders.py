@@ -41,6 +41,7 @@ import os
 import weakref
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .data_loaders import (
     CACHE_LIMIT,
@@ -121,6 +122,31 @@ class PassIterator:
 
     def __len__(self) -> int:
         return len(self._loop.loader)
+
+    def position(self) -> int:
+        """Batches drawn from the loader's current pass (what torch's iterator counts as ``_num_yielded``)."""
+        return self._loop.state_dict()["index"]
+
+
+def positions(variables: dict) -> dict:
+    """Where the loop's loaders stand, for ``tm-launch rehearse`` to compare with plain torchrun's
+    run: ``{name: batches drawn from its pass}`` for each DataLoader iterator among ``variables``
+    (torch's own, or a ``PassIterator``), ``{name.epoch: epoch}`` for each DataLoader whose
+    sampler keeps one. A loader a recovery left at another position (one tm-launch cannot
+    reposition) is named there, not only through the batches and weights that follow it."""
+    out = {}
+    for name, value in variables.items():
+        if isinstance(value, PassIterator):
+            out[name] = value.position()
+        elif isinstance(value, _RefusedLater):
+            out[name] = value._inner._num_yielded
+        elif isinstance(value, _BaseDataLoaderIter):
+            out[name] = value._num_yielded  # read, never changed: torch's count of the batches it handed out
+        elif isinstance(value, DataLoader):
+            epoch = getattr(_base_sampler(value), "epoch", None)
+            if isinstance(epoch, int):
+                out[f"{name}.epoch"] = epoch
+    return out
 
 
 class LoopLoader:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from tm_launch.worker import torch_patches
-from tm_launch.worker.state import data_loaders, discovered, loop_loaders
+from tm_launch.worker.state import data_loaders, loop_loaders
 from tm_launch.worker.state.data_loaders import DataRefused
 from tm_launch.worker.state.loop_variables import LoopVariables
 from tm_launch.worker.state.per_rank import PerRankState
@@ -346,9 +346,25 @@ def test_a_script_run_again_from_the_top_leaves_nothing_of_its_first_run_alive(w
         run_once()
     worker.per_rank = worker.per_rank.fresh()  # TrainingState.forget_script
     gc.collect()
-    assert first["state"]() is None and first["model"]() is None and first["opt"]() is None
-    assert discovered.find({}, []) == []
+    assert first["state"]() is None and first["model"]() is None and first["opt"]() is None  # nothing left to find
     _, sampler, loader = make()  # the second run iterates its own loader: per-rank state of the new run
     it = iter(loader)
     assert next(it).tolist() == plain(1)[0]
     assert list(worker.per_rank.objects) == ["tm-loop"]
+
+
+def test_positions_say_where_the_loops_loaders_stand_as_torchs_iterators_count_them(worker):
+    """What ``tm-launch rehearse`` compares of a loop's loaders (``~data/<name>``): the batches
+    drawn from an iterator's pass, live mode's view and torch's own iterator alike, and the
+    sampler's epoch of a loader."""
+    _, s0, plain_loader = make()
+    data_loaders.owned.add(plain_loader)  # torch's own iterator
+    torch_it = iter(plain_loader)
+    _, sampler, loader = make()
+    sampler.set_epoch(4)
+    it = iter(loader)
+    for _ in range(2):
+        next(torch_it), next(it)
+    assert isinstance(it, loop_loaders.PassIterator) and not isinstance(torch_it, loop_loaders.PassIterator)
+    got = loop_loaders.positions({"it": it, "torch_it": torch_it, "loader": loader, "plain_loader": plain_loader, "n": 3})
+    assert got == {"it": 2, "torch_it": 2, "loader.epoch": 4, "plain_loader.epoch": 0}
