@@ -256,3 +256,44 @@ def test_state_found_without_registration_rehearses_bitwise(tmp_path):
     assert report is not None, out.stderr[-3000:]
     assert out.returncode == 0, out.stdout
     assert all(f["fired"] for f in report["faults"]) and len(report["faults"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # torchrun's run and one fault, each a whole job on a loaded 2-core machine
+def test_the_plain_loader_loop_rehearses_bitwise(tmp_path):
+    """``tests/scripts/loop_data.py``: ``it = iter(loader)`` over a ``DistributedSampler``, never
+    handed to ``job.data()``, rank 0 killed in the first batch of an epoch (its step met the
+    epoch's end and started the next pass: the case ``test_loop_data_live.py`` recovers live and
+    bitwise). The rehearsal agrees: every rank, the loop's loader position included, ends bitwise
+    equal to torchrun's run; exit 0."""
+    script = os.path.join(SCRIPTS, "loop_data.py")
+    argv = ["--phases", "forward", "--no-control", "--kill-rank", "0", "--kill-step", "15", script, "--steps", "30"]
+    out, report = rehearse(tmp_path, *argv)
+    assert report is not None, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout
+    (fault,) = report["faults"]
+    assert fault["fired"] and fault["victim"] == 0 and all(rank["equal"] for rank in fault["ranks"]), fault
+    state = tmp_path / "runs" / "reference" / "state"
+    import torch
+
+    dumps = [torch.load(p, weights_only=False) for p in sorted(state.glob("rank*.pt"))]
+    assert len(dumps) == 2 and all(d["roles"].get("~data/it") == "data" for d in dumps), "the loader's position was not compared"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_loader_the_runtime_cannot_reposition_fails_the_rehearsal_naming_it(tmp_path):
+    """``loop_data.py --sampler custom``: a sampler of the script's own, which live mode leaves to
+    torch with one warning. The survivor's re-run step takes the next batch and the joiner starts
+    the epoch over, so the real recovery is not exact, and the rehearsal says so: FAIL, exit 1,
+    the loop's loader named by its position (``~data/it``, cause: the data position)."""
+    script = os.path.join(SCRIPTS, "loop_data.py")
+    argv = ["--phases", "forward", "--no-control", "--kill-rank", "0", "--kill-step", "15", script, "--steps", "30", "--sampler", "custom"]
+    out, report = rehearse(tmp_path, *argv)
+    assert report is not None, out.stderr[-3000:]
+    assert out.returncode == 1 and not report["passed"], out.stdout
+    (fault,) = report["faults"]
+    assert fault["fired"] and not any(rank["equal"] for rank in fault["ranks"]), fault
+    named = [d for rank in fault["ranks"] for d in rank["differences"] if d["key"].startswith("~data/")]
+    assert named and any("data" in rank["causes"] for rank in fault["ranks"]), out.stdout
+    assert "the loop's data loaders" in out.stdout, out.stdout
