@@ -278,6 +278,10 @@ def test_the_plain_loader_loop_rehearses_bitwise(tmp_path):
 
     dumps = [torch.load(p, weights_only=False) for p in sorted(state.glob("rank*.pt"))]
     assert len(dumps) == 2 and all(d["roles"].get("~data/it") == "data" for d in dumps), "the loader's position was not compared"
+    # Live, not a restart from the top (this script keeps no checkpoint: a restart of every worker
+    # trains it again from its start and ends equal too, which would hide a recovery that failed).
+    text = "".join(p.read_text() for p in (tmp_path / "runs" / "fault-forward").glob("*.log"))
+    assert "promoted from spare" in text and "restarts from the script's checkpoint" not in text, text[-3000:]
 
 
 @pytest.mark.slow

@@ -64,6 +64,16 @@ class Registry:
         self.in_loop = False
         self._stepped: list = []  # this step's optimizers so far
 
+    def forget_run(self) -> None:
+        """The script runs again from the top (a spare promoted to a rank it did not warm up as):
+        what the first run registered and its loop's frame are dropped. Kept, they kept that run's
+        model, optimizer and DDP alive, and live mode's discovery in the new run found them as
+        state of the joiner's own that no survivor has (every worker restarted from the script's
+        checkpoint, and the rehearsal passed a run that was never live). The counts stay: a
+        joiner counts its sandbox steps' effects too."""
+        self.objects, self.found, self.loop_frame = {}, {}, None
+        self.in_loop, self._stepped = False, []
+
     def start_step(self) -> None:
         self.in_loop = True
         self.effects.start()

@@ -290,3 +290,35 @@ def test_the_dump_says_where_the_loops_loader_stands():
     d = collect(0, 2, "plain", reg)
     assert d["entries"]["~data/it"] == 1 and d["roles"]["~data/it"] == "data"
     assert d["entries"]["~data/loader.epoch"] == 3 and d["roles"]["~data/loader.epoch"] == "data"
+
+
+def test_a_script_run_again_from_the_top_leaves_nothing_of_its_first_run_in_the_record():
+    """``Discovery.forget`` (a spare promoted to a rank it did not warm up as runs the script
+    again): the rehearsal's record drops the first run's objects and loop frame, which kept that
+    run's model alive for live mode's discovery to find as the joiner's own."""
+    import gc
+    import sys
+    import weakref
+
+    from tm_launch.worker.job.discovery import Discovery
+
+    first = {}
+
+    def run_once():
+        net = torch.nn.Linear(2, 2)
+        first["net"] = weakref.ref(net)
+        rehearsal_dump.REGISTRY.objects["model"] = (net, False)
+        rehearsal_dump.REGISTRY.loop_frame = sys._getframe()
+
+    saved = rehearsal_dump.REGISTRY
+    rehearsal_dump.REGISTRY = Registry()
+    try:
+        run_once()
+        gc.collect()
+        assert first["net"]() is not None  # held by the record
+        Discovery(types.SimpleNamespace()).forget()
+        gc.collect()
+        assert first["net"]() is None
+        assert rehearsal_dump.REGISTRY.objects == {} and rehearsal_dump.REGISTRY.loop_frame is None
+    finally:
+        rehearsal_dump.REGISTRY = saved
