@@ -245,17 +245,30 @@ def test_an_ema_left_out_of_the_recovery_fails_the_rehearsal_by_name(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_state_found_without_registration_rehearses_bitwise(tmp_path):
+def test_state_found_without_registration_rehearses_bitwise_and_names_a_counter_changed_after_the_commit(tmp_path):
     """``found_state.py`` with its EMA, GradScaler and tokens-seen counter unregistered, the
-    loss all-reduced after the EMA update: a fault before the commit and one after it (the
-    after-step collective) end bitwise equal on every rank, the EMA, the scaler and the loop's
-    variables included; exit 0."""
+    loss all-reduced after the EMA update. A fault before the commit (rank 1 in the backward)
+    ends bitwise equal on every rank, the EMA, the scaler and the loop's variables included. A
+    fault after it (rank 0 in the after-step collective: its counter already bumped after the
+    vote) is live mode's floor: the joiner continues the counter from its value at the vote (the
+    runtime's warning names it), and the rehearsal says so, naming that counter and nothing
+    else; exit 1. (Until 2026-12-02 that fault ended in a restart of every worker, which trains
+    this script again from its start: the rehearsal passed a run that was never live.)"""
     script = os.path.join(SCRIPTS, "found_state.py")
     argv = ["--steps", "10", "--ema", "--scaler", "--tokens", "--log-loss"]
     out, report = rehearse(tmp_path, "--phases", "backward,after-step", "--no-control", script, *argv)
     assert report is not None, out.stderr[-3000:]
-    assert out.returncode == 0, out.stdout
-    assert all(f["fired"] for f in report["faults"]) and len(report["faults"]) == 2
+    before, after = report["faults"]
+    assert before["fired"] and after["fired"] and (before["victim"], after["victim"]) == (1, 0), out.stdout
+    assert all(rank["equal"] for rank in before["ranks"]) and before["files"]["equal"], out.stdout
+    lost, survivor = sorted(after["ranks"], key=lambda r: r["rank"])
+    assert survivor["equal"] and after["files"]["equal"], out.stdout
+    assert {d["key"] for d in lost["differences"]} == {"~loop/tokens_seen", "~loop/state.tokens_seen"}, out.stdout
+    assert lost["causes"] == ["loop"], out.stdout
+    text = "".join(p.read_text() for p in (tmp_path / "runs" / "fault-after-step").glob("*.log"))
+    assert "the loop's variable(s) tokens_seen continue from their values at its vote" in text, text[-3000:]
+    assert "restarts from the script's checkpoint" not in text, text[-3000:]
+    assert out.returncode == 1 and not report["passed"], out.stdout
 
 
 @pytest.mark.slow

@@ -202,8 +202,13 @@ def _hold(job) -> None:
 def _dump_at_exit(job, directory: str) -> None:
     if getattr(job, "in_sandbox", False):
         return  # a spare that never took a rank
+    state = getattr(job, "state", None)
+    if REGISTRY.steps and state is not None and state.step is not None:
+        # A joiner that entered at the job's last step yields no step of its own (only its
+        # sandbox's): the steps its loop holds are the job's committed ones.
+        REGISTRY.steps = max(REGISTRY.steps, state.step)
     try:
-        dump = collect(job.rank, job.world_size, "live" if hasattr(job, "state") else "plain", REGISTRY)
+        dump = collect(job.rank, job.world_size, "live" if state is not None else "plain", REGISTRY)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{job.rank}.pt")
         torch.save(dump, path + ".tmp")

@@ -322,3 +322,17 @@ def test_a_script_run_again_from_the_top_leaves_nothing_of_its_first_run_in_the_
         assert rehearsal_dump.REGISTRY.objects == {} and rehearsal_dump.REGISTRY.loop_frame is None
     finally:
         rehearsal_dump.REGISTRY = saved
+
+
+def test_a_joiner_that_entered_at_the_last_step_dumps_the_jobs_steps(tmp_path):
+    """A spare promoted after the job's last commit yields only its sandbox's steps: its dump
+    counts the committed steps it holds, as the rank it replaced would have."""
+    saved = rehearsal_dump.REGISTRY
+    rehearsal_dump.REGISTRY = Registry()
+    try:
+        rehearsal_dump.REGISTRY.steps = 2  # its warm-up steps in the sandbox
+        job = types.SimpleNamespace(in_sandbox=False, rank=0, world_size=2, state=types.SimpleNamespace(step=10))
+        rehearsal_dump._dump_at_exit(job, str(tmp_path))
+        assert torch.load(tmp_path / "rank0.pt", weights_only=False)["meta"]["steps"] == 10
+    finally:
+        rehearsal_dump.REGISTRY = saved
