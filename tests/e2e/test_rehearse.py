@@ -245,14 +245,72 @@ def test_an_ema_left_out_of_the_recovery_fails_the_rehearsal_by_name(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_state_found_without_registration_rehearses_bitwise(tmp_path):
+def test_state_found_without_registration_rehearses_bitwise_and_names_a_counter_changed_after_the_commit(tmp_path):
     """``found_state.py`` with its EMA, GradScaler and tokens-seen counter unregistered, the
-    loss all-reduced after the EMA update: a fault before the commit and one after it (the
-    after-step collective) end bitwise equal on every rank, the EMA, the scaler and the loop's
-    variables included; exit 0."""
+    loss all-reduced after the EMA update. A fault before the commit (rank 1 in the backward)
+    ends bitwise equal on every rank, the EMA, the scaler and the loop's variables included. A
+    fault after it (rank 0 in the after-step collective: its counter already bumped after the
+    vote) is live mode's floor: the joiner continues the counter from its value at the vote (the
+    runtime's warning names it), and the rehearsal says so, naming that counter and nothing
+    else; exit 1. (Until 2026-12-02 that fault ended in a restart of every worker, which trains
+    this script again from its start: the rehearsal passed a run that was never live.)"""
     script = os.path.join(SCRIPTS, "found_state.py")
     argv = ["--steps", "10", "--ema", "--scaler", "--tokens", "--log-loss"]
     out, report = rehearse(tmp_path, "--phases", "backward,after-step", "--no-control", script, *argv)
     assert report is not None, out.stderr[-3000:]
+    before, after = report["faults"]
+    assert before["fired"] and after["fired"] and (before["victim"], after["victim"]) == (1, 0), out.stdout
+    assert all(rank["equal"] for rank in before["ranks"]) and before["files"]["equal"], out.stdout
+    lost, survivor = sorted(after["ranks"], key=lambda r: r["rank"])
+    assert survivor["equal"] and after["files"]["equal"], out.stdout
+    assert {d["key"] for d in lost["differences"]} == {"~loop/tokens_seen", "~loop/state.tokens_seen"}, out.stdout
+    assert lost["causes"] == ["loop"], out.stdout
+    text = "".join(p.read_text() for p in (tmp_path / "runs" / "fault-after-step").glob("*.log"))
+    assert "the loop's variable(s) tokens_seen continue from their values at its vote" in text, text[-3000:]
+    assert "restarts from the script's checkpoint" not in text, text[-3000:]
+    assert out.returncode == 1 and not report["passed"], out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # torchrun's run and one fault, each a whole job on a loaded 2-core machine
+def test_the_plain_loader_loop_rehearses_bitwise(tmp_path):
+    """``tests/scripts/loop_data.py``: ``it = iter(loader)`` over a ``DistributedSampler``, never
+    handed to ``job.data()``, rank 0 killed in the first batch of an epoch (its step met the
+    epoch's end and started the next pass: the case ``test_loop_data_live.py`` recovers live and
+    bitwise). The rehearsal agrees: every rank, the loop's loader position included, ends bitwise
+    equal to torchrun's run; exit 0."""
+    script = os.path.join(SCRIPTS, "loop_data.py")
+    argv = ["--phases", "forward", "--no-control", "--kill-rank", "0", "--kill-step", "15", script, "--steps", "30"]
+    out, report = rehearse(tmp_path, *argv)
+    assert report is not None, out.stderr[-3000:]
     assert out.returncode == 0, out.stdout
-    assert all(f["fired"] for f in report["faults"]) and len(report["faults"]) == 2
+    (fault,) = report["faults"]
+    assert fault["fired"] and fault["victim"] == 0 and all(rank["equal"] for rank in fault["ranks"]), fault
+    state = tmp_path / "runs" / "reference" / "state"
+    import torch
+
+    dumps = [torch.load(p, weights_only=False) for p in sorted(state.glob("rank*.pt"))]
+    assert len(dumps) == 2 and all(d["roles"].get("~data/it") == "data" for d in dumps), "the loader's position was not compared"
+    # Live, not a restart from the top (this script keeps no checkpoint: a restart of every worker
+    # trains it again from its start and ends equal too, which would hide a recovery that failed).
+    text = "".join(p.read_text() for p in (tmp_path / "runs" / "fault-forward").glob("*.log"))
+    assert "promoted from spare" in text and "restarts from the script's checkpoint" not in text, text[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_loader_the_runtime_cannot_reposition_fails_the_rehearsal_naming_it(tmp_path):
+    """``loop_data.py --sampler custom``: a sampler of the script's own, which live mode leaves to
+    torch with one warning. The survivor's re-run step takes the next batch and the joiner starts
+    the epoch over, so the real recovery is not exact, and the rehearsal says so: FAIL, exit 1,
+    the loop's loader named by its position (``~data/it``, cause: the data position)."""
+    script = os.path.join(SCRIPTS, "loop_data.py")
+    argv = ["--phases", "forward", "--no-control", "--kill-rank", "0", "--kill-step", "15", script, "--steps", "30", "--sampler", "custom"]
+    out, report = rehearse(tmp_path, *argv)
+    assert report is not None, out.stderr[-3000:]
+    assert out.returncode == 1 and not report["passed"], out.stdout
+    (fault,) = report["faults"]
+    assert fault["fired"] and not any(rank["equal"] for rank in fault["ranks"]), fault
+    named = [d for rank in fault["ranks"] for d in rank["differences"] if d["key"].startswith("~data/")]
+    assert named and any("data" in rank["causes"] for rank in fault["ranks"]), out.stdout
+    assert "the loop's data loaders" in out.stdout, out.stdout

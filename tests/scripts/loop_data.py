@@ -5,7 +5,9 @@ script itself inside ``job.steps()`` (``tm_launch.worker.state.loop_loaders`` ke
 epoch's end (``StopIteration``) ``sampler.set_epoch(...)`` and a new ``iter(loader)``.
 ``--loop for``: ``for x, y in loader:`` inside each step (the step's gradient accumulated over
 a small loader of this rank's samples, shuffled per step by ``set_epoch(step)``; one optimizer step).
-``--sampler random``: a ``RandomSampler`` (refused at the first step, in one line).
+``--sampler random``: a ``RandomSampler`` (refused at the first step, in one line). ``--sampler custom``:
+a sampler of the script's own (deterministic, but tm-launch cannot reposition it: left to torch with
+one warning, and a recovery is not exact: what ``tm-launch rehearse`` must catch).
 
 Runs unchanged under plain torchrun and tm-launch live mode. DDP with dropout (each rank's own
 masks from the global generator, found as per-rank state without registration), a shuffled
@@ -25,7 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
 from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
@@ -47,13 +49,31 @@ class Points(Dataset):
         return torch.randn(8, generator=g), torch.randn(2, generator=g)
 
 
+class RankShuffle(Sampler):
+    """This rank's share of the samples in an order drawn from (seed, epoch): as deterministic as a
+    ``DistributedSampler``, but a class tm-launch does not know how to reposition."""
+
+    def __init__(self, n: int, world: int, rank: int, seed: int):
+        self.n, self.world, self.rank, self.seed, self.epoch = n, world, rank, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        return iter(order[self.rank :: self.world])
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--samples", type=int, default=40, help="dataset size (5 batches per rank and epoch at 2 ranks)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--loop", default="next", choices=("next", "for"))
-    p.add_argument("--sampler", default="distributed", choices=("distributed", "random"))
+    p.add_argument("--sampler", default="distributed", choices=("distributed", "random", "custom"))
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--step-log", default=None)
@@ -70,6 +90,8 @@ def main() -> None:
     data = Points(args.samples)
     if args.sampler == "random":
         sampler = RandomSampler(data)
+    elif args.sampler == "custom":
+        sampler = RankShuffle(args.samples, job.world_size, job.rank, seed=5)
     else:
         sampler = DistributedSampler(data, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=5)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=args.workers)

@@ -31,6 +31,8 @@ CAUSES: dict[str, tuple[str, str]] = {
     ),
     "data": (
         "the data position (a sampler's or loader's state)",
+        "a loader the loop iterates itself is exact with a DistributedSampler or SequentialSampler (the log's "
+        "`tm-launch: warning:` line names one it cannot reposition); else hand it over (batches = job.data(loader)), "
         "register the sampler or loader with job.register(per_rank=True, data=...) (it needs state_dict()/"
         "load_state_dict()), or make each step's batch a function of the step",
     ),
@@ -103,7 +105,12 @@ class Difference:
         head, _, rest = self.key.partition("/")
         if head == FILES:
             return f"file {rest.partition(':')[0]}"
-        names = {"~rng": "global RNG (not registered)", "~attr": "plain attributes (not registered)", "~loop": "the loop's variables"}
+        names = {
+            "~rng": "global RNG (not registered)",
+            "~attr": "plain attributes (not registered)",
+            "~loop": "the loop's variables",
+            "~data": "the loop's data loaders",
+        }
         return names.get(head, head)
 
     @property

@@ -10,7 +10,9 @@ modules (state the runtime cannot see), every object holding training state that
 keeps and never registered (an EMA, a GradScaler, a second optimizer: ``state.discovered``, found
 at the loop's first step as live mode finds it, under torchrun too, and those
 ``register(exclude=[...])`` leaves out of the recovery) and the plain variables of
-the loop's frame at exit (``state.loop_variables``, ``~loop/<name>``). Each rank writes it to ``<dir>/rank<r>.pt`` when
+the loop's frame at exit (``state.loop_variables``, ``~loop/<name>``) with where the loaders it
+iterates stand (``~data/<name>``: batches drawn from an iterator's pass, a loader's sampler
+epoch; ``state.loop_loaders.positions``). Each rank writes it to ``<dir>/rank<r>.pt`` when
 ``TM_REHEARSAL_DUMP=<dir>`` is set, under ``PlainJob`` (torchrun) and ``LiveJob`` alike.
 
 Armed by one line in ``runtime.init()``; with none of its variables set it does nothing (the job
@@ -39,7 +41,7 @@ import torch
 
 from . import phase_faults, torch_patches
 from .job.step_effects import EffectCount
-from .state import discovered
+from .state import discovered, loop_loaders
 from .state.loop_variables import LoopVariables
 
 DUMP, HOLD = "TM_REHEARSAL_DUMP", "TM_REHEARSAL_HOLD"
@@ -61,6 +63,16 @@ class Registry:
         self.effects = EffectCount()
         self.in_loop = False
         self._stepped: list = []  # this step's optimizers so far
+
+    def forget_run(self) -> None:
+        """The script runs again from the top (a spare promoted to a rank it did not warm up as):
+        what the first run registered and its loop's frame are dropped. Kept, they kept that run's
+        model, optimizer and DDP alive, and live mode's discovery in the new run found them as
+        state of the joiner's own that no survivor has (every worker restarted from the script's
+        checkpoint, and the rehearsal passed a run that was never live). The counts stay: a
+        joiner counts its sandbox steps' effects too."""
+        self.objects, self.found, self.loop_frame = {}, {}, None
+        self.in_loop, self._stepped = False, []
 
     def start_step(self) -> None:
         self.in_loop = True
@@ -190,8 +202,13 @@ def _hold(job) -> None:
 def _dump_at_exit(job, directory: str) -> None:
     if getattr(job, "in_sandbox", False):
         return  # a spare that never took a rank
+    state = getattr(job, "state", None)
+    if REGISTRY.steps and state is not None and state.step is not None:
+        # A joiner that entered at the job's last step yields no step of its own (only its
+        # sandbox's): the steps its loop holds are the job's committed ones.
+        REGISTRY.steps = max(REGISTRY.steps, state.step)
     try:
-        dump = collect(job.rank, job.world_size, "live" if hasattr(job, "state") else "plain", REGISTRY)
+        dump = collect(job.rank, job.world_size, "live" if state is not None else "plain", REGISTRY)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"rank{job.rank}.pt")
         torch.save(dump, path + ".tmp")
@@ -231,6 +248,8 @@ def collect(rank: int, world: int, mode: str, registry: Registry) -> dict:
     if registry.loop_frame is not None:
         for key, value in flatten(LoopVariables(registry.loop_frame, set()).state_dict()).items():
             entries[f"~loop/{key}"], roles[f"~loop/{key}"] = value, "loop"
+        for key, value in loop_loaders.positions(discovered.frame_variables(registry.loop_frame)).items():
+            entries[f"~data/{key}"], roles[f"~data/{key}"] = value, "data"
     seen = set()
     for module in registry.modules():
         for path, sub in module.named_modules():

@@ -134,6 +134,7 @@ def test_describe(a, b, said):
         ("sched", "scheduler/base_lrs.0", None),
         ("other", "lightning/state_dict.w", None),
         ("loop", "~loop/best_loss", "loop"),
+        ("data", "~data/it", "data"),
     ],
 )
 def test_cause_of_one_difference(role, key, cause):
@@ -145,6 +146,13 @@ def test_a_loop_variable_is_named_as_the_loop_s_and_suggests_where_to_change_it(
     assert (d.obj, d.tensor) == ("the loop's variables", "tokens_seen")
     title, suggestion = CAUSES[cause_of(d)]
     assert "loop that runs job.steps()" in title and "before the step's first optimizer step" in suggestion
+
+
+def test_a_loop_loader_at_another_position_is_named_as_the_loop_s_loader_and_its_data_position():
+    d = Difference("~data/it", "data", "5 -> 1")
+    assert (d.obj, d.tensor) == ("the loop's data loaders", "it")
+    title, suggestion = CAUSES[cause_of(d)]
+    assert "data position" in title and "DistributedSampler" in suggestion and "job.data(loader)" in suggestion
 
 
 def test_classify_nothing():

@@ -263,3 +263,76 @@ def test_nothing_is_armed_without_the_variables(monkeypatch):
     assert rehearsal_dump.arm(job) is job and not hasattr(job, "_tm_rehearsal")
     monkeypatch.setenv("TM_FAILPOINT", "vote:1:3")  # a runtime point: not a phase
     assert phase_faults.armed_point() is None
+
+
+def test_the_dump_says_where_the_loops_loader_stands():
+    """A loader the loop iterates itself: its iterator's position in the pass and its sampler's
+    epoch (``~data/``, role data), so that a recovery that left it elsewhere is named."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = [torch.tensor([float(i)]) for i in range(8)]
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=1)
+    sampler.set_epoch(3)
+    loader = DataLoader(data, batch_size=2, sampler=sampler)
+    it = iter(loader)
+    net = torch.nn.Linear(1, 1)
+    reg = Registry()
+    reg.objects = {"model": (net, False)}
+
+    def steps():
+        import sys
+
+        reg.discover(sys._getframe().f_back)
+        yield 0
+
+    for _ in steps():
+        next(it)
+    d = collect(0, 2, "plain", reg)
+    assert d["entries"]["~data/it"] == 1 and d["roles"]["~data/it"] == "data"
+    assert d["entries"]["~data/loader.epoch"] == 3 and d["roles"]["~data/loader.epoch"] == "data"
+
+
+def test_a_script_run_again_from_the_top_leaves_nothing_of_its_first_run_in_the_record():
+    """``Discovery.forget`` (a spare promoted to a rank it did not warm up as runs the script
+    again): the rehearsal's record drops the first run's objects and loop frame, which kept that
+    run's model alive for live mode's discovery to find as the joiner's own."""
+    import gc
+    import sys
+    import weakref
+
+    from tm_launch.worker.job.discovery import Discovery
+
+    first = {}
+
+    def run_once():
+        net = torch.nn.Linear(2, 2)
+        first["net"] = weakref.ref(net)
+        rehearsal_dump.REGISTRY.objects["model"] = (net, False)
+        rehearsal_dump.REGISTRY.loop_frame = sys._getframe()
+
+    saved = rehearsal_dump.REGISTRY
+    rehearsal_dump.REGISTRY = Registry()
+    try:
+        run_once()
+        gc.collect()
+        assert first["net"]() is not None  # held by the record
+        Discovery(types.SimpleNamespace()).forget()
+        gc.collect()
+        assert first["net"]() is None
+        assert rehearsal_dump.REGISTRY.objects == {} and rehearsal_dump.REGISTRY.loop_frame is None
+    finally:
+        rehearsal_dump.REGISTRY = saved
+
+
+def test_a_joiner_that_entered_at_the_last_step_dumps_the_jobs_steps(tmp_path):
+    """A spare promoted after the job's last commit yields only its sandbox's steps: its dump
+    counts the committed steps it holds, as the rank it replaced would have."""
+    saved = rehearsal_dump.REGISTRY
+    rehearsal_dump.REGISTRY = Registry()
+    try:
+        rehearsal_dump.REGISTRY.steps = 2  # its warm-up steps in the sandbox
+        job = types.SimpleNamespace(in_sandbox=False, rank=0, world_size=2, state=types.SimpleNamespace(step=10))
+        rehearsal_dump._dump_at_exit(job, str(tmp_path))
+        assert torch.load(tmp_path / "rank0.pt", weights_only=False)["meta"]["steps"] == 10
+    finally:
+        rehearsal_dump.REGISTRY = saved

@@ -61,6 +61,7 @@ class RecoveryPlan:
     parity: dict = field(default_factory=dict)  # receiver -> (group, [stripe holders], {member: names}, [names]): rebuilt
     mirrors: dict = field(default_factory=dict)  # receiver -> holder of its per-rank state at ``step``
     missing: list = field(default_factory=list)  # ranks that cannot be served at ``step``
+    lacks: dict = field(default_factory=dict)  # missing rank -> what nothing holds for it (one phrase)
     conflicts: list = field(default_factory=list)  # replicas whose state differs (a wrong declaration)
     newest: int = -1  # the newest step a survivor held: ``newest - step`` steps run again
     tried: dict = field(default_factory=dict)  # step -> why the job cannot continue from it (newer steps first)
@@ -68,6 +69,10 @@ class RecoveryPlan:
     @property
     def receivers(self) -> set:
         return set(self.live) | set(self.images) | set(self.parity) | set(self.mirrors)
+
+    def lacking(self) -> str:
+        """What nothing holds for each missing rank, in one phrase: which object, or its per-rank state."""
+        return "; ".join(f"rank {r}: {self.lacks.get(r, 'its state')}" for r in self.missing)
 
 
 def plan_recovery(holdings: list[Holding]) -> RecoveryPlan:
@@ -86,7 +91,7 @@ def plan_recovery(holdings: list[Holding]) -> RecoveryPlan:
         if not plan.missing and not plan.conflicts:
             return plan
         tried[step] = (f"ranks {plan.conflicts[0][0]} and {plan.conflicts[0][1]} differ" if plan.conflicts
-                       else f"nothing holds rank(s) {plan.missing}")  # fmt: skip
+                       else f"nothing holds rank(s) {plan.missing} ({plan.lacking()})")  # fmt: skip
         first = first or plan
     return first
 
@@ -123,10 +128,12 @@ def _plan_at(step: int, holdings: list[Holding], by_rank: dict, holder: dict) ->
             continue
         if h.step > step:  # it cannot return to this step (no snapshot of it): the step is not an option
             plan.missing.append(h.rank)
+            plan.lacks[h.rank] = f"it is at step {h.step} and holds no snapshot of step {step}"
             continue
-        served = _serve(h, step, at, by_rank, holder.get(h.rank), load, plan, holdings)
-        if not served:
+        lacks = _serve(h, step, at, by_rank, holder.get(h.rank), load, plan, holdings)
+        if lacks is not None:
             plan.missing.append(h.rank)
+            plan.lacks[h.rank] = lacks
     for r in plan.missing:  # a partial plan for a rank that cannot be served is no plan
         plan.live.pop(r, None)
         plan.images.pop(r, None)
@@ -156,8 +163,10 @@ def _parity_source(rank: int, step: int, holdings: list[Holding], by_rank: dict)
     return None
 
 
-def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, load: dict, plan: RecoveryPlan, holdings=()) -> bool:
-    """Find a source for each of ``h``'s objects and its per-rank state at ``step``."""
+def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, load: dict, plan: RecoveryPlan, holdings=()) -> str | None:
+    """Find a source for each of ``h``'s objects and its per-rank state at ``step``; None when
+    every one has one, else what has none (an object no other rank holds at all says so: a joiner
+    that found an object its survivors do not have, not a lost copy)."""
     held = by_rank[holder].held.get(h.rank, {}) if holder is not None else {}
     image_names = set((held.get("images") or {}).get(step, ()))
     parity = None if image_names else _parity_source(h.rank, step, list(holdings), by_rank)
@@ -184,18 +193,21 @@ def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, l
             from_image.append(name)
         elif name in parity_names:
             from_parity.append(name)
+        elif not any(name in by_rank[r].objects for r in by_rank if r != h.rank):
+            return f"{name}, which no other rank has"
         else:
-            return False
+            return f"{name} (no live replica, no snapshot of step {step})"
     per_rank_from, per_rank_rebuilt = None, False
     if h.per_rank:
+        mirrors = held.get("mirrors") or {}
         if image_names and step in (held.get("images") or {}):
             per_rank_from = holder  # an image carries the per-rank state of its step
         elif parity:
             per_rank_rebuilt = True  # so does a rebuilt one
-        elif (held.get("mirrors") or {}).get(step):
+        elif mirrors.get(step):
             per_rank_from = holder  # an exact per-rank mirror of that step
         else:
-            return False
+            return f"its per-rank state at step {step} ({'mirrored only at its vote' if step in mirrors else 'no snapshot, no mirror'})"
     if live:
         plan.live[h.rank] = live
     if from_image:
@@ -205,4 +217,4 @@ def _serve(h: Holding, step: int, at: dict, by_rank: dict, holder: int | None, l
         plan.parity[h.rank] = (group, holders, others, from_parity)
     if per_rank_from is not None:
         plan.mirrors[h.rank] = per_rank_from
-    return True
+    return None

@@ -116,7 +116,8 @@ class StateExchange:
         if plan.missing:
             raise StateLost(
                 f"no live rank and no snapshot holds the state of rank(s) {plan.missing} at step {plan.step} (every replica "
-                f"and both copies of its snapshot are gone: two neighbouring nodes lost at once, or snapshots are off)",
+                f"and both copies of its snapshot are gone: two neighbouring nodes lost at once, or snapshots are off; "
+                f"{plan.lacking()})",
                 plan.step,
                 plan.missing,
             )

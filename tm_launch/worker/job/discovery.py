@@ -8,6 +8,7 @@ adopt), ``begin_step`` and ``end_step`` (the rollback), plus the vote's ``at_dec
 
 from __future__ import annotations
 
+from .. import rehearsal_dump
 from ..generation.state_exchange import StateLost
 from ..log import log
 from ..state.discovered import Rollback, describe, find, frame_variables, script_frame
@@ -56,6 +57,7 @@ class Discovery:
         registered, excluded and kept before is dropped, not kept alive."""
         self.registered, self.excluded, self.found = [], [], []
         self.rollback = Rollback([])
+        rehearsal_dump.REGISTRY.forget_run()  # under tm-launch rehearse: its record of the first run holds that run's frame
 
     def begin_step(self) -> None:
         if self.rollback:

@@ -41,6 +41,7 @@ import os
 import weakref
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from .data_loaders import (
     CACHE_LIMIT,
@@ -121,6 +122,31 @@ class PassIterator:
 
     def __len__(self) -> int:
         return len(self._loop.loader)
+
+    def position(self) -> int:
+        """Batches drawn from the loader's current pass (what torch's iterator counts as ``_num_yielded``)."""
+        return self._loop.state_dict()["index"]
+
+
+def positions(variables: dict) -> dict:
+    """Where the loop's loaders stand, for ``tm-launch rehearse`` to compare with plain torchrun's
+    run: ``{name: batches drawn from its pass}`` for each DataLoader iterator among ``variables``
+    (torch's own, or a ``PassIterator``), ``{name.epoch: epoch}`` for each DataLoader whose
+    sampler keeps one. A loader a recovery left at another position (one tm-launch cannot
+    reposition) is named there, not only through the batches and weights that follow it."""
+    out = {}
+    for name, value in variables.items():
+        if isinstance(value, PassIterator):
+            out[name] = value.position()
+        elif isinstance(value, _RefusedLater):
+            out[name] = value._inner._num_yielded
+        elif isinstance(value, _BaseDataLoaderIter):
+            out[name] = value._num_yielded  # read, never changed: torch's count of the batches it handed out
+        elif isinstance(value, DataLoader):
+            epoch = getattr(_base_sampler(value), "epoch", None)
+            if isinstance(epoch, int):
+                out[f"{name}.epoch"] = epoch
+    return out
 
 
 class LoopLoader:
@@ -293,7 +319,12 @@ class LoopLoaders:
     def __init__(self, per_rank, inside_step, refuse, say, between_steps=_never):
         self.per_rank, self.inside_step, self.refuse, self._say = per_rank, inside_step, refuse, say
         self.between_steps = between_steps
-        self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loader -> (kind, why, LoopLoader, its PerRankState)
+        # loader -> (kind, why, LoopLoader, its PerRankState), the last two by weak reference: a
+        # value that held its key (a LoopLoader holds its loader) would keep it, and with it the
+        # PerRankState of a script that ran again from the top (a spare promoted to other ranks):
+        # its loop variables, the old frame, and that frame's model and optimizer, which the new
+        # run's discovery then found as state of its own that no survivor holds.
+        self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._said: set = set()
 
     def iterate(self, loader, make_iterator):
@@ -301,18 +332,19 @@ class LoopLoaders:
             return make_iterator(loader)
         entry = self._loops.get(loader)
         per_rank = self.per_rank()
-        if entry is None or entry[3] is not per_rank:
+        loop = entry[2]() if entry is not None and entry[2] is not None else None
+        if entry is None or entry[3]() is not per_rank or (entry[2] is not None and loop is None):
             kind, why = direct_kind(loader)
             loop = LoopLoader(loader, make_iterator, kind) if kind in (SAMPLER, STATEFUL_DATASET) else None
             if loop is not None:
                 loop.refuse, loop.between_steps = self.refuse, lambda: self.between_steps()
                 name = _name_for(per_rank.objects)
-                per_rank.objects[name] = loop
+                per_rank.objects[name] = loop  # what keeps it alive: the PerRankState it belongs to
                 loaded = per_rank.pending.pop(name, None)  # a joiner's loop reaching a loader after it entered
                 if loaded is not None:
                     loop.load_state_dict(loaded)
-            entry = self._loops[loader] = (kind, why, loop, per_rank)
-        kind, why, loop, _ = entry
+            entry = self._loops[loader] = (kind, why, None if loop is None else weakref.ref(loop), weakref.ref(per_rank))
+        kind, why = entry[0], entry[1]
         if loop is not None:
             return loop.begin_pass()
         if kind == REFUSE:

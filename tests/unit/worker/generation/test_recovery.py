@@ -175,3 +175,17 @@ def test_per_rank_state_comes_from_the_snapshot_or_an_exact_mirror():
         [H(0, 5, {0, 1}, per_rank=True, held={1: {"images": {}, "mirrors": {5: False}}}), H(1, -1, {0, 1}, per_rank=True)]
     )
     assert inexact.missing == [1]
+    assert inexact.lacking() == "rank 1: its per-rank state at step 5 (mirrored only at its vote)"
+
+
+def test_what_nothing_holds_is_named():
+    """The plan says what a missing rank lacks: an object no other rank has at all (a joiner that
+    found state of its own), a copy that is gone, or its per-rank state."""
+    extra = Holding(1, -1, {"state": ObjectState(frozenset({0, 1}), "s", "v"), "Linear#0": ObjectState(frozenset({1}), "l", "w")})
+    plan = plan_recovery([H(0, 5, {0, 1}), extra])
+    assert plan.missing == [1] and plan.lacking() == "rank 1: Linear#0, which no other rank has"
+    assert plan.tried == {5: "nothing holds rank(s) [1] (rank 1: Linear#0, which no other rank has)"}
+    gone = plan_recovery([H(0, 5, {0}), H(1, -1, {1})])
+    assert gone.lacking() == "rank 1: state (no live replica, no snapshot of step 5)"
+    none = plan_recovery([H(0, 5, {0, 1}, per_rank=True), H(1, -1, {0, 1}, per_rank=True)])
+    assert none.lacking() == "rank 1: its per-rank state at step 5 (no snapshot, no mirror)"

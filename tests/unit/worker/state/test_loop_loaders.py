@@ -4,6 +4,10 @@ loader (table), a step that runs again replays its batches and its epoch end, a 
 at the lost rank's pass and position without fetching the samples before it, and the global
 generator ends where a plain torch loop leaves it. Across processes: ``tests/e2e/test_loop_data_live.py``."""
 
+import gc
+import sys
+import weakref
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -11,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from tm_launch.worker import torch_patches
 from tm_launch.worker.state import data_loaders, loop_loaders
 from tm_launch.worker.state.data_loaders import DataRefused
+from tm_launch.worker.state.loop_variables import LoopVariables
 from tm_launch.worker.state.per_rank import PerRankState
 from tm_launch.worker.state.transfer import cpu_copy
 
@@ -310,3 +315,56 @@ def test_an_iterable_dataset_with_state_runs_again_and_carries_to_a_joiner(worke
     worker.per_rank.load({"tm-loop": lost})
     joined, _ = loop(loader2, ds2, 8, it=it2, start=4)
     assert first + joined == want
+
+
+class _RanAgain(BaseException):
+    """What a spare promoted to other ranks raises to run the script again (``RankChanged``)."""
+
+
+def test_a_script_run_again_from_the_top_leaves_nothing_of_its_first_run_alive(worker):
+    """A spare warmed up as rank 1 and promoted to rank 0 runs the script again in the same
+    process (``Spare.take_other_ranks``: a fresh ``PerRankState``). Its first run's loader was
+    iterated in the loop, so its loop held that run's per-rank state, whose loop variables hold
+    the first run's frame: its model and optimizer stayed alive, and the new run's discovery
+    (``gc.get_objects()``) found them as state of the joiner's own that no survivor holds ("no
+    live rank and no snapshot holds the state of rank(s) [0]", every worker restarted)."""
+    first: dict = {}
+
+    def run_once():
+        model = torch.nn.Linear(3, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        first.update(model=weakref.ref(model), opt=weakref.ref(opt))
+        _, sampler, loader = make()
+        it = iter(loader)
+        worker.per_rank.objects["tm:loop"] = LoopVariables(sys._getframe(), skip=set())  # Discovery.at_loop_start
+        worker.per_rank.begin_step(0, None)
+        next(it)
+        first["state"] = weakref.ref(worker.per_rank)
+        raise _RanAgain()
+
+    with pytest.raises(_RanAgain):
+        run_once()
+    worker.per_rank = worker.per_rank.fresh()  # TrainingState.forget_script
+    gc.collect()
+    assert first["state"]() is None and first["model"]() is None and first["opt"]() is None  # nothing left to find
+    _, sampler, loader = make()  # the second run iterates its own loader: per-rank state of the new run
+    it = iter(loader)
+    assert next(it).tolist() == plain(1)[0]
+    assert list(worker.per_rank.objects) == ["tm-loop"]
+
+
+def test_positions_say_where_the_loops_loaders_stand_as_torchs_iterators_count_them(worker):
+    """What ``tm-launch rehearse`` compares of a loop's loaders (``~data/<name>``): the batches
+    drawn from an iterator's pass, live mode's view and torch's own iterator alike, and the
+    sampler's epoch of a loader."""
+    _, s0, plain_loader = make()
+    data_loaders.owned.add(plain_loader)  # torch's own iterator
+    torch_it = iter(plain_loader)
+    _, sampler, loader = make()
+    sampler.set_epoch(4)
+    it = iter(loader)
+    for _ in range(2):
+        next(torch_it), next(it)
+    assert isinstance(it, loop_loaders.PassIterator) and not isinstance(torch_it, loop_loaders.PassIterator)
+    got = loop_loaders.positions({"it": it, "torch_it": torch_it, "loader": loader, "plain_loader": plain_loader, "n": 3})
+    assert got == {"it": 2, "torch_it": 2, "loader.epoch": 4, "plain_loader.epoch": 0}
