@@ -117,6 +117,20 @@ def summarize(records: list[dict], kill_time: float) -> dict:
     }
 
 
+def fault_time(marker_mtime: float, step_records: list[tuple]) -> float:
+    """When the victim died: its kill marker's mtime, but never before the victim's own last step
+    record (a file's mtime comes from the kernel's coarse clock, up to a tick behind the step log's
+    ``time.time()``; read alone it put a kill before the step the victim logged just ahead of it,
+    and the downtime then ended at that step). The victim is the process whose last step is not
+    the job's last."""
+    last_step = max(step for _, _, step, _, _ in step_records)
+    ends: dict[int, tuple[int, float]] = {}
+    for t, _, step, _, pid in step_records:
+        ends[pid] = max(ends.get(pid, (-1, 0.0)), (step, t))
+    victims = [t for step, t in ends.values() if step < last_step]
+    return max([marker_mtime, *victims])
+
+
 # -- one run --------------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args):
@@ -189,7 +203,7 @@ class Bench:
             codes = result["exit_codes"] = job.wait(timeout=a.finish_timeout)
             if codes.get("s0") != 0 or sorted(codes.values()).count(0) != 2:
                 raise RuntimeError(f"exit codes {codes}")
-            kill_time = os.path.getmtime(marker)
+            kill_time = result["kill_time"] = fault_time(os.path.getmtime(marker), job.step_records())
             result.update(downtime(job.step_records(), kill_time))
             plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1]
             result["live"] = bool(plans) and plans[0]["live"]

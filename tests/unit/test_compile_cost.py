@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from compile_cost import summarize  # noqa: E402
+from compile_cost import fault_time, summarize  # noqa: E402
 from compile_records import append, by_process, compile_record, last_graphs, read  # noqa: E402
 
 KILL = 6.5  # the kill's time: right after step 6 (each step below takes 0.1 s, ending at step + 0.1)
@@ -112,3 +112,12 @@ def test_a_recompile_is_one_more_graph_and_each_process_is_kept_apart(tmp_path):
     assert records[0]["compile_s"] > 0 and records[1]["compile_s"] == records[0]["compile_s"] < records[2]["compile_s"]
     assert [len(rs) for rs in by_process(records).values()] == [2, 1]
     assert last_graphs(records) == {0: records[1]["graphs"], 1: records[2]["graphs"]}
+
+
+def test_the_fault_time_is_never_before_the_victims_last_step():
+    # (time, rank, step, generation, pid): the victim (pid 11) logged step 11 at 5.5257, the
+    # marker's coarse mtime says 5.5242; the survivor (10) and the joiner (12) reach step 14.
+    steps = [(5.4996, 0, 10, 0, 10), (5.4933, 1, 10, 0, 11), (5.5257, 1, 11, 0, 11), (5.5313, 0, 11, 0, 10)]
+    steps += [(5.885, 0, 12, 1, 10), (5.889, 1, 12, 1, 12), (5.99, 0, 14, 1, 10), (5.995, 1, 14, 1, 12)]
+    assert fault_time(5.5242, steps) == 5.5257
+    assert fault_time(5.6, steps) == 5.6  # a marker after the victim's last record: the marker
