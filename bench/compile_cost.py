@@ -2,7 +2,7 @@
 """What torch.compile costs a joiner, and a live recovery's downtime compiled against not.
 
     .venv/bin/python bench/compile_cost.py                            # ddp and torchtitan, compiled and not: 4 runs
-    .venv/bin/python bench/compile_cost.py --scripts torchtitan --victim-rank 0   # a spare taking another rank
+    .venv/bin/python bench/compile_cost.py --modes compiled --victim-rank 0   # a spare taking another rank
 
 The jobs are the compiled e2e tests' (``tests/e2e/test_exactness.py``'s compiled DDP case,
 ``tests/e2e/test_torchtitan.py``'s compiled FSDP2 case), each also run without the compile:
@@ -281,6 +281,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description="What torch.compile costs a joiner; live downtime compiled against not.")
     p.add_argument("--scripts", default=",".join(SCRIPTS), help=f"comma list of {', '.join(SCRIPTS)}")
     p.add_argument("--repeat", type=int, default=1, help="runs per script and mode, compiled and eager alternating")
+    p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     p.add_argument("--victim-rank", type=int, default=1, choices=(0, 1), help="0: the spare (warmed up as rank 1) takes another rank")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds to generation 0 and to the spare's park (compiles)")
     p.add_argument("--finish-timeout", type=float, default=600)
@@ -290,6 +291,10 @@ def parse(argv=None):
     for x in args.scripts:
         if x not in SCRIPTS:
             p.error(f"--scripts: unknown script {x!r}")
+    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    if not modes or set(modes) - {"eager", "compiled"}:
+        p.error(f"--modes: eager and/or compiled, not {args.modes!r}")
+    args.compiled = [m == "compiled" for m in ("eager", "compiled") if m in modes]
     return args
 
 
@@ -302,7 +307,9 @@ def main(argv=None) -> int:
     shutil.rmtree(bench.logdir, ignore_errors=True)
     os.makedirs(bench.logdir)
     started, load_start = time.time(), os.getloadavg()[0]
-    plan = [(s, c, rep) for rep in range(args.repeat) for s in args.scripts for c in ((False, True) if rep % 2 == 0 else (True, False))]
+    plan = [
+        (s, c, rep) for rep in range(args.repeat) for s in args.scripts for c in (args.compiled if rep % 2 == 0 else args.compiled[::-1])
+    ]
     runs: list[dict] = []
     interrupted = False
     try:
