@@ -10,8 +10,8 @@ the ``dp`` dimension of a 2-D mesh) runs on 2 nodes of 2 workers: 4 ranks.
 """
 
 import glob
-import json
 import os
+import sys
 
 import pytest
 import torch
@@ -22,6 +22,10 @@ from tm_launch.local.localjob import REPO
 pytestmark = pytest.mark.timeout(900)  # whole jobs (a torchrun reference and a live run) on a loaded 2-core machine
 
 ORDINARY = os.path.join(REPO, "tests", "scripts", "ordinary.py")
+sys.path.append(os.path.dirname(ORDINARY))
+from compile_records import by_process, last_graphs  # noqa: E402  (ordinary.py --compile's DIR/compile.jsonl)
+from compile_records import read as compile_records  # noqa: E402
+
 STEPS = 24
 PAUSE = 8  # faulty runs hold every rank at this step until the spare is parked
 KILL = 12
@@ -178,16 +182,6 @@ def test_two_faults_in_a_row_recover_exactly(local_job, reference):
     assert_exact_and_live(job, codes, got, reference(*extra))
 
 
-def compile_records(out: str) -> dict:
-    """{rank: [record per process that finished as that rank]} (``ordinary.py --compile``)."""
-    records: dict = {}
-    for path in sorted(glob.glob(os.path.join(out, "compile-rank*.json"))):
-        with open(path) as f:
-            record = json.load(f)
-        records.setdefault(record["rank"], []).append(record)
-    return records
-
-
 COMPILED = {"ddp": ("--compile",), "fsdp-per-block": ("--compile", "--layout", "fsdp")}
 
 
@@ -205,13 +199,15 @@ def test_a_compiled_script_recovers_exactly_and_keeps_its_graphs(local_job, refe
     ref = reference(*extra)
     job, codes, got = run_live(local_job, extra, [(1, "backward", KILL)])
     assert_exact_and_live(job, codes, got, ref)
-    torchrun = {rank: records[0]["graphs"] for rank, records in compile_records(reference.dirs[extra, 2]).items()}
-    assert torchrun[0] > 0 and torchrun[1] > 0, torchrun
-    live = compile_records(os.path.join(job.workdir, "out"))
-    assert sorted(live) == [0, 1] and all(len(r) == 1 for r in live.values()), live  # the killed process wrote none
-    survivor, joiner = live[0][0], live[1][0]
-    assert survivor["graphs"] == torchrun[0], (survivor, torchrun)
-    warm_up = [graphs for step, graphs in joiner["steps"] if step < PAUSE]
-    promoted = [graphs for step, graphs in joiner["steps"] if step >= KILL]
-    assert warm_up and promoted, joiner
-    assert promoted[0] == joiner["graphs"] == torchrun[1], joiner  # nothing compiled after the promotion
+    torchrun = last_graphs(compile_records(os.path.join(reference.dirs[extra, 2], "compile.jsonl")))
+    assert torchrun.keys() == {0, 1} and torchrun[0] > 0 and torchrun[1] > 0, torchrun
+    live = by_process(compile_records(os.path.join(job.workdir, "out", "compile.jsonl")))
+    assert len(live) == 3, live  # the survivor, the victim (until its kill), the joiner
+    (kept,) = [records for records in live.values() if records[0]["rank"] == 0]
+    (joiner,) = [records for records in live.values() if records[0]["sandbox"]]
+    assert not any(r["sandbox"] for r in kept) and kept[-1]["step"] == STEPS - 1, kept
+    assert kept[-1]["graphs"] == torchrun[0], (kept, torchrun)  # kept through the change: no recompile
+    warm_up, promoted = [r for r in joiner if r["sandbox"]], [r for r in joiner if not r["sandbox"]]
+    assert warm_up and promoted and {r["rank"] for r in joiner} == {1}, joiner
+    assert warm_up[-1]["graphs"] == promoted[-1]["graphs"] == torchrun[1], (joiner, torchrun)  # all compiled in the warm-up
+    assert warm_up[-1]["compile_s"] == promoted[-1]["compile_s"], joiner  # not a second spent compiling after the promotion

@@ -29,6 +29,10 @@ HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
 sys.path.insert(0, os.path.dirname(HARNESS))  # offline_assets, tiny_llama3
 from titan_job import final_state, titan_args  # noqa: E402  (the job the benchmark runs too)
 
+sys.path.append(os.path.join(REPO, "tests", "scripts"))
+from compile_records import by_process, last_graphs  # noqa: E402  (the harness's TT_COMPILE_LOG)
+from compile_records import read as compile_records  # noqa: E402
+
 STEPS, CKPT_EVERY, KILL_STEP = 10, 4, 6  # the kill after step 6: the restart resumes from step 4's checkpoint
 HSDP_STEPS = 14  # room for a drain's switch (a few steps after the request)
 
@@ -451,3 +455,70 @@ def test_live_4_ranks_hsdp_from_the_replica_fsdp_tp_from_snapshots(local_job, ti
     if fault == "sigkill":
         assert not os.path.exists(os.path.join(dump, "checkpoint", "step-4", ".metadata")), os.listdir(os.path.join(dump, "checkpoint"))
         print(f"\ntorchtitan live, {layout}, worker SIGKILL: {recovery(records, os.path.getmtime(marker))}")
+
+
+COMPILE = ["--compile.enable"]  # torchtitan's own: each transformer block compiled (fullgraph), then FSDP; the loss compiled
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # two compiled jobs: inductor's C++ compiles on a loaded 2-core machine
+def test_live_compiled_fsdp2_recovers_exactly_and_keeps_its_graphs(local_job, titan_assets, tmp_path):
+    """torchtitan with ``--compile.enable`` (inductor on the CPU), live, pure FSDP2 over 2 ranks,
+    2 nodes of 1 worker and a parked spare: rank 1 is SIGKILLed right after step 6 (every rank held
+    after step 2 until the spare has parked); the spare,
+    warmed up as rank 1, takes it from the victim's snapshot. torchtitan's final checkpoint is
+    bitwise the same compiled command's under plain torchrun. The survivor keeps its process and
+    its graphs (it ends with exactly as many as torchrun's rank 0: nothing recompiled through the
+    change); the joiner compiled every graph in its warm-up, none after its promotion, as many as
+    torchrun's rank 1."""
+    one_thread = {"OMP_NUM_THREADS": "1"}  # inductor's C++ kernels the same in both runs (torchrun's own default)
+    ref_dump, ref_log = str(tmp_path / "torchrun"), str(tmp_path / "torchrun-compile.jsonl")
+    run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HARNESS]
+        + titan_args(titan_assets, ref_dump, STEPS, CKPT_EVERY)
+        + COMPILE,
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TT_COMPILE_LOG": ref_log, **one_thread},
+        timeout=1200,
+    )
+    torchrun_graphs = last_graphs(compile_records(ref_log))
+    assert torchrun_graphs.keys() == {0, 1} and all(torchrun_graphs.values()), torchrun_graphs
+
+    job = local_job(nnodes="2", nproc=1, script=HARNESS, launcher_args=["--max-restarts", "3"])
+    dump, compile_log = os.path.join(job.workdir, "titan"), os.path.join(job.workdir, "compile.jsonl")
+    marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-parked")
+    job.script_args = titan_args(titan_assets, dump, STEPS, CKPT_EVERY) + COMPILE
+    job.env = {"TT_LIVE": "1", "TT_STEP_LOG": job.step_log, "TT_COMPILE_LOG": compile_log, **one_thread}
+    # Every rank holds after step 2 until the spare has parked (its compile takes a minute or more
+    # here): a victim held alone would keep its peer in a collective that long, and be killed as
+    # that collective's culprit before its own kill.
+    job.env.update(
+        {"TT_HOLD_STEP": "2", "TT_HOLD_UNTIL": go, "TT_KILL_RANK": "1", "TT_KILL_STEP": str(KILL_STEP), "TT_KILL_MARKER": marker}
+    )
+    job.start_all(["a", "b"])
+    job.wait_for(lambda s: s["generation"] is not None, 300, "generation 0")
+    job.start("c")
+    job.wait_parked("c", timeout=900)  # the spare compiles every graph while it warms up
+    open(go, "w").close()
+    codes = job.wait(timeout=600)
+
+    plan = next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+    assert plan is not None and plan["live"], job.logs_tail()
+    victim = plan["replaced"]["c"]
+    survivor = ({"a", "b"} - {victim}).pop()
+    assert codes[victim] != 0 and codes[survivor] == 0 and codes["c"] == 0, job.logs_tail()
+    assert_same_state(final_state(dump, STEPS), final_state(ref_dump, STEPS))
+
+    live = by_process(compile_records(compile_log))
+    assert len(live) == 3, live  # the survivor, the victim (until its kill), the joiner
+    (kept,) = [records for records in live.values() if records[0]["rank"] == 0]
+    (joiner,) = [records for records in live.values() if records[0]["sandbox"]]
+    assert not any(r["sandbox"] for r in kept) and kept[-1]["step"] == STEPS, kept  # one process throughout
+    assert kept[-1]["graphs"] == torchrun_graphs[0], (kept, torchrun_graphs)  # kept through the change: no recompile
+    warm_up, promoted = [r for r in joiner if r["sandbox"]], [r for r in joiner if not r["sandbox"]]
+    assert warm_up and promoted and {r["rank"] for r in joiner} == {1}, joiner
+    assert warm_up[-1]["graphs"] == promoted[-1]["graphs"] == torchrun_graphs[1], (joiner, torchrun_graphs)  # all in the warm-up
+    assert warm_up[-1]["compile_s"] == promoted[-1]["compile_s"], joiner  # not a second spent compiling after the promotion
+    print(
+        f"\ntorchtitan live, compiled FSDP2: {recovery(job.step_records(), os.path.getmtime(marker))}; "
+        f"graphs {torchrun_graphs}; the spare compiled for {warm_up[-1]['compile_s']:.1f}s in its warm-up"
+    )

@@ -17,16 +17,18 @@ beyond model, optimizer and scheduler, state the user never thinks of as state.
 
 Each rank writes its whole state at the end, ``--out DIR/rank<r>.pt``: the model's
 ``state_dict()`` (buffers included; a DTensor as its local shard), the optimizer's, the
-scheduler's, and the tensors the optimizer trains. With ``--compile`` each process also writes
-``DIR/compile-rank<r>-<pid>.json``: how many graphs Dynamo had compiled at the start of each step
-it ran (``torch._dynamo.utils.counters``), the recompiles a test counts. Fault points: ``tests/scripts/faults.py`` (``--kill-rank``, ``--kill-phase`` ...).
+scheduler's, and the tensors the optimizer trains. With ``--compile`` each process also appends
+one JSON line per step it runs, a spare's warm-up steps included, to ``DIR/compile.jsonl``
+(``tests/scripts/compile_records.py``, as the torchtitan harness's ``TT_COMPILE_LOG``): the graphs Dynamo
+has compiled so far (the recompiles a test counts), the seconds spent compiling them, and when
+the step started and ended (what ``bench/compile_cost.py`` reads). ``--step-log FILE``: ``time
+rank step generation pid`` per step of the job. Fault points: ``tests/scripts/faults.py`` (``--kill-rank``, ``--kill-phase`` ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -37,6 +39,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+from compile_records import append, compile_record  # noqa: E402  (beside this script)
 from faults import BetweenSteps, ChaosDir, Faults  # noqa: E402  (tests/scripts/faults.py, beside this script)
 
 import tm_launch  # noqa: E402
@@ -108,6 +111,7 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile: the DDP model, or each FSDP2 block")
     p.add_argument("--log-loss", action="store_true", help="all-reduce the loss after the optimizer step")
     p.add_argument("--out", required=True)
+    p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per step of the job")
     p.add_argument("--step-sleep", type=float, default=0.0, help="every rank sleeps this long in each step's compute (a longer run)")
     p.add_argument("--timeout", type=float, default=0.0, help="tm_launch.init(timeout=timedelta(seconds=...)), as torch takes it")
     p.add_argument("--chaos-dir", default=None, help="several kills: DIR/kill.<rank> holding '<phase> <step>' (faults.ChaosDir)")
@@ -151,11 +155,10 @@ def main():
     faults = Faults(args, ChaosDir(args.chaos_dir))
     faults.arm_backward(model, job)
     between = BetweenSteps(args)
-    graphs = []  # [step, graphs compiled so far] per step this process ran (--compile)
+    os.makedirs(args.out, exist_ok=True)
     for step in job.steps(args.steps):
         faults.step = step
-        if args.compile:
-            graphs.append([step, compiled_graphs()])
+        started = time.time()
         g = torch.Generator().manual_seed(1 + step * 97 + data_rank)
         x = torch.randn(16, 8, generator=g)
         y = x[:, :1] * 0.5 + torch.randn(16, 1, generator=g) * 0.1
@@ -178,6 +181,10 @@ def main():
             dist.all_reduce(loss.detach(), group=job.group)
         faults.at(job, "logged")
         between.after_step(job, step, model)
+        if args.compile:
+            append(os.path.join(args.out, "compile.jsonl"), compile_record(rank, step, job.in_sandbox, started))
+        if args.step_log and not job.in_sandbox:
+            faults.log_step(args.step_log, job, step)
     state: dict = {}
     flat("model", model.state_dict(), state)
     flat("optimizer", opt.state_dict(), state)
@@ -188,16 +195,6 @@ def main():
     flat("scheduler", sched.state_dict(), state)
     os.makedirs(args.out, exist_ok=True)
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
-    if args.compile:
-        with open(os.path.join(args.out, f"compile-rank{rank}-{os.getpid()}.json"), "w") as f:
-            json.dump({"rank": rank, "steps": graphs, "graphs": compiled_graphs()}, f)
-
-
-def compiled_graphs() -> int:
-    """Graphs Dynamo compiled in this process so far (a recompile is one more)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 if __name__ == "__main__":

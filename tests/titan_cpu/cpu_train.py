@@ -23,6 +23,9 @@ Also, for the tests (inert unless the variables are set):
 - ``TT_LIVE=1``: ``tm_launch.torchtitan``'s entry (live mode) in place of ``torchtitan.train``'s.
 - ``TT_STEP_LOG``: each rank appends ``time rank step restart pid`` after each step, the format
   ``tm_launch.local.localjob`` reads for its downtime measure.
+- ``TT_COMPILE_LOG``: each process appends one JSON line per step it runs, a spare's warm-up
+  steps included (``tests/scripts/compile_records.py``): what Dynamo has compiled so far, the count a test of
+  ``--compile.enable`` compares (a recompile is one more graph) and the seconds a benchmark reads.
 """
 
 from __future__ import annotations
@@ -191,6 +194,9 @@ def install_test_hooks() -> None:
     at the start of the step's forward instead (before its optimizer step: not committed)."""
     from torchtitan.trainer import Trainer
 
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    if scripts not in sys.path:
+        sys.path.append(scripts)  # compile_records (last: nothing of torchtitan's is shadowed)
     real, real_forward = Trainer.train_step, Trainer.forward_backward_step
 
     def forward_backward_step(self, *args, **kwargs):
@@ -201,10 +207,16 @@ def install_test_hooks() -> None:
         return real_forward(self, *args, **kwargs)
 
     def train_step(self, *args, **kwargs):
+        started = time.time()
         out = real(self, *args, **kwargs)
-        if os.environ.get("TT_LIVE") == "1" and in_sandbox():
-            return out  # a spare's warm-up step: not a step of the job
+        sandbox = os.environ.get("TT_LIVE") == "1" and in_sandbox()
         rank = dist.get_rank()
+        if os.environ.get("TT_COMPILE_LOG"):
+            from compile_records import append, compile_record  # tests/scripts/compile_records.py
+
+            append(os.environ["TT_COMPILE_LOG"], compile_record(rank, self.step, sandbox, started))
+        if sandbox:
+            return out  # a spare's warm-up step: not a step of the job
         log = os.environ.get("TT_STEP_LOG")
         if log:
             with open(log, "a") as f:
