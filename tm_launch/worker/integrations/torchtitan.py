@@ -22,10 +22,9 @@ checkpoints keep working as the fallback: a checkpoint whose step had a failed c
 removed (its metadata could hold one rank's view only), and when some rank's state exists
 nowhere any more every worker restarts from the newest one.
 
-Pipeline parallelism (``--parallelism.pipeline-parallel-degree``): ``model_parts`` holds one
-module per stage of this rank, each registered as above (a stage's replica is its
-``dp_replicate`` peer, read off its FSDP placements; a stage without one comes from its
-snapshot); the schedule's ``step`` inside torchtitan's step is torch's, which the live runtime
+Pipeline parallelism (``--parallelism.pipeline-parallel-degree``, each stage on one rank):
+``model_parts`` holds one module per stage of this rank, each registered as above (a stage comes
+from its snapshot: its FSDP placements, at degree 1, name no other rank); the schedule's ``step`` inside torchtitan's step is torch's, which the live runtime
 already handles (``spare.pipeline_stages``: set up again with a new neighbour, dropped when its
 communication failed, skipped in the sandbox, where a last stage's losses are zeros).
 
@@ -73,16 +72,19 @@ def not_live_reason(config, world_size: int) -> str | None:
 
 
 def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
-    """Pipeline parallelism is live alone and with data-parallel replicas of each stage
-    (``--parallelism.data-parallel-replicate-degree``), under a schedule of
-    ``LIVE_PIPELINE_SCHEDULES``. Not with a stage sharded further (FSDP, TP, CP, EP): a spare's
-    sandbox never runs a pipeline step (``spare.pipeline_stages``), so its first forward is
-    torchtitan's first, whose FSDP all-gathers differ from a later step's (the chunked loss's
-    output layer), and nothing such was tested live."""
+    """Pipeline parallelism is live alone (each stage on one rank), under a schedule of
+    ``LIVE_PIPELINE_SCHEDULES``. Not with data-parallel replicas of a stage: the stage's FSDP
+    gradient reduction over them runs inside the schedule's backward, and a survivor whose
+    interrupted schedule was dropped part-way met FSDP's state half-way through a backward in the
+    step run again ("Trying to resize storage that is not resizable": docs/design.md). Not with
+    a stage sharded further (FSDP, TP, CP, EP) either: a spare's sandbox never runs a pipeline
+    step (``spare.pipeline_stages``), so its first forward is torchtitan's first, whose FSDP
+    all-gathers differ from a later step's (the chunked loss's output layer)."""
     p = parallelism
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
     shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else world_size // max(1, others)
     within = {
+        "data-parallel replicas": p.data_parallel_replicate_degree,
         "FSDP sharding": shard,
         "tensor parallelism": p.tensor_parallel_degree,
         "context parallelism": p.context_parallel_degree,
@@ -90,7 +92,7 @@ def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
     }
     sharded = [f"{name} {degree}" for name, degree in within.items() if degree > 1]
     if sharded:
-        return f"pipeline parallelism with {' and '.join(sharded)} inside a stage (tested live: pipeline alone and with data-parallel replicas)"
+        return f"pipeline parallelism with {' and '.join(sharded)} of a stage (live: each stage on one rank)"
     if p.pipeline_parallel_schedule_csv:
         return "a pipeline schedule read from a CSV file (not tested live)"
     if p.pipeline_parallel_schedule.lower() not in LIVE_PIPELINE_SCHEDULES:
