@@ -27,7 +27,7 @@ pytest.importorskip("torchtitan.trainer", reason="torchtitan is not installed (p
 
 HARNESS = os.path.join(REPO, "tests", "titan_cpu", "cpu_train.py")
 sys.path.insert(0, os.path.dirname(HARNESS))  # offline_assets, tiny_llama3
-from titan_job import final_state, titan_args  # noqa: E402  (the job the benchmark runs too)
+from titan_job import final_state, ranks_of, titan_args  # noqa: E402  (the job the benchmark runs too)
 
 sys.path.append(os.path.join(REPO, "tests", "scripts"))
 from compile_records import by_process, last_graphs  # noqa: E402  (the harness's TT_COMPILE_LOG)
@@ -77,9 +77,10 @@ def run(cmd: list[str], timeout: float = 180, env: dict | None = None) -> str:
     return out.stdout + out.stderr
 
 
-def torchrun_run(assets: dict, dump: str, steps: int, replicate: int = 1, tp: int = 1):
+def torchrun_run(assets: dict, dump: str, steps: int, **layout):
     """The fault-free run under plain torchrun: (final checkpoint state, losses, seconds).
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun at its best (ARCHITECTURE.md)."""
+    ``layout``: ``titan_args``' degrees. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun at
+    its best (ARCHITECTURE.md)."""
     start = time.time()
     log = run(
         [
@@ -88,9 +89,9 @@ def torchrun_run(assets: dict, dump: str, steps: int, replicate: int = 1, tp: in
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            str(2 * replicate * tp),
+            str(ranks_of(**{k: v for k, v in layout.items() if k != "schedule"})),
             HARNESS,
-            *titan_args(assets, dump, steps, CKPT_EVERY, replicate, tp),
+            *titan_args(assets, dump, steps, CKPT_EVERY, **layout),
         ],
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         timeout=300,

@@ -3,7 +3,8 @@
 
 torchtitan 0.3.0 with torch 2.13 assumes an accelerator; on CPU it needs the workarounds measured
 in ARCHITECTURE.md ("torchtitan 0.3.0 on CPU with torch 2.13") and nothing more (forcing the
-device also takes a stand-in for the memory statistics ``torch.cuda`` has). Each one is a
+device also takes a stand-in for the memory statistics ``torch.cuda`` has; pipeline parallelism
+takes torch 2.14's microbatch API on 2.13's schedules). Each one is a
 function below, applied before torchtitan builds anything; the trainer, its loop, its
 checkpointer and its command line are torchtitan's, unchanged. The workarounds are test
 scaffolding for a CPU-only machine: on GPUs a torchtitan user runs ``-m torchtitan.train``
@@ -13,7 +14,8 @@ Also, for the tests (inert unless the variables are set):
 
 - ``TT_KILL_RANK`` / ``TT_KILL_STEP`` / ``TT_KILL_MARKER``: that rank SIGKILLs itself once, right
   after its optimizer step ``TT_KILL_STEP`` (before that step's checkpoint; ``TT_KILL_PHASE=forward``:
-  at the start of that step's forward), and creates the marker
+  at the start of that step's forward; ``microbatch``: in its first model part's forward of the
+  step's second microbatch, mid-pipeline), and creates the marker
   file so that the restarted run does not kill again. With ``TT_KILL_AFTER`` (a path) it first
   waits for that file, so that a test can hold the kill until its spare has joined.
 - ``TT_KILL2_RANK`` / ``TT_KILL2_STEP`` / ``TT_KILL2_MARKER`` / ``TT_KILL2_AFTER``: a second kill
@@ -152,6 +154,48 @@ def partial_dtensor_default() -> None:
     ConfigManager._load_config = _load_config
 
 
+def pipeline_microbatch_api() -> None:
+    """torchtitan 0.3.0 hands its pipeline schedule the step's microbatches already split
+    (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, torch 2.14's API); torch 2.13's
+    ``step`` takes the whole batch and splits it itself along dim 0 (its default chunk spec), so
+    under 2.13 every pipeline-parallel torchtitan run fails in its first step ("Expecting 2
+    arg_mbs but got 1"). Each schedule torchtitan builds gets a ``step`` that also takes the
+    microbatches: concatenated again along dim 0, which torch 2.13 splits back into views of the
+    same rows, the same numbers. Nothing is done on a torch whose ``step`` takes them."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    if "arg_mbs" in inspect.signature(PipelineScheduleSingle.step).parameters:
+        return
+    import torchtitan.distributed.pipeline_parallel as tt_pp
+
+    real = tt_pp._build_pipeline_schedule
+
+    def whole(parts: list, what: str):
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            raise TypeError(f"cpu_train.pipeline_microbatch_api: {what} holds a value that is not a tensor")
+        return torch.cat(parts)
+
+    def _build_pipeline_schedule(**kwargs):
+        schedule = real(**kwargs)
+
+        def step_with_microbatches(*args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **step_kwargs):
+            if arg_mbs:
+                args = tuple(whole(list(column), "arg_mbs") for column in zip(*arg_mbs))
+            if kwarg_mbs and any(kwarg_mbs):
+                step_kwargs.update({k: whole([mb[k] for mb in kwarg_mbs], f"kwarg_mbs[{k!r}]") for k in kwarg_mbs[0]})
+            if target_mbs is not None:
+                step_kwargs["target"] = whole(list(target_mbs), "target_mbs")
+            # the class's step, looked up now: tm-launch's live runtime wraps it later (in its first step)
+            return type(schedule).step(schedule, *args, **step_kwargs)
+
+        schedule.step = step_with_microbatches
+        return schedule
+
+    tt_pp._build_pipeline_schedule = _build_pipeline_schedule
+
+
 KILLS = ("TT_KILL", "TT_KILL2")  # the variables' prefixes of the first kill and of a second one
 
 
@@ -188,6 +232,20 @@ def kill_now(kill: str = "TT_KILL") -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_in_second_forward(module, kill: str) -> None:
+    """The kill at the start of ``module``'s second forward from now: under pipeline parallelism
+    the forward of this rank's first stage for the step's second microbatch, while the first one's
+    activations (or, on a last stage, its backward) are with the neighbour."""
+    calls = [0]
+
+    def pre_hook(*_):
+        calls[0] += 1
+        if calls[0] == 2:
+            kill_now(kill)
+
+    module.register_forward_pre_hook(pre_hook)
+
+
 def install_test_hooks() -> None:
     """The step log and the kill, after each ``Trainer.train_step`` (optimizer step done,
     checkpoint of that step not yet written); with ``TT_KILL_PHASE=forward``, the kill comes
@@ -201,9 +259,12 @@ def install_test_hooks() -> None:
 
     def forward_backward_step(self, *args, **kwargs):
         for kill in KILLS:
-            if os.environ.get("TT_KILL_PHASE") == "forward" and kill_point(dist.get_rank(), self.step, os.environ, kill):
+            phase = os.environ.get("TT_KILL_PHASE")
+            if phase in ("forward", "microbatch") and kill_point(dist.get_rank(), self.step, os.environ, kill):
                 if not (os.environ.get("TT_LIVE") == "1" and in_sandbox()):
-                    kill_now(kill)
+                    if phase == "forward":
+                        kill_now(kill)
+                    kill_in_second_forward(self.model_parts[0], kill)
         return real_forward(self, *args, **kwargs)
 
     def train_step(self, *args, **kwargs):
@@ -241,6 +302,7 @@ def apply_cpu_workarounds() -> None:
     partial_dtensor_default()
     sdpa_attention()
     fsdp_force_sum()
+    pipeline_microbatch_api()
 
 
 if __name__ == "__main__":

@@ -15,12 +15,16 @@ def titan_args(
     ckpt_every: int,
     replicate: int = 1,
     tp: int = 1,
+    pp: int = 1,
+    schedule: str | None = None,
     seq_len: int = 128,
     local_batch_size: int = 2,
 ) -> list[str]:
     """torchtitan's command line, as a user gives it to ``torchtitan.train``: the tiny llama3,
     FSDP over 2 ranks (HSDP with ``replicate`` > 1: that many replicas of those 2 shards; with
-    ``tp`` > 1, each FSDP rank a tensor-parallel group of ``tp`` ranks), a DCP checkpoint every
+    ``tp`` > 1, each FSDP rank a tensor-parallel group of ``tp`` ranks; with ``pp`` > 1 no FSDP
+    sharding but ``pp`` pipeline stages, each ``replicate`` times, under torchtitan's default
+    schedule or ``schedule``: 2 microbatches of 1 sequence), a DCP checkpoint every
     ``ckpt_every`` steps, a fixed seed and deterministic kernels (so two runs can be compared
     bitwise), fp32 parameters (bf16 is slow on CPU). ``seq_len`` x ``local_batch_size`` tokens per
     rank and step set how much compute a step has (the benchmark's ``--seq-len``)."""
@@ -44,7 +48,7 @@ def titan_args(
         "--training.mixed-precision-param",
         "float32",
         "--parallelism.data-parallel-shard-degree",
-        "2",
+        "1" if pp > 1 else "2",
         "--checkpoint.enable",
         "--checkpoint.interval",
         str(ckpt_every),
@@ -53,7 +57,15 @@ def titan_args(
         "--debug.deterministic",
         *(["--parallelism.data-parallel-replicate-degree", str(replicate)] if replicate > 1 else []),
         *(["--parallelism.tensor-parallel-degree", str(tp)] if tp > 1 else []),
+        # torchtitan refuses pipeline parallelism with its CUDA graphs on (its default), even on a CPU
+        *(["--parallelism.pipeline-parallel-degree", str(pp), "--training.disable-cuda-graphs"] if pp > 1 else []),
+        *(["--parallelism.pipeline-parallel-schedule", schedule] if schedule else []),
     ]
+
+
+def ranks_of(replicate: int = 1, tp: int = 1, pp: int = 1) -> int:
+    """The ranks ``titan_args`` with these degrees runs on."""
+    return (1 if pp > 1 else 2) * replicate * tp * pp
 
 
 def final_state(dump_folder: str, steps: int) -> dict:

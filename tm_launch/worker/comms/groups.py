@@ -64,6 +64,7 @@ class StepPoison:
     def __init__(self):
         self.error: BaseException | None = None
         self.armed = False
+        self.abandoned = False  # the poisoned step was left part-way: abandon()
         self._lock = threading.Lock()
         self._broken: list = []  # groups whose communicator failed and is not closed yet
 
@@ -82,6 +83,17 @@ class StepPoison:
     def clear(self) -> None:
         with self._lock:
             self.error = None
+            self.abandoned = False
+
+    def abandon(self) -> None:
+        """This rank leaves the poisoned step part-way: an exception out of torch's pipeline
+        schedule or a framework's step, raised on what a failed collective left, is dropped and
+        the step runs again. The collectives it had left on groups the failure did not break
+        never run, and a peer may wait for it in one (torchtitan's FSDP gradient reduction over
+        a data-parallel pair the change keeps, inside the schedule's backward). At its boundary
+        it then closes its subgroups, as a rank late to its boundary does
+        (``Generations.follow``): that wait fails at once, and every member rebuilds them."""
+        self.abandoned = True
 
     def note_broken(self, group) -> None:
         with self._lock:

@@ -148,12 +148,14 @@ class Generations:
             if not state.commit.decision:  # it runs again, with the RNG and data it started with
                 state.per_rank.restore()
             committed = bool(state.commit.decision)
+            abandoned = state.poison.abandoned
             d = self.directives.wait_after(state.world.generation)
             state.poison.clear()
             # A committed step lets the peers whose collectives all succeeded begin the next one:
             # they may wait for this rank in a subgroup ``d`` keeps, as for a rank late to its
-            # boundary (``Generations.follow``).
-            self.follow(d, interrupted=True, committed=committed)
+            # boundary (``Generations.follow``); so does a step this rank left part-way
+            # (``StepPoison.abandon``), whose remaining collectives its peers still run.
+            self.follow(d, interrupted=True, committed=committed, abandoned=abandoned)
             self.status.state = WorkerState.RUNNING
             return
         generation = state.world.generation
@@ -163,10 +165,10 @@ class Generations:
                 self.follow(d, interrupted=False)
 
     # -- following the agent -------------------------------------------------------------------
-    def follow(self, d: Directive, interrupted: bool, committed: bool = False) -> None:
+    def follow(self, d: Directive, interrupted: bool, committed: bool = False, abandoned: bool = False) -> None:
         """Enter ``d`` from a step boundary: after a healthy step (``interrupted`` False) or one a
         failed collective poisoned, which may still have ``committed`` (a collective after the
-        commit failed)."""
+        commit failed) or been ``abandoned`` part-way (``StepPoison.abandon``)."""
         if d.stop:
             self._leave()
         if d.planned and not interrupted and self._planned_switch(d):
@@ -176,7 +178,7 @@ class Generations:
         self.pending = None
         # After a step that committed, a peer may already be inside the next step, waiting for
         # this rank in a collective of a group that ``d`` does not change (``_enter_once``).
-        self.enter(d, late=committed or not interrupted)
+        self.enter(d, late=committed or abandoned or not interrupted)
 
     def _leave(self) -> None:
         """This node left the job (drained or replaced): end the script without error."""

@@ -91,6 +91,7 @@ class LiveLoop:
                     log.info(
                         f"step {step} interrupted; the framework stopped on what its failed collectives left ({first_line(e)}): it runs again"
                     )
+                    self.job.abandon_step()  # the rest of its collectives are never run
                     result = None
                 if self.job.commit() and step >= max(framework_step, self._join_at or 0):
                     self._join_at = None

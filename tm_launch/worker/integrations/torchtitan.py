@@ -22,9 +22,17 @@ checkpoints keep working as the fallback: a checkpoint whose step had a failed c
 removed (its metadata could hold one rank's view only), and when some rank's state exists
 nowhere any more every worker restarts from the newest one.
 
+Pipeline parallelism (``--parallelism.pipeline-parallel-degree``) runs in restart mode for now
+(``pipeline_not_live_reason``): tried live, a stage per rank recovered with rank 1 killed
+mid-pipeline, but a survivor's return to its own snapshot failed (docs/limits.md). The pieces
+are in place: ``model_parts`` holds one module per stage of this rank, each registered as above,
+and the schedule's ``step`` inside torchtitan's step is torch's, which the live runtime handles
+(``spare.pipeline_stages``).
+
 Live only where tested exactly: synchronous checkpoints (``--checkpoint.async-mode disabled``,
-torchtitan's default) and no pipeline parallelism; otherwise the log says why and the job runs
-in restart mode (every worker restarts from torchtitan's checkpoint).
+torchtitan's default) and no pipeline parallelism (``pipeline_not_live_reason``); otherwise
+the log says why and the job runs in restart mode (every worker restarts from torchtitan's
+checkpoint).
 """
 
 from __future__ import annotations
@@ -46,14 +54,53 @@ from ..log import first_line, log
 from ..torch_patches import keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only
 
+# torchtitan's names (``--parallelism.pipeline-parallel-schedule``, matched as torch's
+# ``get_schedule_class`` matches them) of the schedules run live with torchtitan or with torch's
+# own stages in the tests (``spare.pipeline_stages``); another one runs in restart mode.
+LIVE_PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
 
-def not_live_reason(config) -> str | None:
-    """Why a torchtitan job with ``config`` runs in restart mode (None: it can run live)."""
+
+def not_live_reason(config, world_size: int) -> str | None:
+    """Why a torchtitan job with ``config`` on ``world_size`` ranks runs in restart mode (None:
+    it can run live)."""
     if config.parallelism.pipeline_parallel_degree > 1:
-        return "pipeline parallelism (torchtitan's pipeline schedules are not tested live)"
+        why = pipeline_not_live_reason(config.parallelism, world_size)
+        if why is not None:
+            return why
     if config.checkpoint.enable and config.checkpoint.async_mode != "disabled":
         return f"--checkpoint.async-mode {config.checkpoint.async_mode} (a save in flight outlives the step that started it)"
     return None
+
+
+def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
+    """Pipeline parallelism is live alone (each stage on one rank), under a schedule of
+    ``LIVE_PIPELINE_SCHEDULES``. Not with data-parallel replicas of a stage: the stage's FSDP
+    gradient reduction over them runs inside the schedule's backward, and a survivor whose
+    interrupted schedule was dropped part-way met FSDP's state half-way through a backward in the
+    step run again ("Trying to resize storage that is not resizable": docs/design.md). Not with
+    a stage sharded further (FSDP, TP, CP, EP) either: a spare's sandbox never runs a pipeline
+    step (``spare.pipeline_stages``), so its first forward is torchtitan's first, whose FSDP
+    all-gathers differ from a later step's (the chunked loss's output layer)."""
+    p = parallelism
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else world_size // max(1, others)
+    within = {
+        "data-parallel replicas": p.data_parallel_replicate_degree,
+        "FSDP sharding": shard,
+        "tensor parallelism": p.tensor_parallel_degree,
+        "context parallelism": p.context_parallel_degree,
+        "expert parallelism": p.expert_parallel_degree,
+    }
+    sharded = [f"{name} {degree}" for name, degree in within.items() if degree > 1]
+    if sharded:
+        return f"pipeline parallelism with {' and '.join(sharded)} of a stage (live: each stage on one rank)"
+    if p.pipeline_parallel_schedule_csv:
+        return "a pipeline schedule read from a CSV file (not tested live)"
+    if p.pipeline_parallel_schedule.lower() not in LIVE_PIPELINE_SCHEDULES:
+        return f"pipeline schedule {p.pipeline_parallel_schedule} (not tested live; live: {', '.join(LIVE_PIPELINE_SCHEDULES)})"
+    # Tried live: rank 1 killed mid-pipeline recovered bitwise (twice), but rank 0 killed after a
+    # committed step left the survivor unable to return to its own snapshot (docs/limits.md).
+    return "pipeline parallelism (a survivor's return to its own snapshot fails: not live yet)"
 
 
 class LiveTrainer(Trainer):
@@ -68,8 +115,9 @@ class LiveTrainer(Trainer):
     _batches: Batches | None = None
 
     def init_distributed(self) -> ParallelDims:
-        live = WorkerEnv.from_environ().live  # under tm-launch, not --no-live
-        reason = not_live_reason(self.config) if live else None
+        env = WorkerEnv.from_environ()
+        live = env.live  # under tm-launch, not --no-live
+        reason = not_live_reason(self.config, env.world_size) if live else None
         if reason is not None:
             log.info(f"tm_launch.torchtitan: restart mode, not live: {reason}")
         if not live or reason is not None:

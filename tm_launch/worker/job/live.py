@@ -182,7 +182,7 @@ class LiveJob(Job):
         self.discovery = Discovery(self)  # state the script keeps and never registered, found at the first step
         self.guard.on_decision = self.discovery.at_decision
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
-        self.pipeline_steps = PipelineSteps(lambda: self.in_sandbox, lambda: self.state.poison.active)
+        self.pipeline_steps = PipelineSteps(lambda: self.in_sandbox, lambda: self.state.poison.active, self.abandon_step)
         self.audit = Audit(self.state, self.gens.exchange, env.audit_every)
         self.survey = ReplicaSurvey(self.state)
         if spare:  # opened while it warms up, not in the moment it is promoted
@@ -237,6 +237,12 @@ class LiveJob(Job):
     @property
     def generation(self) -> int:
         return self.group.generation
+
+    def abandon_step(self) -> None:
+        """Code driving the step (torch's pipeline schedule, a framework's step) left the
+        interrupted step part-way, dropping what it raised: its remaining collectives never run,
+        so this rank closes its subgroups at the boundary (``StepPoison.abandon``)."""
+        self.state.poison.abandon()
 
     @property
     def step_ok(self) -> bool:

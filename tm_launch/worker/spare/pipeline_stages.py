@@ -26,7 +26,11 @@ The rule (``set_up_decision``, pure):
   fail inside torch's schedule on what the failed receives left (a set-up reading an object from
   a dead neighbour): that failure is dropped, not raised out of the script's loop, with what the
   step left in the schedule (``discard_leftovers``), and the step runs again with every
-  microbatch once. Any other failure is the script's and is raised.
+  microbatch once. The actions it did not get to may hold collectives of groups that did not
+  fail (a stage's FSDP gradient reduction over its data-parallel peers, in its last backward),
+  which those peers still run: the step is marked abandoned (``StepPoison.abandon``), so the
+  rank closes its subgroups at its boundary and their waits end. Any other failure is the
+  script's and is raised.
 
 So a promoted spare's first step costs what its neighbour's does in that step (both do the
 set-up once), and nothing of the old generation's point-to-point traffic is read by the new.
@@ -38,7 +42,7 @@ import sys
 import weakref
 
 from .. import torch_patches
-from ..log import log
+from ..log import first_line, log
 
 SKIP, REDO, KEEP = "skip", "redo", "keep"
 # a schedule's "set-up done" flags: single-stage schedules (GPipe, 1F1B) and multi-stage ones
@@ -112,8 +116,9 @@ class PipelineSteps:
     """Every pipeline schedule's ``step`` in a live worker, through ``around`` (installed once
     the script imported ``torch.distributed.pipelining``: the import costs seconds)."""
 
-    def __init__(self, in_sandbox, poisoned):
-        self.in_sandbox, self.poisoned = in_sandbox, poisoned
+    def __init__(self, in_sandbox, poisoned, abandon=lambda: None):
+        """``abandon()``: this rank leaves the poisoned step part-way (``StepPoison.abandon``)."""
+        self.in_sandbox, self.poisoned, self.abandon = in_sandbox, poisoned, abandon
         self._set_up_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._said_skip = False
 
@@ -146,6 +151,9 @@ class PipelineSteps:
         except Exception as e:
             if not drops_failure(self.poisoned()):
                 raise
-            log.info(f"a pipeline step failed after its communication did ({type(e).__name__}): dropped, the step runs again")
+            log.info(
+                f"a pipeline step failed after its communication did ({type(e).__name__}: {first_line(e)}): dropped, the step runs again"
+            )
             discard_leftovers(schedule)
+            self.abandon()  # its actions left undone include collectives of groups that did not fail
             return None

@@ -14,6 +14,10 @@ class ScriptedJob:
         self.commits, self.generations = list(commits), list(generations)
         self.generation, self.step, self.closed, self.ended = 0, None, False, None
         self.step_ok = True
+        self.abandoned = 0  # abandon_step() calls
+
+    def abandon_step(self):
+        self.abandoned += 1
 
     def steps(self, total, start=0):
         self.step = start
@@ -161,6 +165,7 @@ def test_what_the_framework_raises_in_an_interrupted_step_runs_the_step_again():
         return "done"
 
     assert loop.run(5, body) == "done" and len(attempts) == 2
+    assert job.abandoned == 1  # the rest of the attempt's collectives never ran: its subgroups are closed at the boundary
 
 
 def test_what_the_framework_raises_in_a_healthy_step_is_raised():

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tm_launch.worker.comms.groups import LocalBackend
+from tm_launch.worker.comms.groups import LocalBackend, StepPoison
 from tm_launch.worker.spare.pipeline_stages import (
     KEEP,
     REDO,
@@ -95,10 +95,24 @@ def test_a_failure_is_dropped_only_in_a_poisoned_step(world):
         raise RuntimeError("what a dead neighbour left")
 
     sched._internal_losses.append(torch.ones(()))  # a microbatch's loss of the step that failed
-    assert PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: True).around(sched, fails) is None
+    abandoned = []
+    steps = PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: True, abandon=lambda: abandoned.append(1))
+    assert steps.around(sched, fails) is None
     assert sched._internal_losses == []  # the step that runs again starts from none
+    assert abandoned == [1]  # its actions left undone: the rank closes its subgroups at its boundary
     with pytest.raises(RuntimeError):
-        PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: False).around(sched, fails)
+        PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: False, abandon=lambda: abandoned.append(1)).around(sched, fails)
+    assert abandoned == [1]
+
+
+def test_an_abandoned_step_is_forgotten_with_its_poison():
+    """``StepPoison.abandon`` marks the poisoned step left part-way until the boundary clears it."""
+    poison = StepPoison()
+    poison.set(RuntimeError("Connection closed by peer"))
+    poison.abandon()
+    assert poison.active and poison.abandoned
+    poison.clear()
+    assert not poison.active and not poison.abandoned
 
 
 def two_steps(interrupted: bool) -> list:
