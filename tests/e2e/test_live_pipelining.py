@@ -11,7 +11,9 @@ run under plain torchrun.
 
 import glob
 import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -51,9 +53,11 @@ def reference(tmp_path_factory):
     return get
 
 
-def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2, spares: int = 1, fault=None, extra: tuple = ()):
+def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2, spares: int = 1, fault=None, extra: tuple = (), start_spares=None):
     """``nodes`` nodes of 1 worker plus ``spares`` spares; the worker holding ``rank`` SIGKILLs
-    itself at ``phase`` of step KILL, once the spares have parked; ``fault(job)`` runs then."""
+    itself at ``phase`` of step KILL, once the spares have parked; ``fault(job)`` runs then.
+    ``start_spares(job)``: in place of starting the spares and waiting for them to park.
+    ``{workdir}`` in ``extra`` is the job's working directory."""
     job = local_job(nnodes=str(nodes), nproc=1, script=SCRIPT, launcher_args=["--max-restarts", "3"])
     job.env = {"OMP_NUM_THREADS": "1"}
     trigger = os.path.join(job.workdir, "trigger")
@@ -76,15 +80,18 @@ def run(local_job, schedule: str, rank: int, phase: str, nodes: int = 2, spares:
         trigger,
         "--kill-marker",
         os.path.join(job.workdir, "killed"),
-        *extra,
+        *(arg.format(workdir=job.workdir) for arg in extra),
     )
     job.start_all([f"n{i}" for i in range(nodes)])
     job.wait_for(lambda s: s["generation"] is not None, 120, "generation 0")
-    names = ["spare"] if spares == 1 else [f"spare{i}" for i in range(spares)]
-    for name in names:
-        job.start(name)
-    for name in names:
-        job.wait_parked(name, timeout=300)  # a loaded machine: its sandbox imports torch and builds the stage
+    if start_spares is not None:
+        start_spares(job)
+    else:
+        names = ["spare"] if spares == 1 else [f"spare{i}" for i in range(spares)]
+        for name in names:
+            job.start(name)
+        for name in names:
+            job.wait_parked(name, timeout=300)  # a loaded machine: its sandbox imports torch and builds the stage
     if fault:
         fault(job)
     open(trigger, "w").close()
@@ -105,6 +112,9 @@ def received(job) -> list[str]:
         pytest.param("1f1b", 1, "microbatch", marks=pytest.mark.slow),
         pytest.param("1f1b", 0, "backward", marks=pytest.mark.slow),
         pytest.param("zero-bubble", 1, "microbatch", marks=pytest.mark.slow),
+        pytest.param("looped-bfs", 1, "backward", marks=pytest.mark.slow),
+        pytest.param("zbv", 0, "microbatch", marks=pytest.mark.slow),
+        pytest.param("dualpipev", 1, "backward", marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_stage_recovers_live_in_one_generation(local_job, reference, schedule, rank, phase):
@@ -159,3 +169,58 @@ def test_two_faults_in_a_row(local_job, reference):
     assert len(plans) == 2 and all(p["live"] for p in plans), [p.get("cause") for p in plans]
     assert sum(1 for c in codes.values() if c != 0) == 2, codes
     assert_bitwise(got, reference("gpipe"))
+
+
+def wait_for_file(path: str, timeout: float) -> int:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+    with open(path) as f:
+        return int(f.read())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", ["agent", "worker"])
+def test_a_spare_killed_while_it_warms_up_its_stage_leaves_the_job_untouched(local_job, reference, killed):
+    """A spare's sandboxed worker holds in its first warm-up step, its pipeline stage built
+    (``--sandbox-hold``), while the job is in its step 8; then its agent (``agent``) or that
+    worker (``worker``) is SIGKILLed, before it ever parked. Nothing happens to the job: no plan,
+    no generation, both active ranks keep their processes. The job then loses rank 1 in a backward
+    microbatch and recovers live in one generation: ``agent``, from a second spare that warms up
+    after the first is gone; ``worker``, from the same spare, whose agent started its worker again
+    (its warm-up done in full this time). Every rank ends bitwise equal to torchrun's run."""
+    box = {}
+
+    def start_spares(job):
+        held = os.path.join(job.workdir, "held")
+        job.start("spare0")
+        pid = wait_for_file(held, timeout=300)
+        assert pid in job.worker_pids("spare0"), (pid, job.worker_pids("spare0"))
+        if killed == "agent":
+            job.kill_agent("spare0")
+            job.nodes["spare0"].proc.wait(timeout=30)
+            job.wait_for(lambda s: all(n["id"] != "spare0" or n["role"] != "spare" for n in s["nodes"]), 120, "spare0 gone")
+            job.start("spare1")
+            box["taker"] = "spare1"
+        else:
+            os.kill(pid, signal.SIGKILL)
+            box["taker"] = "spare0"
+        job.wait_parked(box["taker"], timeout=300)
+        box["plans_before_the_fault"] = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+        box["steps_before_the_fault"] = job.step_records()
+
+    job, codes, got = run(local_job, "gpipe", 1, "backward", start_spares=start_spares, extra=("--sandbox-hold", "{workdir}/held"))
+    assert box["plans_before_the_fault"] == [], box["plans_before_the_fault"]
+    assert {rank for _, rank, _, _, _ in box["steps_before_the_fault"]} == {0, 1}, box["steps_before_the_fault"]
+    early = {rank: {pid for _, r, _, _, pid in box["steps_before_the_fault"] if r == rank} for rank in (0, 1)}
+    assert all(len(pids) == 1 for pids in early.values()), early  # no active rank restarted by the spare's loss
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"] and box["taker"] in plans[0]["replaced"], (plans, job.logs_tail())
+    victim = plans[0]["replaced"][box["taker"]]
+    assert codes[victim] != 0 and codes[box["taker"]] == 0, job.logs_tail()
+    records = job.step_records()
+    assert {pid for _, r, _, _, pid in records if r == 0} == early[0], "rank 0 kept its process through both"
+    assert_bitwise(got, reference("gpipe"))
+    if killed == "worker":
+        assert "spare: sandbox worker 0" in job.nodes["spare0"].log() and "it will be started again" in job.nodes["spare0"].log()

@@ -3,7 +3,10 @@
 
 ``--schedule``: ``gpipe`` (``ScheduleGPipe``), ``1f1b`` (``Schedule1F1B``), ``interleaved``
 (``ScheduleInterleaved1F1B``, two stages per rank), ``zero-bubble``
-(``ScheduleInterleavedZeroBubble``, two stages per rank: input and weight gradients apart).
+(``ScheduleInterleavedZeroBubble``, two stages per rank: input and weight gradients apart),
+``looped-bfs`` (``ScheduleLoopedBFS``, two stages per rank, looped as interleaved), ``zbv``
+(``ScheduleZBVZeroBubble``) and ``dualpipev`` (``ScheduleDualPipeV``): two stages per rank in a
+"V" (rank r holds stages r and 2 * ranks - 1 - r: the first rank holds the first and the last).
 Pure pipeline on 2 ranks (one stage per rank and no data-parallel replica:
 ``job.register(..., replicas=[job.rank])``, the state of a lost stage comes from its snapshot);
 on 4 ranks a ``(dp, pp)`` mesh of 2 x 2, each stage's gradients
@@ -40,7 +43,14 @@ from faults import Faults  # noqa: E402  (tests/scripts/faults.py, beside this s
 
 import tm_launch  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "looped-bfs", "zbv", "dualpipev")
+MULTI = {  # the schedules with two stages per rank -> torch's class name, and their placement
+    "interleaved": ("ScheduleInterleaved1F1B", "loop"),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "looped-bfs": ("ScheduleLoopedBFS", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
 
 
 class Block(nn.Module):
@@ -73,8 +83,32 @@ def parse():
     p.add_argument("--out", default=None, help="each rank writes its state to OUT.rank<r>")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
     p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
+    p.add_argument(
+        "--sandbox-hold",
+        default=None,
+        metavar="FILE",
+        help="the first process to warm up in a spare's sandbox holds in its first sandbox step (its stages built, "
+        "none of its warm-up run), its pid in FILE, until it is killed or its agent is gone",
+    )
     Faults.add_arguments(p)
     return p.parse_args()
+
+
+def hold_in_sandbox(job, path: str | None) -> None:
+    """``--sandbox-hold``: once per job (``FILE.claimed``), a spare's sandboxed worker stops here
+    for a test to kill it, or its agent, while it warms up its stages. It leaves on its own once
+    its agent is gone (a killed agent's worker must not outlive it)."""
+    from tm_launch.worker.failpoints import _claim
+
+    if not path or not job.in_sandbox or not _claim(path + ".claimed"):
+        return
+    with open(path + ".part", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".part", path)
+    agent = os.getppid()
+    while os.getppid() == agent:
+        time.sleep(0.05)
+    os._exit(1)
 
 
 def batch(step: int, dp_index: int):
@@ -87,26 +121,23 @@ def main():
     faults = Faults(args)
     job = tm_launch.init()
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, schedules
 
     rank, world = job.rank, job.world_size
     dp = world // 2
     mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
     pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
-    per_rank = 2 if args.schedule in ("interleaved", "zero-bubble") else 1
+    per_rank = 2 if args.schedule in MULTI else 1
     n_stages = 2 * per_rank
-    indices = [pp_rank + 2 * i for i in range(per_rank)]  # interleaved: rank r holds stages r, r + 2
+    if MULTI.get(args.schedule, ("", "loop"))[1] == "v":
+        indices = [pp_rank, n_stages - 1 - pp_rank]  # rank r holds stages r, n - 1 - r
+    else:
+        indices = [pp_rank + 2 * i for i in range(per_rank)]  # interleaved: rank r holds stages r, r + 2
     model = nn.ModuleList(m for i, m in enumerate(parts(args.width, n_stages)) if i in indices)  # this rank's stages only
     stages = [PipelineStage(m, i, n_stages, torch.device("cpu"), group=pp_group) for i, m in zip(indices, model)]
     loss_fn = nn.functional.mse_loss
-    if args.schedule in ("interleaved", "zero-bubble"):
-        kind = ScheduleInterleaved1F1B if args.schedule == "interleaved" else ScheduleInterleavedZeroBubble
+    if args.schedule in MULTI:
+        kind = getattr(schedules, MULTI[args.schedule][0])
         schedule = kind(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
     else:
         kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
@@ -128,6 +159,7 @@ def main():
     first, last = 0 in indices, n_stages - 1 in indices
     for step in job.steps(args.steps):
         faults.step = step
+        hold_in_sandbox(job, args.sandbox_hold)
         x, y = batch(step, mesh["dp"].get_local_rank())
         faults.at(job, "forward")
         forwards[0] = 0
@@ -135,7 +167,9 @@ def main():
             time.sleep(args.step_sleep)
         opt.zero_grad()
         losses: list = []
-        if first:
+        if first and last:  # a "V": the first rank holds the first stage and the last
+            schedule.step(x, target=y, losses=losses)
+        elif first:
             schedule.step(x)
         elif last:
             schedule.step(target=y, losses=losses)

@@ -366,6 +366,8 @@ def test_the_pipeline_set_up_flags_and_stage_attributes_pipeline_stages_reads():
     assert "self._internal_losses" in base and "self._n_microbatches = n_microbatches" in base
     assert "self._internal_losses.clear()" in inspect.getsource(schedules._PipelineSchedule._update_losses)
     assert "_initialize_pp_stages" in inspect.getsource(schedules._PipelineSchedule)
+    runtime = inspect.getsource(schedules._PipelineScheduleRuntime.__init__)
+    assert "self.bwd_recv_ops:" in runtime and "self.fwd_recv_ops:" in runtime  # discard_leftovers clears them
 
 
 def test_around_every_pipeline_step_wraps_and_undoes():

@@ -103,9 +103,12 @@ def discard_leftovers(schedule) -> None:
     """What a step that failed part-way left in the schedule and its stages: the last stage's
     losses of the microbatches it got to (torch clears them only at a step's end; the step run
     again then took the dropped step's loss for its first microbatch, whose graph was detached:
-    "Trying to use a saved tensor that has been detached in-place"), the forward caches, the
-    input gradients and deferred weight gradients not yet sent or run."""
+    "Trying to use a saved tensor that has been detached in-place"), the receives a runtime
+    schedule (interleaved, looped BFS, zero-bubble, ZBV, DualPipeV) posted and never waited on,
+    the forward caches, the input gradients and deferred weight gradients not yet sent or run."""
     schedule._internal_losses.clear()
+    for posted in ("fwd_recv_ops", "bwd_recv_ops"):  # the runtime schedules' receives posted, never waited on
+        getattr(schedule, posted, {}).clear()  # (left, the step run again fails: "Recv twice for stage_idx=...")
     for stage in stages_of(schedule):
         stage.clear_runtime_states()
         for cache in (stage.bwd_cache, stage.backward_state, stage.dw_runner):
