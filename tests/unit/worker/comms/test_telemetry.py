@@ -118,7 +118,9 @@ def test_the_main_threads_moves_are_counted_and_its_place_named(page_file):
     assert before.where.split(" at ")[0] in ("spin_here()", "forward()", "backward()"), before.where
     time.sleep(1.5)
     after = collective_page.read(page_file)
-    assert after.moves - before.moves <= 1  # at most the one change into the sleep
+    # at most the changes out of spin_here's last sample: into the page read, then into the sleep
+    # (the spinning above moved it every sample)
+    assert after.moves - before.moves <= 2
     assert after.where.startswith("test_the_main_threads_moves_are_counted_and_its_place_named() at test_telemetry.py:"), after.where
 
 
