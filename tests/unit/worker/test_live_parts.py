@@ -971,6 +971,55 @@ def test_after_the_state_moved_once_every_step_start_is_mirrored_exactly():
     assert _fetch(joiner, holder, 4) is None and joiner.objects["data"].n == 14
 
 
+def test_a_framework_that_settles_after_its_bookkeeping_mirrors_the_next_start_exactly():
+    """The HF Trainer adds the step's loss to its per-rank logging sums after the vote: the
+    vote-time mirror is untrusted. Mirrored once its bookkeeping is done (``mirror_settled``),
+    a rank lost before its next step begins is taken over from an exact mirror, and the next
+    start, unchanged since, is not sent again."""
+    keep, commit, state, holder, publish = _mirroring_rank()
+    sent = []
+
+    def counting(tag, exact, record):
+        sent.append(tag)
+        return publish(tag, exact, record)
+
+    _step(commit, state, counting, 0, after_commit=10)  # moved after the vote
+    _step(commit, state, counting, 1, after_commit=10)
+    assert state.mirror_settled(2, counting)
+    joiner = _mirroring_rank()[2]
+    assert _fetch(joiner, holder, 2) is None and joiner.objects["data"].n == 22  # the rank dies before step 2 begins
+    before = len(sent)
+    state.begin_step(2, counting)
+    assert len(sent) == before  # its start is the settled state: the holder has it
+
+
+def test_a_settled_mirror_that_a_step_start_contradicts_is_never_trusted_again():
+    """Something moved after the framework said its step was done (a callback's random draw):
+    that step's start is mirrored at once, and from then on only step starts are."""
+    keep, commit, state, holder, publish = _mirroring_rank()
+    _step(commit, state, publish, 0, after_commit=10)
+    assert state.mirror_settled(1, publish)
+    state.objects["data"].n += 100  # after the settled mirror
+    state.begin_step(1, publish)
+    joiner = _mirroring_rank()[2]
+    assert _fetch(joiner, holder, 1) is None and joiner.objects["data"].n == 111  # the start, not the settled state
+    commit.begin(1)
+    state.objects["data"].n += 1
+    assert commit.decide(True, lambda: False, lambda: publish(*state.vote_mirror(1)))
+    state.objects["data"].n += 10
+    assert state.mirror_settled(2, publish)  # not trusted: nothing sent
+    assert "only at its vote" in _fetch(joiner, holder, 2)
+
+
+def test_a_settled_mirror_that_did_not_reach_the_holder_is_sent_at_the_next_start():
+    keep, commit, state, holder, publish = _mirroring_rank()
+    _step(commit, state, publish, 0, after_commit=10)
+    assert not state.mirror_settled(1, lambda *a: False)
+    state.begin_step(1, publish)
+    joiner = _mirroring_rank()[2]
+    assert _fetch(joiner, holder, 1) is None and joiner.objects["data"].n == 11
+
+
 def test_a_vote_whose_mirror_cannot_reach_the_holder_aborts_the_step():
     """The holder is gone: the per-rank state after the step would exist nowhere, so the step
     must not commit."""

@@ -108,6 +108,14 @@ class LiveTrainer(Trainer):
         with telemetry.checkpointing():
             return super()._save_checkpoint(*args, **kwargs)
 
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        """After the step's logging (which moves the per-rank sums of ``LoggingState``),
+        evaluation and save: what the next step starts from is mirrored now (``LiveLoop.settled``)."""
+        result = super()._maybe_log_save_evaluate(*args, **kwargs)
+        if self._loop is not None:
+            self._loop.settled()
+        return result
+
     def log(self, *args, **kwargs):
         """Metrics of a step whose collectives after its commit failed (the loss gathered for
         logging is then this rank's garbage) are not logged (``live_loop.final_only``)."""

@@ -99,6 +99,16 @@ class LiveLoop:
         finally:
             self.running = False
 
+    def settled(self) -> None:
+        """The framework's own work after its last committed step is done (the HF ``Trainer``'s
+        logging, evaluation and save): this rank's per-rank state is now what its next step
+        starts from, and is mirrored to its holder now, so that a rank lost before that step
+        begins is still taken over live (``PerRankState.mirror_settled``). Not in the sandbox,
+        and not after a step whose collectives after the commit failed (the next step's start
+        mirrors it, as it would without this)."""
+        if self._steps is not None and not self.running and not self.job.in_sandbox and self.job.step_ok:
+            self.job.guard.mirror_settled()
+
     def join_at(self, framework_step: int) -> None:
         """A rank joining the job (inside ``run``): the others' loops are in ``framework_step``,
         and so must this one's be when ``run`` returns to the framework, even if the job returned

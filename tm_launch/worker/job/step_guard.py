@@ -107,6 +107,15 @@ class StepGuard:
         mirror = self.state.per_rank.vote_mirror(step)
         return mirror is None or self.snapshots.publish_mirror(*mirror)
 
+    def mirror_settled(self) -> None:
+        """Between two steps of a framework's loop (``LiveLoop.settled``): the per-rank state after
+        the committed step's bookkeeping, mirrored as the next step's start
+        (``PerRankState.mirror_settled``; a mirror that did not reach the holder is sent again at
+        that start, as without this)."""
+        commit = self.state.commit
+        if commit.step == self.state.step and commit.decision:
+            self.state.per_rank.mirror_settled(commit.step + 1, self.snapshots.publish_mirror)
+
     def peer_gone(self) -> bool:
         """The agent handed over a newer generation because a peer is gone (not a planned switch)."""
         return self.directives.peer_gone_after(self._generation())

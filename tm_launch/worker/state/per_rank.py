@@ -17,7 +17,9 @@ things make it safe across failures:
   start-of-step per-rank state as well. A joiner that finds neither an exact mirror nor a
   snapshot of its rank at the agreed step (its holder died too, or the rank died between its
   commit and the end of the step in such a script) has lost state: the job restarts from the
-  checkpoint, as for a shard without replica.
+  checkpoint, as for a shard without replica. A framework's loop that knows when its own
+  bookkeeping after a step is done (the HF ``Trainer``) mirrors the next step's start right
+  then (``mirror_settled``), which closes that gap for it.
 """
 
 from __future__ import annotations
@@ -212,6 +214,8 @@ class PerRankState:
         self.pending: dict = {}  # loaded states of objects not registered yet (``load``)
         self._moved: set = set()  # the objects seen changing between a committed vote and the next step
         self._moved_keys: set = set()  # the loop's variables among them (``loop_variables``)
+        self._settled: tuple[int, dict] | None = None  # (step, states) mirrored as that step's start (``mirror_settled``)
+        self._settled_trusted = True  # every step so far started from what was mirrored as settled before it
 
     def __bool__(self) -> bool:
         return bool(self.objects)
@@ -278,6 +282,7 @@ class PerRankState:
             getattr(obj, "step_begins", lambda: None)()
         self._snapshot = now = self._states()
         voted, self._voted = self._voted, None
+        settled, self._settled = self._settled, None
         if voted is None or voted[0] != step or publish is None:
             return True  # nothing voted, or the vote was for a step that did not commit
         if self._approximate_only() and not _same(now, voted[1]):  # once another object moved, no need to compare
@@ -287,6 +292,15 @@ class PerRankState:
                     self._moved.add(name)
                     if self._approximate(name):
                         self._moved_keys |= {k for k in now[name] if not _same(now[name][k], (voted[1].get(name) or {}).get(k))}
+        if settled is not None and settled[0] == step:
+            if _same(now, settled[1]):
+                return True  # the holder has this start already
+            self._settled_trusted = False
+            log.info(
+                f"tm-launch: per-rank state moved between the framework's end of step {step - 1} and step {step}'s start: "
+                "from now on only each step's start is mirrored"
+            )
+            return publish(step, True, dumps_record({"step": step, "exact": True, "states": now}))
         if not self._exact:
             return publish(step, True, dumps_record({"step": step, "exact": True, "states": now}))
         return True
@@ -299,6 +313,21 @@ class PerRankState:
         """(tag, exact, record) of the state now, which is exactly step ``tag``'s start (a rank
         that just returned to, or received, that step)."""
         return tag, True, dumps_record({"step": tag, "exact": True, "states": self._states()})
+
+    def mirror_settled(self, step: int, publish) -> bool:
+        """Mirror, between two steps, what step ``step`` starts from (``publish(tag, exact,
+        record)``), once a framework's own bookkeeping after the committed step ``step - 1`` is
+        done (the HF ``Trainer``'s logging sums): a rank lost before that start is then taken over
+        live, where its vote-time mirror predates the bookkeeping. Trusted until a step's start
+        differs from it (something moved after the framework said it was done); from then on
+        only step starts are mirrored (``begin_step``). False when the mirror was not sent."""
+        if not self.objects or not self._settled_trusted:
+            return True
+        states = self._states()
+        if not publish(step, True, dumps_record({"step": step, "exact": True, "states": states})):
+            return False
+        self._settled = (step, states)
+        return True
 
     def restore(self) -> None:
         """The step runs again: back to the state it started with."""
