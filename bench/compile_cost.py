@@ -42,11 +42,8 @@ its numbers: the machine is shared. Results: bench/results/compile_cost.md and .
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -300,47 +297,14 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    command = shlex.join([".venv/bin/python", os.path.relpath(os.path.abspath(__file__), REPO), *(sys.argv[1:] if argv is None else argv)])
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, base._raise_interrupt)
     bench = Bench(args)
-    shutil.rmtree(bench.logdir, ignore_errors=True)
-    os.makedirs(bench.logdir)
     started, load_start = time.time(), os.getloadavg()[0]
     plan = [
         (s, c, rep) for rep in range(args.repeat) for s in args.scripts for c in (args.compiled if rep % 2 == 0 else args.compiled[::-1])
     ]
-    runs: list[dict] = []
-    interrupted = False
-    try:
-        for script, compiled, rep in plan:
-            runs.append(bench.run(script, compiled, rep))
-    except KeyboardInterrupt:
-        interrupted = True
-        say("interrupted: cleaning up")
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        bench.close()
-    import torch
-
-    meta = {
-        "command": command,
-        "total_s": time.time() - started,
-        "load_start": load_start,
-        "load_end": os.getloadavg()[0],
-        "host_cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "started": started,
-        "interrupted": interrupted,
-    }
-    md = markdown(runs, args, meta)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "compile_cost.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out_dir, "compile_cost.json"), "w") as f:
-        json.dump({"meta": meta, "config": vars(args), "runs": runs}, f, indent=1, default=str)
-    print(md, flush=True)
+    runs, interrupted = base.run_all(bench, plan, lambda item: bench.run(*item))
+    meta = base.session_meta(base.command_line(__file__, argv), started, load_start, interrupted)
+    base.write_results(args.out_dir, "compile_cost", markdown(runs, args, meta), {"meta": meta, "config": vars(args), "runs": runs})
     return 130 if interrupted else (1 if any(r.get("error") for r in runs) else 0)
 
 

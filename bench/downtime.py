@@ -164,6 +164,69 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+# -- one benchmark session: its runs, its record --------------------------------------------------------
+def command_line(script: str, argv) -> str:
+    """The command that ran ``script`` (a bench file) with ``argv``, as the results quote it."""
+    return shlex.join([".venv/bin/python", os.path.relpath(os.path.abspath(script), REPO), *(sys.argv[1:] if argv is None else argv)])
+
+
+def run_all(bench, plan: list, run_one, before=None) -> tuple[list[dict], bool]:
+    """``run_one(item)`` for each item of ``plan`` (after ``before()``, when given) on a fresh
+    ``bench.logdir``; Ctrl-C, SIGTERM and SIGHUP stop the runs, and ``bench.close()`` (the
+    clean-up of every job left) runs to its end whatever happened: a second Ctrl-C must not cut
+    it short. Returns (the runs' records, interrupted)."""
+    import shutil
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    shutil.rmtree(bench.logdir, ignore_errors=True)
+    os.makedirs(bench.logdir)
+    runs: list[dict] = []
+    interrupted = False
+    try:
+        if before is not None:
+            before()
+        for item in plan:
+            runs.append(run_one(item))
+    except KeyboardInterrupt:
+        interrupted = True
+        say("interrupted: cleaning up")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        bench.close()
+    return runs, interrupted
+
+
+def session_meta(command: str, started: float, load_start: float, interrupted: bool, **more) -> dict:
+    """What every result file says of its session: the command, how long, the load, the host."""
+    import torch
+
+    return {
+        "command": command,
+        "total_s": time.time() - started,
+        "load_start": load_start,
+        "load_end": os.getloadavg()[0],
+        "host_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "started": started,
+        "interrupted": interrupted,
+        **more,
+    }
+
+
+def write_results(out_dir: str, name: str, md: str, record: dict) -> None:
+    """``<name>.md`` (the table) and ``<name>.json`` (``record``: every run's numbers) under
+    ``out_dir``; the table is printed too."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    print(md, flush=True)
+    say(f"wrote {os.path.relpath(os.path.join(out_dir, name + '.md'))} and {name}.json ({record['meta']['total_s']:.0f} s)")
+
+
 # -- jobs ---------------------------------------------------------------------------------------------
 class TorchrunJob(LocalJob):
     """The same harness around plain torchrun agents (c10d rendezvous on loopback)."""
@@ -1143,59 +1206,26 @@ def plan_runs(args) -> list[Spec]:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    os.makedirs(args.out_dir, exist_ok=True)
-    command = shlex.join([".venv/bin/python", os.path.relpath(os.path.abspath(__file__), REPO), *(sys.argv[1:] if argv is None else argv)])
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_interrupt)
     bench = Bench(args)
-    import shutil
-
-    shutil.rmtree(bench.logdir, ignore_errors=True)
     specs = plan_runs(args)
     say(f"{len(specs)} run(s); logs under {os.path.relpath(bench.logdir)}; tag {TAG_VAR}={TAG}")
-    started = time.time()
-    load_start = os.getloadavg()[0]
-    runs: list[dict] = []
-    interrupted = False
-    try:
-        for spec in specs:
-            runs.append(bench.overhead_run(spec) if spec.case == "overhead" else bench.fault_run(spec))
-    except KeyboardInterrupt:
-        interrupted = True
-        say("interrupted: cleaning up")
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        bench.close()
-    total = time.time() - started
+    started, load_start = time.time(), os.getloadavg()[0]
+    runs, interrupted = run_all(bench, specs, lambda spec: bench.overhead_run(spec) if spec.case == "overhead" else bench.fault_run(spec))
     import torch
 
-    meta = {
-        "command": command,
-        "total_s": total,
-        "load_start": load_start,
-        "host_cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "started": started,
-        "interrupted": interrupted,
-        "tag": TAG,
-        "runs_done": len(runs),
-        "runs_planned": len(specs),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+    meta = session_meta(
+        command_line(__file__, argv),
+        started,
+        load_start,
+        interrupted,
+        tag=TAG,
+        runs_done=len(runs),
+        runs_planned=len(specs),
+        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    )
     rows, overhead = summarize(runs, args)
     md = markdown(rows, overhead, args, meta, runs)
-    with open(os.path.join(args.out_dir, "downtime.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out_dir, "downtime.json"), "w") as f:
-        json.dump(
-            {"meta": meta, "config": {k: v for k, v in vars(args).items()}, "rows": rows, "overhead": overhead, "runs": runs},
-            f,
-            indent=1,
-            default=str,
-        )
-    print(md, flush=True)
-    say(f"done in {total:.0f} s; wrote {os.path.relpath(os.path.join(args.out_dir, 'downtime.md'))} and downtime.json")
+    write_results(args.out_dir, "downtime", md, {"meta": meta, "config": vars(args), "rows": rows, "overhead": overhead, "runs": runs})
     return 130 if interrupted else (1 if any(r.get("error") for r in runs) else 0)
 
 

@@ -65,10 +65,8 @@ Results: bench/results/torchtitan.md and torchtitan.json (git-ignored), the tabl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import statistics
@@ -600,61 +598,38 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    os.makedirs(args.out_dir, exist_ok=True)
-    command = shlex.join([".venv/bin/python", os.path.relpath(os.path.abspath(__file__), REPO), *(sys.argv[1:] if argv is None else argv)])
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, base._raise_interrupt)
     bench = Bench(args)
-    shutil.rmtree(bench.logdir, ignore_errors=True)
-    os.makedirs(bench.logdir)
-    started = time.time()
-    load_start = os.getloadavg()[0]
-    runs: list[dict] = []
+    started, load_start = time.time(), os.getloadavg()[0]
     reference = None
-    interrupted = False
     plan = [(launcher, rep) for rep in range(args.repeat) for launcher in (args.launchers if rep % 2 == 0 else args.launchers[::-1])]
     say(f"{len(plan)} fault run(s){' + a fault-free reference' if args.check else ''}; logs under {os.path.relpath(bench.logdir)}")
-    try:
+
+    def before() -> None:
+        nonlocal reference
         bench.assets = build_assets(os.path.join(bench.logdir, "assets"))
         if args.check and not args.steady:
             reference = bench.reference_run()
-        for launcher, rep in plan:
-            runs.append(bench.steady_run(launcher, rep) if args.steady else bench.fault_run(launcher, rep))
-    except KeyboardInterrupt:
-        interrupted = True
-        say("interrupted: cleaning up")
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        bench.close()
-    total = time.time() - started
+
+    def run_one(item):
+        return bench.steady_run(*item) if args.steady else bench.fault_run(*item)
+
+    runs, interrupted = base.run_all(bench, plan, run_one, before=before)
     import importlib.metadata
 
-    import torch
-
-    meta = {
-        "command": command,
-        "total_s": total,
-        "load_start": load_start,
-        "load_end": os.getloadavg()[0],
-        "host_cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "torchtitan": importlib.metadata.version("torchtitan"),
-        "started": started,
-        "interrupted": interrupted,
-        "tag": base.TAG,
-        "runs_done": len(runs),
-        "runs_planned": len(plan),
-    }
+    meta = base.session_meta(
+        base.command_line(__file__, argv),
+        started,
+        load_start,
+        interrupted,
+        torchtitan=importlib.metadata.version("torchtitan"),
+        tag=base.TAG,
+        runs_done=len(runs),
+        runs_planned=len(plan),
+    )
     name = "torchtitan-steady" if args.steady else "torchtitan"
     rows = [] if args.steady else summarize(runs)
     md = steady_markdown(runs, args, meta) if args.steady else markdown(rows, runs, reference, args, meta)
-    with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "config": vars(args), "rows": rows, "reference": reference, "runs": runs}, f, indent=1, default=str)
-    print(md, flush=True)
-    say(f"done in {total:.0f} s; wrote {os.path.relpath(os.path.join(args.out_dir, name + '.md'))} and {name}.json")
+    base.write_results(args.out_dir, name, md, {"meta": meta, "config": vars(args), "rows": rows, "reference": reference, "runs": runs})
     failed = any(r.get("error") for r in runs) or any(r.get("bitwise_equal") is False for r in runs)
     return 130 if interrupted else (1 if failed else 0)
 
