@@ -16,8 +16,8 @@ Also, for the tests (inert unless the variables are set):
   after its optimizer step ``TT_KILL_STEP`` (before that step's checkpoint; ``TT_KILL_PHASE=forward``:
   at the start of that step's forward; ``microbatch``: in its first model part's forward of the
   step's second microbatch, mid-pipeline), and creates the marker
-  file so that the restarted run does not kill again. With ``TT_KILL_AFTER`` (a path) it first
-  waits for that file, so that a test can hold the kill until its spare has joined.
+  file so that the restarted run does not kill again. With ``TT_KILL_AFTER`` (a path) every
+  rank first waits there for that file, so that a test can hold the kill until its spare has joined.
 - ``TT_KILL2_RANK`` / ``TT_KILL2_STEP`` / ``TT_KILL2_MARKER`` / ``TT_KILL2_AFTER``: a second kill
   of the same kind, later in the same run (two faults in a row).
 - ``TT_HOLD_STEP`` / ``TT_HOLD_UNTIL``: every rank waits after that step until the file exists
@@ -199,14 +199,27 @@ def pipeline_microbatch_api() -> None:
 KILLS = ("TT_KILL", "TT_KILL2")  # the variables' prefixes of the first kill and of a second one
 
 
-def kill_point(rank: int, step: int, env: dict, kill: str = "TT_KILL") -> bool:
-    """Whether this rank kills itself after ``step`` (the kill whose variables start with
-    ``kill``): it is the configured rank and step and the marker file does not exist yet (a
-    restarted run passes the step again)."""
+def kill_step(step: int, env: dict, kill: str = "TT_KILL") -> bool:
+    """Whether ``step`` is the step of the kill whose variables start with ``kill``, still to
+    come: its marker file does not exist yet (a restarted run passes the step again)."""
     if not env.get(f"{kill}_STEP"):
         return False
     marker = env.get(f"{kill}_MARKER")
-    return rank == int(env.get(f"{kill}_RANK", "0")) and step == int(env[f"{kill}_STEP"]) and not (marker and os.path.exists(marker))
+    return step == int(env[f"{kill}_STEP"]) and not (marker and os.path.exists(marker))
+
+
+def kill_point(rank: int, step: int, env: dict, kill: str = "TT_KILL") -> bool:
+    """Whether this rank kills itself at ``step``: the kill's step (``kill_step``) and its rank."""
+    return kill_step(step, env, kill) and rank == int(env.get(f"{kill}_RANK", "0"))
+
+
+def hold_for_kill(step: int, env: dict, kill: str) -> None:
+    """Every rank, not only the victim, waits for ``<kill>_AFTER`` where the kill comes: a
+    victim held alone while its peers waited for it in a collective was, once the spare took
+    seconds to park (a loaded machine), a rank stuck outside the collective to tm-launch's culprit
+    rule (nothing of it moved), and was killed as hung before the test's own kill."""
+    if kill_step(step, env, kill):
+        wait_for_file(env.get(f"{kill}_AFTER"), timeout=300)
 
 
 def wait_for_file(path: str | None, timeout: float) -> None:
@@ -260,8 +273,11 @@ def install_test_hooks() -> None:
     def forward_backward_step(self, *args, **kwargs):
         for kill in KILLS:
             phase = os.environ.get("TT_KILL_PHASE")
-            if phase in ("forward", "microbatch") and kill_point(dist.get_rank(), self.step, os.environ, kill):
-                if not (os.environ.get("TT_LIVE") == "1" and in_sandbox()):
+            if phase in ("forward", "microbatch") and kill_step(self.step, os.environ, kill):
+                if os.environ.get("TT_LIVE") == "1" and in_sandbox():
+                    continue
+                hold_for_kill(self.step, os.environ, kill)
+                if kill_point(dist.get_rank(), self.step, os.environ, kill):
                     if phase == "forward":
                         kill_now(kill)
                     kill_in_second_forward(self.model_parts[0], kill)
@@ -285,8 +301,10 @@ def install_test_hooks() -> None:
         if os.environ.get("TT_HOLD_STEP") == str(self.step):
             wait_for_file(os.environ.get("TT_HOLD_UNTIL"), timeout=300)
         for kill in KILLS:
-            if os.environ.get("TT_KILL_PHASE", "after-step") == "after-step" and kill_point(rank, self.step, os.environ, kill):
-                kill_now(kill)
+            if os.environ.get("TT_KILL_PHASE", "after-step") == "after-step" and kill_step(self.step, os.environ, kill):
+                hold_for_kill(self.step, os.environ, kill)
+                if kill_point(rank, self.step, os.environ, kill):
+                    kill_now(kill)
         return out
 
     Trainer.train_step, Trainer.forward_backward_step = train_step, forward_backward_step
