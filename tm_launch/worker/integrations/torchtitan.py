@@ -22,17 +22,15 @@ checkpoints keep working as the fallback: a checkpoint whose step had a failed c
 removed (its metadata could hold one rank's view only), and when some rank's state exists
 nowhere any more every worker restarts from the newest one.
 
-Pipeline parallelism (``--parallelism.pipeline-parallel-degree``) runs in restart mode for now
-(``pipeline_not_live_reason``): tried live, a stage per rank recovered with rank 1 killed
-mid-pipeline, but a survivor's return to its own snapshot failed (docs/limits.md). The pieces
-are in place: ``model_parts`` holds one module per stage of this rank, each registered as above,
-and the schedule's ``step`` inside torchtitan's step is torch's, which the live runtime handles
-(``spare.pipeline_stages``).
+Pipeline parallelism (``--parallelism.pipeline-parallel-degree``) is live with each stage on one
+rank: ``model_parts`` holds one module per stage of this rank, each registered as above (a stage
+comes from its snapshot), and the schedule's ``step`` inside torchtitan's step is torch's, which
+the live runtime handles (``spare.pipeline_stages``).
 
 Live only where tested exactly: synchronous checkpoints (``--checkpoint.async-mode disabled``,
-torchtitan's default) and no pipeline parallelism (``pipeline_not_live_reason``); otherwise
-the log says why and the job runs in restart mode (every worker restarts from torchtitan's
-checkpoint).
+torchtitan's default) and pipeline parallelism without replicas or sharding of a stage, under a
+tested schedule (``pipeline_not_live_reason``); otherwise the log says why and the job runs in
+restart mode (every worker restarts from torchtitan's checkpoint).
 """
 
 from __future__ import annotations
@@ -99,9 +97,7 @@ def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
         return "a pipeline schedule read from a CSV file (not tested live)"
     if p.pipeline_parallel_schedule.lower() not in LIVE_PIPELINE_SCHEDULES:
         return f"pipeline schedule {p.pipeline_parallel_schedule} (not tested live; live: {', '.join(LIVE_PIPELINE_SCHEDULES)})"
-    # Tried live: rank 1 killed mid-pipeline recovered bitwise (twice), but rank 0 killed after a
-    # committed step left the survivor unable to return to its own snapshot (docs/limits.md).
-    return "pipeline parallelism (a survivor's return to its own snapshot fails: not live yet)"
+    return None
 
 
 class LiveTrainer(Trainer):

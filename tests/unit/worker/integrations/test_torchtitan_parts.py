@@ -33,14 +33,14 @@ def config(pp=1, enable=True, async_mode="disabled", replicate=1, shard=-1, tp=1
         (config(enable=False, async_mode="async"), 2, None),  # no checkpoints: their mode does not matter
         (config(async_mode="async"), 2, "--checkpoint.async-mode async"),
         (config(async_mode="async_with_pinned_mem"), 2, "--checkpoint.async-mode async_with_pinned_mem"),
-        # pipeline parallelism: not live yet (a survivor's return to its own snapshot fails); the finer reasons first
-        (config(pp=2), 2, "not live yet"),  # dp_shard -1 resolves to 1
-        (config(pp=2, shard=1), 2, "not live yet"),
-        (config(pp=4, shard=1), 4, "not live yet"),
+        # pipeline parallelism: live with each stage on one rank, under a tested schedule
+        (config(pp=2), 2, None),  # dp_shard -1 resolves to 1
+        (config(pp=2, shard=1), 2, None),
+        (config(pp=4, shard=1), 4, None),
         (config(pp=2, replicate=2, shard=1), 4, "data-parallel replicas 2 of a stage"),
-        (config(pp=2, schedule="GPipe"), 2, "not live yet"),
-        (config(pp=2, schedule="Interleaved1F1B"), 2, "not live yet"),
-        (config(pp=2, schedule="InterleavedZeroBubble"), 2, "not live yet"),
+        (config(pp=2, schedule="GPipe"), 2, None),
+        (config(pp=2, schedule="Interleaved1F1B"), 2, None),
+        (config(pp=2, schedule="InterleavedZeroBubble"), 2, None),
         (config(pp=2), 4, "FSDP sharding 2 of a stage"),  # dp_shard -1 resolves to 2
         (config(pp=2, shard=2), 4, "FSDP sharding 2"),
         (config(pp=2, shard=1, tp=2), 4, "tensor parallelism 2"),
@@ -48,7 +48,7 @@ def config(pp=1, enable=True, async_mode="disabled", replicate=1, shard=-1, tp=1
         (config(pp=2, shard=1, ep=2), 2, "expert parallelism 2"),
         (config(pp=2, schedule="ZBVZeroBubble"), 2, "pipeline schedule ZBVZeroBubble (not tested live"),
         (config(pp=2, csv="/tmp/schedule.csv"), 2, "CSV file"),
-        (config(pp=2, async_mode="async"), 2, "not live yet"),
+        (config(pp=2, async_mode="async"), 2, "--checkpoint.async-mode async"),
         (config(tp=2, shard=1), 2, None),  # tensor parallelism without a pipeline: not this rule's
     ],
 )
