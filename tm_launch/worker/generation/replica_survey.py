@@ -58,7 +58,8 @@ class ReplicaSurvey:
         before = state.found_replicas
         state.found_replicas = refine(before, records)
         if state.found_replicas.done and rank == 0:
-            log.info(f"replicas found: {describe(state.found_replicas)} ({(time.perf_counter() - t0) * 1000:.0f} ms)")
+            unmeasured = {name for name, digest in mine.items() if digest == NOTHING_PLAIN}
+            log.info(f"replicas found: {describe(state.found_replicas, unmeasured)} ({(time.perf_counter() - t0) * 1000:.0f} ms)")
         return state.found_replicas.classes != before.classes
 
     def _digest(self, name: str, obj) -> str:
@@ -70,13 +71,23 @@ class ReplicaSurvey:
             return plain_digest(parts, tensor_digest)
 
 
-def describe(found: FoundReplicas) -> str:
-    """One phrase per distinct partition, for the log: 'model+optimizer: [0, 2] [1, 3]'."""
+NOTHING_PLAIN = plain_digest({}, tensor_digest)  # the digest of an object with no plain tensor and no number
+
+
+def describe(found: FoundReplicas, unmeasured=frozenset()) -> str:
+    """One phrase per distinct partition, for the log: 'model+optimizer: [0, 2] [1, 3]'.
+    ``unmeasured``: objects this rank holds nothing plain of (a torchtitan stage: DTensors only),
+    whose agreement across the world says nothing: their replicas are their placements'
+    (``state.replicas``), so they are not called the world's (a pipeline's stages differ on every
+    rank, and torchtitan's log said "model_0+model_1: the world")."""
     by_classes: dict = {}
     for name, classes in sorted(found.classes.items()):
-        by_classes.setdefault(classes, []).append(name)
+        by_classes.setdefault("unmeasured" if name in unmeasured and len(classes) == 1 else classes, []).append(name)
     out = []
     for classes, names in by_classes.items():
-        shape = "the world" if len(classes) == 1 else " ".join(str(list(c)) for c in classes)
+        if classes == "unmeasured":
+            shape = "nothing plain to compare (their DTensor placements decide)"
+        else:
+            shape = "the world" if len(classes) == 1 else " ".join(str(list(c)) for c in classes)
         out.append(f"{'+'.join(names)}: {shape}")
     return "; ".join(out) or "nothing surveyed"

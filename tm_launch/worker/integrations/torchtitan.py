@@ -22,17 +22,15 @@ checkpoints keep working as the fallback: a checkpoint whose step had a failed c
 removed (its metadata could hold one rank's view only), and when some rank's state exists
 nowhere any more every worker restarts from the newest one.
 
-Pipeline parallelism (``--parallelism.pipeline-parallel-degree``) runs in restart mode for now
-(``pipeline_not_live_reason``): tried live, a stage per rank recovered with rank 1 killed
-mid-pipeline, but a survivor's return to its own snapshot failed (docs/limits.md). The pieces
-are in place: ``model_parts`` holds one module per stage of this rank, each registered as above,
-and the schedule's ``step`` inside torchtitan's step is torch's, which the live runtime handles
-(``spare.pipeline_stages``).
+Pipeline parallelism (``--parallelism.pipeline-parallel-degree``) is live with each stage on one
+rank: ``model_parts`` holds one module per stage of this rank, each registered as above (a stage
+comes from its snapshot), and the schedule's ``step`` inside torchtitan's step is torch's, which
+the live runtime handles (``spare.pipeline_stages``).
 
 Live only where tested exactly: synchronous checkpoints (``--checkpoint.async-mode disabled``,
-torchtitan's default) and no pipeline parallelism (``pipeline_not_live_reason``); otherwise
-the log says why and the job runs in restart mode (every worker restarts from torchtitan's
-checkpoint).
+torchtitan's default) and pipeline parallelism without replicas or sharding of a stage, under a
+tested schedule (``pipeline_not_live_reason``); otherwise the log says why and the job runs in
+restart mode (every worker restarts from torchtitan's checkpoint).
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ import tm_launch
 from ...protocol import WorkerEnv
 from ..comms import telemetry
 from ..log import first_line, log
+from ..state.transfer import FSDP_TO_SHARDED_HOOK
 from ..torch_patches import keep_rng_across_iterators
 from .live_loop import LiveLoop, final_only
 
@@ -98,9 +97,7 @@ def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
         return "a pipeline schedule read from a CSV file (not tested live)"
     if p.pipeline_parallel_schedule.lower() not in LIVE_PIPELINE_SCHEDULES:
         return f"pipeline schedule {p.pipeline_parallel_schedule} (not tested live; live: {', '.join(LIVE_PIPELINE_SCHEDULES)})"
-    # Tried live: rank 1 killed mid-pipeline recovered bitwise (twice), but rank 0 killed after a
-    # committed step left the survivor unable to return to its own snapshot (docs/limits.md).
-    return "pipeline parallelism (a survivor's return to its own snapshot fails: not live yet)"
+    return None
 
 
 class LiveTrainer(Trainer):
@@ -237,7 +234,15 @@ class ModelTensors:
     out (its fused QKV projection is split into q, k and v with a DTensor redistribute, a
     collective), and a recovery reads the state of one rank while its peers do something else
     (receive a snapshot, restore their own), so a collective there waits forever. Loading
-    copies into the same tensors, in place (FSDP2 keeps its sharded parameters' storage)."""
+    copies into the same tensors, in place (FSDP2 keeps its sharded parameters' storage).
+
+    Both first do what FSDP2's own hook does at the start of ``state_dict()`` and
+    ``load_state_dict()``: put the parameters back in their sharded form (``sharded``). A step
+    dropped part-way leaves a stage unsharded (under pipeline parallelism torchtitan does not
+    reshard after forward), its module then holding FSDP's plain unsharded copies: read there,
+    a snapshot would keep them without their layout; loaded there, a survivor's return to its
+    own snapshot failed on ``aten.copy_`` (plain into DTensor), and had the copy gone through,
+    the next forward would have run on the unsharded copies of the step it returned from."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -251,6 +256,7 @@ class ModelTensors:
         return [self.module]  # its gradients are dropped with an interrupted step's
 
     def state_dict(self) -> dict:
+        sharded(self.module)
         state = {name: p.detach() for name, p in self.module.named_parameters()}
         state.update((name, b.detach()) for name, b in self.module.named_buffers() if name in self._buffers)
         return state
@@ -264,6 +270,16 @@ class ModelTensors:
         with torch.no_grad():
             for name, tensor in own.items():
                 tensor.copy_(state[name])
+
+
+def sharded(module: torch.nn.Module) -> None:
+    """Every FSDP2 parameter group in ``module`` in its sharded form, its unsharded copies freed
+    (the next forward all-gathers them again): FSDP2's own state-dict pre-hook, run as
+    ``state_dict()`` and ``load_state_dict()`` would run it; nothing where it is sharded already."""
+    for m in module.modules():
+        for hook in list(m._state_dict_pre_hooks.values()):
+            if getattr(hook, "__qualname__", None) == FSDP_TO_SHARDED_HOOK:
+                hook(m, "", False)
 
 
 class TrainProgress:

@@ -263,9 +263,8 @@ def loads_in_place(obj) -> bool:
 # already: the pre-load hook puts the parameters in their sharded form (``state_dict()``, which the
 # receiver reads first, ran the same hook), the post-load hook re-pads a parameter whose local
 # tensor was replaced (none is).
-_EQUIVALENT_LOAD_HOOKS = frozenset(
-    {"FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook", "FSDPParam.__init__.<locals>.<lambda>"}
-)
+FSDP_TO_SHARDED_HOOK = "FSDPParamGroup._register_state_dict_hooks.<locals>.to_sharded_hook"  # fully_shard's pre-save and pre-load hook
+_EQUIVALENT_LOAD_HOOKS = frozenset({FSDP_TO_SHARDED_HOOK, "FSDPParam.__init__.<locals>.<lambda>"})
 
 
 def copy_is_the_load(module: torch.nn.Module) -> bool:
