@@ -42,13 +42,14 @@ def reference(tmp_path_factory):
     """Each schedule's fault-free final state per rank under plain torchrun (computed once)."""
     cache = {}
 
-    def get(schedule: str, nodes: int = 2) -> dict:
-        if (schedule, nodes) not in cache:
+    def get(schedule: str, nodes: int = 2, extra: tuple = ()) -> dict:
+        key = (schedule, nodes, extra)
+        if key not in cache:
             workdir = str(tmp_path_factory.mktemp(f"ref-{schedule}-{nodes}"))
-            run_torchrun(SCRIPT, script(schedule, workdir), nproc=nodes, timeout=600)
-            cache[schedule, nodes] = load(workdir)
-            assert sorted(cache[schedule, nodes]) == [f"rank{r}" for r in range(nodes)]
-        return cache[schedule, nodes]
+            run_torchrun(SCRIPT, script(schedule, workdir, *extra), nproc=nodes, timeout=600)
+            cache[key] = load(workdir)
+            assert sorted(cache[key]) == [f"rank{r}" for r in range(nodes)]
+        return cache[key]
 
     return get
 
@@ -142,6 +143,37 @@ def test_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local
     assert_bitwise(got, reference("gpipe", 4))
     assert any("from rank 3" in line for line in received(job)), received(job)
     assert "promoted to rank 1 (warmed up as rank 3)" in job.nodes["spare"].log()
+
+
+def step_pids(job) -> dict:
+    """rank -> the pids that logged its steps, per generation."""
+    pids: dict = {}
+    for _, rank, _, generation, pid in job.step_records():
+        pids.setdefault(rank, {}).setdefault(generation, set()).add(pid)
+    return pids
+
+
+@pytest.mark.slow
+def test_pipeline_by_fsdp2_replicas_joiner_takes_its_stage_from_its_replica(local_job, reference):
+    """2 stages x 2 FSDP2 replicas on 4 nodes (``--fsdp``: each stage in ``fully_shard`` over its
+    ``(dp, shard)`` sub-mesh, ``pp`` outermost, as torchtitan's ``dp_replicate``): rank 1 (stage 0
+    of the second pipeline) is SIGKILLed in a backward microbatch, while its neighbour rank 3 is
+    part-way through its backward (FSDP's unsharded parameters and training state mid-step) and
+    FSDP's gradient reduction over each stage's replicas is still ahead, inside the schedule. The
+    spare runs the script again as rank 1 and receives the stage from rank 0, its replica; the
+    step runs again on every rank (rank 3 drops its poisoned step with FSDP's per-step state put
+    back); one generation, the three survivors keep their processes, and every rank's local
+    shards, optimizer and scheduler state are bitwise equal to torchrun's fault-free run."""
+    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4, extra=("--fsdp",))
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
+    victim = plans[0]["replaced"]["spare"]
+    assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
+    assert_bitwise(got, reference("gpipe", 4, ("--fsdp",)))
+    assert any("worker 1]" in line and "from rank 0" in line for line in received(job)), received(job)
+    pids = step_pids(job)
+    for survivor in (0, 2, 3):
+        assert set(pids[survivor]) == {0, 1} and len(pids[survivor][0] | pids[survivor][1]) == 1, pids
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ class StateExchange:
         tensors = [sd]
         if isinstance(getattr(obj, "param_groups", None), list):
             tensors.append([p for group in obj.param_groups for p in group["params"]])
-        bound = replica_set({name: tensors}, self.state.declared, rank, world)
+        bound = replica_set({name: tensors}, self.state.declared, rank, world, self.state.pipeline_groups)
         if self.state.declared.get(name) is None:  # nothing declared: only the ranks found to hold the same
             bound &= self.state.found_replicas.of(name, rank, world) | {rank}
         return bound

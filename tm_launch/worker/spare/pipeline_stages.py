@@ -80,6 +80,14 @@ def group_generations(schedule) -> tuple:
     return tuple(getattr(stage.group if stage.group is not None else dist.group.WORLD, "generation", -1) for stage in stages_of(schedule))
 
 
+def stage_group_ranks(schedule) -> set:
+    """The global ranks of each stage's process group: its other members hold other stages, so a
+    stage's DTensors are no copy of theirs (``state.replicas.pipeline_dims``)."""
+    import torch.distributed as dist
+
+    return {frozenset(dist.get_process_group_ranks(stage.group or dist.group.WORLD)) for stage in stages_of(schedule)}
+
+
 def forget_set_up(schedule) -> None:
     """The schedule does its stages' set-up (vote, shape exchange, buffers) again next step."""
     for flag in SET_UP_FLAGS:
@@ -105,23 +113,30 @@ def discard_leftovers(schedule) -> None:
     again then took the dropped step's loss for its first microbatch, whose graph was detached:
     "Trying to use a saved tensor that has been detached in-place"), the receives a runtime
     schedule (interleaved, looped BFS, zero-bubble, ZBV, DualPipeV) posted and never waited on,
-    the forward caches, the input gradients and deferred weight gradients not yet sent or run."""
+    the forward caches, the input gradients and deferred weight gradients not yet sent or run,
+    and a stage's FSDP2 state mid-step (``torch_patches.reset_fsdp_after_dropped_step``) with
+    the unshards a runtime schedule started or finished for it."""
     schedule._internal_losses.clear()
     for posted in ("fwd_recv_ops", "bwd_recv_ops"):  # the runtime schedules' receives posted, never waited on
         getattr(schedule, posted, {}).clear()  # (left, the step run again fails: "Recv twice for stage_idx=...")
+    for unsharding in ("unshard_ops", "unsharded_stages"):  # its FSDP unshards under way or done (the stages reshard below;
+        getattr(schedule, unsharding, set()).clear()  # left, the step run again fails: "Unsharding the same stage_idx=0 twice")
     for stage in stages_of(schedule):
         stage.clear_runtime_states()
         for cache in (stage.bwd_cache, stage.backward_state, stage.dw_runner):
             cache.clear()
+        torch_patches.reset_fsdp_after_dropped_step(stage.submod)
 
 
 class PipelineSteps:
     """Every pipeline schedule's ``step`` in a live worker, through ``around`` (installed once
     the script imported ``torch.distributed.pipelining``: the import costs seconds)."""
 
-    def __init__(self, in_sandbox, poisoned, abandon=lambda: None):
-        """``abandon()``: this rank leaves the poisoned step part-way (``StepPoison.abandon``)."""
-        self.in_sandbox, self.poisoned, self.abandon = in_sandbox, poisoned, abandon
+    def __init__(self, in_sandbox, poisoned, abandon=lambda: None, stage_groups=set):
+        """``abandon()``: this rank leaves the poisoned step part-way (``StepPoison.abandon``);
+        ``stage_groups()``: the set this rank's stages' groups are noted in, before each step
+        (``TrainingState.pipeline_groups``: who holds a copy of a stage)."""
+        self.in_sandbox, self.poisoned, self.abandon, self.stage_groups = in_sandbox, poisoned, abandon, stage_groups
         self._set_up_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._said_skip = False
 
@@ -130,6 +145,7 @@ class PipelineSteps:
             torch_patches.around_every_pipeline_step(self.around)
 
     def around(self, schedule, step, *args, **kwargs):
+        self.stage_groups().update(stage_group_ranks(schedule))
         now = group_generations(schedule)
         decision = set_up_decision(self.in_sandbox(), self._set_up_at.get(schedule), now)
         if decision == SKIP:
