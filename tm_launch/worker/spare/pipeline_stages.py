@@ -30,7 +30,10 @@ The rule (``set_up_decision``, pure):
   fail (a stage's FSDP gradient reduction over its data-parallel peers, in its last backward),
   which those peers still run: the step is marked abandoned (``StepPoison.abandon``), so the
   rank closes its subgroups at its boundary and their waits end. Any other failure is the
-  script's and is raised.
+  script's and is raised (the first failed collective's own error among them: the live loop
+  then runs the step again); what that step left is discarded before the schedule's next step,
+  also where its groups were kept (no set-up redone): a stage whose FSDP2 reduction over a lost
+  replica raised is left mid-step by FSDP, and the step run again would start from there.
 
 So a promoted spare's first step costs what its neighbour's does in that step (both do the
 set-up once), and nothing of the old generation's point-to-point traffic is read by the new.
@@ -138,6 +141,7 @@ class PipelineSteps:
         (``TrainingState.pipeline_groups``: who holds a copy of a stage)."""
         self.in_sandbox, self.poisoned, self.abandon, self.stage_groups = in_sandbox, poisoned, abandon, stage_groups
         self._set_up_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._left_part_way: weakref.WeakSet = weakref.WeakSet()  # schedules whose last step raised
         self._said_skip = False
 
     def install_if_used(self) -> None:
@@ -165,10 +169,14 @@ class PipelineSteps:
             forget_set_up(schedule)
             discard_leftovers(schedule)  # a step interrupted without an exception (served locally once its group broke)
             self._set_up_at[schedule] = now
+        elif schedule in self._left_part_way:
+            discard_leftovers(schedule)  # its groups kept (pipeline x DP: a healthy pipeline's reduction over a lost peer)
+        self._left_part_way.discard(schedule)
         try:
             return step(schedule, *args, **kwargs)
         except Exception as e:
             if not drops_failure(self.poisoned()):
+                self._left_part_way.add(schedule)  # the script's loop sees it; what it left goes before the next step
                 raise
             log.info(
                 f"a pipeline step failed after its communication did ({type(e).__name__}: {first_line(e)}): dropped, the step runs again"

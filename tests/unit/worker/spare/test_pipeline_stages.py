@@ -136,12 +136,14 @@ def test_a_step_run_again_after_a_part_way_failure_gives_a_clean_steps_gradients
     assert all(torch.equal(a, b) for a, b in zip(clean, again))
 
 
-def fsdp_two_steps(cut_off: bool) -> list:
+def fsdp_two_steps(cut_off: str | None) -> list:
     """Two steps of two FSDP2 stages (``fully_shard`` on a (dp, shard) mesh of 1 x 1, as a
-    stage over its replicas), gradients zeroed between them; ``cut_off``: the second step first
-    fails in its second microbatch's loss, after the first microbatch's backward ran (FSDP holds
-    the stages unsharded, mid-step, their first microbatch's gradients on the unsharded
-    parameters), its leftovers are discarded, and it runs again."""
+    stage over its replicas) through ``PipelineSteps``, gradients zeroed between them;
+    ``cut_off``: the second step first fails in its second microbatch's loss, after the first
+    microbatch's backward ran (FSDP holds the stages unsharded, mid-step, their first
+    microbatch's gradients on the unsharded parameters), then runs again. ``"dropped"``: the
+    step was poisoned, its failure dropped; ``"raised"``: the failure is raised to the loop (the
+    first failed collective's own), and the next step, its groups kept, starts where it left."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
@@ -159,25 +161,30 @@ def fsdp_two_steps(cut_off: bool) -> list:
 
     stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
     sched = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=loss_fn)
+    poisoned = [False]
+    steps = PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: poisoned[0])
     x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
-    sched.step(x, target=y, losses=[])
+    steps.around(sched, type(sched).step, x, target=y, losses=[])
     for m in mods:
         m.zero_grad()
     if cut_off:
-        calls[0], armed[0] = 0, True
-        with pytest.raises(RuntimeError, match="dead neighbour"):
-            sched.step(x, target=y, losses=[])
-        unsharded = [p._unsharded_param.grad for m in mods for g in m._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params]
-        assert any(g is not None for g in unsharded)  # the first microbatch's, held for the last one's reduction
-        discard_leftovers(sched)
-        armed[0] = False
-    sched.step(x, target=y, losses=[])
+        calls[0], armed[0], poisoned[0] = 0, True, cut_off == "dropped"
+        if cut_off == "dropped":
+            assert steps.around(sched, type(sched).step, x, target=y, losses=[]) is None
+        else:
+            with pytest.raises(RuntimeError, match="dead neighbour"):
+                steps.around(sched, type(sched).step, x, target=y, losses=[])
+            unsharded = [p._unsharded_param.grad for m in mods for g in m._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params]
+            assert any(g is not None for g in unsharded)  # the first microbatch's, held for the last one's reduction
+        armed[0], poisoned[0] = False, False
+    steps.around(sched, type(sched).step, x, target=y, losses=[])
     return [p.grad.to_local().clone() for m in mods for p in m.parameters()]
 
 
-def test_a_stages_fsdp2_state_is_put_back_after_a_step_dropped_part_way(world):
-    """A step dropped in the middle of its backward, FSDP2's stages unsharded and their
-    gradients of the microbatches run so far held on the unsharded parameters: after
-    ``discard_leftovers`` the step runs again to a clean step's gradients, bitwise."""
-    clean, again = fsdp_two_steps(False), fsdp_two_steps(True)
+@pytest.mark.parametrize("cut_off", ["dropped", "raised"])
+def test_a_stages_fsdp2_state_is_put_back_after_a_step_left_part_way(world, cut_off):
+    """A step left in the middle of its backward, FSDP2's stages unsharded and their gradients
+    of the microbatches run so far held on the unsharded parameters: its step run again gives a
+    clean step's gradients, bitwise, whether the failure was dropped or raised to the loop."""
+    clean, again = fsdp_two_steps(None), fsdp_two_steps(cut_off)
     assert len(clean) == len(again) == 4 and all(torch.equal(a, b) for a, b in zip(clean, again))
