@@ -134,7 +134,7 @@ def test_pipeline_stage_recovers_live_in_one_generation(local_job, reference, sc
 def test_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local_job, reference):
     """2 stages x 2 data-parallel replicas on 4 nodes: rank 1 (stage 1 of replica 0) is lost, the
     spare (warmed up as rank 3) runs the script again as rank 1 and receives the stage from rank 3,
-    its dp peer; the pipeline group of ranks 2 and 3 is kept and keeps its set-up."""
+    its dp peer; the pipeline group of ranks 2 and 3 is kept (its stages set up again with the others)."""
     job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4)
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
     assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
@@ -174,6 +174,8 @@ def test_pipeline_by_fsdp2_replicas_joiner_takes_its_stage_from_its_replica(loca
     pids = step_pids(job)
     for survivor in (0, 2, 3):
         assert set(pids[survivor]) == {0, 1} and len(pids[survivor][0] | pids[survivor][1]) == 1, pids
+    survivors = [name for name, code in codes.items() if code == 0 and name != "spare"]
+    assert all("set up again with their neighbours" in job.nodes[n].log() for n in survivors), job.logs_tail()  # kept pipelines too
 
 
 @pytest.mark.slow

@@ -288,7 +288,8 @@ def reset_fsdp_after_dropped_step(module) -> None:
                 for param in group.fsdp_params:
                     if hasattr(param, "_unsharded_param"):  # set at its first all-gather
                         param._unsharded_param.grad = None
-                    param.unsharded_accumulated_grad = None
+                    if not isinstance(getattr(type(param), "unsharded_accumulated_grad", None), property):
+                        param.unsharded_accumulated_grad = None  # its own buffer to torch 2.14 (2.15: the leaf's grad)
 
 
 # -- objects ---------------------------------------------------------------------------------------

@@ -74,18 +74,15 @@ def not_live_reason(config, world_size: int) -> str | None:
 
 def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
     """Pipeline parallelism is live alone (each stage on one rank), under a schedule of
-    ``LIVE_PIPELINE_SCHEDULES``. Not with data-parallel replicas of a stage: the stage's FSDP
-    gradient reduction over them runs inside the schedule's backward, and a survivor whose
-    interrupted schedule was dropped part-way met FSDP's state half-way through a backward in the
-    step run again ("Trying to resize storage that is not resizable": docs/design.md). Not with
-    a stage sharded further (FSDP, TP, CP, EP) either: a spare's sandbox never runs a pipeline
+    ``LIVE_PIPELINE_SCHEDULES``, and with data-parallel replicas of each stage (a joiner's stage
+    from its replica; FSDP's state of a step left part-way put back: ``spare.pipeline_stages``).
+    Not with a stage sharded further (FSDP, TP, CP, EP): a spare's sandbox never runs a pipeline
     step (``spare.pipeline_stages``), so its first forward is torchtitan's first, whose FSDP
     all-gathers differ from a later step's (the chunked loss's output layer)."""
     p = parallelism
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
     shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else world_size // max(1, others)
     within = {
-        "data-parallel replicas": p.data_parallel_replicate_degree,
         "FSDP sharding": shard,
         "tensor parallelism": p.tensor_parallel_degree,
         "context parallelism": p.context_parallel_degree,
@@ -98,6 +95,8 @@ def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
         return "a pipeline schedule read from a CSV file (not tested live)"
     if p.pipeline_parallel_schedule.lower() not in LIVE_PIPELINE_SCHEDULES:
         return f"pipeline schedule {p.pipeline_parallel_schedule} (not tested live; live: {', '.join(LIVE_PIPELINE_SCHEDULES)})"
+    if p.data_parallel_replicate_degree > 1:
+        return None  # each stage from its replica: no snapshot to return to
     # Tried live: rank 1 killed mid-pipeline recovered bitwise (twice), but rank 0 killed after a
     # committed step left the survivor unable to return to its own snapshot (docs/limits.md).
     return "pipeline parallelism (a survivor's return to its own snapshot fails: not live yet)"

@@ -14,14 +14,16 @@ The rule (``set_up_decision``, pure):
 * in the sandbox a schedule's step does not run at all: its set-up needs its neighbours, and a
   spare has none (the local backend's receives would hand it zeros for their shapes). The
   sandbox still warms up everything around it (the model, the optimizer, the script's loop);
-* a schedule whose stages' process groups were rebuilt since its set-up (a generation changed
-  their membership: ``LiveGroup.generation``) forgets its set-up and does it again in its next
-  step, on every member of those groups together: the survivor beside a joiner redoes what the
-  joiner does for the first time, in the same step, so both read what the other sends. A
-  stage's set-up is a pure function of the shapes and the module (no state changes: torch runs it
-  under a forked RNG and computes only input gradients), so redoing it changes no number. Groups
-  a change kept (their communicator object, ``_rebuild_subgroups``) keep their set-up: their
-  members are the same processes;
+* a schedule whose job entered a new generation since its set-up (the world's
+  ``LiveGroup.generation``) forgets its set-up and does it again in its next step, on every rank
+  together: the survivor beside a joiner redoes what the joiner does for the first time, in the
+  same step, so both read what the other sends. A stage's set-up is a pure function of the shapes
+  and the module (no state changes: torch runs it under a forked RNG and drops the gradients it
+  made), so redoing it changes no number. Ranks whose pipeline group the change kept redo it too:
+  a set-up may hold collectives of the stage's data-parallel replicas, which must run on all of
+  them or none (torchtitan's loss runs its own backward, and FSDP2 reduces its output layer's
+  gradients over ``dp_replicate`` there: a kept replica that skipped the set-up met its
+  peer's reduction with another of a different size, "Received data size doesn't match");
 * a step whose communication already failed (the step is poisoned, and will run again) may
   fail inside torch's schedule on what the failed receives left (a set-up reading an object from
   a dead neighbour): that failure is dropped, not raised out of the script's loop, with what the
@@ -59,8 +61,8 @@ SET_UP_FLAGS = (
 
 def set_up_decision(in_sandbox: bool, set_up_at: tuple | None, now: tuple) -> str:
     """What a schedule's next step does with its stages' set-up: ``SKIP`` the whole step (no
-    peers to set up with), ``REDO`` it (never done, or done with communicators since rebuilt:
-    ``set_up_at`` and ``now`` are the generations of its stages' groups) or ``KEEP`` it."""
+    peers to set up with), ``REDO`` it (never done, or done in an older generation: ``set_up_at``
+    and ``now`` are the generations of the world and of its stages' groups) or ``KEEP`` it."""
     if in_sandbox:
         return SKIP
     return KEEP if set_up_at == now else REDO
@@ -77,10 +79,12 @@ def stages_of(schedule) -> list:
 
 
 def group_generations(schedule) -> tuple:
-    """The generation of each stage's process group (-1 for a group that is no ``LiveGroup``)."""
+    """The generation of the world and of each stage's process group (-1 for a group that is no
+    ``LiveGroup``)."""
     import torch.distributed as dist
 
-    return tuple(getattr(stage.group if stage.group is not None else dist.group.WORLD, "generation", -1) for stage in stages_of(schedule))
+    groups = [dist.group.WORLD, *(stage.group if stage.group is not None else dist.group.WORLD for stage in stages_of(schedule))]
+    return tuple(getattr(group, "generation", -1) for group in groups)
 
 
 def stage_group_ranks(schedule) -> set:
@@ -164,7 +168,7 @@ class PipelineSteps:
         if decision == REDO:
             if schedule in self._set_up_at:
                 log.info(
-                    f"pipeline stage(s) {[s.stage_index for s in stages_of(schedule)]}: their groups were rebuilt, set up again with their neighbours"
+                    f"pipeline stage(s) {[s.stage_index for s in stages_of(schedule)]}: a new generation, set up again with their neighbours"
                 )
             forget_set_up(schedule)
             discard_leftovers(schedule)  # a step interrupted without an exception (served locally once its group broke)

@@ -37,7 +37,9 @@ def config(pp=1, enable=True, async_mode="disabled", replicate=1, shard=-1, tp=1
         (config(pp=2), 2, "not live yet"),  # dp_shard -1 resolves to 1
         (config(pp=2, shard=1), 2, "not live yet"),
         (config(pp=4, shard=1), 4, "not live yet"),
-        (config(pp=2, replicate=2, shard=1), 4, "data-parallel replicas 2 of a stage"),
+        (config(pp=2, replicate=2, shard=1), 4, None),  # each stage's replica: live
+        (config(pp=2, replicate=2, shard=1, tp=2), 8, "tensor parallelism 2"),
+        (config(pp=2, replicate=2, schedule="ZBVZeroBubble", shard=1), 4, "pipeline schedule ZBVZeroBubble"),
         (config(pp=2, schedule="GPipe"), 2, "not live yet"),
         (config(pp=2, schedule="Interleaved1F1B"), 2, "not live yet"),
         (config(pp=2, schedule="InterleavedZeroBubble"), 2, "not live yet"),
