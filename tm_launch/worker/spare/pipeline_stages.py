@@ -34,8 +34,8 @@ The rule (``set_up_decision``, pure):
   rank closes its subgroups at its boundary and their waits end. Any other failure is the
   script's and is raised (the first failed collective's own error among them: the live loop
   then runs the step again); what that step left is discarded before the schedule's next step,
-  also where its groups were kept (no set-up redone): a stage whose FSDP2 reduction over a lost
-  replica raised is left mid-step by FSDP, and the step run again would start from there.
+  also where no new generation came between (a script that catches the error and steps on): a
+  stage whose FSDP2 reduction raised is left mid-step by FSDP, and its next step starts there.
 
 So a promoted spare's first step costs what its neighbour's does in that step (both do the
 set-up once), and nothing of the old generation's point-to-point traffic is read by the new.
@@ -174,7 +174,7 @@ class PipelineSteps:
             discard_leftovers(schedule)  # a step interrupted without an exception (served locally once its group broke)
             self._set_up_at[schedule] = now
         elif schedule in self._left_part_way:
-            discard_leftovers(schedule)  # its groups kept (pipeline x DP: a healthy pipeline's reduction over a lost peer)
+            discard_leftovers(schedule)  # no new generation since (the script caught the error and stepped on)
         self._left_part_way.discard(schedule)
         try:
             return step(schedule, *args, **kwargs)

@@ -143,7 +143,8 @@ def fsdp_two_steps(cut_off: str | None) -> list:
     microbatch's backward ran (FSDP holds the stages unsharded, mid-step, their first
     microbatch's gradients on the unsharded parameters), then runs again. ``"dropped"``: the
     step was poisoned, its failure dropped; ``"raised"``: the failure is raised to the loop (the
-    first failed collective's own), and the next step, its groups kept, starts where it left."""
+    first failed collective's own, or the script's, caught by it), and the next step, in the same
+    generation, starts where it left."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
