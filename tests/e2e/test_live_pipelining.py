@@ -155,7 +155,7 @@ def step_pids(job) -> dict:
 
 @pytest.mark.slow
 def test_pipeline_by_fsdp2_replicas_joiner_takes_its_stage_from_its_replica(local_job, reference):
-    """2 stages x 2 FSDP2 replicas on 4 nodes (``--fsdp``: each stage in ``fully_shard`` over its
+    """2 stages x 2 FSDP2 replicas on 4 nodes (``--fsdp replicas``: each stage in ``fully_shard`` over its
     ``(dp, shard)`` sub-mesh, ``pp`` outermost, as torchtitan's ``dp_replicate``): rank 1 (stage 0
     of the second pipeline) is SIGKILLed in a backward microbatch, while its neighbour rank 3 is
     part-way through its backward (FSDP's unsharded parameters and training state mid-step) and
@@ -164,18 +164,37 @@ def test_pipeline_by_fsdp2_replicas_joiner_takes_its_stage_from_its_replica(loca
     step runs again on every rank (rank 3 drops its poisoned step with FSDP's per-step state put
     back); one generation, the three survivors keep their processes, and every rank's local
     shards, optimizer and scheduler state are bitwise equal to torchrun's fault-free run."""
-    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4, extra=("--fsdp",))
+    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4, extra=("--fsdp", "replicas"))
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
     assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
     victim = plans[0]["replaced"]["spare"]
     assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
-    assert_bitwise(got, reference("gpipe", 4, ("--fsdp",)))
+    assert_bitwise(got, reference("gpipe", 4, ("--fsdp", "replicas")))
     assert any("worker 1]" in line and "from rank 0" in line for line in received(job)), received(job)
     pids = step_pids(job)
     for survivor in (0, 2, 3):
         assert set(pids[survivor]) == {0, 1} and len(pids[survivor][0] | pids[survivor][1]) == 1, pids
     survivors = [name for name, code in codes.items() if code == 0 and name != "spare"]
     assert all("set up again with their neighbours" in job.nodes[n].log() for n in survivors), job.logs_tail()  # kept pipelines too
+
+
+@pytest.mark.slow
+def test_pipeline_by_fsdp2_shards_joiner_takes_its_shard_from_its_snapshot(local_job, reference):
+    """2 stages, each sharded by FSDP2 over 2 ranks (``--fsdp shards``: ``fully_shard`` over ``dp``
+    of a ``(pp, dp)`` mesh), on 4 nodes: no rank holds a copy of another's shard, so rank 1's
+    comes from its snapshot on the next node (the ranks of its stage's pipeline peer hold other
+    stages: not replicas). Rank 1 is SIGKILLed in a backward microbatch; one generation, the
+    survivors keep their processes, every rank's shards, optimizer and scheduler bitwise."""
+    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4, extra=("--fsdp", "shards"))
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
+    victim = plans[0]["replaced"]["spare"]
+    assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
+    assert_bitwise(got, reference("gpipe", 4, ("--fsdp", "shards")))
+    assert any("worker 1]" in line and "snapshot" in line for line in received(job)), received(job)
+    pids = step_pids(job)
+    for survivor in (0, 2, 3):
+        assert set(pids[survivor]) == {0, 1} and len(pids[survivor][0] | pids[survivor][1]) == 1, pids
 
 
 @pytest.mark.slow

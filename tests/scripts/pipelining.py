@@ -12,12 +12,13 @@ Pure pipeline on 2 ranks (one stage per rank and no data-parallel replica:
 on 4 ranks a ``(dp, pp)`` mesh of 2 x 2, each stage's gradients
 all-reduced over ``dp`` and registered with ``replicas=`` its dp group.
 
-``--fsdp``: each stage module wrapped in FSDP2 (``fully_shard``) over its data-parallel
+``--fsdp replicas``: each stage module wrapped in FSDP2 (``fully_shard``) over its data-parallel
 replicas, as torchtitan's ``dp_replicate`` does: a ``(pp, dp, shard)`` mesh of 2 x ranks/2 x 1,
 ``pp`` outermost (rank r holds stage r // (ranks/2)), each stage sharded on its ``(dp, shard)``
-sub-mesh (HSDP: a shard of degree 1, replicated across ``dp``). FSDP reduces the gradients
-inside the schedule (the stage's last backward), and the state is registered without
-``replicas=``: tm-launch finds a stage's replicas from its DTensors' mesh.
+sub-mesh (HSDP: a shard of degree 1, replicated across ``dp``). ``--fsdp shards``: each stage
+sharded over ``dp`` of a ``(pp, dp)`` mesh (no replica: a lost shard comes from its snapshot).
+FSDP reduces the gradients inside the schedule (the stage's last backward), and the state is
+registered without ``replicas=``: tm-launch finds a stage's replicas from its DTensors' mesh.
 
 The stages are built as torch's documentation writes them, without ``input_args`` /
 ``output_args``: on the first step each stage infers its neighbours' tensor shapes through
@@ -88,7 +89,12 @@ def parse():
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--out", default=None, help="each rank writes its state to OUT.rank<r>")
-    p.add_argument("--fsdp", action="store_true", help="each stage in FSDP2 over its data-parallel replicas (torchtitan's dp_replicate)")
+    p.add_argument(
+        "--fsdp",
+        choices=("replicas", "shards"),
+        default=None,
+        help="each stage in FSDP2 over its data-parallel group: replicated across it (torchtitan's dp_replicate) or sharded",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
     p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
     p.add_argument(
@@ -146,8 +152,10 @@ def main():
 
     rank, world = job.rank, job.world_size
     dp = world // 2
-    if args.fsdp:  # torchtitan's order: pp outermost
+    if args.fsdp == "replicas":  # torchtitan's order: pp outermost
         mesh = init_device_mesh("cpu", (2, dp, 1), mesh_dim_names=("pp", "dp", "shard"))
+    elif args.fsdp == "shards":
+        mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
     else:
         mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
     pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
@@ -162,7 +170,7 @@ def main():
         from torch.distributed.fsdp import fully_shard
 
         for m in model:
-            fully_shard(m, mesh=mesh["dp", "shard"])
+            fully_shard(m, mesh=mesh["dp", "shard"] if args.fsdp == "replicas" else mesh["dp"])
     stages = [PipelineStage(m, i, n_stages, torch.device("cpu"), group=pp_group) for i, m in zip(indices, model)]
     loss_fn = nn.functional.mse_loss
     if args.schedule in MULTI:

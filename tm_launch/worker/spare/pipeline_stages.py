@@ -139,11 +139,14 @@ class PipelineSteps:
     """Every pipeline schedule's ``step`` in a live worker, through ``around`` (installed once
     the script imported ``torch.distributed.pipelining``: the import costs seconds)."""
 
-    def __init__(self, in_sandbox, poisoned, abandon=lambda: None, stage_groups=set):
+    def __init__(self, in_sandbox, poisoned, abandon=lambda: None, stage_groups=set, on_new_stage_groups=lambda: None):
         """``abandon()``: this rank leaves the poisoned step part-way (``StepPoison.abandon``);
         ``stage_groups()``: the set this rank's stages' groups are noted in, before each step
-        (``TrainingState.pipeline_groups``: who holds a copy of a stage)."""
+        (``TrainingState.pipeline_groups``: who holds a copy of a stage); ``on_new_stage_groups()``
+        once it grew (what this rank snapshots is chosen again: a stage sharded across its
+        replicas is this rank's own only once its pipeline peers are known not to hold it)."""
         self.in_sandbox, self.poisoned, self.abandon, self.stage_groups = in_sandbox, poisoned, abandon, stage_groups
+        self.on_new_stage_groups = on_new_stage_groups
         self._set_up_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._left_part_way: weakref.WeakSet = weakref.WeakSet()  # schedules whose last step raised
         self._said_skip = False
@@ -153,7 +156,10 @@ class PipelineSteps:
             torch_patches.around_every_pipeline_step(self.around)
 
     def around(self, schedule, step, *args, **kwargs):
-        self.stage_groups().update(stage_group_ranks(schedule))
+        groups, noted = stage_group_ranks(schedule), self.stage_groups()
+        if not groups <= noted:
+            noted.update(groups)
+            self.on_new_stage_groups()
         now = group_generations(schedule)
         decision = set_up_decision(self.in_sandbox(), self._set_up_at.get(schedule), now)
         if decision == SKIP:

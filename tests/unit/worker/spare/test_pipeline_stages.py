@@ -189,3 +189,16 @@ def test_a_stages_fsdp2_state_is_put_back_after_a_step_left_part_way(world, cut_
     clean step's gradients, bitwise, whether the failure was dropped or raised to the loop."""
     clean, again = fsdp_two_steps(None), fsdp_two_steps(cut_off)
     assert len(clean) == len(again) == 4 and all(torch.equal(a, b) for a, b in zip(clean, again))
+
+
+def test_a_schedules_stage_groups_are_noted_and_snapshots_chosen_again_once(world):
+    """Each step notes its stages' groups (who holds other stages, not copies of this rank's);
+    the first time they are new, what this rank snapshots is chosen again."""
+    sched, _ = schedule()
+    noted, chosen = set(), []
+    steps = PipelineSteps(
+        in_sandbox=lambda: True, poisoned=lambda: False, stage_groups=lambda: noted, on_new_stage_groups=lambda: chosen.append(1)
+    )
+    for _ in range(2):
+        steps.around(sched, lambda *a, **k: None, losses=[])
+    assert noted == {frozenset({0})} and chosen == [1]
