@@ -42,13 +42,14 @@ def reference(tmp_path_factory):
     """Each schedule's fault-free final state per rank under plain torchrun (computed once)."""
     cache = {}
 
-    def get(schedule: str, nodes: int = 2) -> dict:
-        if (schedule, nodes) not in cache:
+    def get(schedule: str, nodes: int = 2, extra: tuple = ()) -> dict:
+        key = (schedule, nodes, extra)
+        if key not in cache:
             workdir = str(tmp_path_factory.mktemp(f"ref-{schedule}-{nodes}"))
-            run_torchrun(SCRIPT, script(schedule, workdir), nproc=nodes, timeout=600)
-            cache[schedule, nodes] = load(workdir)
-            assert sorted(cache[schedule, nodes]) == [f"rank{r}" for r in range(nodes)]
-        return cache[schedule, nodes]
+            run_torchrun(SCRIPT, script(schedule, workdir, *extra), nproc=nodes, timeout=600)
+            cache[key] = load(workdir)
+            assert sorted(cache[key]) == [f"rank{r}" for r in range(nodes)]
+        return cache[key]
 
     return get
 
@@ -133,7 +134,7 @@ def test_pipeline_stage_recovers_live_in_one_generation(local_job, reference, sc
 def test_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local_job, reference):
     """2 stages x 2 data-parallel replicas on 4 nodes: rank 1 (stage 1 of replica 0) is lost, the
     spare (warmed up as rank 3) runs the script again as rank 1 and receives the stage from rank 3,
-    its dp peer; the pipeline group of ranks 2 and 3 is kept and keeps its set-up."""
+    its dp peer; the pipeline group of ranks 2 and 3 is kept (its stages set up again with the others)."""
     job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4)
     plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
     assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
@@ -142,6 +143,58 @@ def test_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local
     assert_bitwise(got, reference("gpipe", 4))
     assert any("from rank 3" in line for line in received(job)), received(job)
     assert "promoted to rank 1 (warmed up as rank 3)" in job.nodes["spare"].log()
+
+
+def step_pids(job) -> dict:
+    """rank -> the pids that logged its steps, per generation."""
+    pids: dict = {}
+    for _, rank, _, generation, pid in job.step_records():
+        pids.setdefault(rank, {}).setdefault(generation, set()).add(pid)
+    return pids
+
+
+@pytest.mark.slow
+def test_pipeline_by_fsdp2_replicas_joiner_takes_its_stage_from_its_replica(local_job, reference):
+    """2 stages x 2 FSDP2 replicas on 4 nodes (``--fsdp replicas``: each stage in ``fully_shard`` over its
+    ``(dp, shard)`` sub-mesh, ``pp`` outermost, as torchtitan's ``dp_replicate``): rank 1 (stage 0
+    of the second pipeline) is SIGKILLed in a backward microbatch, while its neighbour rank 3 is
+    part-way through its backward (FSDP's unsharded parameters and training state mid-step) and
+    FSDP's gradient reduction over each stage's replicas is still ahead, inside the schedule. The
+    spare runs the script again as rank 1 and receives the stage from rank 0, its replica; the
+    step runs again on every rank (rank 3 drops its poisoned step with FSDP's per-step state put
+    back); one generation, the three survivors keep their processes, and every rank's local
+    shards, optimizer and scheduler state are bitwise equal to torchrun's fault-free run."""
+    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4, extra=("--fsdp", "replicas"))
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
+    victim = plans[0]["replaced"]["spare"]
+    assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
+    assert_bitwise(got, reference("gpipe", 4, ("--fsdp", "replicas")))
+    assert any("worker 1]" in line and "from rank 0" in line for line in received(job)), received(job)
+    pids = step_pids(job)
+    for survivor in (0, 2, 3):
+        assert set(pids[survivor]) == {0, 1} and len(pids[survivor][0] | pids[survivor][1]) == 1, pids
+    survivors = [name for name, code in codes.items() if code == 0 and name != "spare"]
+    assert all("set up again with their neighbours" in job.nodes[n].log() for n in survivors), job.logs_tail()  # kept pipelines too
+
+
+@pytest.mark.slow
+def test_pipeline_by_fsdp2_shards_joiner_takes_its_shard_from_its_snapshot(local_job, reference):
+    """2 stages, each sharded by FSDP2 over 2 ranks (``--fsdp shards``: ``fully_shard`` over ``dp``
+    of a ``(pp, dp)`` mesh), on 4 nodes: no rank holds a copy of another's shard, so rank 1's
+    comes from its snapshot on the next node (the ranks of its stage's pipeline peer hold other
+    stages: not replicas). Rank 1 is SIGKILLed in a backward microbatch; one generation, the
+    survivors keep their processes, every rank's shards, optimizer and scheduler bitwise."""
+    job, codes, got = run(local_job, "gpipe", 1, "backward", nodes=4, extra=("--fsdp", "shards"))
+    plans = [e for e in job.events() if e["kind"] == "plan" and e.get("generation", 0) >= 1]
+    assert len(plans) == 1 and plans[0]["live"], job.logs_tail()
+    victim = plans[0]["replaced"]["spare"]
+    assert codes[victim] != 0 and all(c == 0 for n, c in codes.items() if n != victim), job.logs_tail()
+    assert_bitwise(got, reference("gpipe", 4, ("--fsdp", "shards")))
+    assert any("worker 1]" in line and "snapshot" in line for line in received(job)), received(job)
+    pids = step_pids(job)
+    for survivor in (0, 2, 3):
+        assert set(pids[survivor]) == {0, 1} and len(pids[survivor][0] | pids[survivor][1]) == 1, pids
 
 
 @pytest.mark.slow

@@ -601,3 +601,47 @@ def test_live_pipeline_parallel_worker_sigkill_recovers_from_snapshot(
     if victim_rank == 0:
         assert "running the script again for rank 0" in job.nodes["c"].log(), job.logs_tail()
     print(f"\ntorchtitan live, pipeline 2, victim rank {victim_rank} ({phase}): {recovery(records, os.path.getmtime(marker))}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # 4 + 1 torchtitan workers and a 4-rank torchrun reference on 2 cores
+def test_live_pipeline_by_data_parallel_joiner_takes_its_stage_from_its_replica(local_job, titan_assets, torchrun_pipeline_reference):
+    """Pipeline 2 x data-parallel replicate 2 on 4 nodes of 1 worker and a parked spare
+    (torchtitan's mesh puts ``pp`` outermost: pipeline rank 0's stages on ranks 0 and 1, pipeline
+    rank 1's on ranks 2 and 3, each pair the other's ``dp_replicate`` replica). Rank 1 is SIGKILLed mid-pipeline in step
+    6; the spare, warmed up as rank 3, builds rank 1's stages in the same process and receives
+    them from rank 0, its replica, with no snapshot anywhere; the pipeline group of ranks 1 and 3 is
+    set up again, that of ranks 0 and 2 is kept; every survivor keeps its process; the final
+    checkpoint is bitwise torchrun's fault-free one."""
+    reference = torchrun_pipeline_reference("pp-dp")
+    job = local_job(nnodes="4", nproc=1, script=HARNESS, launcher_args=["--max-restarts", "3"])
+    dump = os.path.join(job.workdir, "titan")
+    marker, go = os.path.join(job.workdir, "killed"), os.path.join(job.workdir, "spare-parked")
+    job.script_args = titan_args(titan_assets, dump, STEPS, CKPT_EVERY, **LAYOUTS_PP["pp-dp"])
+    job.env = {"TT_LIVE": "1", "TT_STEP_LOG": job.step_log, "TT_KILL_PHASE": "microbatch"}
+    job.env.update(TT_KILL_RANK="1", TT_KILL_STEP=str(KILL_STEP), TT_KILL_MARKER=marker, TT_KILL_AFTER=go)
+    nodes = ["a", "b", "d", "e"]
+    job.start_all(nodes)
+    job.wait_for(lambda s: s["generation"] is not None, 180, "generation 0")
+    job.start("c")
+    job.wait_parked("c", timeout=300)
+    open(go, "w").close()
+    codes = job.wait(timeout=400)
+
+    plan = next((e for e in job.events() if e["kind"] == "plan" and e.get("generation") == 1), None)
+    assert plan is not None and plan["live"], (plan, job.logs_tail())
+    victim = plan["replaced"]["c"]
+    assert codes[victim] != 0 and all(codes[n] == 0 for n in nodes + ["c"] if n != victim), job.logs_tail()
+    assert_same_state(final_state(dump, STEPS), reference[0])
+    received = received_lines(job, "c")
+    assert any("from rank 0" in line for line in received) and not any("snapshot" in line for line in received), received
+    assert "promoted to rank 1 (warmed up as rank 3)" in job.nodes["c"].log(), job.logs_tail()
+    records = job.step_records()
+    for rank in (0, 2, 3):
+        assert len({pid for _, r, _, _, pid in records if r == rank}) == 1, f"rank {rank} kept its process: {records}"
+    for rank in range(4):
+        steps = [step for _, r, step, _, _ in sorted(records) if r == rank]
+        assert set(steps) == set(range(1, STEPS + 1)), (rank, steps)
+        again = {s for s in steps if steps.count(s) > 1}
+        assert again <= {KILL_STEP}, f"rank {rank} ran {sorted(again)} more than once: {steps}"
+    print(f"\ntorchtitan live, pipeline 2 x dp 2, rank 1 killed: {recovery(records, os.path.getmtime(marker))}")

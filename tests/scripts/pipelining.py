@@ -12,13 +12,21 @@ Pure pipeline on 2 ranks (one stage per rank and no data-parallel replica:
 on 4 ranks a ``(dp, pp)`` mesh of 2 x 2, each stage's gradients
 all-reduced over ``dp`` and registered with ``replicas=`` its dp group.
 
+``--fsdp replicas``: each stage module wrapped in FSDP2 (``fully_shard``) over its data-parallel
+replicas, as torchtitan's ``dp_replicate`` does: a ``(pp, dp, shard)`` mesh of 2 x ranks/2 x 1,
+``pp`` outermost (rank r holds stage r // (ranks/2)), each stage sharded on its ``(dp, shard)``
+sub-mesh (HSDP: a shard of degree 1, replicated across ``dp``). ``--fsdp shards``: each stage
+sharded over ``dp`` of a ``(pp, dp)`` mesh (no replica: a lost shard comes from its snapshot).
+FSDP reduces the gradients inside the schedule (the stage's last backward), and the state is
+registered without ``replicas=``: tm-launch finds a stage's replicas from its DTensors' mesh.
+
 The stages are built as torch's documentation writes them, without ``input_args`` /
 ``output_args``: on the first step each stage infers its neighbours' tensor shapes through
 object point-to-point (``_forward_metadata_inference`` / ``_backward_metadata_inference``).
 
 Runs unchanged under ``torchrun``. Deterministic on CPU: seeded model, each step's batch seeded
 by (step, data-parallel index). ``--out PREFIX`` writes each rank's whole ``state_dict()`` of its
-stage modules, its optimizer's and its scheduler's state to ``PREFIX.rank<r>``.
+stage modules (under ``--fsdp`` its local shards), its optimizer's and its scheduler's state to ``PREFIX.rank<r>``.
 
 Fault injection: ``--kill-rank R --kill-step S --kill-phase PHASE`` (``tests/scripts/faults.py``);
 ``forward`` is at the top of the step, ``microbatch`` in the forward of the stage's second
@@ -81,6 +89,12 @@ def parse():
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--out", default=None, help="each rank writes its state to OUT.rank<r>")
+    p.add_argument(
+        "--fsdp",
+        choices=("replicas", "shards"),
+        default=None,
+        help="each stage in FSDP2 over its data-parallel group: replicated across it (torchtitan's dp_replicate) or sharded",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (stands in for compute)")
     p.add_argument("--step-log", default=None, help="append 'time rank step generation pid' per finished step")
     p.add_argument(
@@ -116,6 +130,19 @@ def batch(step: int, dp_index: int):
     return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
 
 
+def local(value):
+    """A DTensor's local shard (FSDP2's sharded state), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def optimizer_state(opt) -> dict:
+    state = opt.state_dict()
+    state["state"] = {i: {k: local(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
 def main():
     args = parse()
     faults = Faults(args)
@@ -125,7 +152,12 @@ def main():
 
     rank, world = job.rank, job.world_size
     dp = world // 2
-    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
+    if args.fsdp == "replicas":  # torchtitan's order: pp outermost
+        mesh = init_device_mesh("cpu", (2, dp, 1), mesh_dim_names=("pp", "dp", "shard"))
+    elif args.fsdp == "shards":
+        mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp"))
+    else:
+        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "pp"))
     pp_group, pp_rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
     per_rank = 2 if args.schedule in MULTI else 1
     n_stages = 2 * per_rank
@@ -134,6 +166,11 @@ def main():
     else:
         indices = [pp_rank + 2 * i for i in range(per_rank)]  # interleaved: rank r holds stages r, r + 2
     model = nn.ModuleList(m for i, m in enumerate(parts(args.width, n_stages)) if i in indices)  # this rank's stages only
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            fully_shard(m, mesh=mesh["dp", "shard"] if args.fsdp == "replicas" else mesh["dp"])
     stages = [PipelineStage(m, i, n_stages, torch.device("cpu"), group=pp_group) for i, m in zip(indices, model)]
     loss_fn = nn.functional.mse_loss
     if args.schedule in MULTI:
@@ -144,7 +181,7 @@ def main():
         schedule = kind(stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
-    replicas = mesh["dp"].get_group() if dp > 1 else [rank]
+    replicas = None if args.fsdp else mesh["dp"].get_group() if dp > 1 else [rank]  # FSDP2: found from its mesh
     job.register(model=model, optimizer=opt, scheduler=sched, replicas=replicas)
     faults.arm_backward(model, job)
     forwards = [0]  # this step's forward microbatches on this rank
@@ -175,7 +212,7 @@ def main():
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
-        if dp > 1:
+        if dp > 1 and not args.fsdp:  # FSDP2 reduces them inside the schedule
             for p in model.parameters():
                 if p.grad is not None:  # none in a step that failed before its backward (it runs again)
                     dist.all_reduce(p.grad, group=mesh["dp"].get_group())
@@ -190,8 +227,8 @@ def main():
             faults.log_step(args.step_log, job, step)
     if args.out:
         state = {
-            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "optimizer": opt.state_dict(),
+            "model": {k: local(v).detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": optimizer_state(opt),
             "scheduler": sched.state_dict(),
         }
         torch.save(state, f"{args.out}.rank{rank}")

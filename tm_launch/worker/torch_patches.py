@@ -37,6 +37,10 @@ a DataLoader's                 its new iterators give the global RNG back as the
 schedules (``around_every_     through tm-launch (``spare.pipeline_stages``): a stage's one-time
 pipeline_step``)               set-up with its neighbours is redone after they changed, skipped
                                in the sandbox; a step whose communication failed is dropped.
+FSDP2's per-step state          a pipeline step dropped part-way left a stage's FSDP2 modules
+(``reset_fsdp_after_dropped_    mid-backward (unsharded, their training state, pending
+step``)                        reductions): torch's ``reset_iter_state``, and the unsharded
+                               parameters' gradients it keeps (the dropped microbatches' sum).
 ``DataLoader.__iter__``        a loader the script iterates itself in ``job.steps()`` hands out
 (``route_loader_iteration``)   views of its position kept as per-rank state
                                (``state.loop_loaders``): torch's iterator cannot be rewound for
@@ -261,6 +265,31 @@ def around_every_pipeline_step(around) -> None:
             return around(self, _original, *args, **kwargs)
 
         _assign(cls, "step", step)
+
+
+def reset_fsdp_after_dropped_step(module) -> None:
+    """Every FSDP2 root in ``module`` (a pipeline stage's) back to where a step starts, after a
+    step dropped part-way (``spare.pipeline_stages.discard_leftovers``): its backward was cut
+    off between microbatches, FSDP still held its parameters unsharded with its training state
+    and collectives mid-step, and the step run again failed in its first reshard ("Trying to
+    resize storage that is not resizable"). torch's ``FSDPModule.reset_iter_state`` reshards and
+    clears the per-iteration state, but it keeps the gradients accumulated on the *unsharded*
+    parameters (a stage defers its reduction to its last microbatch), which the step run again
+    would add to its own: they are dropped too. A root FSDP never ran (not lazily set up yet)
+    holds no step state and is left alone (its reset would raise)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in module.modules():
+        if not isinstance(root, FSDPModule) or root._get_fsdp_state()._is_root is not True:
+            continue
+        root.reset_iter_state()
+        for state in root._get_fsdp_state()._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    if hasattr(param, "_unsharded_param"):  # set at its first all-gather
+                        param._unsharded_param.grad = None
+                    if not isinstance(getattr(type(param), "unsharded_accumulated_grad", None), property):
+                        param.unsharded_accumulated_grad = None  # its own buffer to torch 2.14 (2.15: the leaf's grad)
 
 
 # -- objects ---------------------------------------------------------------------------------------

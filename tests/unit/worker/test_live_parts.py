@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tm_launch.worker.generation.commit import StepCommit, commit_store
-from tm_launch.worker.state.replicas import mesh_replicas, replica_set
+from tm_launch.worker.state.replicas import mesh_replicas, pipeline_dims, replica_set
 
 # ------------------------------------------------------------------------------------------------
 # replicas: the pure rule
@@ -36,6 +36,22 @@ from tm_launch.worker.state.replicas import mesh_replicas, replica_set
 )
 def test_mesh_replicas(mesh, sharded, rank, want):
     assert mesh_replicas(mesh, sharded, rank) == frozenset(want)
+
+
+@pytest.mark.parametrize(
+    "mesh, rank, groups, want",
+    [
+        pytest.param([[[0], [1]], [[2], [3]]], 1, [{1, 3}], {0}, id="(pp, dp, shard): the pp line through rank 1"),
+        pytest.param([[0, 1], [2, 3]], 2, [{2, 3}], {1}, id="(dp, pp): the pp line is dim 1"),
+        pytest.param([[0, 1], [2, 3]], 0, [], set(), id="no pipeline: nothing splits"),
+        pytest.param([[0, 1], [2, 3]], 0, [{0, 3}], set(), id="a group that is no line of the mesh"),
+        pytest.param([[0, 1], [2, 3]], 0, [{0}], set(), id="a stage group of one rank"),
+        pytest.param([[0, 1], [2, 3]], 0, [{1, 3}], set(), id="another rank's pipeline"),
+        pytest.param([[0, 1]], 5, [{0, 1}], set(), id="a rank outside the mesh"),
+    ],
+)
+def test_pipeline_dims(mesh, rank, groups, want):
+    assert pipeline_dims(mesh, rank, groups) == want
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,6 +82,12 @@ def _layout(name: str):
     elif name == "pp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
         declared = tuple(dist.get_process_group_ranks(mesh["dp"].get_group()))
+    elif name == "pp-fsdp-replicas":  # tests/scripts/pipelining.py --fsdp: a stage in FSDP2 over its replicas
+        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "shard"))
+        fully_shard(net, mesh=mesh["dp", "shard"])
+    elif name == "pp-fsdp":  # a stage sharded over its dp group
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        fully_shard(net, mesh=mesh["dp"])
     opt = torch.optim.AdamW(net.parameters())
     net(torch.randn(2, 8)).sum().backward()
     opt.step()  # optimizer state exists (and follows the parameters' layout)
@@ -81,6 +103,8 @@ def _layout(name: str):
         pytest.param("pp", {0: {0, 2}, 1: {1, 3}, 2: {0, 2}, 3: {1, 3}}, id="pipeline stages: the declared dp group"),
         pytest.param("fsdp-tp", {r: {r} for r in range(4)}, id="FSDP x TP: no replica"),
         pytest.param("fsdp", {r: {r} for r in range(4)}, id="FSDP: no replica"),
+        pytest.param("pp-fsdp-replicas", {0: {0, 1}, 1: {0, 1}, 2: {2, 3}, 3: {2, 3}}, id="pipeline x FSDP2 replicas: the stage's dp peer"),
+        pytest.param("pp-fsdp", {r: {r} for r in range(4)}, id="pipeline x FSDP2 sharded: no replica"),
     ],
 )
 def test_replica_set_of_real_layouts(fake_world, layout, want):
@@ -89,7 +113,8 @@ def test_replica_set_of_real_layouts(fake_world, layout, want):
         net, opt, declared = _layout(layout)
         states = {"model": net.state_dict(), "optimizer": opt.state_dict()}
         decl = {"model": declared, "optimizer": declared}
-        assert replica_set(states, decl, rank, 4) == frozenset(want[rank]), (layout, rank)
+        pipelines = [{rank % 2, rank % 2 + 2}] if layout.startswith("pp-") else []  # the stage's pp group ((pp, dp): pp outermost)
+        assert replica_set(states, decl, rank, 4, pipelines) == frozenset(want[rank]), (layout, rank)
 
 
 class _WithExtraState(torch.nn.Linear):

@@ -368,6 +368,37 @@ def test_the_pipeline_set_up_flags_and_stage_attributes_pipeline_stages_reads():
     assert "_initialize_pp_stages" in inspect.getsource(schedules._PipelineSchedule)
     runtime = inspect.getsource(schedules._PipelineScheduleRuntime.__init__)
     assert "self.bwd_recv_ops:" in runtime and "self.fwd_recv_ops:" in runtime  # discard_leftovers clears them
+    assert "self.unshard_ops:" in runtime and "self.unsharded_stages = set()" in runtime  # and the FSDP unshards it tracks
+
+
+def test_the_fsdp2_state_reset_fsdp_after_dropped_step_puts_back(fake_world):
+    """``reset_fsdp_after_dropped_step``: an FSDP2 module's state (``_get_fsdp_state``: its
+    ``_is_root`` once set up, its ``_state_ctx.all_states``, their ``_fsdp_param_groups`` and
+    ``fsdp_params``), torch's ``reset_iter_state`` (it reshards a module left unsharded
+    mid-backward), and the gradient it keeps on the unsharded parameter (``_unsharded_param``,
+    ``unsharded_accumulated_grad``), which the reset drops (torch 2.15's reset drops it itself)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    fake_world(0, 1)
+    model = fully_shard(torch.nn.Linear(4, 2), mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "shard")))
+    assert isinstance(model, FSDPModule) and model._get_fsdp_state()._is_root is None  # not set up: left alone
+    torch_patches.reset_fsdp_after_dropped_step(model)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)  # as a pipeline stage's backward before its last microbatch
+    model(torch.randn(3, 4)).sum().backward()
+    state = model._get_fsdp_state()
+    assert state._is_root is True
+    params = [p for s in state._state_ctx.all_states for g in s._fsdp_param_groups for p in g.fsdp_params]
+    assert len(params) == 2 and all(p.sharded_state == ShardedState.UNSHARDED for p in params)
+    # held for the last microbatch's reduction: on the unsharded parameter (2.13, 2.14) or as its accumulated grad (2.15)
+    assert all(p._unsharded_param.grad is not None or p.unsharded_accumulated_grad is not None for p in params)
+    torch_patches.reset_fsdp_after_dropped_step(model)
+    assert all(p.sharded_state == ShardedState.SHARDED for p in params)
+    assert all(p._unsharded_param.grad is None and p.unsharded_accumulated_grad is None for p in params)
+    assert all(g._training_state == TrainingState.IDLE for s in state._state_ctx.all_states for g in s._fsdp_param_groups)
 
 
 def test_around_every_pipeline_step_wraps_and_undoes():

@@ -65,10 +65,18 @@ class StateExchange:
         tensors = [sd]
         if isinstance(getattr(obj, "param_groups", None), list):
             tensors.append([p for group in obj.param_groups for p in group["params"]])
-        bound = replica_set({name: tensors}, self.state.declared, rank, world)
+        bound = replica_set({name: tensors}, self.state.declared, rank, world, self.state.pipeline_groups)
         if self.state.declared.get(name) is None:  # nothing declared: only the ranks found to hold the same
             bound &= self.state.found_replicas.of(name, rank, world) | {rank}
         return bound
+
+    def choose_snapshots_again(self, rank: int, world: int) -> None:
+        """What this rank holds alone may have changed since its snapshots were chosen in this
+        generation (its pipeline stages' groups became known in its first pipeline step): its next
+        snapshot carries it."""
+        state, snapshots = self.state, self.snapshots
+        if not state.in_sandbox and snapshots.remote_generation == state.generation:
+            snapshots.set_remote(self.unreplicated(rank, world), state.generation)
 
     def gather_holdings(self, pg, rank: int, world: int, rebuild: frozenset) -> list:
         """Every rank says what it holds (``recovery.Holding``) and which subgroups it cannot

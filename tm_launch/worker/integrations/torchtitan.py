@@ -23,13 +23,14 @@ removed (its metadata could hold one rank's view only), and when some rank's sta
 nowhere any more every worker restarts from the newest one.
 
 Pipeline parallelism (``--parallelism.pipeline-parallel-degree``) is live with each stage on one
-rank: ``model_parts`` holds one module per stage of this rank, each registered as above (a stage
-comes from its snapshot), and the schedule's ``step`` inside torchtitan's step is torch's, which
-the live runtime handles (``spare.pipeline_stages``).
+rank or on its data-parallel replicas: ``model_parts`` holds one module per stage of this rank,
+each registered as above (a stage comes from its replica, else from its snapshot), and the
+schedule's ``step`` inside torchtitan's step is torch's, which the live runtime handles
+(``spare.pipeline_stages``).
 
 Live only where tested exactly: synchronous checkpoints (``--checkpoint.async-mode disabled``,
-torchtitan's default) and pipeline parallelism without replicas or sharding of a stage, under a
-tested schedule (``pipeline_not_live_reason``); otherwise the log says why and the job runs in
+torchtitan's default) and pipeline parallelism without sharding of a stage, under a tested
+schedule (``pipeline_not_live_reason``); otherwise the log says why and the job runs in
 restart mode (every worker restarts from torchtitan's checkpoint).
 """
 
@@ -73,18 +74,15 @@ def not_live_reason(config, world_size: int) -> str | None:
 
 def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
     """Pipeline parallelism is live alone (each stage on one rank), under a schedule of
-    ``LIVE_PIPELINE_SCHEDULES``. Not with data-parallel replicas of a stage: the stage's FSDP
-    gradient reduction over them runs inside the schedule's backward, and a survivor whose
-    interrupted schedule was dropped part-way met FSDP's state half-way through a backward in the
-    step run again ("Trying to resize storage that is not resizable": docs/design.md). Not with
-    a stage sharded further (FSDP, TP, CP, EP) either: a spare's sandbox never runs a pipeline
+    ``LIVE_PIPELINE_SCHEDULES``, and with data-parallel replicas of each stage (a joiner's stage
+    from its replica; FSDP's state of a step left part-way put back: ``spare.pipeline_stages``).
+    Not with a stage sharded further (FSDP, TP, CP, EP): a spare's sandbox never runs a pipeline
     step (``spare.pipeline_stages``), so its first forward is torchtitan's first, whose FSDP
     all-gathers differ from a later step's (the chunked loss's output layer)."""
     p = parallelism
     others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
     shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree > 0 else world_size // max(1, others)
     within = {
-        "data-parallel replicas": p.data_parallel_replicate_degree,
         "FSDP sharding": shard,
         "tensor parallelism": p.tensor_parallel_degree,
         "context parallelism": p.context_parallel_degree,
@@ -92,7 +90,9 @@ def pipeline_not_live_reason(parallelism, world_size: int) -> str | None:
     }
     sharded = [f"{name} {degree}" for name, degree in within.items() if degree > 1]
     if sharded:
-        return f"pipeline parallelism with {' and '.join(sharded)} of a stage (live: each stage on one rank)"
+        return (
+            f"pipeline parallelism with {' and '.join(sharded)} of a stage (live: each stage on one rank, or on its data-parallel replicas)"
+        )
     if p.pipeline_parallel_schedule_csv:
         return "a pipeline schedule read from a CSV file (not tested live)"
     if p.pipeline_parallel_schedule.lower() not in LIVE_PIPELINE_SCHEDULES:

@@ -182,7 +182,13 @@ class LiveJob(Job):
         self.discovery = Discovery(self)  # state the script keeps and never registered, found at the first step
         self.guard.on_decision = self.discovery.at_decision
         self.spare = Spare(self, env.sandbox_steps, self.local_rank)
-        self.pipeline_steps = PipelineSteps(lambda: self.in_sandbox, lambda: self.state.poison.active, self.abandon_step)
+        self.pipeline_steps = PipelineSteps(
+            lambda: self.in_sandbox,
+            lambda: self.state.poison.active,
+            self.abandon_step,
+            lambda: self.state.pipeline_groups,
+            lambda: self.gens.exchange.choose_snapshots_again(self.rank, self.world_size),
+        )
         self.audit = Audit(self.state, self.gens.exchange, env.audit_every)
         self.survey = ReplicaSurvey(self.state)
         if spare:  # opened while it warms up, not in the moment it is promoted

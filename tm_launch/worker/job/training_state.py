@@ -33,6 +33,7 @@ class TrainingState:
     step_done_at: float | None = None  # wall clock of the last step that completed cleanly
     in_sandbox: bool = True  # no peers yet: every collective is served locally
     found_replicas: FoundReplicas = field(default_factory=FoundReplicas)  # who holds what this rank holds, measured
+    pipeline_groups: set = field(default_factory=set)  # global ranks of each pipeline stage's group seen (spare.pipeline_stages)
     fresh_generation: int = -1  # the generation every worker started in from the script (nothing received)
 
     @property
@@ -77,3 +78,4 @@ class TrainingState:
         self.declared.clear()
         self.per_rank = self.per_rank.fresh()
         self.found_replicas = FoundReplicas()
+        self.pipeline_groups = set()

@@ -6,7 +6,10 @@ For each tensor the set of ranks holding an identical copy is:
 * a DTensor: the ranks with this rank's coordinates on every mesh dimension it is sharded
   (``Shard``, ``_StridedShard``) or partial on; replicated dimensions and dimensions outside its
   mesh do not split it (FSDP2 on ``dp`` x TP on ``tp``: nobody; HSDP ``(Replicate, Shard)``: the
-  ``replicate`` peers; TP under DDP on ``dp``: the ranks with the same ``tp`` coordinate);
+  ``replicate`` peers; TP under DDP on ``dp``: the ranks with the same ``tp`` coordinate), except
+  a dimension along which this rank's line of ranks is one of its pipeline stages' groups
+  (``pipeline_groups``): its other members hold other stages (FSDP2 of a stage on a sub-mesh of
+  ``(pp, dp)``: the same ``pp`` coordinate too);
 * a local parameter DDP x TP's wrapper made of a DTensor (``state.ddp_tp``): as that DTensor;
 * a plain tensor: the members of the group the script declared with
   ``job.register(..., replicas=group)`` (a pipeline stage's data-parallel peers); with nothing
@@ -29,9 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 
-def mesh_replicas(mesh_ranks: list, sharded_dims: set[int], rank: int) -> frozenset[int]:
-    """Ranks of an n-d mesh (nested lists of global ranks) whose coordinates equal ``rank``'s on
-    every dimension in ``sharded_dims``; empty when ``rank`` is not in the mesh."""
+def _coordinates(mesh_ranks: list) -> dict[int, tuple[int, ...]]:
+    """global rank -> its coordinates in an n-d mesh given as nested lists of global ranks."""
     coords: dict[int, tuple[int, ...]] = {}
 
     def walk(node, prefix):
@@ -42,10 +44,33 @@ def mesh_replicas(mesh_ranks: list, sharded_dims: set[int], rank: int) -> frozen
             coords[int(node)] = prefix
 
     walk(mesh_ranks, ())
+    return coords
+
+
+def mesh_replicas(mesh_ranks: list, sharded_dims: set[int], rank: int) -> frozenset[int]:
+    """Ranks of an n-d mesh (nested lists of global ranks) whose coordinates equal ``rank``'s on
+    every dimension in ``sharded_dims``; empty when ``rank`` is not in the mesh."""
+    coords = _coordinates(mesh_ranks)
     if rank not in coords:
         return frozenset()
     mine = coords[rank]
     return frozenset(r for r, c in coords.items() if all(c[d] == mine[d] for d in sharded_dims))
+
+
+def pipeline_dims(mesh_ranks: list, rank: int, pipeline_groups) -> set[int]:
+    """The dimensions of an n-d mesh along which ``rank``'s line of ranks (its coordinates on
+    every other dimension) is one of ``pipeline_groups`` (sets of global ranks): a pipeline
+    stage's group, whose other members hold other stages."""
+    coords = _coordinates(mesh_ranks)
+    if rank not in coords:
+        return set()
+    mine, groups = coords[rank], {frozenset(g) for g in pipeline_groups}
+    dims = set()
+    for d in range(len(mine)):
+        line = frozenset(r for r, c in coords.items() if all(c[i] == mine[i] for i in range(len(mine)) if i != d))
+        if len(line) > 1 and line in groups:
+            dims.add(d)
+    return dims
 
 
 def _layout(t):
@@ -59,15 +84,15 @@ def _layout(t):
     return (spec.mesh, spec.placements) if spec is not None else None
 
 
-def _dtensor_replicas(layout, rank: int) -> frozenset[int]:
+def _dtensor_replicas(layout, rank: int, pipeline_groups=()) -> frozenset[int]:
     from torch.distributed.tensor import Replicate
 
     mesh, placements = layout
     sharded = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
-    if not sharded:
-        root = mesh._get_root_mesh()
-        return frozenset(int(r) for r in root.mesh.flatten().tolist())
     root = mesh._get_root_mesh()
+    stages = pipeline_dims(root.mesh.tolist(), rank, pipeline_groups)
+    if not sharded:
+        return mesh_replicas(root.mesh.tolist(), stages, rank) | {rank}
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if mesh is root:
         dims = set(sharded)
@@ -79,7 +104,7 @@ def _dtensor_replicas(layout, rank: int) -> frozenset[int]:
         # Possibly fewer than hold a copy (data-parallel peers outside the mesh), never a rank
         # that does not.
         return mesh_replicas(mesh.mesh.tolist(), set(sharded), rank) | {rank}
-    return mesh_replicas(root.mesh.tolist(), dims, rank)
+    return mesh_replicas(root.mesh.tolist(), dims | stages, rank)
 
 
 def _tensors(obj):
@@ -93,15 +118,16 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def replica_set(states: dict, declared: dict, rank: int, world: int) -> frozenset[int]:
+def replica_set(states: dict, declared: dict, rank: int, world: int, pipeline_groups=()) -> frozenset[int]:
     """``states``: name -> state dict; ``declared``: name -> ranks replicating that object (or
-    None: the world). The ranks holding everything this rank holds, itself included."""
+    None: the world); ``pipeline_groups``: the global ranks of each of this rank's pipeline
+    stages' groups. The ranks holding everything this rank holds, itself included."""
     out = frozenset(range(world))
     for name, state in states.items():
         plain = frozenset(declared.get(name) or range(world))
         for t in _tensors(state):
             layout = _layout(t)
-            out &= _dtensor_replicas(layout, rank) if layout is not None else plain
+            out &= _dtensor_replicas(layout, rank, pipeline_groups) if layout is not None else plain
     return out | {rank}
 
 

@@ -33,11 +33,13 @@ def config(pp=1, enable=True, async_mode="disabled", replicate=1, shard=-1, tp=1
         (config(enable=False, async_mode="async"), 2, None),  # no checkpoints: their mode does not matter
         (config(async_mode="async"), 2, "--checkpoint.async-mode async"),
         (config(async_mode="async_with_pinned_mem"), 2, "--checkpoint.async-mode async_with_pinned_mem"),
-        # pipeline parallelism: live with each stage on one rank, under a tested schedule
+        # pipeline parallelism: live with each stage on one rank or with replicas of each stage, under a tested schedule
         (config(pp=2), 2, None),  # dp_shard -1 resolves to 1
         (config(pp=2, shard=1), 2, None),
         (config(pp=4, shard=1), 4, None),
-        (config(pp=2, replicate=2, shard=1), 4, "data-parallel replicas 2 of a stage"),
+        (config(pp=2, replicate=2, shard=1), 4, None),  # each stage's replica: live
+        (config(pp=2, replicate=2, shard=1, tp=2), 8, "tensor parallelism 2"),
+        (config(pp=2, replicate=2, schedule="ZBVZeroBubble", shard=1), 4, "pipeline schedule ZBVZeroBubble"),
         (config(pp=2, schedule="GPipe"), 2, None),
         (config(pp=2, schedule="Interleaved1F1B"), 2, None),
         (config(pp=2, schedule="InterleavedZeroBubble"), 2, None),

@@ -134,3 +134,71 @@ def two_steps(interrupted: bool) -> list:
 def test_a_step_run_again_after_a_part_way_failure_gives_a_clean_steps_gradients(world):
     clean, again = two_steps(False), two_steps(True)
     assert all(torch.equal(a, b) for a, b in zip(clean, again))
+
+
+def fsdp_two_steps(cut_off: str | None) -> list:
+    """Two steps of two FSDP2 stages (``fully_shard`` on a (dp, shard) mesh of 1 x 1, as a
+    stage over its replicas) through ``PipelineSteps``, gradients zeroed between them;
+    ``cut_off``: the second step first fails in its second microbatch's loss, after the first
+    microbatch's backward ran (FSDP holds the stages unsharded, mid-step, their first
+    microbatch's gradients on the unsharded parameters), then runs again. ``"dropped"``: the
+    step was poisoned, its failure dropped; ``"raised"``: the failure is raised to the loop (the
+    first failed collective's own, or the script's, caught by it), and the next step, in the same
+    generation, starts where it left."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "shard"))
+    mods = [fully_shard(torch.nn.Linear(6, 6), mesh=mesh), fully_shard(torch.nn.Linear(6, 4), mesh=mesh)]
+    calls, armed = [0], [False]
+
+    def loss_fn(out, target):
+        calls[0] += 1
+        if armed[0] and calls[0] == 2:
+            raise RuntimeError("a dead neighbour's receive")
+        return torch.nn.functional.mse_loss(out, target)
+
+    stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
+    sched = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=loss_fn)
+    poisoned = [False]
+    steps = PipelineSteps(in_sandbox=lambda: False, poisoned=lambda: poisoned[0])
+    x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    steps.around(sched, type(sched).step, x, target=y, losses=[])
+    for m in mods:
+        m.zero_grad()
+    if cut_off:
+        calls[0], armed[0], poisoned[0] = 0, True, cut_off == "dropped"
+        if cut_off == "dropped":
+            assert steps.around(sched, type(sched).step, x, target=y, losses=[]) is None
+        else:
+            with pytest.raises(RuntimeError, match="dead neighbour"):
+                steps.around(sched, type(sched).step, x, target=y, losses=[])
+            unsharded = [p._unsharded_param.grad for m in mods for g in m._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params]
+            assert any(g is not None for g in unsharded)  # the first microbatch's, held for the last one's reduction
+        armed[0], poisoned[0] = False, False
+    steps.around(sched, type(sched).step, x, target=y, losses=[])
+    return [p.grad.to_local().clone() for m in mods for p in m.parameters()]
+
+
+@pytest.mark.parametrize("cut_off", ["dropped", "raised"])
+def test_a_stages_fsdp2_state_is_put_back_after_a_step_left_part_way(world, cut_off):
+    """A step left in the middle of its backward, FSDP2's stages unsharded and their gradients
+    of the microbatches run so far held on the unsharded parameters: its step run again gives a
+    clean step's gradients, bitwise, whether the failure was dropped or raised to the loop."""
+    clean, again = fsdp_two_steps(None), fsdp_two_steps(cut_off)
+    assert len(clean) == len(again) == 4 and all(torch.equal(a, b) for a, b in zip(clean, again))
+
+
+def test_a_schedules_stage_groups_are_noted_and_snapshots_chosen_again_once(world):
+    """Each step notes its stages' groups (who holds other stages, not copies of this rank's);
+    the first time they are new, what this rank snapshots is chosen again."""
+    sched, _ = schedule()
+    noted, chosen = set(), []
+    steps = PipelineSteps(
+        in_sandbox=lambda: True, poisoned=lambda: False, stage_groups=lambda: noted, on_new_stage_groups=lambda: chosen.append(1)
+    )
+    for _ in range(2):
+        steps.around(sched, lambda *a, **k: None, losses=[])
+    assert noted == {frozenset({0})} and chosen == [1]
