@@ -18,6 +18,9 @@ c10d's group registries        ``LiveGroup``s are entered in the maps torch keep
 device_mesh)                   for life; nothing in torch 2.13 swaps a backend under a live
                                group (``shrink_group`` is NCCL-only, no grow). In live mode it
                                hands out ``LiveGroup``s, whose communicator can be replaced.
+``batch_isend_irecv`` (c10d,   torch >= 2.14 asks any group for its C++ backend before batching
+dist)                          point-to-point operations; a LiveGroup has none: its operations
+                               run one by one through it, as on 2.13.
 ``broadcast_object_list``,     a spare or joiner has no peers before ``job.steps()``; an object
 ``scatter_object_list``        from another rank would be unpickled from uninitialised memory:
                                refused with one line instead.
@@ -168,6 +171,34 @@ def route_new_group(factory) -> None:
 
     for module in (c10d, dist, device_mesh):
         _assign(module, "new_group", new_group)
+
+
+def batch_p2p_through_live_groups() -> None:
+    """``dist.batch_isend_irecv`` over a ``LiveGroup`` runs each operation through the group, as
+    torch 2.13 ran it for any ``ProcessGroup`` subclass (its branch for backends that do not
+    coalesce). torch 2.14 and later first ask every group for its C++ backend
+    (``group._get_backend(device).supports_coalescing``); a LiveGroup has none (its communicator
+    changes with the generations), so the question raised "No backend type associated with device
+    type cpu" and every pipeline stage's first step failed live (its shape exchange batches its
+    point-to-point objects). Every other group goes to torch's own."""
+    original = c10d.batch_isend_irecv
+
+    @functools.wraps(original)
+    def batch_isend_irecv(p2p_op_list):
+        group = p2p_op_list[0].group if p2p_op_list else None
+        if not isinstance(group if group is not None else c10d._get_default_group(), LiveGroup):
+            return original(p2p_op_list)
+        c10d._check_p2p_op_list(p2p_op_list)
+        works = []
+        for op in p2p_op_list:
+            peer = {"group_dst" if op.op is c10d.isend else "group_src": op.group_peer}
+            work = op.op(op.tensor, group=op.group, tag=op.tag, **peer)
+            if work:
+                works.append(work)
+        return works
+
+    for module in (c10d, dist):
+        _assign(module, "batch_isend_irecv", batch_isend_irecv)
 
 
 class NoPeersYet(RuntimeError):

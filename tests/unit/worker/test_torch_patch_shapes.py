@@ -412,3 +412,22 @@ def test_around_every_pipeline_step_wraps_and_undoes():
     finally:
         torch_patches.undo_all()
     assert all(vars(cls)["step"] is step for cls, step in before.items())
+
+
+# -- torch_patches: batch_isend_irecv --------------------------------------------------------------
+def test_the_batch_p2p_replacement_meets_torchs_names_and_is_undone():
+    """``batch_p2p_through_live_groups`` runs torch's non-coalescing branch itself: it reads a
+    ``P2POp``'s fields, calls ``isend``/``irecv`` with ``group_dst``/``group_src`` and checks the
+    list with torch's ``_check_p2p_op_list``. Any other group still reaches torch's own."""
+    op = dist.P2POp.__init__
+    assert {"op", "tensor", "group", "tag", "group_peer"} <= parameters(op)
+    assert "group_dst" in parameters(c10d.isend) and "group_src" in parameters(c10d.irecv)
+    assert callable(c10d._check_p2p_op_list)
+    original = c10d.batch_isend_irecv
+    torch_patches.batch_p2p_through_live_groups()
+    try:
+        assert dist.batch_isend_irecv is c10d.batch_isend_irecv is not original
+        assert c10d.batch_isend_irecv.__wrapped__ is original
+    finally:
+        torch_patches.undo_all()
+    assert c10d.batch_isend_irecv is original and dist.batch_isend_irecv is original

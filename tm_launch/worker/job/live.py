@@ -158,6 +158,7 @@ class LiveJob(Job):
         self.detach(rank)
         keep_out_of_graphs()  # torch.compile: a graph break where a LiveGroup's collective is issued
         torch_patches.route_new_group(self.new_group)
+        torch_patches.batch_p2p_through_live_groups()
         sharding_decisions.track_meshes()
         # Imported now, not on the recovery path: the replica sets and the transfer read DTensor
         # layouts, and the module's first import costs ~0.5-0.9 s on a loaded 2-core machine.

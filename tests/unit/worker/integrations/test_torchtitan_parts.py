@@ -55,8 +55,18 @@ def config(pp=1, enable=True, async_mode="disabled", replicate=1, shard=-1, tp=1
     ],
 )
 def test_which_torchtitan_jobs_run_live(cfg, world, why):
-    reason = not_live_reason(cfg, world)
+    reason = not_live_reason(cfg, world, torch_version="2.13.0+cpu")
     assert (reason is None) if why is None else (why in reason), reason
+
+
+@pytest.mark.parametrize(
+    "version, why",
+    [("2.13.0+cpu", None), ("2.14.1+cu130", None), ("2.15.0+cu132", "pipeline parallelism on torch 2.15"), ("2.16.0", "torch 2.16")],
+)
+def test_torchtitans_pipeline_is_live_on_the_torch_releases_tested(version, why):
+    reason = not_live_reason(config(pp=2), 2, torch_version=version)
+    assert (reason is None) if why is None else (why in reason), reason
+    assert not_live_reason(config(), 2, torch_version=version) is None  # without a pipeline: not this rule's
 
 
 class Model(torch.nn.Module):
